@@ -3,7 +3,8 @@
 Usage: python -m bench [name ...]   (default: all)
 """
 
-import importlib
+import importlib.util
+import subprocess
 import sys
 import time
 
@@ -18,16 +19,13 @@ def main(argv: list[str]) -> int:
         return 2
     failed = []
     for name in names:
-        try:
-            module = importlib.import_module(f"bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"bench.{name}":
-                print(f"[bench] {name}: not present, skipped")
-                continue
-            raise
+        if importlib.util.find_spec(f"bench.{name}") is None:
+            print(f"[bench] {name}: not present, skipped")
+            continue
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
-        rc = module.main([]) if hasattr(module, "main") else 0
+        # Each benchmark runs in its own process so one's threads/allocations do not skew the next.
+        rc = subprocess.call([sys.executable, "-m", f"bench.{name}"])
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f}s (rc={rc})", flush=True)
         if rc:
             failed.append(name)
