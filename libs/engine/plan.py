@@ -1,0 +1,56 @@
+"""The scheduler's output: what one step computes (pure data, no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    token_ids are the `num_new` tokens whose KV this step writes, at positions
+    [start, start + num_new). `sample` is True when this chunk completes the sequence, so the
+    step produces its next token. Page tables are the cache's, after reserve() for this step.
+    """
+
+    req_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    is_prefill: bool
+    sample: bool
+    full_pages: tuple[int, ...]
+    swa_pages: tuple[int, ...]
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.start + self.num_new
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Ordered work for one step.
+
+    The runner executes `backup_copies` (device -> host) first, then `load_copies` (host ->
+    device, layer by layer, overlapped with the forward), then the forward over `seqs`.
+    The order matters: a page backed up in this plan may be reused as a load destination or
+    for new KV in the same plan. PageCopy objects come from libs.kvcache.
+    """
+
+    seqs: tuple[ScheduledSeq, ...] = ()
+    load_copies: tuple[Any, ...] = ()
+    backup_copies: tuple[Any, ...] = ()
+    preempted: tuple[str, ...] = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.backup_copies and not self.load_copies

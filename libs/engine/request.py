@@ -1,0 +1,110 @@
+"""Request-side types shared by the scheduler, the runner and the services.
+
+Pure: no torch. A `Request` is what a caller submits; a `RequestOutput` is what one
+engine step hands back per request (the tokens produced in that step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped producing tokens."""
+
+    STOP = "stop"  # a stop token or stop string was produced
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the caller
+    PREFILLED = "prefilled"  # prefill-only request: first token produced, KV held until release()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature == 0 (or top_k == 1) means greedy. `seed` makes sampling reproducible per request
+    (its own generator); without a seed the engine-wide generator is used. `logprobs`: None = no
+    logprobs, k >= 0 = the sampled token's logprob plus the top-k alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples so the params stay hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Request:
+    """One generation request. `prompt_token_ids` must be non-empty.
+
+    prefill_only: stop after the first token and keep the KV pages until `EngineCore.release()`
+    (used by a disaggregated prefill worker that ships the KV to a decode worker).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if not self.req_id:
+            raise ValueError("Request.req_id must be a non-empty string")
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.req_id!r}: prompt_token_ids is empty")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of a produced token, plus the top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    new_token_ids: tokens produced in this step (one per step today; a list so speculative
+    decoding can add more). num_cached_tokens: prompt tokens served from the prefix cache at the
+    request's (first) admission.
+    """
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int

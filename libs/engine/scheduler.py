@@ -1,0 +1,415 @@
+"""The pure scheduler: ids and counts in, a BatchPlan out. Imports no torch.
+
+One engine step is schedule -> execute -> update:
+
+  schedule()  decode tokens first (one per running decode sequence), then prefill chunks under
+              the remaining token budget, shortest length bucket first; admission of waiting
+              requests goes through the KV cache (match -> admit -> reserve), and a failed
+              reserve preempts the newest running sequence (recompute), never drops one.
+  execute     (the runner, torch) copies pages between tiers, runs the model, samples.
+  update()    commits the written KV to the cache, appends sampled tokens, checks stops,
+              finishes sequences (insert into the prefix cache) and emits RequestOutputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from libs.engine.buckets import LengthBuckets
+from libs.engine.plan import BatchPlan, ScheduledSeq
+from libs.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from libs.engine.stopping import check_stop
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # not holding KV (new, or preempted for recompute)
+    RUNNING = "running"  # admitted into the cache; prefilling or decoding
+    HELD = "held"  # prefill-only request done; KV kept until release()
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling policy knobs."""
+
+    max_num_seqs: int = 64
+    """Most sequences running (holding KV) at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decode tokens plus prefill chunk tokens."""
+    bucket_edges: tuple[int, ...] = (65536, 262144)
+    """Length bucket edges over uncached (to-compute) tokens; () = one bucket (plain FCFS)."""
+    served_buckets: tuple[int, ...] | None = None
+    """Buckets this worker is meant for (advertised to the router); None = all. Requests from other
+    buckets are still served (the router's prediction can be off) and counted as misrouted."""
+    long_prefill_share: float = 0.25
+    """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks get at most
+    this share of the step's token budget, so they cannot push back short requests' first tokens."""
+    l2_backup_watermark: float = 0.125
+    """Back cached device pages up to the host tier when free device pages fall below this share."""
+    l2_backup_pages: int = 64
+    """Most pages backed up per step."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.long_prefill_share <= 1.0:
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
+        if not 0.0 <= self.l2_backup_watermark <= 1.0:
+            raise ValueError(f"l2_backup_watermark must be in [0, 1], got {self.l2_backup_watermark}")
+        if self.l2_backup_pages < 0:
+            raise ValueError(f"l2_backup_pages must be >= 0, got {self.l2_backup_pages}")
+        LengthBuckets(self.bucket_edges)  # validates the edges
+        if self.served_buckets is not None:
+            nb = len(self.bucket_edges) + 1
+            if not self.served_buckets or any(not 0 <= b < nb for b in self.served_buckets):
+                raise ValueError(f"served_buckets {self.served_buckets} must name buckets in [0, {nb})")
+
+    @property
+    def long_prefill_cap(self) -> int:
+        return max(1, int(self.max_num_batched_tokens * self.long_prefill_share))
+
+
+@dataclass(eq=False)
+class Seq:
+    """Scheduler-side state of one request. token_ids = prompt + generated output."""
+
+    req: Request
+    token_ids: list[int]
+    bucket: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV sits in the cache (mirrors the cache's sequence view)
+    num_cached_tokens: int = -1  # prefix-hit tokens at first admission; -1 = not admitted yet
+    admit_order: int = -1
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.req.req_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        # The newest token was sampled and has no KV yet; everything before it is computed.
+        return self.num_computed == len(self.token_ids) - 1 and len(self.token_ids) > self.num_prompt
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(1, self.req.params.max_tokens - len(self.output_ids))
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    misrouted: int = 0
+    backed_up_pages: int = 0
+    loaded_pages: int = 0
+    admitted: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass
+class _StepState:
+    budget: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted: list[str] = field(default_factory=list)
+    load_copies: list = field(default_factory=list)
+    long_tokens: int = 0
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill over a libs.kvcache.KVCache.
+
+    `cache` is the pure KV cache; `decode` (token ids -> text) is needed only for stop strings;
+    `eos_token_ids` finish a request unless its params say ignore_eos.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache, *, eos_token_ids: Sequence[int] = (),
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        self.config = config
+        self.cache = cache
+        self.buckets = LengthBuckets(config.bucket_edges)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.decode = decode
+        self.seqs: dict[str, Seq] = {}
+        self.waiting: list[deque[Seq]] = [deque() for _ in range(self.buckets.num_buckets)]
+        self.running: list[Seq] = []
+        self.stats = SchedulerStats()
+        self._admit_counter = 0
+        self._pending_outputs: list[RequestOutput] = []
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.seqs:
+            raise ValueError(f"request id {req.req_id!r} is already in the engine")
+        if req.params.stop and self.decode is None:
+            raise ValueError(f"request {req.req_id!r} has stop strings but the engine has no tokenizer")
+        seq = Seq(req, list(req.prompt_token_ids), bucket=self._classify(req.prompt_token_ids))
+        served = self.config.served_buckets
+        if served is not None and seq.bucket not in served:
+            self.stats.misrouted += 1
+        self.seqs[req.req_id] = seq
+        self.waiting[seq.bucket].append(seq)
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request at any point; frees every page it held. False if unknown/finished."""
+        seq = self.seqs.get(req_id)
+        if seq is None:
+            return False
+        if seq.status is SeqStatus.WAITING:
+            self.waiting[seq.bucket].remove(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.cache.abort(req_id)
+        elif seq.status is SeqStatus.HELD:
+            self.cache.abort(req_id)
+        self._finish(seq, FinishReason.ABORT)
+        self._pending_outputs.append(self._output(seq, (), None))
+        return True
+
+    def release(self, req_id: str, cache: bool = True) -> None:
+        """End a held prefill-only request: insert its KV into the prefix cache (or free it)."""
+        seq = self.seqs.get(req_id)
+        if seq is None or seq.status is not SeqStatus.HELD:
+            raise KeyError(f"release({req_id!r}): no prefill-only request holds KV under that id")
+        self.cache.finish(req_id, cache=cache)
+        del self.seqs[req_id]
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(self.waiting) or bool(self._pending_outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting)
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> BatchPlan:
+        backups = self._maybe_backup()
+        st = _StepState(budget=self.config.max_num_batched_tokens)
+        self._schedule_decodes(st)
+        self._schedule_prefills(st)
+        return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted))
+
+    def _schedule_decodes(self, st: _StepState) -> None:
+        for seq in list(self.running):
+            if st.budget == 0:
+                return
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
+                continue
+            if self._reserve(seq, 1, st):
+                self._add_scheduled(seq, 1, st)
+            elif seq.status is SeqStatus.RUNNING:
+                self._preempt_or_fail(seq, st)
+
+    def _schedule_prefills(self, st: _StepState) -> None:
+        for bucket in range(self.buckets.num_buckets):
+            shorter_waiting = self._shorter_work_exists(bucket)
+            for seq in [s for s in self.running if s.bucket == bucket and not s.is_decoding]:
+                if st.budget == 0:
+                    return
+                if seq.req_id in st.scheduled_ids or seq.status is not SeqStatus.RUNNING:
+                    continue
+                chunk = self._chunk_size(seq.num_to_compute, bucket, shorter_waiting, st)
+                if chunk <= 0:
+                    continue
+                if self._reserve(seq, chunk, st):
+                    self._add_scheduled(seq, chunk, st, long=bucket > 0 and shorter_waiting)
+                elif not st.scheduled and self.running == [seq]:
+                    self._fail_capacity(seq)
+            if st.preempted:
+                continue  # memory is short: do not admit new work in a step that preempted
+            queue = self.waiting[bucket]
+            while queue and len(self.running) < self.config.max_num_seqs and st.budget > 0:
+                if not self._admit(queue[0], bucket, shorter_waiting, st):
+                    break
+
+    def _shorter_work_exists(self, bucket: int) -> bool:
+        """Is a request from a shorter bucket waiting or still prefilling?"""
+        if any(self.waiting[b] for b in range(bucket)):
+            return True
+        return any(s.bucket < bucket and not s.is_decoding for s in self.running)
+
+    def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState) -> int:
+        chunk = min(to_compute, st.budget)
+        if bucket > 0 and shorter_waiting:
+            chunk = min(chunk, self.config.long_prefill_cap - st.long_tokens)
+        return chunk
+
+    def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
+        """Try to admit the head of a waiting queue; False stops admission from this queue."""
+        hit = self.cache.match(seq.token_ids)
+        actual_bucket = self.buckets.classify(len(seq.token_ids) - hit.tokens)
+        chunk = self._chunk_size(len(seq.token_ids) - hit.tokens, actual_bucket, shorter_waiting, st)
+        if chunk <= 0:
+            self.cache.release_hit(hit)
+            return False
+        result = self.cache.admit(seq.req_id, seq.token_ids, hit, seq.remaining_new_tokens)
+        if not result.ok:
+            return False
+        self.waiting[bucket].popleft()
+        seq.status = SeqStatus.RUNNING
+        seq.bucket = actual_bucket
+        seq.num_computed = hit.tokens
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = hit.tokens
+            self.stats.hit_tokens += hit.tokens
+            self.stats.prompt_tokens += seq.num_prompt
+        self.stats.admitted += 1
+        seq.admit_order = self._admit_counter
+        self._admit_counter += 1
+        self.running.append(seq)
+        st.load_copies.extend(hit.load_copies)
+        self.stats.loaded_pages += len(hit.load_copies)
+        if self._reserve(seq, chunk, st):
+            self._add_scheduled(seq, chunk, st, long=actual_bucket > 0 and shorter_waiting)
+        return True
+
+    def _reserve(self, seq: Seq, num_new: int, st: _StepState) -> bool:
+        """Reserve pages for seq's next num_new tokens, preempting newer unscheduled sequences."""
+        while not self.cache.reserve(seq.req_id, num_new):
+            victim = self._pick_victim(seq, st)
+            if victim is None:
+                return False
+            self._preempt(victim, st)
+        return True
+
+    def _pick_victim(self, seq: Seq, st: _StepState) -> Seq | None:
+        candidates = [s for s in self.running if s is not seq and s.req_id not in st.scheduled_ids]
+        return max(candidates, key=lambda s: s.admit_order, default=None)
+
+    def _preempt(self, seq: Seq, st: _StepState) -> None:
+        """Free seq's KV and requeue it at the front for recompute; its output so far is kept."""
+        self.cache.abort(seq.req_id)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        seq.bucket = self._classify(seq.token_ids)
+        self.waiting[seq.bucket].appendleft(seq)
+        st.preempted.append(seq.req_id)
+
+    def _preempt_or_fail(self, seq: Seq, st: _StepState) -> None:
+        """seq cannot get pages even after preempting every other candidate."""
+        if st.scheduled or len(self.running) > 1:
+            self._preempt(seq, st)  # the others will finish and free memory
+        else:
+            self._fail_capacity(seq)
+
+    def _fail_capacity(self, seq: Seq) -> None:
+        """Alone in the engine and still no room: it can never fit. Finish it explicitly (length)."""
+        self.running.remove(seq)
+        self.cache.abort(seq.req_id)
+        self._finish(seq, FinishReason.LENGTH)
+        self._pending_outputs.append(self._output(seq, (), None))
+
+    def _add_scheduled(self, seq: Seq, num_new: int, st: _StepState, long: bool = False) -> None:
+        start = seq.num_computed
+        full, swa = self.cache.page_tables(seq.req_id)
+        end = start + num_new
+        st.scheduled.append(ScheduledSeq(
+            req_id=seq.req_id, start=start, token_ids=tuple(seq.token_ids[start:end]),
+            is_prefill=not seq.is_decoding, sample=end == len(seq.token_ids),
+            full_pages=tuple(full), swa_pages=tuple(swa)))
+        st.scheduled_ids.add(seq.req_id)
+        st.budget -= num_new
+        if long:
+            st.long_tokens += num_new
+
+    def _maybe_backup(self) -> list:
+        cfg = self.config
+        host_tier = getattr(self.cache.config, "num_host_full_pages", 0) > 0
+        if not host_tier or cfg.l2_backup_pages == 0:
+            return []
+        usage = self.cache.usage()
+        low = any(p.free < cfg.l2_backup_watermark * p.capacity for p in (usage.full, usage.swa))
+        if not low:
+            return []
+        copies = self.cache.backup_to_host(cfg.l2_backup_pages)
+        self.stats.backed_up_pages += len(copies)
+        return copies
+
+    def _classify(self, tokens: Sequence[int]) -> int:
+        """Bucket by uncached tokens, probing the prefix cache (the probe locks nothing)."""
+        hit = self.cache.match(tokens)
+        self.cache.release_hit(hit)
+        return self.buckets.classify(len(tokens) - hit.tokens)
+
+    # ----------------------------------------------------------------- update
+    def update(self, plan: BatchPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        """Commit the step's KV, append sampled tokens, finish what stopped; outputs per request."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for item in plan.seqs:
+            seq = self.seqs.get(item.req_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted between schedule and update
+            self.cache.commit(seq.req_id, item.num_new, item.token_ids)
+            seq.num_computed += item.num_new
+            if item.sample:
+                outputs.append(self._append_token(seq, sampled[item.req_id]))
+        return outputs
+
+    def _append_token(self, seq: Seq, tok: SampledToken) -> RequestOutput:
+        seq.token_ids.append(tok.token_id)
+        logprobs = None if tok.logprob is None else (tok.logprob,)
+        if seq.req.prefill_only:
+            self.running.remove(seq)
+            seq.status = SeqStatus.HELD
+            seq.finish_reason = FinishReason.PREFILLED
+            return self._output(seq, (tok.token_id,), logprobs)
+        reason = check_stop(seq.output_ids, seq.req.params, self.eos_token_ids, self.decode)
+        if reason is not None:
+            self.running.remove(seq)
+            self.cache.finish(seq.req_id, cache=True)
+            self._finish(seq, reason)
+        return self._output(seq, (tok.token_id,), logprobs)
+
+    def _finish(self, seq: Seq, reason: FinishReason) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.req_id, None)
+
+    def _output(self, seq: Seq, new_ids: tuple[int, ...], logprobs) -> RequestOutput:
+        return RequestOutput(
+            req_id=seq.req_id, new_token_ids=new_ids, logprobs=logprobs,
+            finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+            num_cached_tokens=max(seq.num_cached_tokens, 0))
+
+    def check_invariants(self) -> None:
+        """Scheduler bookkeeping is consistent with itself and with the cache."""
+        ids_running = {s.req_id for s in self.running}
+        assert len(ids_running) == len(self.running), "a sequence appears twice in running"
+        assert len(self.running) <= self.config.max_num_seqs, "running set exceeds max_num_seqs"
+        for s in self.running:
+            assert s.status is SeqStatus.RUNNING, f"{s.req_id} in running with status {s.status}"
+            assert 0 <= s.num_computed < len(s.token_ids), f"{s.req_id}: num_computed out of range"
+        for q in self.waiting:
+            for s in q:
+                assert s.status is SeqStatus.WAITING and s.num_computed == 0, f"{s.req_id} bad waiting state"
+        self.cache.check_invariants()
