@@ -1,0 +1,167 @@
+"""MiMo-V2 building blocks: RMSNorm, partial RoPE, paged attention layer, dense SwiGLU MLP, sigmoid MoE.
+
+Parameter names follow the original checkpoint (``q_proj``, ``attention_sink_bias``, ``mlp.gate``...), except
+the experts, which are stacked ``[E, ...]`` tensors so the grouped kernel can index them (the loader maps
+the per-expert checkpoint tensors onto slices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttnPlan, grouped_moe, paged_attention, scatter_kv, sigmoid_topk_route
+from libs.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of the first ``cos.shape[-1]`` dims of x ``[T, H, D]``; the rest pass through."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * cos[:, None] + rotated * sin[:, None], xp], dim=-1)
+
+
+@dataclass(frozen=True)
+class AttnContext:
+    """Per-forward, per-layer-type data shared by all layers of that type."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    plan: AttnPlan
+    slots: torch.Tensor  # flat pool slot of each new token
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_swa: bool) -> None:
+        super().__init__()
+        self.is_swa = is_swa
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.kv_heads_swa if is_swa else cfg.kv_heads_full
+        self.qk_dim, self.v_dim = cfg.qk_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.v_scale = cfg.attention_value_scale
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.qk_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.qk_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+        has_sinks = cfg.swa_sinks if is_swa else cfg.full_sinks
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if has_sinks else None
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext, k_pool: torch.Tensor, v_pool: torch.Tensor):
+        t = x.shape[0]
+        q = apply_partial_rope(self.q_proj(x).view(t, self.num_heads, self.qk_dim), ctx.cos, ctx.sin)
+        k = apply_partial_rope(self.k_proj(x).view(t, self.num_kv_heads, self.qk_dim), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.v_dim) * self.v_scale
+        scatter_kv(k_pool, v_pool, ctx.slots, k, v)
+        out = paged_attention(q, k_pool, v_pool, ctx.plan, self.scale, self.attention_sink_bias)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # kept in float32 like the checkpoint: routing decisions are sensitive to rounding
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float())
+        w, ids = sigmoid_topk_route(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
+                                    n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
+                                    scaling=c.routed_scaling_factor)
+        return grouped_moe(x, w, ids, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_swa = cfg.layer_is_swa[index]
+        pool_layers = cfg.swa_layers if self.is_swa else cfg.full_layers
+        self.pool_index = pool_layers.index(index)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, self.is_swa)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = MoE(cfg) if cfg.layer_is_moe[index] else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, ctx: AttnContext, k_pool: torch.Tensor, v_pool: torch.Tensor):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, k_pool, v_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction block: [enorm(embed(next token)) ; hnorm(hidden)] -> eh_proj -> one SWA
+    attention block with a dense MLP -> final_layernorm (the shared lm_head follows)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, is_swa=True)
+        self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+        self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, prev_hidden: torch.Tensor, ctx: AttnContext, k_pool, v_pool):
+        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden)], dim=-1))
+        h = h + self.self_attn(self.input_layernorm(h), ctx, k_pool, v_pool)
+        h = h + self.mlp(self.pre_mlp_layernorm(h))
+        return self.final_layernorm(h)

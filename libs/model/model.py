@@ -1,0 +1,117 @@
+"""MiMo-V2 decoder over paged KV (see ``libs/model/paged.py`` for the interface)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels import kv_slot_mapping, plan_paged_attention
+from libs.model.config import ModelConfig
+from libs.model.layers import AttnContext, DecoderLayer, MTPLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from libs.model.paged import BatchMeta, KVPools
+
+
+class MTP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg.num_mtp_layers)])
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mtp = MTP(cfg) if cfg.num_mtp_layers else None
+
+
+def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
+             inv_freq: torch.Tensor, dtype: torch.dtype, what: str) -> AttnContext:
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left)
+    slots = kv_slot_mapping(table, meta.q_lens, meta.kv_lens, page_size, what=f"{what} KV write")
+    return AttnContext(cos, sin, plan, slots)
+
+
+class MiMoV2Model(nn.Module):
+    """MiMo-V2 causal LM. State-dict names match the checkpoint (``model.layers.N...``, ``lm_head.weight``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq_full", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_full), persistent=False)
+        self.register_buffer("inv_freq_swa", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_swa), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def _contexts(self, meta: BatchMeta, kv: KVPools) -> tuple[AttnContext | None, AttnContext | None]:
+        pos = meta.positions
+        full = swa = None
+        if self.cfg.full_layers:
+            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self.inv_freq_full, self.dtype,
+                            "full-attention")
+        if self.cfg.swa_layers:
+            swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self.inv_freq_swa,
+                           self.dtype, "SWA")
+        return full, swa
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools, return_hidden: bool = False):
+        """input_ids int64 ``[sum(q_lens)]``. Writes the new K/V into the pools, attends cached + new
+        (causal; window + sinks on SWA layers) and returns float32 logits ``[num_logits, vocab]`` — plus the
+        final-norm hidden states of every new token ``[T, hidden]`` when ``return_hidden`` (MTP input)."""
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but q_lens sum to {meta.num_tokens}")
+        full, swa = self._contexts(meta, kv)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            if layer.is_swa:
+                h = layer(h, swa, kv.swa_k[layer.pool_index], kv.swa_v[layer.pool_index])
+            else:
+                h = layer(h, full, kv.full_k[layer.pool_index], kv.full_v[layer.pool_index])
+        h = self.model.norm(h)
+        logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
+        return (logits, h) if return_hidden else logits
+
+    @torch.inference_mode()
+    def forward_mtp(self, step: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMeta,
+                    kv_mtp: KVPools) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block ``step``: token ids (the token following each position) and the previous stage's hidden
+        states ``[T, hidden]`` -> (float32 logits at ``meta.logits_rows()``, hidden ``[T, hidden]``).
+        ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp`; its SWA layer ``step`` holds this block's KV."""
+        if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
+            raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
+        ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
+                       self.inv_freq_swa, self.dtype, "MTP")
+        emb = self.model.embed_tokens(input_ids)
+        h = self.model.mtp.layers[step](emb, prev_hidden, ctx, kv_mtp.swa_k[step], kv_mtp.swa_v[step])
+        return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
+
+
+def init_random_(model: MiMoV2Model, seed: int = 0) -> MiMoV2Model:
+    """Deterministic random weights (same values in every process), scaled so logits are not flat."""
+    g = torch.Generator().manual_seed(seed)
+    h = model.cfg.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+                continue
+            if name.endswith("embed_tokens.weight") or name.endswith("attention_sink_bias"):
+                std = 1.0
+            elif name == "lm_head.weight":
+                std = 4.0 / math.sqrt(h)
+            else:
+                std = 1.0 / math.sqrt(p.shape[-1])
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+    return model

@@ -1,0 +1,126 @@
+"""Tokenizers: the model directory's ``tokenizer.json`` (``tokenizers`` package) or a built-in byte-level
+tokenizer with the ChatML special tokens. Chat template: the model directory's (jinja, from
+``tokenizer_config.json`` or ``chat_template.jinja``) when present, ChatML otherwise."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+
+
+def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+    special_tokens: dict[str, int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class _TemplateMixin:
+    template: str | None = None
+    special_tokens: dict[str, int]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            return chatml(messages, add_generation_prompt)
+        import jinja2  # only needed for model-provided templates
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.template).render(messages=messages,
+                                                     add_generation_prompt=add_generation_prompt)
+
+
+class ByteTokenizer(_TemplateMixin):
+    """ids 0..255 are raw UTF-8 bytes; ChatML specials follow at 256.. (recognised inside text)."""
+
+    def __init__(self, template: str | None = None) -> None:
+        self.special_tokens = {tok: 256 + i for i, tok in enumerate(CHATML_SPECIALS)}
+        self._by_id = {v: k for k, v in self.special_tokens.items()}
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in CHATML_SPECIALS) + ")")
+        self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])
+        self.template = template
+        self.vocab_size = 256 + len(CHATML_SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self.special_tokens:
+                ids.append(self.special_tokens[part])
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            if not skip_special_tokens and i in self._by_id:
+                out.append(self._by_id[i])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer(_TemplateMixin):
+    def __init__(self, path: Path, template: str | None, eos: tuple[int, ...]) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(str(path / "tokenizer.json"))
+        self.special_tokens = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        if not eos:
+            eos = tuple(self.special_tokens[t] for t in ("<|im_end|>", "<|endoftext|>") if t in self.special_tokens)
+        self.eos_token_ids = eos
+        self.template = template
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _template_from(path: Path) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = path / "tokenizer_config.json"
+    if cfg.is_file():
+        tpl = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(tpl, str):
+            return tpl
+    return None
+
+
+def _eos_from(path: Path) -> tuple[int, ...]:
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (eos,)
+    return ()
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """``tokenizer.json`` from ``path`` if present, else the byte-level tokenizer (``path=None``: built-in)."""
+    if path is None:
+        return ByteTokenizer()
+    root = Path(path)
+    template = _template_from(root)
+    if (root / "tokenizer.json").is_file():
+        return HFTokenizer(root, template, _eos_from(root))
+    return ByteTokenizer(template)
