@@ -42,6 +42,19 @@ class AttnPlan:
     page_table: torch.Tensor
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
+    # decode-only batches (every q_len == 1) are attended in one padded batched matmul instead of a loop
+    decode_slots: torch.Tensor | None = None  # int64 [B, max_keys], padded with slot 0
+    decode_mask: torch.Tensor | None = None  # bool [B, max_keys]
+
+
+def _decode_padding(seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(s.slots.numel() for s in seqs)
+    slots = torch.zeros(len(seqs), width, dtype=torch.int64, device=seqs[0].slots.device)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool, device=seqs[0].slots.device)
+    for b, s in enumerate(seqs):
+        slots[b, :s.slots.numel()] = s.slots
+        mask[b, :s.slots.numel()] = s.mask[0]
+    return slots, mask
 
 
 def _seq_plan(row: torch.Tensor, q_start: int, q_len: int, kv_len: int, page_size: int, window_left: int,
@@ -66,7 +79,8 @@ def plan_paged_attention(
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
         seqs.append(_seq_plan(page_table[b], q_start, q_len, kv_len, page_size, window_left, b))
         q_start += q_len
-    return AttnPlan(tuple(seqs), window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens))
+    padded = _decode_padding(seqs) if seqs and all(q == 1 for q in q_lens) else (None, None)
+    return AttnPlan(tuple(seqs), window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens), *padded)
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -93,15 +107,39 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
     Loops over sequences only; each sequence's keys are fetched with one vectorised gather.
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
     k_flat = k_pool.view(-1, *k_pool.shape[2:])
     v_flat = v_pool.view(-1, *v_pool.shape[2:])
+    if plan.decode_slots is not None:
+        return _decode_batched(q, k_flat, v_flat, plan, scale, sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
     for s in plan.seqs:
         k = k_flat.index_select(0, s.slots)
         v = v_flat.index_select(0, s.slots)
         rows = slice(s.q_start, s.q_start + s.q_len)
         out[rows] = _attend_one(q[rows], k, v, s.mask, scale, sinks)
     return out
+
+
+def _decode_batched(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: AttnPlan, scale: float,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """One query per sequence: gather every sequence's keys into a padded [B, N] block and attend at once."""
+    assert plan.decode_slots is not None and plan.decode_mask is not None
+    b, hq, _ = q.shape
+    n = plan.decode_slots.shape[1]
+    k = k_flat.index_select(0, plan.decode_slots.reshape(-1)).view(b, n, *k_flat.shape[1:])  # [B, N, Hkv, D]
+    v = v_flat.index_select(0, plan.decode_slots.reshape(-1)).view(b, n, *v_flat.shape[1:])
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.view(b, hkv, g, -1).float()  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [B, Hkv, G, N]
+    scores = scores.masked_fill(~plan.decode_mask[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [B, Hkv, G, Dv]
+    return out.reshape(b, hq, -1).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttnPlan, scale: float,

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import kv_slot_mapping, plan_paged_attention
+from kernels import plan_paged_attention
 from libs.model.config import ModelConfig
 from libs.model.layers import AttnContext, DecoderLayer, MTPLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from libs.model.paged import BatchMeta, KVPools
@@ -29,10 +29,11 @@ class Backbone(nn.Module):
 
 
 def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
-             inv_freq: torch.Tensor, dtype: torch.dtype, what: str) -> AttnContext:
+             inv_freq: torch.Tensor, dtype: torch.dtype) -> AttnContext:
     cos, sin = rope_cos_sin(positions, inv_freq, dtype)
     plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left)
-    slots = kv_slot_mapping(table, meta.q_lens, meta.kv_lens, page_size, what=f"{what} KV write")
+    # the new tokens are the last q_len keys each sequence reads, so their write slots come from the plan
+    slots = torch.cat([s.slots[s.slots.numel() - s.q_len:] for s in plan.seqs])
     return AttnContext(cos, sin, plan, slots)
 
 
@@ -55,11 +56,10 @@ class MiMoV2Model(nn.Module):
         pos = meta.positions
         full = swa = None
         if self.cfg.full_layers:
-            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self.inv_freq_full, self.dtype,
-                            "full-attention")
+            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self.inv_freq_full, self.dtype)
         if self.cfg.swa_layers:
             swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self.inv_freq_swa,
-                           self.dtype, "SWA")
+                           self.dtype)
         return full, swa
 
     @torch.inference_mode()
@@ -89,7 +89,7 @@ class MiMoV2Model(nn.Module):
         if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
             raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
         ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
-                       self.inv_freq_swa, self.dtype, "MTP")
+                       self.inv_freq_swa, self.dtype)
         emb = self.model.embed_tokens(input_ids)
         h = self.model.mtp.layers[step](emb, prev_hidden, ctx, kv_mtp.swa_k[step], kv_mtp.swa_v[step])
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
