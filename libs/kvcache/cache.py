@@ -1,0 +1,687 @@
+"""The SWA-aware KV cache: dual page pools, sequence views, the prefix tree, eviction, retention, host tier.
+
+Engine protocol: match -> admit -> (reserve -> forward -> commit)* -> finish | abort.
+
+Accounting (per device pool): free + cached + in_use == capacity, where cached = tree pages nobody locks
+(evictable) and in_use = locked tree pages + pages private to running sequences. Admission promises each
+running sequence its lifetime growth (`reserved`), and nothing is handed out unless free + cached stays
+>= reserved, so an admitted sequence's reserve() of a page-sized chunk or a decode token never fails.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import count
+
+from libs.kvcache.config import KVCacheConfig
+from libs.kvcache.hashing import chain_hashes
+from libs.kvcache.pool import PagePool
+from libs.kvcache.retention import POLICIES, RetentionContext, kept_pages
+from libs.kvcache.sequence import Seq
+from libs.kvcache.tree import Node, common_pages, make_root, page_key, path_to_root, split, walk
+from libs.kvcache.types import (
+    AdmitResult,
+    EventKind,
+    Group,
+    KVEvent,
+    PageCopy,
+    PoolStats,
+    PoolUsage,
+    PrefixHit,
+    Tier,
+)
+
+_HeapEntry = tuple[int, int, int, Node]
+
+
+class KVCache:
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.cfg = config
+        self.P = config.page_size
+        self.wp = config.window_pages
+        self.full_pool = PagePool("full", config.num_full_pages)
+        self.swa_pool = PagePool("swa", config.num_swa_pages)
+        self.host_full_pool = PagePool("host_full", config.num_host_full_pages)
+        self.host_swa_pool = PagePool("host_swa", config.num_host_swa_pages)
+        self._policy = POLICIES[config.retention]
+        self.root = make_root()
+        self._nodes: dict[int, Node] = {}
+        self._seqs: dict[str, Seq] = {}
+        self._hits: dict[int, tuple[Node, int]] = {}  # hit id -> (deepest node, L) while the hit holds its locks
+        self._hit_ids = count(1)
+        self._clock = 0
+        self._tree_full = self._tree_swa = 0  # device pages owned by tree nodes
+        self._locked_full = self._locked_swa = 0  # ... of which locked (lock > 0 / swa_lock > 0)
+        self._private_full = self._private_swa = 0  # pages owned by running sequences
+        self._reserved_full = self._reserved_swa = 0  # promised, not yet allocated
+        self._full_heap: list[_HeapEntry] = []
+        self._swa_heap: list[_HeapEntry] = []
+        self._events: deque[KVEvent] = deque(maxlen=config.max_pending_events)
+        self._next_event = 0
+
+    # ------------------------------------------------------------------ match / hits
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit:
+        """Longest valid page-aligned hit (< len(tokens)); its nodes stay locked until admit or release_hit."""
+        if not self.cfg.enable_prefix_cache or len(tokens) <= self.P:
+            return PrefixHit(0, 0, 0)
+        toks = tokens if isinstance(tokens, list) else list(tokens)
+        path = walk(self.root, toks, len(toks) // self.P, self.P)
+        raw = sum(m for _, m in path) * self.P
+        best_dev, best_any = self._best_valid(path, (len(toks) - 1) // self.P)
+        self._clock += 1
+        hit = None
+        if best_any > best_dev:
+            hit = self._take_hit(path, best_any, raw)
+        if hit is None and best_dev:
+            hit = self._take_hit(path, best_dev, raw)
+        return hit or PrefixHit(0, raw, 0)
+
+    def release_hit(self, hit: PrefixHit) -> None:
+        """Give back the locks of a hit that will not be admitted."""
+        entry = self._hits.pop(hit.hit_id, None)
+        if entry is None:
+            if hit.hit_id:
+                raise KeyError(f"hit {hit.hit_id} is not live (already released or admitted)")
+            return
+        self._unlock(entry[0], entry[1], swa=True)
+
+    def _best_valid(self, path: list[tuple[Node, int]], max_pages: int) -> tuple[int, int]:
+        """(longest valid L on device, longest valid L counting host-only nodes), in tokens."""
+        run = g = best_dev = best_any = 0
+        on_device = True
+        wp = self.wp
+        for node, m in path:
+            if node.full is None:
+                on_device = False
+                swa = node.host_swa
+            else:
+                swa = node.swa
+            for i in range(m):
+                if g >= max_pages:
+                    return best_dev * self.P, best_any * self.P
+                run = run + 1 if swa is not None and swa[i] >= 0 else 0
+                g += 1
+                if run >= (g if g < wp else wp):
+                    best_any = g
+                    if on_device:
+                        best_dev = g
+        return best_dev * self.P, best_any * self.P
+
+    def _take_hit(self, path: list[tuple[Node, int]], hit_len: int, raw: int) -> PrefixHit | None:
+        """Split the tree so the hit and its window end at node boundaries, lock it, load host-only nodes."""
+        end = hit_len // self.P
+        ws = max(0, end - self.wp)
+        deepest = self._split_at(path[-1][0], end)
+        self._split_chain_at(deepest, ws)
+        chain = path_to_root(deepest)  # deepest first
+        lock_f = sum(len(n.full) for n in chain if n.lock == 0 and n.full is not None)
+        lock_s = sum(n.n_swa for n in chain if n.start >= ws and n.swa_lock == 0)
+        loads = [n for n in reversed(chain) if n.full is None]
+        load_f = sum(n.npages for n in loads)
+        load_s = sum(n.host_swa_count() for n in loads)
+        if lock_f + load_f > self._avail_full() or lock_s + load_s > self._avail_swa():
+            return None
+        self._lock(deepest, ws)
+        copies = self._load(loads, load_f, load_s)
+        for n in chain:
+            n.access = self._clock
+            if n.start >= ws:
+                n.swa_access = self._clock
+        hid = next(self._hit_ids)
+        self._hits[hid] = (deepest, hit_len)
+        full_pages: list[int] = []
+        swa_pages: list[int] = []
+        for n in reversed(chain):
+            full_pages += n.full  # type: ignore[arg-type]
+            swa_pages += n.swa if n.start >= ws else [-1] * n.npages  # type: ignore[operator]
+        return PrefixHit(hit_len, raw, load_f * self.P, tuple(full_pages),
+                         tuple(swa_pages), tuple(copies), hid)
+
+    def _split_at(self, last: Node, end: int) -> Node:
+        """Split so a node on `last`'s chain ends exactly at page `end` (node starts survive earlier splits,
+        path lists do not); returns that node."""
+        node = last
+        while node.start >= end:
+            node = node.parent  # type: ignore[assignment]
+        assert node.parent is not None and end <= node.end, f"hit end page {end} beyond the matched path"
+        return node if node.end == end else self._split(node, end - node.start)
+
+    def _split_chain_at(self, deepest: Node, page: int) -> None:
+        node = deepest
+        while node.parent is not None and node.start > page:
+            node = node.parent
+        if node.parent is not None and node.start < page < node.end:
+            self._split(node, page - node.start)
+
+    def _split(self, node: Node, k: int) -> Node:
+        head = split(node, k, self.P)
+        self._nodes[head.nid] = head
+        if head.n_swa:
+            self._push(self._swa_heap, head, head.swa_access)
+        return head
+
+    def _load(self, loads: list[Node], nf: int, ns: int) -> list[PageCopy]:
+        """Give host-only nodes (already locked) device pages; the copies are for the engine to run."""
+        if not loads:
+            return []
+        self._ensure_free(nf, ns)
+        copies = []
+        for n in loads:
+            n.full = self.full_pool.alloc(n.npages)
+            n.swa = [-1] * n.npages
+            copies += [PageCopy(Group.FULL, h, d, "h2d") for h, d in zip(n.host_full, n.full, strict=True)]  # type: ignore[arg-type]
+            for i, h in enumerate(n.host_swa):  # type: ignore[arg-type]
+                if h >= 0:
+                    n.swa[i] = self.swa_pool.alloc_one()
+                    copies.append(PageCopy(Group.SWA, h, n.swa[i], "h2d"))
+            n.n_swa = n.host_swa_count()
+            self._tree_full += n.npages
+            self._tree_swa += n.n_swa
+            self._locked_full += n.npages
+            if n.swa_lock:
+                self._locked_swa += n.n_swa
+            self._emit(EventKind.STORED, Tier.DEVICE, n)
+        return copies
+
+    # ------------------------------------------------------------------ locks
+
+    def _lock(self, deepest: Node, ws: int) -> None:
+        for n in path_to_root(deepest):
+            if n.lock == 0 and n.full is not None:
+                self._locked_full += len(n.full)
+            n.lock += 1
+            if n.start >= ws:
+                if n.swa_lock == 0:
+                    self._locked_swa += n.n_swa
+                n.swa_lock += 1
+
+    def _unlock(self, deepest: Node, hit_len: int, swa: bool, full: bool = True) -> None:
+        ws = max(0, hit_len // self.P - self.wp)
+        chain = path_to_root(deepest)
+        if swa:
+            for n in chain:
+                if n.start < ws:
+                    break
+                n.swa_lock -= 1
+                if n.swa_lock == 0:
+                    self._locked_swa -= n.n_swa
+                    self._push(self._swa_heap, n, n.swa_access)
+        if not full:
+            return
+        for n in chain:
+            n.lock -= 1
+            if n.lock == 0:
+                if n.full is not None:
+                    self._locked_full -= len(n.full)
+                self._push(self._full_heap, n, n.access)
+        self._prune_tombstones(deepest)
+
+    # ------------------------------------------------------------------ admission and the running sequence
+
+    def admit(self, seq_id: str, tokens: Sequence[int], hit: PrefixHit, max_new_tokens: int) -> AdmitResult:
+        """Admit if both pools can hold the prompt plus `max_new_tokens` of decode (after evicting unlocked
+        cache). Takes over the hit's locks on success; releases them on failure (match again later)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        if not tokens or max_new_tokens < 0:
+            raise ValueError(f"admit {seq_id!r}: need a non-empty prompt and max_new_tokens >= 0")
+        entry = self._hits.pop(hit.hit_id, None)
+        if hit.hit_id and entry is None:
+            raise ValueError(f"admit {seq_id!r}: hit {hit.hit_id} is not live (released or admitted already)")
+        if hit.tokens >= len(tokens) or hit.tokens % self.P:
+            raise ValueError(f"admit {seq_id!r}: hit of {hit.tokens} tokens does not fit a {len(tokens)}-token prompt")
+        seq = self._new_seq(seq_id, list(tokens), hit, entry[0] if entry else None, max_new_tokens)
+        reason = self._admission_shortfall(seq, len(tokens), max_new_tokens)
+        if reason:
+            if entry:
+                self._unlock(entry[0], entry[1], swa=True)
+            return AdmitResult(False, reason, seq.full_cap, seq.swa_cap)
+        self._seqs[seq_id] = seq
+        self._reserved_full += seq.full_cap
+        self._reserved_swa += seq.swa_cap
+        return AdmitResult(True, "", seq.full_cap, seq.swa_cap)
+
+    def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None, max_new: int) -> Seq:
+        hp = hit.tokens // self.P
+        ctx = RetentionContext(len(tokens), len(tokens) + max_new, hit.tokens, hit.raw_tokens, self.P,
+                               self.cfg.window, self.cfg.align, self.cfg.checkpoint_every_pages)
+        plan = self._policy(ctx)
+        keep = kept_pages(plan, self.P, self.wp, hp)
+        full_cap = -(-(len(tokens) + max_new) // self.P) - hp
+        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages + len(keep))
+        seq = Seq(seq_id, tokens, hit.tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
+                  full=list(hit.full_pages), swa=list(hit.swa_pages), num_computed=hit.tokens,
+                  reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
+        seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
+        return seq
+
+    def _admission_shortfall(self, seq: Seq, prompt: int, max_new: int) -> str:
+        for name, need, avail, free, cached, reserved in (
+                ("full", seq.full_cap, self._avail_full(), self.full_pool.num_free,
+                 self._tree_full - self._locked_full, self._reserved_full),
+                ("swa", seq.swa_cap, self._avail_swa(), self.swa_pool.num_free,
+                 self._tree_swa - self._locked_swa, self._reserved_swa)):
+            if need > avail:
+                return (f"{name} pool cannot hold {seq.seq_id!r}: needs {need} pages for {prompt} prompt + {max_new} "
+                        f"new tokens (hit {seq.hit_tokens}), available {max(avail, 0)} = free {free} + evictable "
+                        f"{cached} - promised to running sequences {reserved}")
+        return ""
+
+    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
+        """Allocate pages so the next `num_new_tokens` tokens can be written: full pages up to the new end and
+        SWA pages from one window before the current page boundary to the new end. False (state unchanged) if
+        both pools cannot provide them even after eviction."""
+        seq = self._seq(seq_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"reserve {seq_id!r}: num_new_tokens must be >= 0")
+        target = seq.num_computed + num_new_tokens
+        need = -(-target // self.P) - len(seq.full)
+        if need <= 0:
+            seq.reserved_upto = max(seq.reserved_upto, target)
+            return True
+        if need - seq.full_outstanding() > self._avail_full() or need - seq.swa_outstanding() > self._avail_swa():
+            return False
+        self._ensure_free(need, need)
+        before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
+        # Every new page is inside the window, so it gets both a full page and an SWA page.
+        seq.full += self.full_pool.alloc(need)
+        seq.swa += self.swa_pool.alloc(need)
+        seq.swa_private += need
+        seq.full_cap = max(seq.full_cap, seq.full_private)
+        seq.swa_cap = max(seq.swa_cap, seq.swa_private)
+        self._private_full += need
+        self._private_swa += need
+        self._reserved_full += seq.full_outstanding() - before_f
+        self._reserved_swa += seq.swa_outstanding() - before_s
+        seq.reserved_upto = target
+        return True
+
+    def commit(self, seq_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
+        """The KV of the next `num_new_tokens` tokens is written; `new_token_ids` (sampled tokens) are appended.
+        SWA pages that left the window are freed here, at once (kept only if a checkpoint needs them)."""
+        seq = self._seq(seq_id)
+        n = seq.num_computed + num_new_tokens
+        if num_new_tokens < 0 or n > seq.reserved_upto:
+            raise ValueError(f"commit {seq_id!r}: {num_new_tokens} tokens exceed the reserved "
+                             f"{seq.reserved_upto - seq.num_computed}")
+        if n > len(seq.tokens):
+            raise ValueError(f"commit {seq_id!r}: KV for {n} tokens but the sequence has {len(seq.tokens)}")
+        seq.num_computed = n
+        seq.tokens.extend(new_token_ids)
+        self._slide_window(seq)
+
+    def _slide_window(self, seq: Seq) -> None:
+        first = seq.num_computed // self.P - self.wp  # first page of the window kept at rest
+        lo = max(seq.hit_pages, first)
+        if seq.swa_locked and first >= seq.hit_pages and seq.lock_node is not None:
+            self._unlock(seq.lock_node, seq.hit_tokens, swa=True, full=False)
+            seq.swa_locked = False
+            seq.swa[:seq.hit_pages] = [-1] * seq.hit_pages
+        if seq.keep_all or lo <= seq.swa_lo:
+            return
+        before = seq.swa_outstanding()
+        freed = []
+        for j in range(seq.swa_lo, lo):
+            s = seq.swa[j]
+            if s >= 0 and j not in seq.keep:
+                freed.append(s)
+                seq.swa[j] = -1
+        self.swa_pool.free(freed)
+        seq.swa_private -= len(freed)
+        self._private_swa -= len(freed)
+        self._reserved_swa += seq.swa_outstanding() - before
+        seq.swa_lo = lo
+
+    def page_tables(self, seq_id: str) -> tuple[list[int], list[int]]:
+        """Per logical page j: the full page id, and the SWA page id or -1 (no SWA KV held for that page)."""
+        seq = self._seq(seq_id)
+        return list(seq.full), list(seq.swa)
+
+    def num_computed(self, seq_id: str) -> int:
+        return self._seq(seq_id).num_computed
+
+    def running(self) -> list[str]:
+        return list(self._seqs)
+
+    def finish(self, seq_id: str, cache: bool = True) -> None:
+        """Insert the page-aligned computed tokens into the tree (healing tombstones), unlock, free the rest."""
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        if cache and self.cfg.enable_prefix_cache:
+            self._insert(seq)
+        self._drop_seq(seq)
+
+    def abort(self, seq_id: str) -> None:
+        """Free everything the sequence held; insert nothing."""
+        self.finish(seq_id, cache=False)
+
+    def _drop_seq(self, seq: Seq) -> None:
+        self._reserved_full -= seq.full_outstanding()
+        self._reserved_swa -= seq.swa_outstanding()
+        hp = seq.hit_pages
+        full = [p for p in seq.full[hp:] if p >= 0]
+        swa = [p for p in seq.swa[hp:] if p >= 0]
+        self.full_pool.free(full)
+        self.swa_pool.free(swa)
+        self._private_full -= len(full)
+        self._private_swa -= len(swa)
+        if seq.lock_node is not None:
+            self._unlock(seq.lock_node, seq.hit_tokens, swa=seq.swa_locked)
+
+    def _seq(self, seq_id: str) -> Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id!r} is not running")
+        return seq
+
+    # ------------------------------------------------------------------ insert
+
+    def _insert(self, seq: Seq) -> None:
+        npg = seq.num_computed // self.P
+        if npg <= seq.hit_pages:
+            return
+        self._clock += 1
+        toks, node, pos = seq.tokens, self.root, 0
+        while pos < npg:
+            child = node.children.get(page_key(toks, pos, self.P))
+            if child is None:
+                break
+            m = common_pages(child, toks, pos, npg - pos, self.P)
+            if m < child.npages:
+                child = self._split(child, m)
+            self._absorb(child, seq, pos)
+            child.access = self._clock
+            pos, node = pos + child.npages, child
+        if pos < npg:
+            self._add_nodes(node, seq, pos, npg)
+
+    def _absorb(self, node: Node, seq: Seq, pos: int) -> None:
+        """The sequence recomputed pages the tree already has: drop duplicates, heal tombstones, fill host-only
+        nodes back onto the device with the sequence's pages."""
+        if node.end <= seq.hit_pages:
+            return
+        if node.full is None:
+            self._adopt(node, seq, pos)
+            return
+        healed = 0
+        dup_full, dup_swa = [], []
+        for i in range(max(0, seq.hit_pages - pos), node.npages):
+            g = pos + i
+            dup_full.append(seq.full[g])
+            seq.full[g] = -1
+            s = seq.swa[g]
+            if s < 0:
+                continue
+            seq.swa[g] = -1
+            if node.swa[i] < 0:  # type: ignore[index]
+                node.swa[i] = s  # type: ignore[index]
+                healed += 1
+            else:
+                dup_swa.append(s)
+        self.full_pool.free(dup_full)
+        self.swa_pool.free(dup_swa)
+        self._private_full -= len(dup_full)
+        self._private_swa -= len(dup_swa) + healed
+        if healed:
+            node.n_swa += healed
+            self._tree_swa += healed
+            if node.swa_lock:
+                self._locked_swa += healed
+            node.swa_access = self._clock
+            self._push(self._swa_heap, node, node.swa_access)
+            self._emit(EventKind.STORED, Tier.DEVICE, node)
+
+    def _adopt(self, node: Node, seq: Seq, pos: int) -> None:
+        n = node.npages
+        node.full = seq.full[pos:pos + n]
+        node.swa = seq.swa[pos:pos + n]
+        seq.full[pos:pos + n] = [-1] * n
+        seq.swa[pos:pos + n] = [-1] * n
+        node.n_swa = sum(1 for s in node.swa if s >= 0)
+        self._tree_full += n
+        self._tree_swa += node.n_swa
+        self._private_full -= n
+        self._private_swa -= node.n_swa
+        node.swa_access = self._clock
+        self._push(self._full_heap, node, self._clock)
+        self._push(self._swa_heap, node, self._clock)
+        self._emit(EventKind.STORED, Tier.DEVICE, node)
+
+    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int) -> None:
+        """New nodes for pages [pos, npg), cut at checkpoint ends so each checkpoint ends a node (SWA eviction
+        and locking then work on whole checkpoints)."""
+        cuts = sorted({e for e in seq.ckpt_ends if pos < e < npg} | {npg})
+        toks, P = seq.tokens, self.P
+        for end in cuts:
+            h = parent.hashes[-1] if parent.hashes else self.cfg.hash_seed
+            node = Node(toks[pos * P:end * P], pos, parent, seq.full[pos:end], seq.swa[pos:end],
+                        chain_hashes(toks, P, h, pos, end - pos), self._clock)
+            seq.full[pos:end] = [-1] * (end - pos)
+            seq.swa[pos:end] = [-1] * (end - pos)
+            parent.children[tuple(node.key[:P])] = node
+            self._nodes[node.nid] = node
+            self._tree_full += node.npages
+            self._tree_swa += node.n_swa
+            self._private_full -= node.npages
+            self._private_swa -= node.n_swa
+            if node.n_swa:
+                self._push(self._swa_heap, node, self._clock)
+            self._emit(EventKind.STORED, Tier.DEVICE, node)
+            parent, pos = node, end
+        self._push(self._full_heap, parent, self._clock)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _avail_full(self) -> int:
+        return self.full_pool.num_free + self._tree_full - self._locked_full - self._reserved_full
+
+    def _avail_swa(self) -> int:
+        return self.swa_pool.num_free + self._tree_swa - self._locked_swa - self._reserved_swa
+
+    def _ensure_free(self, nf: int, ns: int) -> None:
+        while self.full_pool.num_free < nf:
+            if not self._evict_one(self._full_heap, _full_evictable, _access, self._evict_device):
+                raise AssertionError(f"full pool: need {nf} free pages, accounting promised them, none evictable")
+        while self.swa_pool.num_free < ns:
+            if not self._evict_one(self._swa_heap, _swa_evictable, _swa_access, self._evict_swa):
+                raise AssertionError(f"swa pool: need {ns} free pages, accounting promised them, none evictable")
+
+    def _evict_one(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int],
+                   evict: Callable[[Node], None]) -> bool:
+        """Pop the least recently used evictable node. Entries are lazy: stale ones are skipped or re-pushed
+        with the node's current access time; if the heap runs dry it is rebuilt from all nodes once."""
+        for attempt in range(2):
+            while heap:
+                acc, _, _, node = heapq.heappop(heap)
+                if not ok(node):
+                    continue
+                if key(node) != acc:
+                    heapq.heappush(heap, (key(node), -node.start, node.nid, node))
+                    continue
+                evict(node)
+                return True
+            if attempt == 0:
+                heap[:] = [(key(n), -n.start, n.nid, n) for n in self._nodes.values() if ok(n)]
+                heapq.heapify(heap)
+        return False
+
+    def _push(self, heap: list[_HeapEntry], node: Node, acc: int) -> None:
+        if node.parent is None:
+            return
+        heapq.heappush(heap, (acc, -node.start, node.nid, node))
+        if len(heap) > 4 * len(self._nodes) + 256:
+            ok = _full_evictable if heap is self._full_heap else _swa_evictable
+            key = _access if heap is self._full_heap else _swa_access
+            heap[:] = [(key(n), -n.start, n.nid, n) for n in self._nodes.values() if ok(n)]
+            heapq.heapify(heap)
+
+    def _evict_device(self, node: Node) -> None:
+        """Full-LRU victim (an unlocked device leaf): to host-only if backed up, else out of the tree."""
+        parent = node.parent
+        if node.host_full is not None and (node.children or node.host_swa_count()):
+            self._free_device_pages(node)
+            self._emit(EventKind.REMOVED, Tier.DEVICE, node)
+        else:
+            self._remove_subtree(node)
+        self._prune_tombstones(parent)  # type: ignore[arg-type]
+
+    def _evict_swa(self, node: Node) -> None:
+        """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree."""
+        self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
+        self._tree_swa -= node.n_swa
+        node.swa = [-1] * node.npages
+        node.n_swa = 0
+        self._emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
+        self._prune_tombstones(node)
+
+    def _free_device_pages(self, node: Node) -> None:
+        self.full_pool.free(node.full)  # type: ignore[arg-type]
+        self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
+        self._tree_full -= node.npages
+        self._tree_swa -= node.n_swa
+        node.full = node.swa = None
+        node.n_swa = 0
+
+    def _remove_subtree(self, node: Node) -> None:
+        assert node.lock == 0, "removing a locked node"
+        for child in list(node.children.values()):
+            self._remove_subtree(child)
+        if node.full is not None:
+            self._emit(EventKind.REMOVED, Tier.DEVICE, node)
+            self._free_device_pages(node)
+        if node.host_full is not None:
+            self._emit(EventKind.REMOVED, Tier.HOST, node)
+            self._free_host_pages(node)
+        del node.parent.children[tuple(node.key[:self.P])]  # type: ignore[union-attr]
+        del self._nodes[node.nid]
+        node.alive = False
+
+    def _prune_tombstones(self, node: Node) -> None:
+        """Remove unlocked tombstone leaves upward from `node`; note a parent that became a device leaf."""
+        while node.parent is not None:
+            parent = node.parent
+            if not node.children and node.lock == 0 and node.is_tombstone():
+                self._remove_subtree(node)
+            elif node.full is not None and node.lock == 0 and not node.has_device_child():
+                self._push(self._full_heap, node, node.access)
+                return
+            else:
+                return
+            node = parent
+
+    # ------------------------------------------------------------------ host tier
+
+    def backup_to_host(self, max_pages: int) -> list[PageCopy]:
+        """Back up cold device nodes (full pages plus live SWA pages) to the host tier, coldest first. Returns
+        the device->host copies; run them before the next call that may evict the source pages."""
+        if not self.cfg.num_host_full_pages or max_pages <= 0:
+            return []
+        cands = sorted((n for n in self._nodes.values() if n.full is not None and n.host_full is None),
+                       key=lambda n: (n.access, n.start))
+        copies: list[PageCopy] = []
+        fresh: set[int] = set()
+        for n in cands:
+            if n.npages + n.n_swa > max_pages - len(copies) or not n.alive or n.full is None:
+                continue
+            if not self._ensure_host(n.npages, n.n_swa, fresh):
+                break
+            n.host_full = self.host_full_pool.alloc(n.npages)
+            n.host_swa = [-1] * n.npages
+            copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
+            for i, s in enumerate(n.swa):  # type: ignore[arg-type]
+                if s >= 0:
+                    n.host_swa[i] = self.host_swa_pool.alloc_one()
+                    copies.append(PageCopy(Group.SWA, s, n.host_swa[i], "d2h"))
+            fresh.add(n.nid)
+            self._emit(EventKind.STORED, Tier.HOST, n)
+        return copies
+
+    def _ensure_host(self, nf: int, ns: int, keep: set[int]) -> bool:
+        while self.host_full_pool.num_free < nf or self.host_swa_pool.num_free < ns:
+            victims = [n for n in self._nodes.values() if n.host_full is not None and n.nid not in keep and (
+                (n.full is not None and n.lock == 0) or (n.full is None and not n.children))]
+            if not victims:
+                return False
+            v = min(victims, key=lambda n: (n.access, -n.start))
+            if v.full is not None:
+                self._emit(EventKind.REMOVED, Tier.HOST, v)
+                self._free_host_pages(v)
+            else:
+                parent = v.parent
+                self._remove_subtree(v)
+                self._prune_tombstones(parent)  # type: ignore[arg-type]
+        return True
+
+    def _free_host_pages(self, node: Node) -> None:
+        self.host_full_pool.free(node.host_full)  # type: ignore[arg-type]
+        self.host_swa_pool.free(s for s in node.host_swa if s >= 0)  # type: ignore[union-attr]
+        node.host_full = node.host_swa = None
+
+    # ------------------------------------------------------------------ events
+
+    def drain_events(self) -> list[KVEvent]:
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def _emit(self, kind: EventKind, tier: Tier, node: Node) -> None:
+        parent = node.parent
+        ph = parent.hashes[-1] if parent is not None and parent.hashes else None
+        flags = self._checkpoint_flags(node) if kind is EventKind.STORED else (False,) * node.npages
+        self._events.append(KVEvent(self._next_event, kind, tier, tuple(node.hashes), ph, flags))
+        self._next_event += 1
+
+    def _checkpoint_flags(self, node: Node) -> tuple[bool, ...]:
+        """Per block of `node`: would a hit ending after it be valid (SWA held for the window before it)?"""
+        run = 0  # consecutive SWA pages just before the node, capped at wp
+        anc = node.parent
+        while anc is not None and anc.parent is not None and run < self.wp:
+            tail = [anc.swa_at(i) for i in range(anc.npages - 1, -1, -1)]
+            k = next((i for i, s in enumerate(tail) if not s), len(tail))
+            run += k
+            if k < len(tail):
+                break
+            anc = anc.parent
+        out = []
+        for i in range(node.npages):
+            run = run + 1 if node.swa_at(i) else 0
+            out.append(run >= min(node.start + i + 1, self.wp))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ usage and invariants
+
+    def usage(self) -> PoolUsage:
+        def host(pool: PagePool) -> PoolStats:
+            return PoolStats(pool.capacity, pool.num_free, pool.capacity - pool.num_free, 0)
+
+        return PoolUsage(
+            full=PoolStats(self.full_pool.capacity, self.full_pool.num_free, self._tree_full - self._locked_full,
+                           self._locked_full + self._private_full, self._reserved_full),
+            swa=PoolStats(self.swa_pool.capacity, self.swa_pool.num_free, self._tree_swa - self._locked_swa,
+                          self._locked_swa + self._private_swa, self._reserved_swa),
+            host_full=host(self.host_full_pool), host_swa=host(self.host_swa_pool))
+
+    def check_invariants(self) -> None:
+        from libs.kvcache.invariants import check_cache
+
+        check_cache(self)
+
+
+def _access(n: Node) -> int:
+    return n.access
+
+
+def _swa_access(n: Node) -> int:
+    return n.swa_access
+
+
+def _full_evictable(n: Node) -> bool:
+    return n.alive and n.full is not None and n.lock == 0 and not n.has_device_child()
+
+
+def _swa_evictable(n: Node) -> bool:
+    return n.alive and n.n_swa > 0 and n.swa_lock == 0
+

@@ -1,0 +1,138 @@
+"""Cache configuration, the per-model KV byte layout and the byte-budget planner that derives the pool split."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from libs.kvcache.retention import POLICIES
+
+DEFAULT_HASH_SEED = 0x5EED_CAFE_F00D_0001
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int
+    """Tokens per page (both pools)."""
+    window: int
+    """SWA keys a query attends. A hit of length L is valid when full KV exists for [0, L) and SWA KV for
+    [L - window, L) (clamped at 0)."""
+    num_full_pages: int
+    num_swa_pages: int
+    num_host_full_pages: int = 0
+    """L2 host tier capacity (0 = no host tier)."""
+    num_host_swa_pages: int = 0
+    enable_prefix_cache: bool = True
+    retention: str = "checkpoints"
+    """SWA retention policy: "checkpoints" (end of sequence, turn boundary, branch points, optional periodic),
+    "none" (only the window a sequence holds when it finishes), "all" (SWA KV for every token)."""
+    checkpoint_align: int = 0
+    """Tokens; the turn-boundary checkpoint goes at the last multiple of this inside the prompt, i.e. at the
+    granularity at which other requests share blocks (the router's hash block). 0 = page_size."""
+    checkpoint_every_pages: int = 0
+    """Extra periodic checkpoints every this many pages (0 = off)."""
+    hash_seed: int = DEFAULT_HASH_SEED
+    max_pending_events: int = 1 << 16
+    """Undrained events kept; older ones are dropped (consumers see a gap in event ids)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "page_size", "window", "max_pending_events")
+        _non_negative(self, "num_full_pages", "num_swa_pages", "num_host_full_pages", "num_host_swa_pages",
+                      "checkpoint_align", "checkpoint_every_pages")
+        if self.retention not in POLICIES:
+            raise ValueError(f"retention must be one of {sorted(POLICIES)}, got {self.retention!r}")
+        if self.checkpoint_align % self.page_size:
+            raise ValueError(f"checkpoint_align={self.checkpoint_align} must be a multiple of "
+                             f"page_size={self.page_size}")
+        if not 0 <= self.hash_seed < 1 << 64:
+            raise ValueError("hash_seed must fit in 64 bits")
+        if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
+            raise ValueError("host tier needs both num_host_full_pages and num_host_swa_pages (or neither)")
+
+    @property
+    def window_pages(self) -> int:
+        """Pages that hold one window ending at a page boundary (one SWA checkpoint)."""
+        return -(-self.window // self.page_size)
+
+    @property
+    def seq_swa_pages(self) -> int:
+        """Most SWA pages a running sequence holds for its own window: window + one page, in pages."""
+        return self.window_pages + 1
+
+    @property
+    def align(self) -> int:
+        return self.checkpoint_align or self.page_size
+
+
+def _positive(obj: object, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) <= 0:
+            raise ValueError(f"{type(obj).__name__}.{n} must be > 0, got {getattr(obj, n)}")
+
+
+def _non_negative(obj: object, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) < 0:
+            raise ValueError(f"{type(obj).__name__}.{n} must be >= 0, got {getattr(obj, n)}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """KV bytes of one model: layers per group and bytes per token per layer (bf16 K and V, all KV heads)."""
+
+    full_layers: int
+    swa_layers: int
+    full_bytes_per_token_layer: int
+    swa_bytes_per_token_layer: int
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "full_layers", "swa_layers")
+        _positive(self, "full_bytes_per_token_layer", "swa_bytes_per_token_layer")
+
+    def full_page_bytes(self, page_size: int) -> int:
+        return self.full_layers * self.full_bytes_per_token_layer * page_size
+
+    def swa_page_bytes(self, page_size: int) -> int:
+        return self.swa_layers * self.swa_bytes_per_token_layer * page_size
+
+    def sequence_bytes(self, tokens: int, window: int) -> int:
+        """Theoretical bytes of one sequence in the dual layout: full layers for every token, SWA for one window."""
+        return (self.full_layers * self.full_bytes_per_token_layer * tokens
+                + self.swa_layers * self.swa_bytes_per_token_layer * min(tokens, window))
+
+
+# MiMo-V2.5-Pro: 10 full + 60 SWA layers, 8 KV heads x (192 + 128) dims x 2 bytes = 5120 B per token per layer.
+MIMO_V25_PRO = KVLayout(full_layers=10, swa_layers=60, full_bytes_per_token_layer=5120, swa_bytes_per_token_layer=5120)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_full_pages: int
+    num_swa_pages: int
+    max_running: int
+
+
+def plan_pools(budget_bytes: int, layout: KVLayout, page_size: int, window: int, expected_seq_tokens: int,
+               max_running: int = 0, checkpoints_per_seq: float = 0.0) -> PoolPlan:
+    """Split one byte budget into the two pools so no operator has to tune a ratio.
+
+    The SWA pool gets (window + page) per running sequence plus `checkpoints_per_seq` retained windows per cached
+    sequence; the full pool gets the rest. `expected_seq_tokens` is the typical sequence length (prompt + output);
+    `max_running` = 0 sizes the running share for as many sequences of that length as fit.
+    """
+    if budget_bytes <= 0 or expected_seq_tokens <= 0 or max_running < 0 or checkpoints_per_seq < 0:
+        raise ValueError("plan_pools: budget, expected_seq_tokens must be > 0; max_running, checkpoints >= 0")
+    fpb, spb = layout.full_page_bytes(page_size), layout.swa_page_bytes(page_size)
+    wp = -(-window // page_size)
+    seq_full = -(-expected_seq_tokens // page_size)
+    per_seq = seq_full * fpb + (wp + 1) * spb
+    running = max_running or budget_bytes // per_seq
+    left = budget_bytes - running * (wp + 1) * spb
+    if left < 0:
+        raise ValueError(f"budget {budget_bytes} B cannot hold the SWA windows of {running} running sequences")
+    # Each cached sequence costs its full pages plus its checkpoints' SWA pages; fill `left` with such sequences.
+    per_cached = seq_full * fpb + checkpoints_per_seq * wp * spb
+    cached_seqs = left / per_cached
+    swa = running * (wp + 1) + math.floor(cached_seqs * checkpoints_per_seq * wp)
+    full = (budget_bytes - swa * spb) // fpb
+    return PoolPlan(num_full_pages=int(full), num_swa_pages=int(swa), max_running=int(running))

@@ -1,0 +1,166 @@
+"""`check_invariants` for KVCache: recomputes every counter and ownership from scratch and compares.
+
+Kept apart from the hot path; it reads the cache's private state on purpose (it is the cache's own audit).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from libs.kvcache.hashing import chain_hashes
+from libs.kvcache.tree import Node, path_to_root
+
+if TYPE_CHECKING:
+    from libs.kvcache.cache import KVCache
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(msg)
+
+
+def check_cache(c: KVCache) -> None:
+    nodes = _check_tree(c)
+    _check_locks(c, nodes)
+    owners = _check_counters(c, nodes)
+    _check_sequences(c)
+    _check_pools(c, owners)
+
+
+def _check_tree(c: KVCache) -> list[Node]:
+    P = c.P
+    out: list[Node] = []
+    stack = [c.root]
+    while stack:
+        parent = stack.pop()
+        for key, n in parent.children.items():
+            where = f"node {n.nid} (pages {n.start}..{n.end})"
+            if not n.alive or n.parent is not parent or key != tuple(n.key[:P]):
+                _fail(f"{where}: broken parent/child link")
+            if n.npages == 0 or len(n.key) != n.npages * P or n.start != parent.end:
+                _fail(f"{where}: key/start do not match its pages")
+            if n.full is not None:
+                if len(n.full) != n.npages or len(n.swa) != n.npages:  # type: ignore[arg-type]
+                    _fail(f"{where}: page list lengths differ from npages")
+                if n.n_swa != sum(1 for s in n.swa if s >= 0):  # type: ignore[union-attr]
+                    _fail(f"{where}: n_swa={n.n_swa} is stale")
+                if parent.parent is not None and parent.full is None:
+                    _fail(f"{where}: on device under a host-only parent")
+            elif n.host_full is None:
+                _fail(f"{where}: neither on device nor on host")
+            elif n.n_swa:
+                _fail(f"{where}: host-only node counts device SWA pages")
+            if n.host_full is not None and (len(n.host_full) != n.npages or len(n.host_swa) != n.npages):  # type: ignore[arg-type]
+                _fail(f"{where}: host page list lengths differ from npages")
+            if not n.children and n.is_tombstone() and n.lock == 0:
+                _fail(f"{where}: unlocked tombstone leaf (no SWA KV anywhere, nothing below)")
+            h = parent.hashes[-1] if parent.hashes else c.cfg.hash_seed
+            if n.hashes != chain_hashes(n.key, P, h, 0, n.npages):
+                _fail(f"{where}: block hashes do not chain from the parent")
+            if c._nodes.get(n.nid) is not n:
+                _fail(f"{where}: missing from the node index")
+            out.append(n)
+            stack.append(n)
+    if len(out) != len(c._nodes):
+        _fail(f"node index holds {len(c._nodes)} nodes, the tree {len(out)}")
+    return out
+
+
+def _check_locks(c: KVCache, nodes: list[Node]) -> None:
+    want_lock: Counter[int] = Counter()
+    want_swa: Counter[int] = Counter()
+    holders = [(node, hit_len, True) for node, hit_len in c._hits.values()]
+    holders += [(s.lock_node, s.hit_tokens, s.swa_locked) for s in c._seqs.values() if s.lock_node is not None]
+    for deepest, hit_len, swa in holders:
+        if not deepest.alive or deepest.end * c.P != hit_len:
+            _fail(f"lock holder of {hit_len} tokens points at node {deepest.nid} ending at page {deepest.end}")
+        ws = max(0, hit_len // c.P - c.wp)
+        for n in path_to_root(deepest):
+            want_lock[n.nid] += 1
+            if swa and n.start >= ws:
+                want_swa[n.nid] += 1
+                if n.full is None:
+                    _fail(f"node {n.nid}: SWA-locked but not on device")
+            if n.full is None:
+                _fail(f"node {n.nid}: locked but not on device")
+    for n in nodes:
+        if n.lock < 0 or n.swa_lock < 0:
+            _fail(f"node {n.nid}: negative lock count ({n.lock}, {n.swa_lock})")
+        if n.lock != want_lock[n.nid] or n.swa_lock != want_swa[n.nid]:
+            _fail(f"node {n.nid}: lock={n.lock} swa_lock={n.swa_lock}, holders say "
+                  f"{want_lock[n.nid]} / {want_swa[n.nid]}")
+
+
+def _check_counters(c: KVCache, nodes: list[Node]) -> dict[str, list[int]]:
+    owners: dict[str, list[int]] = {"full": [], "swa": [], "host_full": [], "host_swa": []}
+    locked_f = locked_s = 0
+    for n in nodes:
+        if n.full is not None:
+            owners["full"] += n.full
+            owners["swa"] += [s for s in n.swa if s >= 0]  # type: ignore[union-attr]
+            locked_f += n.npages if n.lock else 0
+            locked_s += n.n_swa if n.swa_lock else 0
+        if n.host_full is not None:
+            owners["host_full"] += n.host_full
+            owners["host_swa"] += [s for s in n.host_swa if s >= 0]  # type: ignore[union-attr]
+    tree_f, tree_s = len(owners["full"]), len(owners["swa"])
+    priv_f = priv_s = 0
+    for s in c._seqs.values():
+        pf = [p for p in s.full[s.hit_pages:] if p >= 0]
+        ps = [p for p in s.swa[s.hit_pages:] if p >= 0]
+        owners["full"] += pf
+        owners["swa"] += ps
+        priv_f += len(pf)
+        priv_s += len(ps)
+    got = (c._tree_full, c._tree_swa, c._locked_full, c._locked_swa, c._private_full, c._private_swa)
+    want = (tree_f, tree_s, locked_f, locked_s, priv_f, priv_s)
+    if got != want:
+        _fail(f"counters (tree full/swa, locked full/swa, private full/swa) are {got}, recomputed {want}")
+    res_f = sum(s.full_outstanding() for s in c._seqs.values())
+    res_s = sum(s.swa_outstanding() for s in c._seqs.values())
+    if (c._reserved_full, c._reserved_swa) != (res_f, res_s):
+        _fail(f"reserved counters {(c._reserved_full, c._reserved_swa)} != recomputed {(res_f, res_s)}")
+    u = c.usage()
+    for name, st in (("full", u.full), ("swa", u.swa), ("host_full", u.host_full), ("host_swa", u.host_swa)):
+        if st.free + st.cached + st.in_use != st.capacity:
+            _fail(f"{name} pool: free {st.free} + cached {st.cached} + in_use {st.in_use} != capacity {st.capacity}")
+        if st.free + st.cached < st.reserved:
+            _fail(f"{name} pool: promised {st.reserved} pages but only {st.free + st.cached} free or evictable")
+    return owners
+
+
+def _check_sequences(c: KVCache) -> None:
+    P, wp = c.P, c.wp
+    for s in c._seqs.values():
+        where = f"sequence {s.seq_id!r}"
+        if len(s.full) != len(s.swa) or len(s.full) * P < s.reserved_upto:
+            _fail(f"{where}: page tables cover {len(s.full)} pages for {s.reserved_upto} reserved tokens")
+        if not s.hit_tokens <= s.num_computed <= min(s.reserved_upto, len(s.tokens)):
+            _fail(f"{where}: num_computed {s.num_computed} outside [hit, reserved/tokens]")
+        if any(p < 0 for p in s.full):
+            _fail(f"{where}: a page without a full page")
+        if s.keep_all:
+            continue
+        window = [j for j in range(s.hit_pages, len(s.swa)) if s.swa[j] >= 0 and j not in s.keep]
+        first = max(s.hit_pages, s.num_computed // P - wp)
+        if any(j < first for j in window):
+            _fail(f"{where}: SWA page(s) {[j for j in window if j < first]} left the window but were not freed")
+        resting = -(-s.num_computed // P) - first
+        bound = len(s.full) - first if s.reserved_upto > s.num_computed else resting
+        if len(window) > max(bound, 0) or (s.reserved_upto == s.num_computed and len(window) > c.cfg.seq_swa_pages):
+            _fail(f"{where}: holds {len(window)} window SWA pages, bound is {min(bound, c.cfg.seq_swa_pages)} "
+                  f"(window + page = {c.cfg.seq_swa_pages})")
+        if s.swa_locked and s.lock_node is not None:
+            chain = [p for n in reversed(path_to_root(s.lock_node)) for p in n.full]  # type: ignore[union-attr]
+            if chain != s.full[:s.hit_pages]:
+                _fail(f"{where}: hit pages differ from the locked tree path")
+
+
+def _check_pools(c: KVCache, owners: dict[str, list[int]]) -> None:
+    for name, pool in (("full", c.full_pool), ("swa", c.swa_pool), ("host_full", c.host_full_pool),
+                       ("host_swa", c.host_swa_pool)):
+        ids = owners[name] + pool.free_ids()
+        if sorted(ids) != list(range(pool.capacity)):
+            dup = [p for p, k in Counter(ids).items() if k > 1]
+            _fail(f"{name} pool: pages owned + free are not exactly 0..{pool.capacity - 1} "
+                  f"(duplicates {dup[:5]}, count {len(ids)})")

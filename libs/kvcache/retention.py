@@ -1,0 +1,83 @@
+"""SWA retention policies: which windows of SWA KV a sequence keeps when they slide out of its window.
+
+A running sequence frees SWA pages as they leave the window, except the pages of the checkpoints its policy
+names; at finish it inserts those plus the window at its end into the prefix tree. Everything else becomes a
+tombstone (full KV only). Policies are pure functions of the request shape, registered by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionContext:
+    prompt_tokens: int
+    max_tokens: int  # prompt + max_new_tokens
+    hit_tokens: int  # valid hit L the sequence starts from
+    raw_tokens: int  # page-aligned raw token match (where this sequence branches off the cached tree)
+    page_size: int
+    window: int
+    align: int  # turn-boundary checkpoint granularity (tokens, multiple of page_size)
+    every_pages: int  # periodic checkpoints (0 = off)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPlan:
+    keep_all: bool
+    checkpoints: tuple[int, ...]  # page-aligned token positions X; pages covering [X - window, X) are kept
+
+
+RetentionPolicy = Callable[[RetentionContext], RetentionPlan]
+
+
+def retain_none(ctx: RetentionContext) -> RetentionPlan:
+    """Only the window the sequence holds when it finishes (a plain tombstone cache)."""
+    return RetentionPlan(keep_all=False, checkpoints=())
+
+
+def retain_all(ctx: RetentionContext) -> RetentionPlan:
+    """SWA KV for every token (what a single-pool layout stores)."""
+    return RetentionPlan(keep_all=True, checkpoints=())
+
+
+def retain_checkpoints(ctx: RetentionContext) -> RetentionPlan:
+    """Windows where reuse is likely, besides the end of the sequence (which every policy keeps):
+
+    - turn boundary: the prompt end rounded down to `align` (the next turn, a regenerate, or a request that shares
+      this prompt's whole blocks resumes there) and to the page;
+    - branch point: where this sequence leaves the cached tree, when that point is a tombstone (heals it, so the
+      next request sharing the same stem hits there);
+    - optionally every `every_pages` pages.
+    """
+    p = ctx.page_size
+    points = {ctx.prompt_tokens // ctx.align * ctx.align, ctx.prompt_tokens // p * p}
+    if ctx.raw_tokens > ctx.hit_tokens:
+        points.add(ctx.raw_tokens)
+    if ctx.every_pages:
+        step = ctx.every_pages * p
+        points.update(range(step, ctx.max_tokens + 1, step))
+    keep = tuple(sorted(x for x in points if ctx.hit_tokens < x <= ctx.max_tokens))
+    return RetentionPlan(keep_all=False, checkpoints=keep)
+
+
+POLICIES: dict[str, RetentionPolicy] = {
+    "checkpoints": retain_checkpoints,
+    "none": retain_none,
+    "all": retain_all,
+}
+
+
+def register_policy(name: str, policy: RetentionPolicy) -> None:
+    """Make a custom policy selectable by `KVCacheConfig.retention` (validate the name there too)."""
+    POLICIES[name] = policy
+
+
+def kept_pages(plan: RetentionPlan, page_size: int, window_pages: int, first_private: int) -> frozenset[int]:
+    """Page indices (>= first_private, the pages the sequence owns) that the plan's checkpoints keep."""
+    out: set[int] = set()
+    for x in plan.checkpoints:
+        end = x // page_size
+        out.update(range(max(first_private, end - window_pages), end))
+    return frozenset(out)

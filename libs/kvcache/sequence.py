@@ -1,0 +1,48 @@
+"""The per-sequence view: one logical token sequence over both pools.
+
+Full-pool pages are authoritative: `full[j]` is the page of logical page j for every computed (or reserved)
+page. `swa[j]` maps the same logical page to an SWA page, or -1 where no SWA KV is held (it slid out of the
+window and was freed). Pages j < hit_pages belong to the prefix tree (locked by this sequence); the rest are
+the sequence's own until `finish` hands them to the tree or frees them.
+
+    logical pages   0 .. hit_pages-1 | hit_pages ..................... len(full)-1
+    full            tree (locked)    | private
+    swa             -1 ... tree(win) | -1 -1 -1 (freed) ... ckpt ... -1 [window + page]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.kvcache.tree import Node
+
+
+@dataclass(slots=True)
+class Seq:
+    seq_id: str
+    tokens: list[int]
+    hit_tokens: int
+    hit_pages: int
+    lock_node: Node | None  # deepest node of the hit (None: no hit)
+    full_cap: int  # private full pages promised at admission
+    swa_cap: int  # private SWA pages promised at admission (window + page + checkpoints)
+    keep: frozenset[int]  # private page indices whose SWA pages are retained (checkpoints)
+    keep_all: bool
+    full: list[int] = field(default_factory=list)
+    swa: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    reserved_upto: int = 0  # tokens whose pages are allocated
+    swa_private: int = 0
+    swa_lo: int = 0  # every private SWA page below this index is freed, except kept ones
+    swa_locked: bool = False  # still reading the hit's SWA pages (tree-owned)
+    ckpt_ends: tuple[int, ...] = ()  # page indices where checkpoints end (new tree nodes are cut there)
+
+    @property
+    def full_private(self) -> int:
+        return len(self.full) - self.hit_pages
+
+    def full_outstanding(self) -> int:
+        return max(0, self.full_cap - self.full_private)
+
+    def swa_outstanding(self) -> int:
+        return max(0, self.swa_cap - self.swa_private)

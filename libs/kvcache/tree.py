@@ -1,0 +1,140 @@
+"""Radix-tree nodes over page-aligned token blocks, and the pure structural helpers (walk, split).
+
+A node holds a run of whole pages: its token key, full-pool page ids (None when the node lives only in the host
+tier), SWA page ids per page (-1 = no SWA KV, a tombstone page), its host copies, and one block hash per page.
+`lock` counts the hits / running sequences whose prefix passes through the node (so every ancestor of a locked
+node is locked too); `swa_lock` counts those whose last window covers the node (its SWA pages are being read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import count
+
+_ids = count(1)
+
+
+class Node:
+    __slots__ = ("nid", "key", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
+                 "hashes", "lock", "swa_lock", "access", "swa_access", "alive")
+
+    def __init__(self, key: list[int], start: int, parent: Node | None, full: list[int] | None,
+                 swa: list[int] | None, hashes: list[int], access: int) -> None:
+        self.nid = next(_ids)
+        self.key = key
+        self.start = start  # global index of the node's first page
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.full = full
+        self.swa = swa
+        self.n_swa = 0 if swa is None else sum(1 for s in swa if s >= 0)
+        self.host_full: list[int] | None = None
+        self.host_swa: list[int] | None = None
+        self.hashes = hashes
+        self.lock = 0
+        self.swa_lock = 0
+        self.access = access
+        self.swa_access = access
+        self.alive = True
+
+    @property
+    def npages(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.hashes)
+
+    def on_device(self) -> bool:
+        return self.full is not None
+
+    def host_swa_count(self) -> int:
+        return 0 if self.host_swa is None else sum(1 for s in self.host_swa if s >= 0)
+
+    def is_tombstone(self) -> bool:
+        """No SWA KV anywhere (device or host): no valid hit can end inside this node."""
+        return self.n_swa == 0 and self.host_swa_count() == 0
+
+    def has_device_child(self) -> bool:
+        return any(c.full is not None for c in self.children.values())
+
+    def swa_at(self, i: int) -> bool:
+        if self.full is not None:
+            return self.swa[i] >= 0  # type: ignore[index]
+        return self.host_swa is not None and self.host_swa[i] >= 0
+
+
+def make_root() -> Node:
+    return Node([], 0, None, [], [], [], 0)
+
+
+def page_key(tokens: Sequence[int], page: int, page_size: int) -> tuple[int, ...]:
+    return tuple(tokens[page * page_size:(page + 1) * page_size])
+
+
+def common_pages(node: Node, tokens: list[int], first: int, limit: int, page_size: int) -> int:
+    """Pages of `node` (at most `limit`) equal to tokens' pages from `first` on; the first page is known equal."""
+    off = first * page_size
+    n = min(node.npages, limit)
+    if node.key[:n * page_size] == tokens[off:off + n * page_size]:
+        return n
+    m = 1
+    while m < n and node.key[m * page_size:(m + 1) * page_size] == (
+            tokens[off + m * page_size:off + (m + 1) * page_size]):
+        m += 1
+    return m
+
+
+def walk(root: Node, tokens: list[int], max_pages: int, page_size: int) -> list[tuple[Node, int]]:
+    """The path of (node, pages matched in it) along `tokens`; only the last node may be partly matched."""
+    path: list[tuple[Node, int]] = []
+    node, pos = root, 0
+    while pos < max_pages:
+        child = node.children.get(page_key(tokens, pos, page_size))
+        if child is None:
+            break
+        m = common_pages(child, tokens, pos, max_pages - pos, page_size)
+        path.append((child, m))
+        pos += m
+        if m < child.npages:
+            break
+        node = child
+    return path
+
+
+def split(node: Node, k: int, page_size: int) -> Node:
+    """Split `node` after its first k pages (0 < k < npages); returns the new prefix node (the parent half).
+
+    Both halves keep the lock counts: every holder's prefix ends at a node boundary at or below `node`, and
+    SWA locks only ever cover whole nodes inside a window, so each holder covers both halves.
+    """
+    assert 0 < k < node.npages, (k, node.npages)
+    kp = k * page_size
+    parent = node.parent
+    assert parent is not None
+    head = Node(node.key[:kp], node.start, parent, None if node.full is None else node.full[:k],
+                None if node.swa is None else node.swa[:k], node.hashes[:k], node.access)
+    head.swa_access = node.swa_access
+    head.lock, head.swa_lock = node.lock, node.swa_lock
+    if node.host_full is not None:
+        head.host_full, head.host_swa = node.host_full[:k], node.host_swa[:k]  # type: ignore[index]
+        node.host_full, node.host_swa = node.host_full[k:], node.host_swa[k:]  # type: ignore[index]
+    parent.children[tuple(node.key[:page_size])] = head
+    node.key = node.key[kp:]
+    node.start += k
+    if node.full is not None:
+        node.full = node.full[k:]
+        node.swa = node.swa[k:]  # type: ignore[index]
+    node.n_swa -= head.n_swa
+    node.hashes = node.hashes[k:]
+    node.parent = head
+    head.children[tuple(node.key[:page_size])] = node
+    return head
+
+
+def path_to_root(node: Node) -> list[Node]:
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out

@@ -1,0 +1,102 @@
+"""Result and event types of the KV cache: plain frozen dataclasses and enums, no behaviour."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Direction(enum.StrEnum):
+    D2H = "d2h"
+    H2D = "h2d"
+
+
+class Group(enum.StrEnum):
+    """A layer group; each group has its own page pool on device and on host."""
+
+    FULL = "full"
+    SWA = "swa"
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """One page the engine must copy between tiers (same page size, same layer group on both sides)."""
+
+    group: str
+    src: int
+    dst: int
+    direction: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The answer of `KVCache.match`.
+
+    `tokens` is the longest valid hit L (page aligned, < len(prompt)); full KV exists for [0, L) and SWA KV for
+    [L - window, L). `full_pages[j]` / `swa_pages[j]` are the device page ids of logical page j < L / page_size
+    (`swa_pages[j] == -1` where no SWA KV is held). The nodes behind the hit stay locked until `admit` takes them
+    over or `release_hit` is called. `load_copies` must be executed before the pages are read.
+    """
+
+    tokens: int
+    raw_tokens: int
+    host_tokens: int
+    full_pages: tuple[int, ...] = ()
+    swa_pages: tuple[int, ...] = ()
+    load_copies: tuple[PageCopy, ...] = ()
+    hit_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    ok: bool
+    reason: str = ""
+    full_pages_needed: int = 0
+    swa_pages_needed: int = 0
+
+
+class EventKind(enum.StrEnum):
+    STORED = "stored"  # blocks became available in `tier` (also re-sent when a tombstone is healed)
+    REMOVED = "removed"  # blocks left `tier`
+    SWA_REMOVED = "swa_removed"  # blocks stay in `tier` but their SWA KV was dropped (no checkpoint any more)
+
+
+class Tier(enum.StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A numbered change of the cached block set, for the router / GCache.
+
+    Event ids increase by one; a gap means events were dropped (the consumer should ask for a full resend).
+    `swa_checkpoint[i]` says whether a hit ending after block i was valid when the event was made.
+    """
+
+    event_id: int
+    kind: EventKind
+    tier: Tier
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    swa_checkpoint: tuple[bool, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One pool: free + cached + in_use == capacity. `reserved` is the part of free + cached promised to
+    running sequences for their future growth (admission does not hand it out twice)."""
+
+    capacity: int
+    free: int
+    cached: int
+    in_use: int
+    reserved: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    full: PoolStats
+    swa: PoolStats
+    host_full: PoolStats
+    host_swa: PoolStats
