@@ -44,9 +44,14 @@ class SchedulerConfig:
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker is meant for (advertised to the router); None = all. Requests from other
     buckets are still served (the router's prediction can be off) and counted as misrouted."""
-    long_prefill_share: float = 0.25
-    """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks get at most
-    this share of the step's token budget, so they cannot push back short requests' first tokens."""
+    long_prefill_share: float = 0.2
+    """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks may take at most
+    this share of the step's tokens, so a step that carries short work grows by at most
+    1 / (1 - share) and short first tokens are not pushed back further. 1.0 = no cap."""
+    admission_decode_tokens: int | None = None
+    """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
+    sequence then never runs out of pages); a smaller number admits more requests at once and relies
+    on preemption (recompute) when decode growth finds the pools full."""
     l2_backup_watermark: float = 0.125
     """Back cached device pages up to the host tier when free device pages fall below this share."""
     l2_backup_pages: int = 64
@@ -62,6 +67,8 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
         if not 0.0 <= self.l2_backup_watermark <= 1.0:
             raise ValueError(f"l2_backup_watermark must be in [0, 1], got {self.l2_backup_watermark}")
+        if self.admission_decode_tokens is not None and self.admission_decode_tokens < 0:
+            raise ValueError(f"admission_decode_tokens must be None or >= 0, got {self.admission_decode_tokens}")
         if self.l2_backup_pages < 0:
             raise ValueError(f"l2_backup_pages must be >= 0, got {self.l2_backup_pages}")
         LengthBuckets(self.bucket_edges)  # validates the edges
@@ -70,9 +77,11 @@ class SchedulerConfig:
             if not self.served_buckets or any(not 0 <= b < nb for b in self.served_buckets):
                 raise ValueError(f"served_buckets {self.served_buckets} must name buckets in [0, {nb})")
 
-    @property
-    def long_prefill_cap(self) -> int:
-        return max(1, int(self.max_num_batched_tokens * self.long_prefill_share))
+    def long_prefill_cap(self, other_tokens: int) -> int | None:
+        """Most longer-bucket prefill tokens next to `other_tokens` already in the step (None = no cap)."""
+        if self.long_prefill_share >= 1.0 or other_tokens == 0:
+            return None  # nothing short is in the step (e.g. short requests wait for memory): no cap
+        return int(other_tokens * self.long_prefill_share / (1.0 - self.long_prefill_share))
 
 
 @dataclass(eq=False)
@@ -139,7 +148,9 @@ class _StepState:
     scheduled_ids: set[str] = field(default_factory=set)
     preempted: list[str] = field(default_factory=list)
     load_copies: list = field(default_factory=list)
-    long_tokens: int = 0
+    num_tokens: int = 0
+    long_cap: int | None = None  # cap on this bucket's prefill tokens (None = none)
+    long_tokens: int = 0  # this bucket's prefill tokens so far
 
 
 class Scheduler:
@@ -162,6 +173,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []
+        self._probe_loads: list = []  # load copies of classification probes, for the next plan
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -202,7 +214,8 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.running) or any(self.waiting) or bool(self._pending_outputs)
+        return (bool(self.running) or any(self.waiting) or bool(self._pending_outputs)
+                or bool(self._probe_loads))
 
     @property
     def num_waiting(self) -> int:
@@ -212,6 +225,7 @@ class Scheduler:
     def schedule(self) -> BatchPlan:
         backups = self._maybe_backup()
         st = _StepState(budget=self.config.max_num_batched_tokens)
+        st.load_copies, self._probe_loads = self._probe_loads, []
         self._schedule_decodes(st)
         self._schedule_prefills(st)
         return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted))
@@ -230,6 +244,8 @@ class Scheduler:
     def _schedule_prefills(self, st: _StepState) -> None:
         for bucket in range(self.buckets.num_buckets):
             shorter_waiting = self._shorter_work_exists(bucket)
+            st.long_cap = self.config.long_prefill_cap(st.num_tokens) if shorter_waiting else None
+            st.long_tokens = 0
             for seq in [s for s in self.running if s.bucket == bucket and not s.is_decoding]:
                 if st.budget == 0:
                     return
@@ -257,8 +273,8 @@ class Scheduler:
 
     def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState) -> int:
         chunk = min(to_compute, st.budget)
-        if bucket > 0 and shorter_waiting:
-            chunk = min(chunk, self.config.long_prefill_cap - st.long_tokens)
+        if bucket > 0 and shorter_waiting and st.long_cap is not None:
+            chunk = min(chunk, st.long_cap - st.long_tokens)
         return chunk
 
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
@@ -269,7 +285,10 @@ class Scheduler:
         if chunk <= 0:
             self.cache.release_hit(hit)
             return False
-        result = self.cache.admit(seq.req_id, seq.token_ids, hit, seq.remaining_new_tokens)
+        growth = seq.remaining_new_tokens
+        if self.config.admission_decode_tokens is not None:
+            growth = min(growth, self.config.admission_decode_tokens)
+        result = self.cache.admit(seq.req_id, seq.token_ids, hit, growth)
         if not result.ok:
             return False
         self.waiting[bucket].popleft()
@@ -339,15 +358,15 @@ class Scheduler:
             full_pages=tuple(full), swa_pages=tuple(swa)))
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
+        st.num_tokens += num_new
         if long:
             st.long_tokens += num_new
 
     def _maybe_backup(self) -> list:
         cfg = self.config
-        host_tier = getattr(self.cache.config, "num_host_full_pages", 0) > 0
-        if not host_tier or cfg.l2_backup_pages == 0:
-            return []
         usage = self.cache.usage()
+        if usage.host_full.capacity == 0 or cfg.l2_backup_pages == 0:
+            return []
         low = any(p.free < cfg.l2_backup_watermark * p.capacity for p in (usage.full, usage.swa))
         if not low:
             return []
@@ -356,8 +375,12 @@ class Scheduler:
         return copies
 
     def _classify(self, tokens: Sequence[int]) -> int:
-        """Bucket by uncached tokens, probing the prefix cache (the probe locks nothing)."""
+        """Bucket by uncached tokens: probe the prefix cache and give the hit back at once.
+
+        A probe that hits the host tier has already moved those nodes to device pages in the
+        cache's books, so its load copies must still run: they join the next plan."""
         hit = self.cache.match(tokens)
+        self._probe_loads.extend(hit.load_copies)
         self.cache.release_hit(hit)
         return self.buckets.classify(len(tokens) - hit.tokens)
 
@@ -369,10 +392,12 @@ class Scheduler:
             seq = self.seqs.get(item.req_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted between schedule and update
-            self.cache.commit(seq.req_id, item.num_new, item.token_ids)
+            # The cache already knows the tokens whose KV was written; it is told the sampled one.
+            tok = sampled[item.req_id] if item.sample else None
+            self.cache.commit(seq.req_id, item.num_new, () if tok is None else (tok.token_id,))
             seq.num_computed += item.num_new
-            if item.sample:
-                outputs.append(self._append_token(seq, sampled[item.req_id]))
+            if tok is not None:
+                outputs.append(self._append_token(seq, tok))
         return outputs
 
     def _append_token(self, seq: Seq, tok: SampledToken) -> RequestOutput:

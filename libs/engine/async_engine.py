@@ -1,0 +1,167 @@
+"""AsyncEngine: EngineCore's step loop on a dedicated thread, per-request asyncio output queues.
+
+Services call `async for out in engine.generate(req)`. Leaving the loop early (break, client
+disconnect, task cancellation) aborts the request, which frees its KV. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from libs.engine.core import EngineCore
+from libs.engine.request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop stopped (crashed or was shut down) while a request was in flight."""
+
+
+class AsyncEngine:
+    """Drives an EngineCore from a background thread.
+
+    idle_wait_s: how long the loop sleeps on its command queue when there is no work.
+    output_timeout_s: longest wait for a request's next output before generate() raises.
+    """
+
+    def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05, output_timeout_s: float = 300.0) -> None:
+        if idle_wait_s <= 0 or output_timeout_s <= 0:
+            raise ValueError("AsyncEngine: idle_wait_s and output_timeout_s must be > 0")
+        self.core = core
+        self.idle_wait_s = idle_wait_s
+        self.output_timeout_s = output_timeout_s
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("engine step loop did not stop within %.1fs", timeout_s)
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ------------------------------------------------------------------ public API
+    async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float | None = None) -> Any:
+        """Run fn(core) on the engine thread between steps and return its result."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda: fn(self.core), fut))
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s or self.output_timeout_s)
+
+    async def abort(self, req_id: str) -> bool:
+        return await self.call(lambda core: core.abort(req_id))
+
+    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Submit req and yield its outputs until the finished one; aborts it if left early."""
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.req_id in self._streams:
+                raise ValueError(f"request id {req.req_id!r} is already streaming")
+            self._streams[req.req_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            await self.call(lambda core: core.add_request(req))
+            while not finished:
+                item = await self._next(stream, req.req_id)
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(req.req_id, None)
+            if not finished and self.is_running:
+                self._commands.put((lambda: self.core.abort(req.req_id), concurrent.futures.Future()))
+
+    async def _next(self, stream: asyncio.Queue, req_id: str) -> RequestOutput:
+        try:
+            item = await asyncio.wait_for(stream.get(), self.output_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"request {req_id!r}: no output from the engine in {self.output_timeout_s}s") from None
+        if isinstance(item, BaseException):
+            raise EngineDeadError(f"request {req_id!r}: engine step loop failed") from item
+        return item
+
+    # ------------------------------------------------------------------ loop thread
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError("engine step loop has failed") from self._error
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("engine is not running (call start() or use `async with`)")
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands(block=not self.core.has_work())
+                if self.core.has_work():
+                    self._dispatch(self.core.step())
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine step loop crashed")
+            self._error = exc
+            self._fail_all(exc)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # reported to the caller, the loop goes on
+                fut.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                target = self._streams.get(out.req_id)
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            targets = list(self._streams.values())
+        for loop, stream in targets:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stream.put_nowait, exc)
+        while True:  # unblock callers waiting on commands
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(EngineDeadError("engine stopped before running the command"))

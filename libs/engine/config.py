@@ -1,0 +1,86 @@
+"""Engine configuration: one frozen, validated dataclass; narrower configs derive from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from libs.engine.scheduler import SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine (a colocated worker or the offline LLM)."""
+
+    page_size: int = 16
+    """Tokens per KV page (both pools and the host tier)."""
+    num_full_pages: int = 2048
+    """Device pages of the full-attention pool."""
+    num_swa_pages: int = 512
+    """Device pages of the SWA pool (needs about window/page + 1 per running sequence plus checkpoints)."""
+    num_host_full_pages: int = 0
+    """Host (L2) full-attention pages; 0 disables the host tier."""
+    num_host_swa_pages: int = 0
+    """Host (L2) SWA pages."""
+    enable_prefix_cache: bool = True
+    """Reuse KV across requests through the SWA-aware radix tree."""
+    retention: str = "checkpoints"
+    """SWA retention policy of the prefix cache ("checkpoints", "none", "all")."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget per step (decode tokens + prefill chunks)."""
+    bucket_edges: tuple[int, ...] = (65536, 262144)
+    """Length bucket edges over uncached tokens; () = a single bucket."""
+    served_buckets: tuple[int, ...] | None = None
+    """Buckets this worker serves (None = all)."""
+    long_prefill_share: float = 0.2
+    """Share of a step's tokens longer-bucket prefills may take while shorter requests wait (1.0 = no cap)."""
+    admission_decode_tokens: int | None = None
+    """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
+    preemption by recompute when the pools fill up)."""
+    l2_backup_watermark: float = 0.125
+    """Free-page share of a device pool under which cached pages are backed up to the host tier."""
+    l2_backup_pages: int = 64
+    """Most pages backed up per step."""
+    dtype: str = "float32"
+    """KV and activation dtype: float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """torch device of the model and the KV pools."""
+    seed: int = 0
+    """Seed of the engine-wide generator used by unseeded sampled requests."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
+        if self.served_buckets is not None:
+            object.__setattr__(self, "served_buckets", tuple(self.served_buckets))
+        for name in ("page_size", "num_full_pages", "num_swa_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_host_full_pages", "num_host_swa_pages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
+            raise ValueError("EngineConfig: set both num_host_full_pages and num_host_swa_pages, or neither")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.scheduler_config()  # validates the scheduling knobs
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        names = {f.name for f in fields(SchedulerConfig)}
+        return SchedulerConfig(**{n: getattr(self, n) for n in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)

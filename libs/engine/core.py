@@ -1,0 +1,121 @@
+"""EngineCore: the synchronous step loop (schedule -> execute -> update) over one model.
+
+Thread-compatible, not thread-safe: one thread calls add_request / abort / step. The
+AsyncEngine wraps it for asyncio callers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from libs.engine.config import EngineConfig
+from libs.engine.request import Request, RequestOutput
+from libs.engine.runner import ModelRunner, PoolSizes
+from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
+from libs.kvcache import KVCache, KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeldPrefill:
+    """KV of a finished prefill-only request, for shipping to a decode worker."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # prompt + the first sampled token (which has no KV yet)
+    num_computed: int
+    full_pages: tuple[int, ...]
+    swa_pages: tuple[int, ...]
+
+
+def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
+    return KVCacheConfig(
+        page_size=config.page_size, window=model_config.sliding_window,
+        num_full_pages=config.num_full_pages, num_swa_pages=config.num_swa_pages,
+        num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
+        enable_prefix_cache=config.enable_prefix_cache, retention=config.retention)
+
+
+class EngineCore:
+    """Continuous-batching engine over one model and one dual-pool KV cache."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config, tokenizer=None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.cache = KVCache(cache_config(config, model_config))
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else ()
+        decode = tokenizer.decode if tokenizer is not None else None
+        self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
+        sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
+                          config.num_host_full_pages, config.num_host_swa_pages)
+        self.runner = ModelRunner(model, model_config, sizes, dtype=config.torch_dtype,
+                                  device=config.device, seed=config.seed)
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises ValueError when it can never fit the pools or its id is taken."""
+        need = -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self.config.page_size)
+        if need > self.config.num_full_pages:
+            raise ValueError(
+                f"request {req.req_id!r}: prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
+                f"({req.params.max_tokens}) needs {need} KV pages but the full pool has "
+                f"{self.config.num_full_pages}")
+        if req.params.stop and self.tokenizer is None:
+            raise ValueError(f"request {req.req_id!r} uses stop strings but the engine has no tokenizer")
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> bool:
+        """Abort a request (waiting, running or held); frees all its KV. Its final output (finish
+        reason abort) comes out of the next step(). False when the id is unknown or finished."""
+        self.runner.forget(req_id)
+        return self.scheduler.abort(req_id)
+
+    def release(self, req_id: str, cache: bool = True) -> None:
+        """Free (and by default cache) the KV of a finished prefill-only request."""
+        self.scheduler.release(req_id, cache=cache)
+
+    def held_prefill(self, req_id: str) -> HeldPrefill:
+        seq = self.scheduler.seqs.get(req_id)
+        if seq is None or seq.status is not SeqStatus.HELD:
+            raise KeyError(f"held_prefill({req_id!r}): no prefill-only request holds KV under that id")
+        full, swa = self.cache.page_tables(req_id)
+        return HeldPrefill(req_id, tuple(seq.token_ids), seq.num_computed, tuple(full), tuple(swa))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update round; outputs of every request that progressed."""
+        plan = self.scheduler.schedule()
+        logits = self.runner.forward(plan)
+        sampled = self._sample(plan, logits)
+        outputs = self.scheduler.update(plan, sampled)
+        for out in outputs:
+            if out.finished:
+                self.runner.forget(out.req_id)
+        self.num_steps += 1
+        return outputs
+
+    def _sample(self, plan, logits: torch.Tensor) -> dict[str, SampledToken]:
+        rows = [s.req_id for s in plan.seqs if s.sample]
+        if not rows:
+            return {}
+        params = [self.scheduler.seqs[r].req.params for r in rows]
+        result = self.runner.sample(logits, rows, params)
+        return {r: SampledToken(t, lp) for r, t, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
+
+    # ------------------------------------------------------------------ introspection
+    def drain_kv_events(self) -> list:
+        return self.cache.drain_events()
+
+    def usage(self):
+        return self.cache.usage()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

@@ -1,0 +1,116 @@
+"""Executing KV page copies between the device pools and the host (L2) pools.
+
+Backups (device -> host) run synchronously at the start of a step, before anything can reuse
+the backed-up device pages. Load-backs (host -> device) run layer by layer on a copy worker so
+that loading layer i+1 overlaps computing layer i: the model's decoder layer i waits (through a
+forward pre-hook) only for layer i's copies. On CUDA the worker issues copies on a side stream
+and the compute stream waits on a per-layer event; on CPU a copy thread sets a per-layer
+threading.Event (torch releases the GIL inside the copy kernels, so some overlap is real).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Layer-wise load waits are bounded: a copy thread that died or hung must surface as an error.
+LOAD_WAIT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where a global decoder layer's KV lives: pool group ("full"/"swa") and index in that group."""
+
+    group: str
+    index: int
+
+
+def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
+    slots, n_full, n_swa = [], 0, 0
+    for is_swa in layer_is_swa:
+        if is_swa:
+            slots.append(LayerSlot("swa", n_swa))
+            n_swa += 1
+        else:
+            slots.append(LayerSlot("full", n_full))
+            n_full += 1
+    return slots
+
+
+def split_copies(copies: Sequence, direction: str) -> dict[str, tuple[list[int], list[int]]]:
+    """Group PageCopy objects by layer group: {group: (src ids, dst ids)}; checks the direction."""
+    out: dict[str, tuple[list[int], list[int]]] = {"full": ([], []), "swa": ([], [])}
+    for c in copies:
+        if c.direction != direction:
+            raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
+        if c.group not in out:
+            raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
+        out[c.group][0].append(c.src)
+        out[c.group][1].append(c.dst)
+    return out
+
+
+def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (pools.full_k, pools.full_v) if group == "full" else (pools.swa_k, pools.swa_v)
+
+
+def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int], dst_ids: list[int],
+               layer: int | None = None) -> None:
+    """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None)."""
+    if not src_ids:
+        return
+    for src_t, dst_t in zip(_pool_tensors(src_pools, group), _pool_tensors(dst_pools, group), strict=True):
+        src_idx = torch.tensor(src_ids, device=src_t.device)
+        dst_idx = torch.tensor(dst_ids, device=dst_t.device)
+        if layer is None:
+            dst_t[:, dst_idx] = src_t[:, src_idx].to(dst_t.device, non_blocking=True)
+        else:
+            dst_t[layer, dst_idx] = src_t[layer, src_idx].to(dst_t.device, non_blocking=True)
+
+
+class LayerwiseLoad:
+    """One in-flight host -> device load, copied layer by layer in model layer order."""
+
+    def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence) -> None:
+        self._groups = split_copies(copies, "h2d")
+        self._host, self._dev, self._slots = host, device_pools, slots
+        self._cuda = device_pools.full_k.is_cuda
+        self._done = [threading.Event() for _ in slots]
+        self._cuda_events = [torch.cuda.Event() for _ in slots] if self._cuda else []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-l2-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            stream = torch.cuda.Stream() if self._cuda else None
+            for i, slot in enumerate(self._slots):
+                src, dst = self._groups[slot.group]
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
+                        self._cuda_events[i].record(stream)
+                else:
+                    copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
+                self._done[i].set()
+        except BaseException as exc:  # surfaced to the compute side in wait_layer()
+            self._error = exc
+            for ev in self._done:
+                ev.set()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block the compute side until layer's pages are on the device (CUDA: stream-ordered)."""
+        if not self._done[layer].wait(LOAD_WAIT_TIMEOUT_S):
+            raise TimeoutError(f"L2 load-back of layer {layer} did not finish in {LOAD_WAIT_TIMEOUT_S}s")
+        if self._error is not None:
+            raise RuntimeError(f"L2 load-back copy thread failed at layer {layer}") from self._error
+        if self._cuda:
+            torch.cuda.current_stream().wait_event(self._cuda_events[layer])
+
+    def finish(self) -> None:
+        for i in range(len(self._slots)):
+            self.wait_layer(i)
+        self._thread.join(LOAD_WAIT_TIMEOUT_S)

@@ -1,0 +1,169 @@
+"""The torch side of a step: owns the KV tensors of both device pools and the host tier, turns a
+BatchPlan into model inputs (flattened token ids + BatchMeta), runs the forward and samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from libs.engine.host_tier import LayerwiseLoad, copy_pages, layer_slots, split_copies
+from libs.engine.plan import BatchPlan
+from libs.engine.request import SamplingParams
+from libs.engine.sampling import SampleResult, make_generator, sample
+from libs.model.paged import BatchMeta, KVPools
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    page_size: int
+    num_full_pages: int
+    num_swa_pages: int
+    num_host_full_pages: int = 0
+    num_host_swa_pages: int = 0
+
+
+def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Tensor, BatchMeta]:
+    """Flatten the plan's tokens and build the attention metadata (page tables padded with -1)."""
+    seqs = plan.seqs
+    ids = [t for s in seqs for t in s.token_ids]
+    width = max(max(len(s.full_pages), len(s.swa_pages)) for s in seqs)
+    full = torch.full((len(seqs), width), -1, dtype=torch.int64)
+    swa = torch.full((len(seqs), width), -1, dtype=torch.int64)
+    logits_rows, row = [], 0
+    for b, s in enumerate(seqs):
+        full[b, : len(s.full_pages)] = torch.tensor(s.full_pages, dtype=torch.int64)
+        swa[b, : len(s.swa_pages)] = torch.tensor(s.swa_pages, dtype=torch.int64)
+        row += s.num_new
+        if s.sample:
+            logits_rows.append(row - 1)
+    meta = BatchMeta(
+        q_lens=[s.num_new for s in seqs], kv_lens=[s.kv_len for s in seqs],
+        full_page_table=full.to(device), swa_page_table=swa.to(device),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device))
+    return torch.tensor(ids, dtype=torch.int64, device=device), meta
+
+
+class ModelRunner:
+    """Runs the model over a BatchPlan. The KV pools live here; the cache only hands out page ids."""
+
+    def __init__(self, model: torch.nn.Module, model_config, sizes: PoolSizes, *,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
+                                   sizes.page_size, dtype, self.device)
+        self.host = None
+        if sizes.num_host_full_pages or sizes.num_host_swa_pages:
+            self.host = KVPools.allocate(model_config, max(sizes.num_host_full_pages, 1),
+                                         max(sizes.num_host_swa_pages, 1), sizes.page_size, dtype, "cpu")
+            if self.device.type == "cuda":  # pinned host memory makes h2d copies asynchronous
+                for name in ("full_k", "full_v", "swa_k", "swa_v"):
+                    setattr(self.host, name, getattr(self.host, name).pin_memory())
+        self.slots = layer_slots(model_config.layer_is_swa)
+        self._load: LayerwiseLoad | None = None
+        self._hooks = [layer.register_forward_pre_hook(self._make_hook(i))
+                       for i, layer in enumerate(decoder_layers(model))]
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_gen = make_generator(seed)
+
+    # ------------------------------------------------------------------ tiers
+    def _make_hook(self, layer: int):
+        def hook(_module, _args):
+            if self._load is not None:
+                self._load.wait_layer(layer)
+        return hook
+
+    def backup(self, copies: Sequence) -> None:
+        """Device -> host, synchronous: the device pages may be reused right after."""
+        if not copies:
+            return
+        if self.host is None:
+            raise RuntimeError("the cache asked for a host backup but the engine has no host tier")
+        for group, (src, dst) in split_copies(copies, "d2h").items():
+            copy_pages(self.kv, self.host, group, src, dst)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def start_load(self, copies: Sequence) -> None:
+        if copies:
+            if self.host is None:
+                raise RuntimeError("the cache returned host load-backs but the engine has no host tier")
+            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies)
+
+    def finish_load(self) -> None:
+        load, self._load = self._load, None
+        if load is not None:
+            load.finish()
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan) -> torch.Tensor:
+        """Execute the plan's copies and forward; logits [num sampling seqs, vocab] in plan order."""
+        self.backup(plan.backup_copies)
+        self.start_load(plan.load_copies)
+        try:
+            if not plan.seqs:
+                return torch.empty(0)
+            input_ids, meta = build_inputs(plan, self.device)
+            return self.model(input_ids, meta, self.kv)
+        finally:
+            self.finish_load()
+
+    def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SampleResult:
+        gens = [self._generator(r, p) for r, p in zip(req_ids, params, strict=True)]
+        return sample(logits, params, gens)
+
+    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default_gen
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = self._generators[req_id] = make_generator(params.seed)
+        return gen
+
+    def forget(self, req_id: str) -> None:
+        """Drop per-request state (its generator) once the request is finished."""
+        self._generators.pop(req_id, None)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers in order (the layer-wise load hooks attach here)."""
+    for path in ("layers", "model.layers", "decoder.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.nn.ModuleList):
+            return list(obj)
+    raise AttributeError(f"cannot find the decoder layers of {type(model).__name__} (tried .layers, .model.layers)")
+
+
+@torch.inference_mode()
+def one_shot_logits(model: torch.nn.Module, model_config, tokens: Sequence[int], page_size: int = 16,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+    """Logits of the last token from one forward over the whole sequence in fresh pools (no reuse)."""
+    pages = -(-len(tokens) // page_size)
+    dtype = next(model.parameters()).dtype
+    kv = KVPools.allocate(model_config, pages, pages, page_size, dtype, device)
+    table = torch.arange(pages, dtype=torch.int64, device=device).unsqueeze(0)
+    meta = BatchMeta([len(tokens)], [len(tokens)], table, table.clone())
+    return model(torch.tensor(list(tokens), dtype=torch.int64, device=device), meta, kv)[-1]
+
+
+def direct_greedy(model: torch.nn.Module, model_config, prompt: Sequence[int], max_new_tokens: int,
+                  page_size: int = 16) -> list[int]:
+    """Reference decoding with no KV reuse at all: every token recomputes the whole sequence in
+    one fresh forward over freshly allocated pools. Slow; for tests and benchmarks only."""
+    tokens = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = one_shot_logits(model, model_config, tokens, page_size)
+        out.append(int(logits.argmax()))
+        tokens.append(out[-1])
+    return out

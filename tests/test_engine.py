@@ -1,0 +1,216 @@
+"""Engine integration tests with the real tiny MiMo-V2 model, the real KV cache and the real runner.
+
+References are independent of the engine's KV reuse: (a) the same requests through an engine with
+the prefix cache disabled and roomy pools, (b) greedy decoding by full recompute (one fresh
+forward over the whole sequence per token, no KV kept between tokens).
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from libs.engine import LLM, AsyncEngine, EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine.request import FinishReason
+from libs.engine.runner import direct_greedy
+from libs.model import load_model, load_tokenizer
+
+pytestmark = pytest.mark.integration
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, cfg = load_model(None)
+    return model, cfg, load_tokenizer(None)
+
+
+def make_core(tiny, **overrides) -> EngineCore:
+    model, cfg, tok = tiny
+    opts = dict(page_size=PAGE, num_full_pages=512, num_swa_pages=128, max_num_batched_tokens=64,
+                bucket_edges=(), max_num_seqs=16)
+    opts.update(overrides)
+    return EngineCore(EngineConfig(**opts), model, cfg, tok)
+
+
+def drain(core: EngineCore, max_steps: int = 5000) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return got
+        for out in core.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+        core.check_invariants()
+    raise AssertionError("engine did not drain")
+
+
+def assert_baseline(core: EngineCore) -> None:
+    u = core.usage()
+    for name in ("full", "swa", "host_full", "host_swa"):
+        pool = getattr(u, name)
+        assert pool.in_use == 0, f"{name} pool still has pages in use: {pool}"
+        assert pool.free + pool.cached == pool.capacity, f"{name} pool accounting off: {pool}"
+    assert not core.scheduler.seqs and not core.scheduler.running
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def test_engine_equals_full_recompute(tiny):
+    model, cfg, _ = tiny
+    core = make_core(tiny, max_num_batched_tokens=24)
+    prompts = {f"q{i}": tokens(i, n) for i, n in enumerate((5, 17, 33, 41))}
+    for rid, p in prompts.items():
+        core.add_request(Request(rid, p, greedy(20)))
+    got = drain(core)
+    for rid, p in prompts.items():
+        assert got[rid] == direct_greedy(model, cfg, p, 20), rid
+    assert_baseline(core)
+
+
+def conversations(n_conv: int = 6, n_turns: int = 3):
+    """Multi-turn chats: two shared system prompts, and conversations 4, 5 branch off conversation 0."""
+    systems = [tokens(1000 + s, 24) for s in range(2)]
+    users = {(c, t): tokens(2000 + 10 * c + t, 5 + (c * 3 + t) % 8) for c in range(n_conv) for t in range(n_turns)}
+    for c in (4, 5):
+        users[(c, 0)] = users[(0, 0)]  # same first turn as conversation 0, then diverge
+    return systems, users
+
+
+def run_round(core: EngineCore, prompts: dict[str, list[int]], n_out: int) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        core.add_request(Request(rid, p, greedy(n_out)))
+    return drain(core)
+
+
+def test_prefix_cache_under_memory_pressure_matches_cache_disabled(tiny):
+    pressured = make_core(tiny, num_full_pages=72, num_swa_pages=36, num_host_full_pages=256,
+                          num_host_swa_pages=128, max_num_batched_tokens=40, l2_backup_watermark=0.3,
+                          l2_backup_pages=16)
+    reference = make_core(tiny, enable_prefix_cache=False)
+    systems, users = conversations()
+    history = {c: list(systems[c % 2]) for c in range(6)}
+    for turn in range(3):
+        prompts = {f"c{c}t{turn}": history[c] + users[(c, turn)] for c in range(6)}
+        got = run_round(pressured, prompts, n_out=22)  # outputs longer than the window (16)
+        want = run_round(reference, prompts, n_out=22)
+        assert got == want, f"turn {turn}"
+        for c in range(6):
+            history[c] = prompts[f"c{c}t{turn}"] + got[f"c{c}t{turn}"]
+    stats = pressured.scheduler.stats
+    assert stats.hit_tokens > 0, "the workload never hit the prefix cache"
+    assert stats.backed_up_pages > 0, "no L2 backup happened"
+    assert stats.loaded_pages > 0, "no L2 load-back happened"
+    assert_baseline(pressured)
+    assert_baseline(reference)
+    assert reference.scheduler.stats.hit_tokens == 0
+
+
+@pytest.mark.parametrize("when", ["mid_prefill", "mid_decode"])
+def test_abort_leaks_nothing(tiny, when):
+    core = make_core(tiny, max_num_batched_tokens=8, num_host_full_pages=64, num_host_swa_pages=32)
+    core.add_request(Request("victim", tokens(7, 30), greedy(30)))
+    core.add_request(Request("other", tokens(8, 6), greedy(4)))
+    core.step()
+    if when == "mid_decode":
+        while not core.scheduler.seqs["victim"].is_decoding:
+            core.step()
+        core.step()
+    else:
+        assert not core.scheduler.seqs["victim"].is_decoding
+    assert core.abort("victim")
+    got = drain(core)
+    assert got["victim"] == [] or len(got["victim"]) < 30
+    assert len(got["other"]) == 4
+    assert_baseline(core)
+
+
+def test_prefill_only_then_release(tiny):
+    model, cfg, _ = tiny
+    core = make_core(tiny)
+    p = tokens(9, 21)
+    core.add_request(Request("pf", p, greedy(10), prefill_only=True))
+    outs = core.step()
+    assert outs[0].finish_reason is FinishReason.PREFILLED
+    held = core.held_prefill("pf")
+    assert held.num_computed == len(p) and held.token_ids[-1] == outs[0].new_token_ids[0]
+    assert held.token_ids[-1] == direct_greedy(model, cfg, p, 1)[0]
+    assert len(held.full_pages) == -(-len(p) // PAGE)
+    core.release("pf")
+    assert_baseline(core)
+    core.add_request(Request("again", p + [held.token_ids[-1]], greedy(2)))
+    drain(core)
+    assert core.scheduler.stats.hit_tokens > 0  # the released prefill was cached
+
+
+def test_llm_text_prompts_stop_strings_and_logprobs(tiny):
+    model, cfg, tok = tiny
+    llm = LLM.from_core(make_core(tiny))
+    ref = direct_greedy(model, cfg, tok.encode("hello world"), 12)
+    text = tok.decode(ref)
+    stop_at = text[3:5]
+    outs = llm.generate(["hello world", "hello world"],
+                        [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+                         SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_at])])
+    assert list(outs[0].token_ids) == ref and outs[0].finish_reason is FinishReason.LENGTH
+    assert len(outs[0].logprobs) == 12 and all(len(lp.top) == 2 for lp in outs[0].logprobs)
+    assert outs[0].logprobs[0].top[0][0] == ref[0]
+    assert outs[1].finish_reason is FinishReason.STOP and stop_at in outs[1].text
+    assert list(outs[1].token_ids) == ref[: len(outs[1].token_ids)]
+
+
+def test_seeded_sampling_is_independent_of_batching_and_cache(tiny):
+    p = SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, seed=123, ignore_eos=True)
+    prompt = tokens(11, 19)
+    alone = LLM.from_core(make_core(tiny)).generate([prompt], p)[0].token_ids
+    crowd = LLM.from_core(make_core(tiny, max_num_batched_tokens=16)).generate(
+        [tokens(12, 30), prompt, tokens(13, 9)],
+        [SamplingParams(max_tokens=15, temperature=1.0), p, SamplingParams(max_tokens=5)])[1].token_ids
+    assert alone == crowd
+
+
+def test_add_request_rejects_what_can_never_fit(tiny):
+    core = make_core(tiny, num_full_pages=8)
+    with pytest.raises(ValueError, match="KV pages"):
+        core.add_request(Request("big", tokens(1, 30), greedy(10)))
+
+
+async def test_async_engine_streams_and_cancel_aborts(tiny):
+    core = make_core(tiny)
+    model, cfg, _ = tiny
+    prompt = tokens(21, 12)
+    async with AsyncEngine(core, output_timeout_s=60) as engine:
+        streamed = [o async for o in engine.generate(Request("s1", prompt, greedy(6)))]
+        assert [o.new_token_ids[0] for o in streamed] == direct_greedy(model, cfg, prompt, 6)
+        assert streamed[-1].finished and not any(o.finished for o in streamed[:-1])
+
+        async def consume_two():
+            n = 0
+            async for _ in engine.generate(Request("s2", tokens(22, 40), greedy(200))):
+                n += 1
+                if n == 2:
+                    return n
+        assert await consume_two() == 2  # leaving the loop early aborts the request
+        task = asyncio.create_task(_consume_all(engine, Request("s3", tokens(23, 40), greedy(200))))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.call(lambda c: None)  # abort commands run before this one
+        for _ in range(50):
+            if not await engine.call(lambda c: c.has_work()):
+                break
+            await asyncio.sleep(0.05)
+        await engine.call(lambda c: assert_baseline(c))
+
+
+async def _consume_all(engine, req):
+    return [o async for o in engine.generate(req)]
