@@ -188,7 +188,8 @@ def _parse_shapes(d: dict[str, Any], n: int, kv: int) -> dict[str, Any]:
 def _parse_rope(d: dict[str, Any]) -> dict[str, Any]:
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and "full_attention" in rp:
-        full, swa = rp["full_attention"], rp.get("sliding_attention", rp["full_attention"])
+        full: dict[str, Any] = rp["full_attention"]
+        swa: dict[str, Any] = rp.get("sliding_attention") or full
         for part in (full, swa):
             if part.get("rope_type", "default") != "default":
                 raise ValueError(f"unsupported rope_type {part['rope_type']!r}")

@@ -101,6 +101,7 @@ class Router(nn.Module):
         super().__init__()
         # kept in float32 like the checkpoint: routing decisions are sensitive to rounding
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
 
@@ -131,9 +132,9 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.is_swa = cfg.layer_is_swa[index]
+        self.is_swa: bool = cfg.layer_is_swa[index]
         pool_layers = cfg.swa_layers if self.is_swa else cfg.full_layers
-        self.pool_index = pool_layers.index(index)
+        self.pool_index: int = pool_layers.index(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, self.is_swa)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -143,7 +143,7 @@ class _Loader:
 
     def _beyond_config(self, name: str) -> bool:
         m = _MTP_LAYER.match(name)
-        return bool(m) and int(m.group(1)) >= self.cfg.num_mtp_layers
+        return m is not None and int(m.group(1)) >= self.cfg.num_mtp_layers
 
     def _load_fused_qkv(self, name: str) -> None:
         attn = self._layer_attn(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ class MiMoV2Model(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.inv_freq_full: torch.Tensor
+        self.inv_freq_swa: torch.Tensor
         self.register_buffer("inv_freq_full", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_full), persistent=False)
         self.register_buffer("inv_freq_swa", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_swa), persistent=False)
 
@@ -71,7 +74,8 @@ class MiMoV2Model(nn.Module):
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but q_lens sum to {meta.num_tokens}")
         full, swa = self._contexts(meta, kv)
         h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)
             if layer.is_swa:
                 h = layer(h, swa, kv.swa_k[layer.pool_index], kv.swa_v[layer.pool_index])
             else:

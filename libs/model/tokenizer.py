@@ -47,7 +47,8 @@ class ByteTokenizer(_TemplateMixin):
         self.special_tokens = {tok: 256 + i for i, tok in enumerate(CHATML_SPECIALS)}
         self._by_id = {v: k for k, v in self.special_tokens.items()}
         self._split = re.compile("(" + "|".join(re.escape(t) for t in CHATML_SPECIALS) + ")")
-        self.eos_token_ids = (self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"])
+        self.eos_token_ids: tuple[int, ...] = (self.special_tokens["<|im_end|>"],
+                                               self.special_tokens["<|endoftext|>"])
         self.template = template
         self.vocab_size = 256 + len(CHATML_SPECIALS)
 
