@@ -1,0 +1,178 @@
+"""Messages exchanged between windserve services (see docs/foundation.md for the subject map).
+
+The request-flow models (route, generate, token chunks, abort, KV events) are drafts: small and
+typed, to be refined by the serving pipeline.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field, model_validator
+
+from protos.base import WireModel
+
+
+class Role(StrEnum):
+    GATEWAY = "gateway"
+    ROUTER = "router"
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    WORKER = "worker"  # prefill + decode in one process
+    CACHE = "cache"
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"  # the message could not be decoded / validated
+    INTERNAL = "internal"  # the handler raised
+    UNAVAILABLE = "unavailable"  # the service is draining or not ready
+    TIMEOUT = "timeout"
+
+
+class ErrorReply(WireModel):
+    """Sent instead of the normal reply when a request fails (marked by a header, see libs/bus)."""
+
+    code: ErrorCode
+    message: str
+
+
+# --- service discovery and health -------------------------------------------------------------
+
+
+class RegistryEntry(WireModel):
+    """One live service instance, as stored in the JetStream KV registry."""
+
+    role: Role
+    instance_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    address: str = Field(default="", description="data-transfer address (UCX/TCP), empty if none")
+    capacity: int = Field(default=0, ge=0, description="role-specific capacity (e.g. KV tokens)")
+    labels: dict[str, str] = Field(default_factory=dict, description="e.g. length bucket, model name")
+    metrics_url: str = ""
+    started_at: float = Field(default=0.0, description="unix time the instance started")
+
+
+class HealthRequest(WireModel):
+    pass
+
+
+class ServiceState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class HealthReply(WireModel):
+    role: Role
+    instance_id: str
+    state: ServiceState
+    uptime_s: float
+    in_flight: int
+    details: dict[str, str] = Field(default_factory=dict)
+
+
+# --- request flow (drafts) ---------------------------------------------------------------------
+
+
+class RouteRequest(WireModel):
+    """gateway → router: where should this request run?"""
+
+    request_id: str
+    num_tokens: int = Field(ge=0)
+    block_hashes: list[int] = Field(default_factory=list, description="chained xxhash64 per full page")
+    mm_hashes: list[int] = Field(default_factory=list)
+
+
+class RouteReply(WireModel):
+    prefill_instance: str
+    decode_instance: str
+    predicted_hit_tokens: int = Field(default=0, ge=0)
+
+
+class SamplingParams(WireModel):
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 = disabled")
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logprobs: int = Field(default=0, ge=0, description="top-k logprobs to return per token; 0 = none")
+
+
+class GenerateRequest(WireModel):
+    """gateway → worker. Large prompts are carried by the bus's large-payload path."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream_subject: str
+    decode_instance: str = Field(default="", description="disaggregated mode: where KV goes next")
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Usage(WireModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+
+
+class TokenLogprob(WireModel):
+    token_id: int
+    logprob: float
+    top: dict[int, float] = Field(default_factory=dict)
+
+
+class TokenChunk(WireModel):
+    """worker → gateway on the request's stream subject. The last chunk has finish_reason set."""
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _error_means_finished(self) -> TokenChunk:
+        if self.error is not None and self.finish_reason != FinishReason.ERROR:
+            raise ValueError("a chunk carrying an error must have finish_reason='error'")
+        return self
+
+
+class AbortRequest(WireModel):
+    """Broadcast on windserve.abort: free everything held for this request."""
+
+    request_id: str
+    reason: str = ""
+
+
+class KVEventKind(StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+class KVEvent(WireModel):
+    event_id: int = Field(ge=0, description="per-worker sequence number; a gap means events were lost")
+    kind: KVEventKind
+    block_hashes: list[int]
+    parent_hash: int | None = None
+    swa_valid: bool = Field(default=False, description="SWA KV for the window ending here is present")
+
+
+class KVEventBatch(WireModel):
+    instance_id: str
+    events: list[KVEvent]
+
+    @model_validator(mode="after")
+    def _numbered_in_order(self) -> KVEventBatch:
+        ids = [e.event_id for e in self.events]
+        if any(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)):
+            raise ValueError(f"event ids must be consecutive, got {ids}")
+        return self
