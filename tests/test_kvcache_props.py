@@ -1,0 +1,150 @@
+"""Property tests: random interleavings of cache operations, invariants after every step, every hit and every
+forward read checked against the brute-force oracle (tests/kvcache_oracle.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libs.kvcache import KVCache, KVCacheConfig
+from tests.kvcache_oracle import Oracle, Running
+
+pytestmark = pytest.mark.unit
+
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+CONFIGS = st.builds(
+    lambda host, **kw: KVCacheConfig(num_host_full_pages=host, num_host_swa_pages=host // 2, **kw),
+    host=st.sampled_from([0, 24]),
+    page_size=st.sampled_from([4]),
+    window=st.sampled_from([4, 6, 8]),
+    num_full_pages=st.integers(24, 60),
+    num_swa_pages=st.integers(8, 24),
+    retention=st.sampled_from(["checkpoints", "none", "all"]),
+    checkpoint_align=st.sampled_from([0, 8]),
+    checkpoint_every_pages=st.sampled_from([0, 3]),
+)
+
+OPS = st.lists(st.tuples(st.sampled_from(["start", "turn", "step", "run", "run", "finish", "finish", "abort",
+                                          "backup", "probe"]),
+                         st.integers(0, 1 << 16)), min_size=5, max_size=60)
+
+
+def _prompt(r: int, history: list[list[int]]) -> list[int]:
+    """Prompts from three families sharing stems, so matches, branches and tombstones happen."""
+    family, stem, tail = r % 3, (r >> 2) % 4, (r >> 4) % 5
+    base = [family * 1000 + i for i in range(6 + 4 * stem)]
+    return base + [50_000 + r % 97 * 100 + i for i in range(1 + tail * 3)]
+
+
+def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str]) -> None:
+    cache = o.cache
+    ids = sorted(o.running)
+    if not ids and op in ("step", "run", "finish", "abort"):
+        op = "turn" if r % 2 else "start"
+    if op in ("start", "turn", "probe"):
+        if op == "turn" and history:
+            prev = history[r % len(history)]
+            tokens = prev + [70_000 + r % 11 + i for i in range(1 + r % 6)]
+        else:
+            tokens = _prompt(r, history)
+        hit = cache.match(tokens)
+        cache.check_invariants()
+        o.check_hit(tokens, hit)
+        if op == "probe":
+            cache.release_hit(hit)
+            return
+        sid = f"s{len(names)}"
+        names.append(sid)
+        max_new = r % 5
+        res = cache.admit(sid, tokens, hit, max_new)
+        if res.ok:
+            o.running[sid] = Running(list(tokens), len(tokens), max_new)
+        else:
+            assert res.reason and ("full pool" in res.reason or "swa pool" in res.reason)
+    elif op in ("step", "run") and ids:
+        sid = ids[r % len(ids)]
+        run = o.running[sid]
+        while (left := len(run.tokens) - cache.num_computed(sid)) > 0:
+            k = min(left, 1 + r % 6)  # chunks up to 6 tokens: crosses pages, not always aligned
+            if not o.step(sid, k) and not o.step(sid, 1):
+                break
+            cache.check_invariants()
+            if op == "step":
+                break
+    elif op in ("finish", "abort") and ids:
+        done = [s for s in ids if cache.num_computed(s) == len(o.running[s].tokens)]
+        sid = done[r % len(done)] if done and r % 5 else ids[r % len(ids)]
+        run = o.running.pop(sid)
+        if op == "finish":
+            cache.finish(sid, cache=r % 4 != 0)
+            history.append(run.tokens[:cache.cfg.page_size * (len(run.tokens) // cache.cfg.page_size)])
+        else:
+            cache.abort(sid)
+    elif op == "backup":
+        o.run_copies(cache.backup_to_host(1 + r % 12))
+
+
+@SETTINGS
+@given(cfg=CONFIGS, ops=OPS)
+def test_random_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, ops: list[tuple[str, int]]) -> None:
+    o = Oracle(KVCache(cfg))
+    history: list[list[int]] = []
+    names: list[str] = []
+    for op, r in ops:
+        _apply(o, op, r, history, names)
+        o.cache.check_invariants()
+        if not cfg.retention == "all":
+            for sid in o.running:
+                full, swa = o.cache.page_tables(sid)
+                held = sum(1 for j, s in enumerate(swa) if s >= 0 and j not in o.cache._seqs[sid].keep)
+                assert held <= cfg.seq_swa_pages + 1
+    for sid in sorted(o.running):
+        o.cache.finish(sid)
+        o.cache.check_invariants()
+    u = o.cache.usage()
+    assert u.full.in_use == 0 and u.swa.in_use == 0 and u.full.reserved == 0 and u.swa.reserved == 0
+
+
+def _oracle_hit(tokens: list[int], cached: list[tuple[list[int], set[int]]], P: int, wp: int) -> int:
+    """Brute force: per page of `tokens`, does any cached sequence with the same prefix hold full / SWA KV?"""
+    best = 0
+    for end in range(1, (len(tokens) - 1) // P + 1):
+        full = any(len(t) >= end * P and t[:end * P] == tokens[:end * P] for t, _ in cached)
+        swa = all(any(len(t) >= (j + 1) * P and t[:(j + 1) * P] == tokens[:(j + 1) * P] and j in s
+                      for t, s in cached) for j in range(max(0, end - wp), end))
+        if full and swa:
+            best = end * P
+    return best
+
+
+@SETTINGS
+@given(retention=st.sampled_from(["none", "all"]), window=st.sampled_from([4, 8, 12]),
+       prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 24), st.integers(0, 5)), min_size=2,
+                        max_size=12))
+def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int,
+                                                prompts: list[tuple[int, int, int]]) -> None:
+    """With no memory pressure the hit must equal the brute-force longest valid prefix."""
+    P = 4
+    cfg = KVCacheConfig(page_size=P, window=window, num_full_pages=4096, num_swa_pages=4096, retention=retention)
+    o = Oracle(KVCache(cfg))
+    cached: list[tuple[list[int], set[int]]] = []
+    for i, (stem, n, extra) in enumerate(prompts):
+        tokens = [stem * 100 + j for j in range(n)] + [9000 + i] * extra
+        if not tokens:
+            continue
+        hit = o.cache.match(tokens)
+        o.check_hit(tokens, hit)
+        assert hit.tokens == _oracle_hit(tokens, cached, P, cfg.window_pages), (tokens, hit.tokens)
+        sid = f"q{i}"
+        assert o.cache.admit(sid, tokens, hit, 0).ok
+        o.running[sid] = Running(list(tokens), len(tokens), 0)
+        while o.cache.num_computed(sid) < len(tokens):
+            assert o.step(sid, min(P, len(tokens) - o.cache.num_computed(sid)))
+        o.cache.finish(sid)
+        o.cache.check_invariants()
+        npg = len(tokens) // P
+        swa = set(range(npg)) if retention == "all" else set(range(max(0, npg - cfg.window_pages), npg))
+        cached.append((tokens[:npg * P], swa))
