@@ -1,4 +1,4 @@
-"""A fake engine for KV-cache tests: it writes "KV" (the token prefix each position depends on) into page ids
+"""Test helper (no tests here): a fake engine for KV-cache tests. It writes "KV" (the token prefix each position depends on) into page ids
 and checks, before every read, that the pages it reads hold the KV of this sequence's tokens.
 
 This is the brute-force oracle: per device/host page it tracks what each position's KV was computed from, so
