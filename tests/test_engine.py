@@ -13,6 +13,7 @@ import torch
 from libs.engine import LLM, AsyncEngine, EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine.request import FinishReason
 from libs.engine.runner import direct_greedy
+from libs.kvcache import EventKind, Tier
 from libs.model import load_model, load_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -94,7 +95,7 @@ def run_round(core: EngineCore, prompts: dict[str, list[int]], n_out: int) -> di
 def test_prefix_cache_under_memory_pressure_matches_cache_disabled(tiny):
     pressured = make_core(tiny, num_full_pages=72, num_swa_pages=36, num_host_full_pages=256,
                           num_host_swa_pages=128, max_num_batched_tokens=40, l2_backup_watermark=0.3,
-                          l2_backup_pages=16)
+                          l2_backup_pages=16, admission_decode_tokens=2)
     reference = make_core(tiny, enable_prefix_cache=False)
     systems, users = conversations()
     history = {c: list(systems[c % 2]) for c in range(6)}
@@ -107,11 +108,18 @@ def test_prefix_cache_under_memory_pressure_matches_cache_disabled(tiny):
             history[c] = prompts[f"c{c}t{turn}"] + got[f"c{c}t{turn}"]
     stats = pressured.scheduler.stats
     assert stats.hit_tokens > 0, "the workload never hit the prefix cache"
+    assert stats.preemptions > 0, "no preemption happened"
     assert stats.backed_up_pages > 0, "no L2 backup happened"
     assert stats.loaded_pages > 0, "no L2 load-back happened"
     assert_baseline(pressured)
     assert_baseline(reference)
     assert reference.scheduler.stats.hit_tokens == 0
+    events = pressured.drain_kv_events()
+    stored = [e for e in events if e.kind is EventKind.STORED and e.tier is Tier.DEVICE]
+    flags = [f for e in stored for f in e.swa_checkpoint]
+    assert True in flags and False in flags, "expected both SWA checkpoints and tombstoned blocks"
+    assert any(e.kind is EventKind.REMOVED and e.tier is Tier.DEVICE for e in events), "no device eviction"
+    assert [e.event_id for e in events] == list(range(events[0].event_id, events[0].event_id + len(events)))
 
 
 @pytest.mark.parametrize("when", ["mid_prefill", "mid_decode"])
@@ -119,17 +127,19 @@ def test_abort_leaks_nothing(tiny, when):
     core = make_core(tiny, max_num_batched_tokens=8, num_host_full_pages=64, num_host_swa_pages=32)
     core.add_request(Request("victim", tokens(7, 30), greedy(30)))
     core.add_request(Request("other", tokens(8, 6), greedy(4)))
-    core.step()
+    outs = core.step()
     if when == "mid_decode":
         while not core.scheduler.seqs["victim"].is_decoding:
-            core.step()
-        core.step()
-    else:
-        assert not core.scheduler.seqs["victim"].is_decoding
+            outs += core.step()
+        outs += core.step()
+    assert core.scheduler.seqs["victim"].is_decoding == (when == "mid_decode")
+    assert core.usage().full.in_use > 0
     assert core.abort("victim")
-    got = drain(core)
-    assert got["victim"] == [] or len(got["victim"]) < 30
-    assert len(got["other"]) == 4
+    outs += core.step()
+    final = [o for o in outs if o.req_id == "victim" and o.finished]
+    assert len(final) == 1 and final[0].finish_reason is FinishReason.ABORT
+    outs += [o for step_outs in iter(lambda: core.step() if core.has_work() else None, None) for o in step_outs]
+    assert sum(len(o.new_token_ids) for o in outs if o.req_id == "other") == 4
     assert_baseline(core)
 
 

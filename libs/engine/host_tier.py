@@ -41,16 +41,20 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
 
 
 def split_copies(copies: Sequence, direction: str) -> dict[str, tuple[list[int], list[int]]]:
-    """Group PageCopy objects by layer group: {group: (src ids, dst ids)}; checks the direction."""
-    out: dict[str, tuple[list[int], list[int]]] = {"full": ([], []), "swa": ([], [])}
+    """Group PageCopy objects by layer group: {group: (src ids, dst ids)}; checks the direction.
+
+    A destination page may appear twice in one step's list (a page loaded for a probe, evicted and
+    reused for another load); the later copy is the live one, and one vectorised index assignment
+    with duplicate targets would pick a winner arbitrarily, so only the last copy per target is kept."""
+    last: dict[str, dict[int, int]] = {"full": {}, "swa": {}}
     for c in copies:
         if c.direction != direction:
             raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
-        if c.group not in out:
+        if c.group not in last:
             raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
-        out[c.group][0].append(c.src)
-        out[c.group][1].append(c.dst)
-    return out
+        last[c.group].pop(c.dst, None)
+        last[c.group][c.dst] = c.src
+    return {g: (list(m.values()), list(m.keys())) for g, m in last.items()}
 
 
 def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -280,6 +280,10 @@ class Scheduler:
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
         """Try to admit the head of a waiting queue; False stops admission from this queue."""
         hit = self.cache.match(seq.token_ids)
+        # A host-tier hit is on device pages in the cache's books from now on, admitted or not:
+        # its copies must run whatever happens next.
+        st.load_copies.extend(hit.load_copies)
+        self.stats.loaded_pages += len(hit.load_copies)
         actual_bucket = self.buckets.classify(len(seq.token_ids) - hit.tokens)
         chunk = self._chunk_size(len(seq.token_ids) - hit.tokens, actual_bucket, shorter_waiting, st)
         if chunk <= 0:
@@ -303,8 +307,6 @@ class Scheduler:
         seq.admit_order = self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
-        st.load_copies.extend(hit.load_copies)
-        self.stats.loaded_pages += len(hit.load_copies)
         if self._reserve(seq, chunk, st):
             self._add_scheduled(seq, chunk, st, long=actual_bucket > 0 and shorter_waiting)
         return True
