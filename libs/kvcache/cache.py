@@ -251,7 +251,11 @@ class KVCache:
         plan = self._policy(ctx)
         keep = kept_pages(plan, self.P, self.wp, hp)
         full_cap = -(-(len(tokens) + max_new) // self.P) - hp
-        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages + len(keep))
+        # A kept page costs extra only once the window has moved past it; the window never passes the pages
+        # of the last window of the longest possible sequence.
+        last_first = (len(tokens) + max_new) // self.P - self.wp
+        extra = sum(1 for j in keep if j < last_first)
+        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages + extra)
         seq = Seq(seq_id, tokens, hit.tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
                   full=list(hit.full_pages), swa=list(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
