@@ -285,6 +285,7 @@ class Bus:
 
         sub = await self._nc.subscribe(subject, queue=queue or "", cb=on_message)
         self._servers.append(sub)
+        await self.flush()  # the server knows the subscription when serve() returns
         return sub
 
     async def _handle(self, subject: str, raw: Msg, model: type[Req], handler: Handler[Req]) -> None:
@@ -331,6 +332,7 @@ class Bus:
     async def subscribe(self, subject: str, model: type[Req], queue: str | None = None) -> TypedSubscription[Req]:
         """Subscribe and iterate decoded messages; malformed ones are logged and skipped."""
         sub = await self._nc.subscribe(subject, queue=queue or "")
+        await self.flush()  # no message published after subscribe() returns can be missed
         return TypedSubscription(self, sub, model)
 
     async def flush(self, timeout: float = 2.0) -> None:
