@@ -109,7 +109,8 @@ class Bus:
 
         async def on_disconnect() -> None:
             metrics.CONNECTION_EVENTS.labels("disconnected").inc()
-            log.warning("nats disconnected", extra={"bus": name})
+            closing = nc.is_draining or nc.is_closed  # our own close(), not a failure
+            log.log(logging.INFO if closing else logging.WARNING, "nats disconnected", extra={"bus": name})
 
         async def on_reconnect() -> None:
             metrics.CONNECTION_EVENTS.labels("reconnected").inc()

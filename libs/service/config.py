@@ -1,0 +1,111 @@
+"""Service configuration: frozen pydantic models filled from `WINDSERVE_<FIELD>` env vars."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, get_origin
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from protos import subjects
+
+ENV_PREFIX = "WINDSERVE_"
+
+
+class ConfigError(Exception):
+    """The environment does not describe a valid configuration (message names the variables)."""
+
+
+def new_instance_id() -> str:
+    return secrets.token_hex(6)
+
+
+class ServiceConfig(BaseModel):
+    """Settings every service shares. Subclass per service to add its own (narrow) fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    instance_id: str = Field(
+        default_factory=new_instance_id,
+        pattern=r"^[A-Za-z0-9_\-]+$",
+        description="unique id of this instance (a subject token); random when unset",
+    )
+    registry_bucket: str = Field(default=subjects.REGISTRY_BUCKET, description="JetStream KV bucket of the registry")
+    registry_ttl_s: int = Field(default=5, ge=1, description="registry entry lifetime without heartbeat, seconds")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="registry refresh period, seconds")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="NATS connect timeout, seconds")
+    drain_timeout_s: float = Field(default=10.0, gt=0, description="max wait for in-flight work on shutdown")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus HTTP port; 0 = off")
+    metrics_host: str = Field(default="127.0.0.1", description="bind address of the metrics endpoint")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="log level")
+    data_address: str = Field(default="", description="address peers use for bulk data (UCX/TCP)")
+    capacity: int = Field(default=0, ge=0, description="advertised capacity (role-specific units)")
+    labels: dict[str, str] = Field(default_factory=dict, description="registry labels, JSON object")
+    model: str = Field(default="", description="model directory (HF layout); empty until a model is loaded")
+
+    @model_validator(mode="after")
+    def _heartbeat_below_ttl(self) -> ServiceConfig:
+        if self.heartbeat_interval_s >= self.registry_ttl_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below registry_ttl_s "
+                f"({self.registry_ttl_s}) or the entry expires between heartbeats"
+            )
+        return self
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _parse(raw: str, annotation: Any) -> Any:
+    # Containers arrive as JSON; scalars stay strings and pydantic's lax mode converts them.
+    if get_origin(annotation) in (dict, list) or annotation in (dict, list):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"expected a JSON value, got {raw!r} ({exc})") from exc
+    return raw
+
+
+def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides: Any) -> C:
+    """Build `cls` from `WINDSERVE_<FIELD>` variables (unset ones keep defaults), then overrides.
+
+    Raises ConfigError naming each offending variable and why.
+    """
+    source = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, field in cls.model_fields.items():
+        key = env_name(name)
+        if key in source:
+            try:
+                values[name] = _parse(source[key], field.annotation)
+            except ConfigError as exc:
+                raise ConfigError(f"{cls.__name__}: {key}: {exc}") from exc
+    values.update(overrides)
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {cls.__name__}: " + "; ".join(_describe(e) for e in exc.errors())) from exc
+
+
+def _describe(err: Any) -> str:
+    loc = err["loc"]
+    if loc:
+        return f"{env_name(str(loc[0]))}: {err['msg']} (got {err.get('input')!r})"
+    return str(err["msg"])
+
+
+def describe_fields(cls: type[ServiceConfig]) -> list[tuple[str, str, str]]:
+    """(env var, default, description) per field, for docs and --help output."""
+    rows = []
+    for name, field in cls.model_fields.items():
+        default = "<random>" if field.default_factory is new_instance_id else repr(field.get_default(call_default_factory=True))
+        rows.append((env_name(name), default, field.description or ""))
+    return rows

@@ -1,0 +1,193 @@
+"""Service base: bus + registry + health + metrics + graceful shutdown.
+
+Lifecycle (ServiceState): STARTING → RUNNING → DRAINING → STOPPED.
+Shutdown order and why:
+1. stop accepting (unsubscribe every served subject) and deregister, so no peer picks us again;
+2. drain in-flight handlers for up to `drain_timeout_s`, then cancel the rest;
+3. `teardown()` hook, background tasks cancelled, bus drained and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from typing import Any, ClassVar, TypeVar
+
+from libs.bus import Bus, BusConfig, BusError, HeartbeatConfig, Registration, Registry
+from libs.service.config import ConfigError, ServiceConfig, load_config
+from libs.service.logs import setup_logging
+from libs.service.metrics import BACKGROUND_FAILURES, SERVICE_INFO, SERVICE_STATE, MetricsServer
+from protos import subjects
+from protos.messages import HealthReply, HealthRequest, RegistryEntry, Role, ServiceState
+
+log = logging.getLogger("windserve.service")
+
+
+class Service:
+    """Base of every windserve service. Subclasses set `role` and override the hooks."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.state = ServiceState.STARTING
+        self.bus: Bus | None = None
+        self.registry: Registry | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._registration: Registration | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop_requested = asyncio.Event()
+        self._started_at = time.time()
+        self._stopped = False
+
+    # --- hooks for subclasses -------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Serve handlers / start servers. Bus and registry are ready when this runs."""
+
+    async def teardown(self) -> None:
+        """Release what setup() acquired (called after in-flight work drained)."""
+
+    def health_details(self) -> dict[str, str]:
+        return {}
+
+    def registry_entry(self) -> RegistryEntry:
+        metrics_url = self.metrics_server.url if self.metrics_server else ""
+        return RegistryEntry(
+            role=self.role,
+            instance_id=self.config.instance_id,
+            address=self.config.data_address,
+            capacity=self.config.capacity,
+            labels=self.config.labels,
+            metrics_url=metrics_url,
+            started_at=self._started_at,
+        )
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def _set_state(self, state: ServiceState) -> None:
+        self.state = state
+        for s in ServiceState:
+            SERVICE_STATE.labels(s.value).set(1 if s == state else 0)
+        log.info("state", extra={"state": state.value})
+
+    async def start(self) -> None:
+        cfg = self.config
+        SERVICE_INFO.info({"role": self.role.value, "instance": cfg.instance_id})
+        self._set_state(ServiceState.STARTING)
+        if cfg.metrics_port:
+            self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port)
+        self.bus = await Bus.connect(
+            cfg.nats_url,
+            name=f"{self.role.value}-{cfg.instance_id}",
+            timeout=cfg.connect_timeout_s,
+            config=BusConfig(connect_timeout_s=cfg.connect_timeout_s, drain_timeout_s=cfg.drain_timeout_s),
+        )
+        self.registry = await Registry.open(self.bus, bucket=cfg.registry_bucket)
+        await self.bus.serve(subjects.health(cfg.instance_id), HealthRequest, self._health)
+        await self.setup()
+        heartbeat = HeartbeatConfig(ttl_s=cfg.registry_ttl_s, interval_s=cfg.heartbeat_interval_s)
+        self._registration = self.registry.register(self.registry_entry(), heartbeat)
+        await self._registration.start()
+        self._set_state(ServiceState.RUNNING)
+
+    async def _health(self, _: HealthRequest) -> HealthReply:
+        return HealthReply(
+            role=self.role,
+            instance_id=self.config.instance_id,
+            state=self.state,
+            uptime_s=round(time.time() - self._started_at, 3),
+            in_flight=max(0, (self.bus.in_flight if self.bus else 0) - 1),  # minus this health request
+            details=self.health_details(),
+        )
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def stop(self) -> None:
+        """Graceful, idempotent shutdown (see module docstring for the order)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._set_state(ServiceState.DRAINING)
+        if self.bus is not None:
+            await self.bus.stop_serving()
+        if self._registration is not None:
+            await self._registration.stop(deregister=True)
+        if self.bus is not None:
+            await self.bus.drain_handlers(self.config.drain_timeout_s)
+        try:
+            await self.teardown()
+        except Exception:
+            log.exception("teardown failed")
+        await self._cancel_background()
+        if self.bus is not None:
+            await self.bus.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        self._set_state(ServiceState.STOPPED)
+
+    async def run(self) -> None:
+        """Start, wait for SIGTERM/SIGINT (or request_stop), then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            log.info("ready", extra={"role": self.role.value, "instance": self.config.instance_id})
+            await self._stop_requested.wait()
+        finally:
+            await self.stop()
+
+    # --- background tasks -------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, critical: bool = False) -> asyncio.Task[Any]:
+        """Run `coro` in the background; its failure is logged (and stops the service if critical)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._on_task_done(t, critical))
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[Any], critical: bool) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            BACKGROUND_FAILURES.inc()
+            log.error("background task failed", exc_info=exc, extra={"task": task.get_name()})
+            if critical:
+                self.request_stop()
+
+    async def _cancel_background(self) -> None:
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 5)
+
+
+S = TypeVar("S", bound=Service)
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def main(service_cls: type[S], config_cls: type[C]) -> int:
+    """Entry point for `python -m services.<name>`: exit 2 on bad config, 1 on start failure."""
+    try:
+        config = load_config(config_cls)
+    except ConfigError as exc:
+        print(f"windserve {service_cls.role.value}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, service=service_cls.role.value, instance=config.instance_id)
+    try:
+        asyncio.run(service_cls(config).run())
+    except (BusError, OSError) as exc:
+        log.error("service failed to start", extra={"error": str(exc)})
+        return 1
+    return 0

@@ -1,0 +1,8 @@
+"""`python -m services.decode`: configuration from WINDSERVE_* env vars."""
+
+from libs.service import main
+from services.decode.config import DecodeConfig
+from services.decode.service import DecodeService
+
+if __name__ == "__main__":
+    raise SystemExit(main(DecodeService, DecodeConfig))

@@ -1,0 +1,1 @@
+"""Gateway: OpenAI-compatible REST front door. Today: /health (registry view) and /metrics."""

@@ -1,0 +1,1 @@
+"""KV-affinity router: picks (prefill, decode) workers per request."""

@@ -1,0 +1,8 @@
+"""`python -m services.router`: configuration from WINDSERVE_* env vars."""
+
+from libs.service import main
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+
+if __name__ == "__main__":
+    raise SystemExit(main(RouterService, RouterConfig))

@@ -1,0 +1,1 @@
+"""Combined worker: prefill and decode in one process (small deployments, tests)."""

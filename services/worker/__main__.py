@@ -1,0 +1,8 @@
+"""`python -m services.worker`: configuration from WINDSERVE_* env vars."""
+
+from libs.service import main
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+if __name__ == "__main__":
+    raise SystemExit(main(WorkerService, WorkerConfig))
