@@ -1,0 +1,231 @@
+"""Service base: config loading, JSON logs, lifecycle (health, drain, deregister), real processes."""
+
+import asyncio
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import orjson
+import pytest
+
+from libs.bus import HeartbeatConfig, Registry
+from libs.service import ConfigError, JsonFormatter, Service, ServiceConfig, load_config
+from protos import subjects
+from protos.messages import HealthReply, HealthRequest, Role, RouteReply, RouteRequest, ServiceState
+from services.gateway.config import GatewayConfig
+from services.router.config import RouterConfig
+from tests.fixtures.nats import free_port
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- config (unit) --------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_config_reads_prefixed_env_and_keeps_defaults():
+    cfg = load_config(
+        GatewayConfig,
+        {
+            "WINDSERVE_HTTP_PORT": "9001",
+            "WINDSERVE_REGISTRY_TTL_S": "3",
+            "WINDSERVE_LABELS": '{"bucket": "32k"}',
+            "WINDSERVE_INSTANCE_ID": "gw-1",
+            "OTHER_HTTP_PORT": "1",
+            "WINDSERVE_UNRELATED": "x",  # another service's variable: ignored
+        },
+    )
+    assert (cfg.http_port, cfg.registry_ttl_s, cfg.labels, cfg.instance_id) == (9001, 3, {"bucket": "32k"}, "gw-1")
+    assert cfg.nats_url == ServiceConfig.model_fields["nats_url"].default
+
+
+@pytest.mark.unit
+def test_config_errors_name_the_variable():
+    with pytest.raises(ConfigError, match="WINDSERVE_METRICS_PORT.*70000"):
+        load_config(RouterConfig, {"WINDSERVE_METRICS_PORT": "70000"})
+    with pytest.raises(ConfigError, match="WINDSERVE_LABELS.*JSON"):
+        load_config(RouterConfig, {"WINDSERVE_LABELS": "{oops"})
+    with pytest.raises(ConfigError, match="must be below registry_ttl_s"):
+        load_config(RouterConfig, {"WINDSERVE_REGISTRY_TTL_S": "1", "WINDSERVE_HEARTBEAT_INTERVAL_S": "2"})
+    with pytest.raises(ConfigError, match="WINDSERVE_INSTANCE_ID"):
+        load_config(RouterConfig, {"WINDSERVE_INSTANCE_ID": "has.dot"})
+
+
+@pytest.mark.unit
+def test_config_is_frozen_and_instance_ids_differ():
+    a, b = load_config(RouterConfig, {}), load_config(RouterConfig, {})
+    assert a.instance_id != b.instance_id
+    with pytest.raises(Exception, match="frozen"):
+        a.capacity = 3  # type: ignore[misc]
+
+
+@pytest.mark.unit
+def test_json_formatter_emits_one_object_with_extras():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter({"service": "router"}))
+    logger = logging.getLogger("test.json")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("hello %s", "world", extra={"request_id": "q1"})
+    finally:
+        logger.removeHandler(handler)
+    doc = orjson.loads(stream.getvalue())
+    assert doc["msg"] == "hello world" and doc["level"] == "WARNING"
+    assert doc["service"] == "router" and doc["request_id"] == "q1"
+
+
+# --- lifecycle in-process (integration) -----------------------------------------------------
+
+
+class EchoService(Service):
+    role = Role.ROUTER
+
+    def __init__(self, config: ServiceConfig) -> None:
+        super().__init__(config)
+        self.release = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        await self.bus.serve(f"t.svc.{self.config.instance_id}", RouteRequest, self.route)
+
+    async def route(self, req: RouteRequest) -> RouteReply:
+        self.entered.set()
+        await self.release.wait()
+        return RouteReply(prefill_instance="p", decode_instance="d", predicted_hit_tokens=req.num_tokens)
+
+
+def svc_config(nats_url: str, **kw) -> ServiceConfig:
+    base = {"nats_url": nats_url, "registry_bucket": "test_service_reg", "registry_ttl_s": 2, "heartbeat_interval_s": 0.3}
+    return ServiceConfig(**{**base, **kw})
+
+
+@pytest.mark.integration
+async def test_service_registers_answers_health_and_drains_before_deregistering(bus, nats_url):
+    svc = EchoService(svc_config(nats_url, metrics_port=free_port()))
+    await svc.start()
+    try:
+        registry = await Registry.open(bus, bucket="test_service_reg")
+        assert [e.instance_id for e in await registry.list(Role.ROUTER)] == [svc.config.instance_id]
+        health = await bus.request(subjects.health(svc.config.instance_id), HealthRequest(), HealthReply, 2)
+        assert (health.role, health.state, health.in_flight) == (Role.ROUTER, ServiceState.RUNNING, 0)
+
+        body = urllib.request.urlopen(svc.metrics_server.url, timeout=5).read().decode()
+        assert 'windserve_service_state{state="running"} 1.0' in body
+
+        pending = asyncio.create_task(
+            bus.request(f"t.svc.{svc.config.instance_id}", RouteRequest(request_id="a", num_tokens=5), RouteReply, 10)
+        )
+        await asyncio.wait_for(svc.entered.wait(), 5)
+        stopping = asyncio.create_task(svc.stop())
+        await asyncio.sleep(0.3)
+        assert svc.state == ServiceState.DRAINING and not stopping.done()  # waits for the handler
+        assert await registry.list(Role.ROUTER) == []  # already deregistered: nobody picks it now
+        svc.release.set()
+        assert (await pending).predicted_hit_tokens == 5  # the in-flight request still got its answer
+        await asyncio.wait_for(stopping, 10)
+        assert svc.state == ServiceState.STOPPED
+    finally:
+        svc.release.set()
+        await svc.stop()
+
+
+@pytest.mark.integration
+async def test_failing_critical_background_task_stops_service(nats_url):
+    svc = EchoService(svc_config(nats_url))
+
+    async def boom():
+        raise RuntimeError("lost the model")
+
+    runner = asyncio.create_task(svc.run())
+    try:
+        async with asyncio.timeout(10):
+            while svc.state != ServiceState.RUNNING:
+                await asyncio.sleep(0.02)
+        svc.spawn(boom(), name="boom", critical=True)
+        await asyncio.wait_for(runner, 10)
+        assert svc.state == ServiceState.STOPPED
+    finally:
+        svc.request_stop()
+        await asyncio.wait_for(runner, 10)
+
+
+# --- real processes (e2e) -------------------------------------------------------------------
+
+
+def start_router(nats_url: str, instance: str, bucket: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "WINDSERVE_NATS_URL": nats_url,
+        "WINDSERVE_INSTANCE_ID": instance,
+        "WINDSERVE_REGISTRY_BUCKET": bucket,
+        "WINDSERVE_REGISTRY_TTL_S": "1",
+        "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.25",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.router"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+async def wait_listed(registry: Registry, instance: str, present: bool, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while (instance in [e.instance_id for e in await registry.list()]) != present:
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.e2e
+async def test_sigkilled_service_leaves_registry_within_ttl_and_sigterm_deregisters(bus, nats_url):
+    bucket = "test_service_kill"
+    registry = await Registry.open(bus, bucket=bucket)
+    killed = start_router(nats_url, "doomed", bucket)
+    stopped = start_router(nats_url, "polite", bucket)
+    try:
+        await wait_listed(registry, "doomed", True, 20)
+        await wait_listed(registry, "polite", True, 20)
+        reply = await bus.request(subjects.health("doomed"), HealthRequest(), HealthReply, 2)
+        assert reply.instance_id == "doomed" and reply.details["serving"] == "not yet"
+
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(5)
+        # TTL is 1 s; allow the server's expiry scan one more second. Heartbeats of the other
+        # instance meanwhile keep it listed.
+        await wait_listed(registry, "doomed", False, HeartbeatConfig(ttl_s=1, interval_s=0.25).ttl_s + 1.5)
+        assert [e.instance_id for e in await registry.list()] == ["polite"]
+
+        stopped.send_signal(signal.SIGTERM)
+        assert stopped.wait(10) == 0, stopped.stderr.read().decode()[-2000:] if stopped.stderr else ""
+        assert await registry.list() == []  # deregistered on the way out, no TTL wait needed
+    finally:
+        for proc in (killed, stopped):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            if proc.stderr:
+                proc.stderr.close()
+
+
+@pytest.mark.e2e
+def test_bad_config_exits_2_with_clear_message():
+    env = {**os.environ, "WINDSERVE_REGISTRY_TTL_S": "zero"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.decode"], cwd=ROOT, env=env, capture_output=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert b"WINDSERVE_REGISTRY_TTL_S" in proc.stderr and b"decode" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_unreachable_nats_exits_1():
+    env = {**os.environ, "WINDSERVE_NATS_URL": f"nats://127.0.0.1:{free_port()}", "WINDSERVE_CONNECT_TIMEOUT_S": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.prefill"], cwd=ROOT, env=env, capture_output=True, timeout=30
+    )
+    assert proc.returncode == 1
+    assert b"cannot connect to NATS" in proc.stderr
