@@ -1,0 +1,95 @@
+"""`make run` supervisor: comes up, lists every service, and leaves no process after Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fixtures.nats import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "scripts.run", "--run-dir", str(tmp_path / "run"), "--grace", "5", *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not printed in {timeout}s; got {lines}; stderr {proc.stderr.read()}")
+
+
+def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
+    http_port = free_port()
+    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,prefill,decode,worker=2")
+    descendants: list[psutil.Process] = []
+    try:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+            body = json.loads(resp.read())
+        counts = {role: len(ids) for role, ids in body["services"].items()}
+        assert counts == {"gateway": 1, "router": 1, "prefill": 1, "decode": 1, "worker": 2}
+        names = {p.name() for p in descendants}
+        assert "nats-server" in names and len(descendants) >= 7  # nats + 6 services
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:  # never leave strays behind, even when the assertion below fails
+            p.kill()
+    assert alive == [], f"left behind: {[p.pid for p in alive]}"
+    logs = tmp_path / "run" / "logs"
+    assert {p.name for p in logs.iterdir()} == {
+        "nats.log", "gateway.log", "router.log", "prefill.log", "decode.log", "worker-0.log", "worker-1.log"
+    }
+    first = (logs / "router.log").read_text().splitlines()[0]
+    assert json.loads(first)["service"] == "router"  # structured logs per service
+
+
+def test_crashing_service_tears_everything_down_with_clear_error(tmp_path):
+    env = {**os.environ, "WINDSERVE_REGISTRY_TTL_S": "zero"}  # every service rejects its config
+    proc = start_run(tmp_path, "--http-port", "0", "--services", "router", env=env)
+    try:
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert rc == 1
+    assert "router exited with code 2" in err and "router.log" in err
+    assert "WINDSERVE_REGISTRY_TTL_S" in (tmp_path / "run" / "logs" / "router.log").read_text()
+    nats_store = str(tmp_path / "run" / "nats")
+    strays = [p for p in psutil.process_iter(["cmdline"]) if nats_store in " ".join(p.info["cmdline"] or [])]
+    assert strays == []
+
+
+def test_unknown_service_is_rejected_before_starting_anything(tmp_path):
+    proc = start_run(tmp_path, "--services", "gateway,nosuch")
+    assert proc.wait(30) == 2
+    assert "unknown service 'nosuch'" in proc.stderr.read()
+    assert not (tmp_path / "run").exists()
