@@ -591,8 +591,10 @@ class TransferEngine(_EngineBase):
     async def _stop_data_plane(self) -> None:
         if self._ctx is None:
             return
-        self._ctx.worker.stop_progress_thread()
+        # Wake the notifier first: otherwise its 1 s wait blocks stop_notifier_thread().
+        self._ctx.worker.stop_request_notifier_thread()
         self._ctx.stop_notifier_thread()
+        self._ctx.worker.stop_progress_thread()
         self._ctx, self._progress = None, None
 
     def _data_address(self) -> str | None:
