@@ -1,0 +1,85 @@
+"""compose/: schema-valid per the compose spec, plus the structural rules windserve relies on."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+ROLES = {"gateway", "router", "prefill", "decode"}
+
+
+@pytest.fixture(scope="module")
+def spec() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())  # resolves the x-* anchors like compose does
+
+
+def test_valid_against_compose_spec():
+    checker = Path(sys.executable).parent / "check-jsonschema"
+    proc = subprocess.run(
+        [str(checker), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_one_service_per_role_plus_nats(spec):
+    assert set(spec["services"]) == ROLES | {"nats"}
+    for role in ROLES:
+        assert spec["services"][role]["command"] == ["python", "-m", f"services.{role}"]
+        assert (ROOT / "services" / role / "__main__.py").exists()
+
+
+def test_only_gateway_publishes_ports(spec):
+    publishing = {name for name, svc in spec["services"].items() if svc.get("ports")}
+    assert publishing == {"gateway"}
+
+
+def test_no_container_name_so_scale_works(spec):
+    assert [n for n, svc in spec["services"].items() if "container_name" in svc] == []
+
+
+def test_every_windserve_service_reaches_nats_by_name(spec):
+    for role in ROLES:
+        svc = spec["services"][role]
+        assert svc["environment"]["WINDSERVE_NATS_URL"] == "nats://nats:4222"
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert "healthcheck" in svc
+
+
+def test_gpu_reserved_for_prefill_and_decode_only(spec):
+    def wants_gpu(svc: dict) -> bool:
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        return any("gpu" in d.get("capabilities", []) for d in devices)
+
+    assert {n for n, svc in spec["services"].items() if wants_gpu(svc)} == {"prefill", "decode"}
+
+
+def test_nats_runs_jetstream_from_the_shipped_config(spec):
+    nats = spec["services"]["nats"]
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert "./nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert "jetstream" in (ROOT / "compose" / "nats.conf").read_text()
+
+
+def test_nats_conf_is_accepted_by_nats_server(tmp_path):
+    # `nats-server -t` parses the config and exits: catches typos without starting a server.
+    binary = Path(sys.executable).parent / "nats-server"
+    conf = (ROOT / "compose" / "nats.conf").read_text().replace("/data", str(tmp_path))
+    (tmp_path / "nats.conf").write_text(conf)
+    proc = subprocess.run([str(binary), "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_installs_cpu_torch_before_the_project():
+    lines = (ROOT / "compose" / "Dockerfile").read_text().splitlines()
+    torch = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
+    project = next(i for i, line in enumerate(lines) if line.strip() == "RUN pip install .")
+    first = next(line for line in lines if line.strip() and not line.startswith("#"))
+    assert first.startswith("FROM python:3.11") and torch < project
