@@ -229,3 +229,30 @@ def test_unreachable_nats_exits_1():
     )
     assert proc.returncode == 1
     assert b"cannot connect to NATS" in proc.stderr
+
+
+@pytest.mark.unit
+def test_gateway_health_groups_by_role_and_reports_registry_failure():
+    from fastapi.testclient import TestClient
+
+    from protos.messages import RegistryEntry
+    from services.gateway.handlers import build_app
+
+    entries = [
+        RegistryEntry(role=Role.DECODE, instance_id="d2"),
+        RegistryEntry(role=Role.DECODE, instance_id="d1"),
+        RegistryEntry(role=Role.ROUTER, instance_id="r1"),
+    ]
+
+    async def listing():
+        return entries
+
+    body = TestClient(build_app(listing, "gw")).get("/health").json()
+    assert body["services"] == {"decode": ["d1", "d2"], "router": ["r1"]}
+    assert len(body["instances"]) == 3
+
+    async def broken():
+        raise TimeoutError("registry bucket windserve_registry took over 2s")
+
+    resp = TestClient(build_app(broken, "gw")).get("/health")
+    assert resp.status_code == 503 and "took over 2s" in resp.json()["error"]
