@@ -1,0 +1,209 @@
+"""KV transfer throughput: TransferEngine vs a raw ucxx tagged send of the same bytes.
+
+    python -m bench.transfer [--mib 64] [--layers 16] [--iters 5]
+
+The receiver runs in this process, the sender in a child process (two UCX workers, two
+processes, like prefill -> decode). For each UCX transport (tcp over loopback, shared
+memory) the two methods alternate round by round in one run, on the same workers:
+
+* engine: ``TransferEngine.send`` (header/accept, one LAYER per layer, END, DONE);
+* raw:    the receiver pre-posts one tagged recv per layer, the sender sends the layers
+          one after another, the receiver acks when all landed.
+
+Both are timed on the sender from the first byte offered to the receiver's final answer.
+The plain-TCP fallback engine is measured too (no raw counterpart). Writes
+bench/results/transfer.json and transfer.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from libs.transfer import Backend, LayerSpec, TransferConfig, create_engine
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAGE_SHAPE = (16, 8, 320)  # page of 16 tokens, 8 KV heads, k 192 + v 128 dims (bf16)
+TRANSPORTS = {"tcp": (("TLS", "tcp,self"), ("NET_DEVICES", "lo")), "sm": (("TLS", "sm,self"),)}
+RAW_TAG, ACK_TAG = 0x5A00_0000, 0x5AFF_FFFF
+
+
+def layer_specs(mib: int, layers: int) -> list[LayerSpec]:
+    page_bytes = 2 * PAGE_SHAPE[0] * PAGE_SHAPE[1] * PAGE_SHAPE[2]
+    pages = max(1, (mib << 20) // layers // page_bytes)
+    return [LayerSpec("swa" if i % 6 else "full", i, pages, "bfloat16", (pages, *PAGE_SHAPE)) for i in range(layers)]
+
+
+def make_layers(specs: list[LayerSpec]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(s.shape).to(torch.bfloat16) for s in specs]
+
+
+def raw_tag(iteration: int, layer: int) -> int:
+    return RAW_TAG + iteration * 4096 + layer
+
+
+# -- sender (child process) ----------------------------------------------------------------
+async def sender(args: argparse.Namespace) -> None:
+    import ucxx
+
+    specs = layer_specs(args.mib, args.layers)
+    src = make_layers(specs)
+    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(args.transport, ())), Backend(args.backend))
+    await engine.start()
+    ep = None
+    if args.backend == "ucx":
+        ctx = engine._ctx  # the raw path uses the very same UCX worker as the engine
+        print("ADDR", base64.b64encode(bytes(ctx.worker_address)).decode(), flush=True)
+        peer = ucxx.get_ucx_address_from_buffer(base64.b64decode(args.peer))
+        ep = await ctx.create_endpoint_from_worker_address(
+            peer, endpoint_error_handling=engine.config.endpoint_error_handling())
+    else:
+        print("ADDR -", flush=True)
+    loop = asyncio.get_running_loop()
+    while (line := (await loop.run_in_executor(None, sys.stdin.readline)).split()):
+        method, iteration = line[0], int(line[1])
+        start = time.perf_counter()
+        if method == "engine":
+            await engine.send(args.address, f"it{iteration}", specs, src)
+        else:
+            for i, t in enumerate(src):
+                await ep.send(t.view(torch.uint8).numpy().reshape(-1), tag=raw_tag(iteration, i), force_tag=True)
+            ack = torch.zeros(1, dtype=torch.uint8)
+            await engine._ctx.recv(ack.numpy(), tag=ACK_TAG + iteration)
+        print("T", method, iteration, time.perf_counter() - start, flush=True)
+    await engine.close()
+
+
+# -- receiver (this process) -----------------------------------------------------------------
+async def measure(backend: str, transport: str, mib: int, layers: int, iters: int) -> dict[str, list[float]]:
+    import ucxx
+
+    specs = layer_specs(mib, layers)
+    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(transport, ())), Backend(backend))
+    await engine.start()
+    peer = base64.b64encode(bytes(engine._ctx.worker_address)).decode() if backend == "ucx" else "-"
+    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.transfer", "--role", "sender", "--backend", backend, "--transport", transport,
+         "--address", engine.address, "--peer", peer, "--mib", str(mib), "--layers", str(layers)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    async def read() -> list[str]:
+        return (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)).split()
+
+    def order(method: str, iteration: int) -> None:
+        proc.stdin.write(f"{method} {iteration}\n")
+        proc.stdin.flush()
+
+    times: dict[str, list[float]] = {"engine": [], "raw": []}
+    try:
+        _, child_addr = await read()
+        ep = None
+        if backend == "ucx":
+            ep = await engine._ctx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(base64.b64decode(child_addr)),
+                endpoint_error_handling=engine.config.endpoint_error_handling())
+        dests = [torch.empty(s.shape, dtype=torch.bfloat16) for s in specs]
+        for it in range(iters + 1):  # round 0 warms both paths up and is not reported
+            inc = engine.expect(f"it{it}", dests)
+            order("engine", it)
+            await inc.wait(60)
+            times["engine"].append(float((await read())[3]))
+            if ep is None:
+                continue
+            recvs = [asyncio.ensure_future(engine._ctx.recv(d.view(torch.uint8).numpy().reshape(-1),
+                                                            tag=raw_tag(it, i))) for i, d in enumerate(dests)]
+            order("raw", it)
+            await asyncio.wait_for(asyncio.gather(*recvs), 60)
+            await ep.send(torch.ones(1, dtype=torch.uint8).numpy(), tag=ACK_TAG + it, force_tag=True)
+            times["raw"].append(float((await read())[3]))
+        reference = make_layers(specs)
+        if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                   for a, b in zip(reference, dests, strict=True)):
+            raise RuntimeError(f"{backend}/{transport}: received bytes differ from the sent layers")
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+        await engine.close()
+    return {k: v[1:] for k, v in times.items() if v}
+
+
+def summarize(nbytes: int, times: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(times), "gbps": nbytes / statistics.median(times) / 1e9,
+            "best_gbps": nbytes / min(times) / 1e9}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, engine, raw = [], [], []
+    for row in results:
+        labels.append(row["name"])
+        engine.append(row["engine"]["gbps"])
+        raw.append(row["raw"]["gbps"] if "raw" in row else 0.0)
+    xs = range(len(labels))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([x - 0.2 for x in xs], engine, 0.4, label="TransferEngine")
+    ax.bar([x + 0.2 for x in xs], raw, 0.4, label="raw ucxx send")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title(f"KV transfer, {results[0]['mib']} MiB in {results[0]['layers']} layers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def main(args: argparse.Namespace) -> None:
+    specs = layer_specs(args.mib, args.layers)
+    nbytes = sum(s.nbytes for s in specs)
+    results = []
+    for name, backend, transport in [("ucx-tcp", "ucx", "tcp"), ("ucx-sm", "ucx", "sm"), ("tcp-fallback", "tcp", "tcp")]:
+        try:
+            times = await measure(backend, transport, args.mib, args.layers, args.iters)
+        except Exception as exc:  # a transport missing on this host is reported, not fatal
+            print(f"{name}: skipped ({exc!r})")
+            continue
+        row = {"name": name, "mib": args.mib, "layers": args.layers, "bytes": nbytes, "iters": args.iters,
+               **{k: summarize(nbytes, v) for k, v in times.items()}}
+        if "raw" in row:
+            row["engine_over_raw"] = row["engine"]["gbps"] / row["raw"]["gbps"]
+        results.append(row)
+        raw = f", raw {row['raw']['gbps']:.3f} GB/s, ratio {row['engine_over_raw']:.2f}" if "raw" in row else ""
+        print(f"{name:13s} engine {row['engine']['gbps']:.3f} GB/s{raw}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "transfer.json").write_text(json.dumps(results, indent=2))
+    if results:
+        plot(results, RESULTS / "transfer.png")
+    print(f"wrote {RESULTS / 'transfer.json'} and transfer.png")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--role", choices=["receiver", "sender"], default="receiver")
+    p.add_argument("--backend", default="ucx")
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--address", default="")
+    p.add_argument("--peer", default="-")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    cli = parse()
+    asyncio.run(sender(cli) if cli.role == "sender" else main(cli))
