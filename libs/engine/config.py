@@ -46,6 +46,9 @@ class EngineConfig:
     """Free-page share of a device pool under which cached pages are backed up to the host tier."""
     l2_backup_pages: int = 64
     """Most pages backed up per step."""
+    l2_load_mode: str = "thread"
+    """How host-tier hits are loaded: "thread" (copy thread / CUDA side stream running ahead of the
+    forward, layer by layer), "inline" (layer i copied just before layer i runs), "sync" (all before)."""
     dtype: str = "float32"
     """KV and activation dtype: float32, bfloat16 or float16."""
     device: str = "cpu"
@@ -65,6 +68,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
             raise ValueError("EngineConfig: set both num_host_full_pages and num_host_swa_pages, or neither")
+        if self.l2_load_mode not in ("thread", "inline", "sync"):
+            raise ValueError(f"EngineConfig.l2_load_mode must be thread, inline or sync, got {self.l2_load_mode!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -61,44 +62,67 @@ def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
     return (pools.full_k, pools.full_v) if group == "full" else (pools.swa_k, pools.swa_v)
 
 
-def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int], dst_ids: list[int],
-               layer: int | None = None) -> None:
+def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tensor,
+               dst_ids: list[int] | torch.Tensor, layer: int | None = None) -> None:
     """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None)."""
-    if not src_ids:
+    if len(src_ids) == 0:
         return
     for src_t, dst_t in zip(_pool_tensors(src_pools, group), _pool_tensors(dst_pools, group), strict=True):
-        src_idx = torch.tensor(src_ids, device=src_t.device)
-        dst_idx = torch.tensor(dst_ids, device=dst_t.device)
+        src_idx = torch.as_tensor(src_ids, device=src_t.device)
+        dst_idx = torch.as_tensor(dst_ids, device=dst_t.device)
         if layer is None:
             dst_t[:, dst_idx] = src_t[:, src_idx].to(dst_t.device, non_blocking=True)
         else:
-            dst_t[layer, dst_idx] = src_t[layer, src_idx].to(dst_t.device, non_blocking=True)
+            dst_t[layer].index_copy_(0, dst_idx, src_t[layer].index_select(0, src_idx).to(dst_t.device,
+                                                                                        non_blocking=True))
+
+
+class LoadMode(StrEnum):
+    THREAD = "thread"  # a copy thread (CPU) / side stream (CUDA) runs ahead of the compute, layer by layer
+    INLINE = "inline"  # layer i's pages are copied right before layer i runs, on the compute thread
+    SYNC = "sync"  # everything is copied before the forward starts (no overlap; the baseline)
 
 
 class LayerwiseLoad:
     """One in-flight host -> device load, copied layer by layer in model layer order."""
 
-    def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence) -> None:
-        self._groups = split_copies(copies, "h2d")
-        self._host, self._dev, self._slots = host, device_pools, slots
+    def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence,
+                 mode: LoadMode = LoadMode.THREAD) -> None:
+        groups = split_copies(copies, "h2d")
+        self._host, self._dev, self._slots, self._mode = host, device_pools, slots, mode
+        # Index tensors are built once per group, not once per layer.
+        self._index = {g: (torch.tensor(src, dtype=torch.int64, device=host.full_k.device),
+                           torch.tensor(dst, dtype=torch.int64, device=device_pools.full_k.device))
+                       for g, (src, dst) in groups.items()}
         self._cuda = device_pools.full_k.is_cuda
         self._done = [threading.Event() for _ in slots]
         self._cuda_events = [torch.cuda.Event() for _ in slots] if self._cuda else []
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-l2-load", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if mode is LoadMode.SYNC:
+            for g, (src, dst) in self._index.items():
+                copy_pages(host, device_pools, g, src, dst)
+            for ev in self._done:
+                ev.set()
+        elif mode is LoadMode.THREAD:
+            self._thread = threading.Thread(target=self._run, name="kv-l2-load", daemon=True)
+            self._thread.start()
+
+    def _copy_layer(self, i: int) -> None:
+        slot = self._slots[i]
+        src, dst = self._index[slot.group]
+        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
 
     def _run(self) -> None:
         try:
             stream = torch.cuda.Stream() if self._cuda else None
-            for i, slot in enumerate(self._slots):
-                src, dst = self._groups[slot.group]
+            for i in range(len(self._slots)):
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
+                        self._copy_layer(i)
                         self._cuda_events[i].record(stream)
                 else:
-                    copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
+                    self._copy_layer(i)
                 self._done[i].set()
         except BaseException as exc:  # surfaced to the compute side in wait_layer()
             self._error = exc
@@ -107,14 +131,20 @@ class LayerwiseLoad:
 
     def wait_layer(self, layer: int) -> None:
         """Block the compute side until layer's pages are on the device (CUDA: stream-ordered)."""
+        if self._mode is LoadMode.INLINE:
+            if not self._done[layer].is_set():
+                self._copy_layer(layer)
+                self._done[layer].set()
+            return
         if not self._done[layer].wait(LOAD_WAIT_TIMEOUT_S):
             raise TimeoutError(f"L2 load-back of layer {layer} did not finish in {LOAD_WAIT_TIMEOUT_S}s")
         if self._error is not None:
             raise RuntimeError(f"L2 load-back copy thread failed at layer {layer}") from self._error
-        if self._cuda:
+        if self._cuda and self._mode is LoadMode.THREAD:
             torch.cuda.current_stream().wait_event(self._cuda_events[layer])
 
     def finish(self) -> None:
         for i in range(len(self._slots)):
             self.wait_layer(i)
-        self._thread.join(LOAD_WAIT_TIMEOUT_S)
+        if self._thread is not None:
+            self._thread.join(LOAD_WAIT_TIMEOUT_S)

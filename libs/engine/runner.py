@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.engine.host_tier import LayerwiseLoad, copy_pages, layer_slots, split_copies
+from libs.engine.host_tier import LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import SampleResult, make_generator, sample
@@ -50,7 +50,9 @@ class ModelRunner:
     """Runs the model over a BatchPlan. The KV pools live here; the cache only hands out page ids."""
 
     def __init__(self, model: torch.nn.Module, model_config, sizes: PoolSizes, *,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                 load_mode: LoadMode | str = LoadMode.THREAD) -> None:
+        self.load_mode = LoadMode(load_mode)
         self.model = model
         self.model_config = model_config
         self.device = torch.device(device)
@@ -92,7 +94,7 @@ class ModelRunner:
         if copies:
             if self.host is None:
                 raise RuntimeError("the cache returned host load-backs but the engine has no host tier")
-            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies)
+            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode)
 
     def finish_load(self) -> None:
         load, self._load = self._load, None

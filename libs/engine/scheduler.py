@@ -383,6 +383,7 @@ class Scheduler:
         cache's books, so its load copies must still run: they join the next plan."""
         hit = self.cache.match(tokens)
         self._probe_loads.extend(hit.load_copies)
+        self.stats.loaded_pages += len(hit.load_copies)
         self.cache.release_hit(hit)
         return self.buckets.classify(len(tokens) - hit.tokens)
 

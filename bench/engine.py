@@ -1,0 +1,277 @@
+"""Engine benchmark: every figure is a ratio of two runs measured side by side in this process.
+
+    python -m bench.engine   ->  bench/results/engine.json, bench/results/engine.png
+
+- step_overhead_ratio: EngineCore decode step time / the bare model forward on the same batch.
+- throughput_vs_hf: output tokens/s of the engine vs transformers `generate` (same tiny weights,
+  32 concurrent requests, same number of new tokens).
+- l2_hit_ttft_ratio: TTFT of a request whose prefix lives only in the host tier / TTFT when it is
+  on the device (L1).
+- short_p90_ttft_ratio: p90 TTFT of short requests arriving while long prompts prefill / their p90
+  alone; with length buckets and without (plain FCFS).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine.runner import build_inputs
+from libs.model import ModelConfig, load_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOALS = {"step_overhead_ratio": ("<=", 1.15), "throughput_vs_hf": (">=", 5.0), "l2_hit_ttft_ratio": ("<=", 1.1),
+         "short_p90_ttft_ratio_buckets": ("<=", 1.3)}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def make_core(model, cfg, **opts) -> EngineCore:
+    base = dict(page_size=16, num_full_pages=4096, num_swa_pages=1024, max_num_batched_tokens=512,
+                max_num_seqs=64, bucket_edges=())
+    base.update(opts)
+    return EngineCore(EngineConfig(**base), model, cfg)
+
+
+def drain(core: EngineCore) -> int:
+    produced = 0
+    while core.has_work():
+        produced += sum(len(o.new_token_ids) for o in core.step())
+    return produced
+
+
+# ---------------------------------------------------------------- step overhead
+def step_overhead(model, cfg, batch: int = 32, steps: int = 30) -> dict:
+    core = make_core(model, cfg)
+    for i in range(batch):
+        core.add_request(Request(f"s{i}", tokens(i, 64), greedy(steps + 40)))
+    while not all(s.is_decoding for s in core.scheduler.running) or len(core.scheduler.running) < batch:
+        core.step()
+    plan = core.scheduler.schedule()  # one decode plan, replayed by the bare forward
+    core.scheduler.update(plan, {s.req_id: _fake(s) for s in plan.seqs})
+    ids, meta = build_inputs(plan, "cpu")
+    engine_t, bare_t = [], []
+    for _ in range(steps):  # interleaved, so background load hits both alike
+        t0 = time.perf_counter()
+        core.step()
+        engine_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, meta, core.runner.kv)
+        bare_t.append(time.perf_counter() - t0)
+    e, b = statistics.median(engine_t), statistics.median(bare_t)
+    return {"batch": batch, "engine_step_ms": e * 1e3, "bare_forward_ms": b * 1e3, "step_overhead_ratio": e / b}
+
+
+def _fake(s):
+    from libs.engine.scheduler import SampledToken
+
+    return SampledToken(7)
+
+
+# ---------------------------------------------------------------- throughput vs transformers
+def hf_tiny_dir(tmp: Path) -> Path:
+    """The built-in tiny shape as a transformers checkpoint (random weights), loaded by both sides."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    t = ModelConfig.tiny()
+    hf_cfg = MiMoV2FlashConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        moe_intermediate_size=t.moe_intermediate_size, num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads_full, head_dim=t.qk_head_dim,
+        v_head_dim=t.v_head_dim, n_routed_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
+        sliding_window=t.sliding_window, max_position_embeddings=4096, eos_token_id=None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in t.layer_is_swa],
+        rope_parameters={k: {"rope_type": "default", "rope_theta": th, "partial_rotary_factor": 0.5}
+                         for k, th in (("full_attention", t.rope_theta_full),
+                                       ("sliding_attention", t.rope_theta_swa))})
+    torch.manual_seed(0)
+    MiMoV2FlashForCausalLM(hf_cfg).save_pretrained(tmp)
+    return tmp
+
+
+def throughput_vs_hf(n_req: int = 32) -> dict:
+    """32 concurrent requests with mixed output lengths (8..128 new tokens). transformers generates a
+    static batch until the longest is done; only each request's own tokens count as output for both."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    prompts = [tokens(100 + i, 24 + (i * 7) % 40) for i in range(n_req)]
+    lengths = [8 + (i * 37) % 121 for i in range(n_req)]
+    useful = sum(lengths)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = hf_tiny_dir(Path(tmp))
+        model, cfg = load_model(str(path), progress=False)
+        hf = MiMoV2FlashForCausalLM.from_pretrained(path).eval()
+    ours = theirs = float("inf")
+    for _ in range(2):  # best of two, alternating
+        core = make_core(model, cfg, max_num_batched_tokens=2048)
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            core.add_request(Request(f"t{i}", p, greedy(n)))
+        produced = drain(core)
+        ours = min(ours, time.perf_counter() - t0)
+        assert produced == useful
+        theirs = min(theirs, _hf_generate(hf, prompts, max(lengths)))
+    return {"requests": n_req, "new_tokens_min_max": [min(lengths), max(lengths)], "output_tokens": useful,
+            "engine_tok_s": useful / ours, "hf_tok_s": useful / theirs, "throughput_vs_hf": theirs / ours}
+
+
+def _hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as generate expects for decoder-only models
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] == width + new_tokens
+    return elapsed
+
+
+# ---------------------------------------------------------------- L2 hit TTFT
+def ttft(core: EngineCore, req: Request) -> float:
+    t0 = time.perf_counter()
+    core.add_request(req)
+    while True:
+        if any(o.req_id == req.req_id and o.new_token_ids for o in core.step()):
+            elapsed = time.perf_counter() - t0
+            drain(core)
+            return elapsed
+
+
+def l2_ttft(model, cfg, prefix_len: int = 1024, trials: int = 7) -> dict:
+    """Per trial and per load mode: warm a prefix, measure an L1 hit, push the prefix to the host tier
+    with a filler request, measure an L2 hit. Modes are interleaved so background load hits all alike."""
+    modes = ("thread", "inline", "sync")
+    # Device pool sized so the filler evicts the prefix; everything cached is backed up at once.
+    cores = {m: make_core(model, cfg, num_full_pages=96, num_swa_pages=48, num_host_full_pages=1024,
+                          num_host_swa_pages=512, l2_backup_watermark=1.0, l2_backup_pages=512, l2_load_mode=m)
+             for m in modes}
+    l1: dict[str, list[float]] = {m: [] for m in modes}
+    l2: dict[str, list[float]] = {m: [] for m in modes}
+    loaded = []
+    for t in range(trials):
+        for m, core in cores.items():
+            prefix = tokens(1000 + t, prefix_len)
+            drain_req(core, Request(f"warm{t}", prefix + tokens(2000 + t, 8), greedy(1)))
+            drain_req(core, Request(f"flush{t}", tokens(3000 + t, 4), greedy(1)))  # lets the backup happen
+            l1[m].append(ttft(core, Request(f"l1-{t}", prefix + tokens(4000 + t, 8), greedy(1))))
+            drain_req(core, Request(f"flush2{t}", tokens(3500 + t, 4), greedy(1)))
+            drain_req(core, Request(f"evict{t}", tokens(5000 + t, 1400), greedy(1)))  # prefix -> L2 only
+            drain_req(core, Request(f"flush3{t}", tokens(3700 + t, 4), greedy(1)))  # the filler's backup
+            before = core.scheduler.stats.loaded_pages
+            l2[m].append(ttft(core, Request(f"l2-{t}", prefix + tokens(6000 + t, 8), greedy(1))))
+            loaded.append(core.scheduler.stats.loaded_pages - before)
+    out: dict = {"prefix_tokens": prefix_len, "pages_loaded_per_l2_hit": statistics.median(loaded)}
+    for m in modes:
+        a, b = statistics.median(l1[m]), statistics.median(l2[m])
+        out[f"l2_{m}"] = {"l1_ttft_ms": a * 1e3, "l2_ttft_ms": b * 1e3, "ratio": b / a}
+    out["l2_hit_ttft_ratio"] = out[f"l2_{EngineConfig().l2_load_mode}"]["ratio"]
+    return out
+
+
+def drain_req(core: EngineCore, req: Request) -> None:
+    core.add_request(req)
+    drain(core)
+
+
+# ---------------------------------------------------------------- short-request TTFT in a mix
+def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int = 24, gap_s: float = 0.03,
+               long_len: int = 3072) -> list[float]:
+    core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges)
+    arrivals: list[tuple[float, Request]] = []
+    if with_long:
+        arrivals += [(0.0, Request(f"long{i}", tokens(7000 + i, long_len), greedy(4))) for i in range(2)]
+    arrivals += [(0.01 + gap_s * i, Request(f"short{i}", tokens(8000 + i, 48), greedy(4))) for i in range(n_short)]
+    start = time.perf_counter()
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or core.has_work():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            at, req = pending.pop(0)
+            core.add_request(req)
+            added[req.req_id] = at
+        if not core.has_work():
+            time.sleep(max(0.0, pending[0][0] - now))
+            continue
+        for o in core.step():
+            if o.new_token_ids and o.req_id not in first:
+                first[o.req_id] = time.perf_counter() - start
+    return [first[r] - added[r] for r in added if r.startswith("short")]
+
+
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1]
+
+
+def short_ttft(model, cfg) -> dict:
+    edges = (512,)
+    alone = p90(mixed_ttft(model, cfg, edges, with_long=False))
+    buckets = p90(mixed_ttft(model, cfg, edges, with_long=True))
+    fcfs = p90(mixed_ttft(model, cfg, (), with_long=True))
+    return {"short_p90_alone_ms": alone * 1e3, "short_p90_mix_buckets_ms": buckets * 1e3,
+            "short_p90_mix_fcfs_ms": fcfs * 1e3, "short_p90_ttft_ratio_buckets": buckets / alone,
+            "short_p90_ttft_ratio_fcfs": fcfs / alone}
+
+
+# ---------------------------------------------------------------- main
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(GOALS) + ["short_p90_ttft_ratio_fcfs"]
+    vals = [results[n] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars = ax.bar(range(len(names)), vals, color=["tab:blue"] * len(GOALS) + ["tab:gray"])
+    for i, n in enumerate(names):
+        if n in GOALS:
+            ax.hlines(GOALS[n][1], i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+    ax.bar_label(bars, fmt="%.2f")
+    ax.set_xticks(range(len(names)), [n.replace("_ratio", "").replace("_", "\n") for n in names], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_title("windserve engine (tiny model, CPU): ratios; red = goal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model, cfg = load_model(None)
+    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads()}
+    for name, fn in (("step_overhead", lambda: step_overhead(model, cfg)), ("throughput", throughput_vs_hf),
+                     ("l2", lambda: l2_ttft(model, cfg)), ("short_ttft", lambda: short_ttft(model, cfg))):
+        t0 = time.perf_counter()
+        results.update(fn())
+        print(f"[engine bench] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+    results["goals"] = {k: f"{op} {v}" for k, (op, v) in GOALS.items()}
+    results["goals_met"] = {k: (results[k] <= v if op == "<=" else results[k] >= v) for k, (op, v) in GOALS.items()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "engine.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / "engine.png")
+    for k in list(GOALS) + ["short_p90_ttft_ratio_fcfs"]:
+        print(f"{k:32s} {results[k]:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
