@@ -123,7 +123,7 @@ class Bus:
         try:
             await asyncio.wait_for(
                 nc.connect(
-                    servers=url,
+                    servers=[u.strip() for u in url.split(",") if u.strip()],  # a cluster: several URLs
                     name=name,
                     connect_timeout=max(1, int(timeout)),
                     allow_reconnect=True,
