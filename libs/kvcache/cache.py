@@ -20,7 +20,7 @@ from libs.kvcache.hashing import chain_hashes
 from libs.kvcache.pool import PagePool
 from libs.kvcache.retention import POLICIES, RetentionContext, kept_pages
 from libs.kvcache.sequence import Seq
-from libs.kvcache.tree import Node, common_pages, make_root, page_key, path_to_root, split, walk
+from libs.kvcache.tree import Node, common_pages, ids, make_root, page_key, path_to_root, split, walk
 from libs.kvcache.types import (
     AdmitResult,
     EventKind,
@@ -67,8 +67,8 @@ class KVCache:
         """Longest valid page-aligned hit (< len(tokens)); its nodes stay locked until admit or release_hit."""
         if not self.cfg.enable_prefix_cache or len(tokens) <= self.P:
             return PrefixHit(0, 0, 0)
-        toks = tokens if isinstance(tokens, list) else list(tokens)
-        path = walk(self.root, toks, len(toks) // self.P, self.P)
+        toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+        path = walk(self.root, toks, len(toks) // self.P, self.P)  # type: ignore[arg-type]
         raw = sum(m for _, m in path) * self.P
         best_dev, best_any = self._best_valid(path, (len(toks) - 1) // self.P)
         self._clock += 1
@@ -170,8 +170,8 @@ class KVCache:
         self._ensure_free(nf, ns)
         copies = []
         for n in loads:
-            n.full = self.full_pool.alloc(n.npages)
-            n.swa = [-1] * n.npages
+            n.full = ids(self.full_pool.alloc(n.npages))
+            n.swa = ids([-1] * n.npages)
             copies += [PageCopy(Group.FULL, h, d, "h2d") for h, d in zip(n.host_full, n.full, strict=True)]  # type: ignore[arg-type]
             for i, h in enumerate(n.host_swa):  # type: ignore[arg-type]
                 if h >= 0:
@@ -221,9 +221,13 @@ class KVCache:
 
     # ------------------------------------------------------------------ admission and the running sequence
 
-    def admit(self, seq_id: str, tokens: Sequence[int], hit: PrefixHit, max_new_tokens: int) -> AdmitResult:
+    def admit(self, seq_id: str, tokens: Sequence[int], hit: PrefixHit, max_new_tokens: int,
+              block_hashes: Sequence[int] | None = None) -> AdmitResult:
         """Admit if both pools can hold the prompt plus `max_new_tokens` of decode (after evicting unlocked
-        cache). Takes over the hit's locks on success; releases them on failure (match again later)."""
+        cache). Takes over the hit's locks on success; releases them on failure (match again later).
+
+        `block_hashes`: the prompt's hash chain if the caller already has it (the gateway computes it with the
+        same function and seed); the cache then hashes only pages it has not been given."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already running")
         if not tokens or max_new_tokens < 0:
@@ -239,6 +243,8 @@ class KVCache:
             if entry:
                 self._unlock(entry[0], entry[1], swa=True)
             return AdmitResult(False, reason, seq.full_cap, seq.swa_cap)
+        if block_hashes is not None:
+            seq.hashes = list(block_hashes[:len(tokens) // self.P])
         self._seqs[seq_id] = seq
         self._reserved_full += seq.full_cap
         self._reserved_swa += seq.swa_cap
@@ -251,11 +257,8 @@ class KVCache:
         plan = self._policy(ctx)
         keep = kept_pages(plan, self.P, self.wp, hp)
         full_cap = -(-(len(tokens) + max_new) // self.P) - hp
-        # A kept page costs extra only once the window has moved past it; the window never passes the pages
-        # of the last window of the longest possible sequence.
-        last_first = (len(tokens) + max_new) // self.P - self.wp
-        extra = sum(1 for j in keep if j < last_first)
-        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages + extra)
+        # Only the window is promised: checkpoint pages are kept later if memory nobody was promised is left.
+        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages)
         seq = Seq(seq_id, tokens, hit.tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
                   full=list(hit.full_pages), swa=list(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
@@ -311,8 +314,9 @@ class KVCache:
         if num_new_tokens < 0 or n > seq.reserved_upto:
             raise ValueError(f"commit {seq_id!r}: {num_new_tokens} tokens exceed the reserved "
                              f"{seq.reserved_upto - seq.num_computed}")
-        if n > len(seq.tokens):
-            raise ValueError(f"commit {seq_id!r}: KV for {n} tokens but the sequence has {len(seq.tokens)}")
+        if n > len(seq.tokens) + len(new_token_ids):
+            raise ValueError(f"commit {seq_id!r}: KV for {n} tokens but the sequence has "
+                             f"{len(seq.tokens) + len(new_token_ids)}")
         seq.num_computed = n
         seq.tokens.extend(new_token_ids)
         self._slide_window(seq)
@@ -327,12 +331,20 @@ class KVCache:
         if seq.keep_all or lo <= seq.swa_lo:
             return
         before = seq.swa_outstanding()
+        spare = self._avail_swa()  # frees below do not change it: each freed page is promised back to seq
         freed = []
         for j in range(seq.swa_lo, lo):
             s = seq.swa[j]
-            if s >= 0 and j not in seq.keep:
-                freed.append(s)
-                seq.swa[j] = -1
+            if s < 0:
+                continue
+            if j in seq.keep and spare > 0:
+                # Keep the checkpoint page and promise one more page so the window can still grow; best
+                # effort, from memory no running sequence was promised.
+                seq.swa_cap += 1
+                spare -= 1
+                continue
+            freed.append(s)
+            seq.swa[j] = -1
         self.swa_pool.free(freed)
         seq.swa_private -= len(freed)
         self._private_swa -= len(freed)
@@ -440,11 +452,11 @@ class KVCache:
 
     def _adopt(self, node: Node, seq: Seq, pos: int) -> None:
         n = node.npages
-        node.full = seq.full[pos:pos + n]
-        node.swa = seq.swa[pos:pos + n]
+        node.full = ids(seq.full[pos:pos + n])
+        node.swa = ids(seq.swa[pos:pos + n])
         seq.full[pos:pos + n] = [-1] * n
         seq.swa[pos:pos + n] = [-1] * n
-        node.n_swa = sum(1 for s in node.swa if s >= 0)
+        node.n_swa = len(node.swa) - node.swa.count(-1)
         self._tree_full += n
         self._tree_swa += node.n_swa
         self._private_full -= n
@@ -460,9 +472,8 @@ class KVCache:
         cuts = sorted({e for e in seq.ckpt_ends if pos < e < npg} | {npg})
         toks, P = seq.tokens, self.P
         for end in cuts:
-            h = parent.hashes[-1] if parent.hashes else self.cfg.hash_seed
             node = Node(toks[pos * P:end * P], pos, parent, seq.full[pos:end], seq.swa[pos:end],
-                        chain_hashes(toks, P, h, pos, end - pos), self._clock)
+                        self._hashes(seq, parent, pos, end), self._clock)
             seq.full[pos:end] = [-1] * (end - pos)
             seq.swa[pos:end] = [-1] * (end - pos)
             parent.children[tuple(node.key[:P])] = node
@@ -476,6 +487,13 @@ class KVCache:
             self._emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end
         self._push(self._full_heap, parent, self._clock)
+
+    def _hashes(self, seq: Seq, parent: Node, pos: int, end: int) -> list[int]:
+        given = seq.hashes[pos:end]
+        if len(given) == end - pos:
+            return given
+        h = given[-1] if given else parent.hashes[-1] if parent.hashes else self.cfg.hash_seed
+        return given + chain_hashes(seq.tokens, self.P, h, pos + len(given), end - pos - len(given))
 
     # ------------------------------------------------------------------ eviction
 
@@ -536,7 +554,7 @@ class KVCache:
         """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree."""
         self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
         self._tree_swa -= node.n_swa
-        node.swa = [-1] * node.npages
+        node.swa = ids([-1] * node.npages)
         node.n_swa = 0
         self._emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
         self._prune_tombstones(node)
@@ -592,8 +610,8 @@ class KVCache:
                 continue
             if not self._ensure_host(n.npages, n.n_swa, fresh):
                 break
-            n.host_full = self.host_full_pool.alloc(n.npages)
-            n.host_swa = [-1] * n.npages
+            n.host_full = ids(self.host_full_pool.alloc(n.npages))
+            n.host_swa = ids([-1] * n.npages)
             copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
             for i, s in enumerate(n.swa):  # type: ignore[arg-type]
                 if s >= 0:
@@ -639,20 +657,28 @@ class KVCache:
         self._next_event += 1
 
     def _checkpoint_flags(self, node: Node) -> tuple[bool, ...]:
-        """Per block of `node`: would a hit ending after it be valid (SWA held for the window before it)?"""
+        """Per block of `node`: would a hit ending after it be valid (SWA held for the window before it)?
+        Only pages holding SWA can end a checkpoint, so the scan visits those (few, under retention)."""
+        wp = self.wp
         run = 0  # consecutive SWA pages just before the node, capped at wp
         anc = node.parent
-        while anc is not None and anc.parent is not None and run < self.wp:
-            tail = [anc.swa_at(i) for i in range(anc.npages - 1, -1, -1)]
-            k = next((i for i, s in enumerate(tail) if not s), len(tail))
+        while anc is not None and anc.parent is not None and run < wp:
+            k = 0
+            while k < anc.npages and k < wp and anc.swa_at(anc.npages - 1 - k):
+                k += 1
             run += k
-            if k < len(tail):
+            if k < anc.npages:
                 break
             anc = anc.parent
-        out = []
-        for i in range(node.npages):
-            run = run + 1 if node.swa_at(i) else 0
-            out.append(run >= min(node.start + i + 1, self.wp))
+        swa = node.swa if node.full is not None else node.host_swa
+        out = [False] * node.npages
+        if swa is None:
+            return tuple(out)
+        prev = -1
+        for i in [i for i, s in enumerate(swa) if s >= 0]:
+            run = run + 1 if i == prev + 1 else 1
+            prev = i
+            out[i] = run >= min(node.start + i + 1, wp)
         return tuple(out)
 
     # ------------------------------------------------------------------ usage and invariants

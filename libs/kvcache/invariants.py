@@ -55,7 +55,7 @@ def _check_tree(c: KVCache) -> list[Node]:
             if not n.children and n.is_tombstone() and n.lock == 0:
                 _fail(f"{where}: unlocked tombstone leaf (no SWA KV anywhere, nothing below)")
             h = parent.hashes[-1] if parent.hashes else c.cfg.hash_seed
-            if n.hashes != chain_hashes(n.key, P, h, 0, n.npages):
+            if list(n.hashes) != chain_hashes(n.key, P, h, 0, n.npages):
                 _fail(f"{where}: block hashes do not chain from the parent")
             if c._nodes.get(n.nid) is not n:
                 _fail(f"{where}: missing from the node index")

@@ -8,29 +8,40 @@ node is locked too); `swa_lock` counts those whose last window covers the node (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from itertools import count
 
 _ids = count(1)
+
+
+def ids(xs: Iterable[int]) -> array:
+    """Page ids / tokens / hashes as a flat int64 array: compact, and invisible to the garbage collector (a
+    long-lived tree of Python lists made every GC pass walk millions of ints)."""
+    return array("q", xs)
+
+
+def hash_ids(xs: Iterable[int]) -> array:
+    return array("Q", xs)
 
 
 class Node:
     __slots__ = ("nid", "key", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
                  "hashes", "lock", "swa_lock", "access", "swa_access", "alive")
 
-    def __init__(self, key: list[int], start: int, parent: Node | None, full: list[int] | None,
-                 swa: list[int] | None, hashes: list[int], access: int) -> None:
+    def __init__(self, key: Sequence[int], start: int, parent: Node | None, full: Sequence[int] | None,
+                 swa: Sequence[int] | None, hashes: Sequence[int], access: int) -> None:
         self.nid = next(_ids)
-        self.key = key
+        self.key = tuple(key)  # tuples of ints drop out of GC tracking after one pass
         self.start = start  # global index of the node's first page
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}
-        self.full = full
-        self.swa = swa
-        self.n_swa = 0 if swa is None else sum(1 for s in swa if s >= 0)
-        self.host_full: list[int] | None = None
-        self.host_swa: list[int] | None = None
-        self.hashes = hashes
+        self.full = None if full is None else ids(full)
+        self.swa = None if swa is None else ids(swa)
+        self.n_swa = 0 if self.swa is None else len(self.swa) - self.swa.count(-1)
+        self.host_full: array | None = None
+        self.host_swa: array | None = None
+        self.hashes = hash_ids(hashes)
         self.lock = 0
         self.swa_lock = 0
         self.access = access
@@ -76,10 +87,10 @@ def common_pages(node: Node, tokens: list[int], first: int, limit: int, page_siz
     """Pages of `node` (at most `limit`) equal to tokens' pages from `first` on; the first page is known equal."""
     off = first * page_size
     n = min(node.npages, limit)
-    if node.key[:n * page_size] == tokens[off:off + n * page_size]:
+    if node.key[:n * page_size] == tuple(tokens[off:off + n * page_size]):
         return n
     m = 1
-    while m < n and node.key[m * page_size:(m + 1) * page_size] == (
+    while m < n and node.key[m * page_size:(m + 1) * page_size] == tuple(
             tokens[off + m * page_size:off + (m + 1) * page_size]):
         m += 1
     return m

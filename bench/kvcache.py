@@ -1,0 +1,315 @@
+"""KV-cache benchmark: capacity in a byte budget, hit rate vs KV budget on the conversation trace, and the
+bookkeeping cost per request against a cache-disabled path.
+
+    python -m bench.kvcache [--requests 2000] [--quick]
+
+Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.kvcache import MIMO_V25_PRO, KVCache, KVCacheConfig, block_hashes, plan_pools
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+OUT = ROOT / "bench" / "results"
+BLOCK = 512  # trace block size (tokens per hash id)
+PAGE = 64
+WINDOW = 128
+LAYOUT = MIMO_V25_PRO
+FULL_PAGE_B = LAYOUT.full_page_bytes(PAGE)
+SWA_PAGE_B = LAYOUT.swa_page_bytes(PAGE)
+PREFILL_TOK_PER_S = 20_000.0  # timing model: uncached prompt tokens per second per request
+DECODE_S_PER_TOK = 0.025  # timing model: seconds per output token
+PREFILL_CHUNK = 2048
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Request:
+    t: float  # arrival, seconds
+    prompt: tuple[int, ...]  # tuples: untracked by the GC, so the replayed trace does not slow every GC pass
+    output: tuple[int, ...]
+
+
+def load_trace(n: int) -> list[Request]:
+    """Block id b expands to tokens b*512 .. b*512+511 (deterministic, distinct per block); the prompt is cut to
+    input_length. Outputs get tokens no prompt uses, distinct per request."""
+    reqs = []
+    with TRACE.open() as f:
+        for i, line in enumerate(f):
+            if i >= n:
+                break
+            row = json.loads(line)
+            toks: list[int] = []
+            for b in row["hash_ids"]:
+                toks.extend(range(b * BLOCK, (b + 1) * BLOCK))
+            out0 = 3_000_000_000 + i * 65_536
+            reqs.append(Request(row["timestamp"] / 1000.0, tuple(toks[:row["input_length"]]),
+                                tuple(range(out0, out0 + row["output_length"]))))
+    return reqs
+
+
+# ---------------------------------------------------------------- serving one request through the cache API
+
+
+def run_request(cache: KVCache, sid: str, req: Request, chunk: int = PREFILL_CHUNK,
+                hashes: list[int] | None = None) -> tuple[bool, int]:
+    """match -> admit -> chunked prefill -> decode (committed a page at a time). (admitted, hit tokens)."""
+    hit = cache.match(req.prompt)
+    res = cache.admit(sid, req.prompt, hit, len(req.output), block_hashes=hashes)
+    if not res.ok:
+        return False, 0
+    compute(cache, sid, req, chunk)
+    return True, hit.tokens
+
+
+def compute(cache: KVCache, sid: str, req: Request, chunk: int) -> None:
+    full = list(req.prompt + req.output)
+    done, known, plen = cache.num_computed(sid), len(req.prompt), len(req.prompt)
+    end = len(full) - 1  # the last sampled token's KV is never computed
+    while done < end:
+        limit = plen - done if done < plen else end - done
+        k = min(chunk if done < plen else PAGE, limit)
+        if not cache.reserve(sid, k):
+            k = min(PAGE - done % PAGE, limit)  # up to the next page boundary always fits the admission promise
+            assert cache.reserve(sid, k), f"{sid}: reserve of {k} tokens refused inside its promise"
+        done += k
+        new = full[known:min(len(full), done + 1)] if done >= plen else []
+        cache.commit(sid, k, new)
+        known += len(new)
+
+
+def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
+    """Requests arrive at trace times, wait FIFO for memory, and hold it for prefill + decode time."""
+    running: list[tuple[float, str]] = []
+    queue: list[int] = []
+    hit_tokens = input_tokens = dropped = peak = 0
+    t_ops = 0.0
+    for i, req in enumerate(reqs):
+        queue.append(i)
+        now = req.t
+        while True:
+            while running and running[0][0] <= now:
+                _, sid = heapq.heappop(running)
+                t0 = time.perf_counter()
+                cache.finish(sid)
+                t_ops += time.perf_counter() - t0
+            admitted_any = False
+            while queue:
+                j = queue[0]
+                t0 = time.perf_counter()
+                ok, hit = run_request(cache, f"r{j}", reqs[j])
+                t_ops += time.perf_counter() - t0
+                if not ok:
+                    if not running:
+                        dropped += 1  # cannot fit even in an empty cache
+                        queue.pop(0)
+                        continue
+                    break
+                queue.pop(0)
+                admitted_any = True
+                hit_tokens += hit
+                input_tokens += len(reqs[j].prompt)
+                busy = (len(reqs[j].prompt) - hit) / PREFILL_TOK_PER_S + len(reqs[j].output) * DECODE_S_PER_TOK
+                heapq.heappush(running, (now + busy, f"r{j}"))
+                peak = max(peak, len(running))
+            if not queue or admitted_any and not running:
+                break
+            if not running:
+                break
+            if queue and running[0][0] > (reqs[i + 1].t if i + 1 < len(reqs) else math.inf):
+                break
+            now = max(now, running[0][0])
+    while running:
+        cache.finish(heapq.heappop(running)[1])
+    n = len(reqs) - dropped
+    return {"hit_rate": hit_tokens / max(input_tokens, 1), "peak_running": peak, "dropped": dropped,
+            "us_per_request": 1e6 * t_ops / max(n, 1)}
+
+
+# ---------------------------------------------------------------- systems under one byte budget
+
+
+def windserve_cfg(budget: int, retention: str, seq_tokens: int, max_running: int, ckpts: float) -> KVCacheConfig:
+    plan = plan_pools(budget, LAYOUT, PAGE, WINDOW, seq_tokens, max_running=max_running, checkpoints_per_seq=ckpts)
+    return KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=plan.num_full_pages,
+                         num_swa_pages=plan.num_swa_pages, retention=retention, checkpoint_align=BLOCK)
+
+
+def single_pool_cfg(budget: int) -> KVCacheConfig:
+    """Every layer keeps KV for every token: the full and SWA pools hold the same tokens, and a window longer
+    than any sequence makes a hit need SWA KV for its whole prefix (a plain single-pool prefix cache)."""
+    pages = budget // (FULL_PAGE_B + SWA_PAGE_B)
+    return KVCacheConfig(page_size=PAGE, window=1 << 30, num_full_pages=pages, num_swa_pages=pages, retention="all")
+
+
+def oracle_cfg() -> KVCacheConfig:
+    return KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=1 << 22, num_swa_pages=1 << 22,
+                         retention="all")
+
+
+def budget_for(target: float, points: list[tuple[float, float]]) -> float | None:
+    """Smallest budget reaching `target` hit rate, interpolated in log-budget between measured points."""
+    pts = sorted(points)
+    for (b0, h0), (b1, h1) in zip(pts, pts[1:], strict=False):
+        if h0 >= target:
+            return b0
+        if h1 >= target:
+            f = (target - h0) / (h1 - h0)
+            return math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+    return pts[-1][0] if pts and pts[-1][1] >= target else None
+
+
+# ---------------------------------------------------------------- the three measurements
+
+
+def capacity(budget: int = 80 * GIB, seq_tokens: int = 32 * 1024) -> dict[str, float]:
+    """Concurrent 32K-token sequences admitted (and fully prefilled) in one byte budget."""
+    plan = plan_pools(budget, LAYOUT, PAGE, WINDOW, seq_tokens)
+    cache = KVCache(KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=plan.num_full_pages,
+                                  num_swa_pages=plan.num_swa_pages))
+    n = 0
+    while True:
+        prompt = tuple(range(n * seq_tokens, (n + 1) * seq_tokens - 1))
+        req = Request(0.0, prompt, (4_000_000_000 + n,))
+        if not cache.admit(f"c{n}", prompt, cache.match(prompt), 1).ok:
+            break
+        compute(cache, f"c{n}", req, PAGE)
+        n += 1
+    cache.check_invariants()
+    theory = budget / LAYOUT.sequence_bytes(seq_tokens, WINDOW)
+    single = budget / ((LAYOUT.full_layers + LAYOUT.swa_layers) * LAYOUT.full_bytes_per_token_layer * seq_tokens)
+    return {"budget_gib": budget / GIB, "seq_tokens": seq_tokens, "admitted": n, "theoretical_max": theory,
+            "capacity_ratio_to_limit": n / theory, "single_pool_theoretical": single,
+            "num_full_pages": plan.num_full_pages, "num_swa_pages": plan.num_swa_pages}
+
+
+def no_reuse_overhead(reqs: list[Request], repeats: int = 3) -> dict[str, float]:
+    """Same requests with unique tokens (nothing to reuse), served one at a time with the prefix cache on vs
+    off, side by side; the cache fills up and evicts. "on" gets the prompt's block hashes from the caller (the
+    gateway computes the chain for routing anyway); "on_hashing" makes the cache hash every page itself."""
+    uniq = []
+    for i, r in enumerate(reqs):
+        base = 100_000_000 + i * 262_144
+        uniq.append(Request(0.0, tuple(range(base, base + len(r.prompt))), r.output))
+    hashes = [block_hashes(r.prompt, PAGE) for r in uniq]
+    budget = 256 * GIB
+    res: dict[str, list[float]] = {"on": [], "on_hashing": [], "off": []}
+    for _ in range(repeats):
+        for mode in res:
+            cfg = windserve_cfg(budget, "checkpoints", 14_000, 64, 2.0)
+            cache = KVCache(KVCacheConfig(**{**cfg.__dict__, "enable_prefix_cache": mode != "off"}))
+            t0 = time.perf_counter()
+            for i, r in enumerate(uniq):
+                ok, _ = run_request(cache, f"u{i}", r, hashes=hashes[i] if mode == "on" else None)
+                assert ok
+                cache.finish(f"u{i}")
+                cache.drain_events()
+            res[mode].append(1e6 * (time.perf_counter() - t0) / len(uniq))
+    on, hashing, off = min(res["on"]), min(res["on_hashing"]), min(res["off"])
+    return {"us_per_request_cache": on, "us_per_request_cache_hashing": hashing, "us_per_request_disabled": off,
+            "ratio": on / off, "ratio_hashing": hashing / off, "requests": len(uniq), "budget_gib": budget / GIB,
+            "measures": "match + admit + reserve/commit (2048-token prefill chunks, decode a page per commit) + "
+                        "finish + drain_events, per request"}
+
+
+def hit_rate_sweep(reqs: list[Request], budgets_gib: list[float], ckpts: float) -> dict[str, object]:
+    seq_tokens = int(sum(len(r.prompt) + len(r.output) for r in reqs) / len(reqs))
+    t0 = time.perf_counter()
+    oracle = replay(KVCache(oracle_cfg()), reqs)
+    max_running = int(oracle["peak_running"])
+    print(f"  oracle hit {oracle['hit_rate']:.3f}, peak running {max_running} ({time.perf_counter() - t0:.1f}s)")
+    curves: dict[str, list[tuple[float, float]]] = {"windserve": [], "single_pool": [], "tombstone": []}
+    us: list[float] = []
+    for gib in budgets_gib:
+        b = int(gib * GIB)
+        for name in curves:
+            if name == "single_pool":
+                cfg = single_pool_cfg(b)
+            else:
+                try:
+                    cfg = windserve_cfg(b, "checkpoints" if name == "windserve" else "none", seq_tokens,
+                                        max_running, ckpts)
+                except ValueError:
+                    continue
+            r = replay(KVCache(cfg), reqs)
+            curves[name].append((gib, r["hit_rate"]))
+            if name == "windserve":
+                us.append(r["us_per_request"])
+        print(f"  {gib:8.0f} GiB: " + "  ".join(f"{k} {v[-1][1]:.3f}" for k, v in curves.items() if v
+                                                  and v[-1][0] == gib), flush=True)
+    target = 0.9 * oracle["hit_rate"]
+    need = {k: budget_for(target, v) for k, v in curves.items()}
+    eff = need["single_pool"] / need["windserve"] if need["single_pool"] and need["windserve"] else None
+    return {"oracle_hit_rate": oracle["hit_rate"], "max_running": max_running, "seq_tokens_mean": seq_tokens,
+            "curves": {k: [{"budget_gib": g, "hit_rate": h} for g, h in v] for k, v in curves.items()},
+            "budget_gib_for_90pct_oracle": need, "memory_efficiency_at_90pct_oracle": eff,
+            "us_per_request_trace": sum(us) / len(us) if us else None}
+
+
+def plot(sweep: dict[str, object], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in sweep["curves"].items():  # type: ignore[attr-defined]
+        ax.plot([p["budget_gib"] for p in pts], [p["hit_rate"] for p in pts], marker="o", label=name)
+    ax.axhline(sweep["oracle_hit_rate"], color="k", ls="--", label="unlimited-memory oracle")  # type: ignore[arg-type]
+    ax.set_xscale("log")
+    ax.set_xlabel("KV budget (GiB, MiMo-V2.5-Pro bf16)")
+    ax.set_ylabel("hit tokens / input tokens")
+    ax.set_title("Prefix hit rate vs KV budget (conversation trace)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=2000, help="trace prefix length")
+    ap.add_argument("--checkpoints-per-seq", type=float, default=2.0, help="planner share of SWA checkpoints")
+    ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    reqs = load_trace(args.requests)
+    print(f"kvcache bench: {len(reqs)} trace requests, page {PAGE}, window {WINDOW}, MiMo-V2.5-Pro bytes")
+    cap = capacity()
+    print(f"  capacity: {cap['admitted']} x 32K sequences in {cap['budget_gib']:.0f} GiB, "
+          f"theory {cap['theoretical_max']:.1f} -> ratio {cap['capacity_ratio_to_limit']:.3f}")
+    over = no_reuse_overhead(reqs[:500])
+    print(f"  no-reuse: {over['us_per_request_cache']:.0f} us/request with cache "
+          f"({over['us_per_request_cache_hashing']:.0f} us hashing itself), {over['us_per_request_disabled']:.0f} us "
+          f"disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x)")
+    budgets = [64, 256, 1024, 4096] if args.quick else [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    sweep = hit_rate_sweep(reqs, budgets, args.checkpoints_per_seq)
+    result = {
+        "trace": {"file": "shared/traces/conversation_trace.jsonl", "requests_used": len(reqs),
+                  "note": f"first {len(reqs)} of 12,031 requests; block id b -> tokens b*512..b*512+511"},
+        "config": {"page_size": PAGE, "window": WINDOW, "layout": LAYOUT.__dict__, "checkpoint_align": BLOCK,
+                   "checkpoints_per_seq": args.checkpoints_per_seq, "prefill_tok_per_s": PREFILL_TOK_PER_S,
+                   "decode_s_per_tok": DECODE_S_PER_TOK, "prefill_chunk": PREFILL_CHUNK},
+        "capacity": cap, "capacity_ratio_to_limit": cap["capacity_ratio_to_limit"],
+        "hit_rate": sweep, "memory_efficiency_at_90pct_oracle": sweep["memory_efficiency_at_90pct_oracle"],
+        "no_reuse": over, "us_per_request": sweep["us_per_request_trace"],
+    }
+    (OUT / "kvcache.json").write_text(json.dumps(result, indent=2))
+    plot(sweep, OUT / "kvcache.png")
+    print(f"  oracle {sweep['oracle_hit_rate']:.3f}; budget for 90% of oracle: {sweep['budget_gib_for_90pct_oracle']}"
+          f" -> memory efficiency {sweep['memory_efficiency_at_90pct_oracle']}")
+    print(f"  wrote {OUT / 'kvcache.json'} and kvcache.png")
+
+
+if __name__ == "__main__":
+    main()
