@@ -79,7 +79,7 @@ def scatter(landing: torch.Tensor, dest: Payload) -> None:
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy memoryview of a CPU uint8 tensor (the TCP engine's socket buffers)."""
-    return memoryview(t.numpy())
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
 def ucx_buffer(t: torch.Tensor) -> object:

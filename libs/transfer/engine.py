@@ -148,11 +148,13 @@ class _Connection:
             return  # the transfer already ended here (aborted / timed out)
         reason = str(msg.get("reason", ""))
         if ftype is FrameType.ACCEPT:
-            tx.accept_fut.done() or tx.accept_fut.set_result(None)
+            if not tx.accept_fut.done():
+                tx.accept_fut.set_result(None)
         elif ftype is FrameType.REJECT:
             tx.fail(TransferRejected(f"receiver {self.peer} rejected request {tx.request_id}: {reason}"))
         elif ftype is FrameType.DONE:
-            tx.done_fut.done() or tx.done_fut.set_result(int(msg.get("bytes", 0)))
+            if not tx.done_fut.done():
+                tx.done_fut.set_result(int(msg.get("bytes", 0)))
         elif ftype is FrameType.CANCEL:
             tx.fail(TransferAborted(f"receiver {self.peer} cancelled request {tx.request_id}: {reason}"))
         else:
