@@ -231,3 +231,16 @@ def test_config_validation():
         SchedulerConfig(bucket_edges=(10, 5))
     with pytest.raises(ValueError, match="served_buckets"):
         SchedulerConfig(bucket_edges=(10,), served_buckets=(2,))
+
+
+def test_long_prefill_max_tokens_caps_long_chunks_even_alone():
+    cache_obj = KVCache(KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=256, num_swa_pages=64))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, bucket_edges=(40,), long_prefill_max_tokens=10),
+                  cache_obj)
+    s.add_request(Request("long", prompt(1, 100), SamplingParams(max_tokens=1)))
+    s.add_request(Request("short", prompt(2, 20), SamplingParams(max_tokens=1)))
+    sizes = []
+    while s.has_work():
+        plan, _ = step(s)
+        sizes += [x.num_new for x in plan.seqs if x.req_id == "long"]
+    assert max(sizes) <= 10 and sum(sizes) == 100

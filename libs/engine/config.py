@@ -39,6 +39,9 @@ class EngineConfig:
     """Buckets this worker serves (None = all)."""
     long_prefill_share: float = 0.2
     """Share of a step's tokens longer-bucket prefills may take while shorter requests wait (1.0 = no cap)."""
+    long_prefill_max_tokens: int | None = None
+    """Most long-bucket prefill tokens in any step (bounds how long a short arrival waits for the step in
+    flight); None = only the step budget."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
     preemption by recompute when the pools fill up)."""

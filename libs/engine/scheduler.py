@@ -48,6 +48,10 @@ class SchedulerConfig:
     """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks may take at most
     this share of the step's tokens, so a step that carries short work grows by at most
     1 / (1 - share) and short first tokens are not pushed back further. 1.0 = no cap."""
+    long_prefill_max_tokens: int | None = None
+    """Most prefill tokens of longer-bucket (bucket > 0) requests in any step, even with no short request
+    waiting: a step cannot be interrupted, so a short request arriving mid-step waits for it to end;
+    this bounds that wait at the cost of more steps for long prompts. None = only the step budget."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -67,6 +71,8 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
         if not 0.0 <= self.l2_backup_watermark <= 1.0:
             raise ValueError(f"l2_backup_watermark must be in [0, 1], got {self.l2_backup_watermark}")
+        if self.long_prefill_max_tokens is not None and self.long_prefill_max_tokens < 1:
+            raise ValueError(f"long_prefill_max_tokens must be None or >= 1, got {self.long_prefill_max_tokens}")
         if self.admission_decode_tokens is not None and self.admission_decode_tokens < 0:
             raise ValueError(f"admission_decode_tokens must be None or >= 0, got {self.admission_decode_tokens}")
         if self.l2_backup_pages < 0:
@@ -255,7 +261,7 @@ class Scheduler:
                 if chunk <= 0:
                     continue
                 if self._reserve(seq, chunk, st):
-                    self._add_scheduled(seq, chunk, st, long=bucket > 0 and shorter_waiting)
+                    self._add_scheduled(seq, chunk, st, long=bucket > 0)
                 elif not st.scheduled and self.running == [seq]:
                     self._fail_capacity(seq)
             if st.preempted:
@@ -273,6 +279,8 @@ class Scheduler:
 
     def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState) -> int:
         chunk = min(to_compute, st.budget)
+        if bucket > 0 and self.config.long_prefill_max_tokens is not None:
+            chunk = min(chunk, self.config.long_prefill_max_tokens - st.long_tokens)
         if bucket > 0 and shorter_waiting and st.long_cap is not None:
             chunk = min(chunk, st.long_cap - st.long_tokens)
         return chunk
@@ -308,7 +316,7 @@ class Scheduler:
         self._admit_counter += 1
         self.running.append(seq)
         if self._reserve(seq, chunk, st):
-            self._add_scheduled(seq, chunk, st, long=actual_bucket > 0 and shorter_waiting)
+            self._add_scheduled(seq, chunk, st, long=actual_bucket > 0)
         return True
 
     def _reserve(self, seq: Seq, num_new: int, st: _StepState) -> bool:
