@@ -40,6 +40,18 @@ class ErrorReply(WireModel):
 # --- service discovery and health -------------------------------------------------------------
 
 
+class WorkerLoad(WireModel):
+    """A worker's load, refreshed in its registry entry every heartbeat (read by the router)."""
+
+    running: int = Field(default=0, ge=0, description="requests holding KV now")
+    waiting: int = Field(default=0, ge=0, description="requests queued for admission")
+    kv_full_used: int = Field(default=0, ge=0, description="full-pool pages in use by requests")
+    kv_full_total: int = Field(default=0, ge=0)
+    kv_swa_used: int = Field(default=0, ge=0, description="SWA-pool pages in use by requests")
+    kv_swa_total: int = Field(default=0, ge=0)
+    updated_at: float = Field(default=0.0, description="unix time of this snapshot")
+
+
 class RegistryEntry(WireModel):
     """One live service instance, as stored in the JetStream KV registry."""
 
@@ -50,6 +62,9 @@ class RegistryEntry(WireModel):
     labels: dict[str, str] = Field(default_factory=dict, description="e.g. length bucket, model name")
     metrics_url: str = ""
     started_at: float = Field(default=0.0, description="unix time the instance started")
+    buckets: list[int] = Field(default_factory=list, description="length buckets served; empty = all")
+    max_tokens: int = Field(default=0, ge=0, description="most tokens (prompt + output) one request may hold; 0 = unknown")
+    load: WorkerLoad | None = None
 
 
 class HealthRequest(WireModel):
@@ -98,6 +113,15 @@ class SamplingParams(WireModel):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     logprobs: int = Field(default=0, ge=0, description="top-k logprobs to return per token; 0 = none")
+    sampled_logprob: bool = Field(
+        default=False, description="return the sampled token's logprob even when logprobs == 0 (no alternatives)"
+    )
+    stop: list[str] = Field(default_factory=list, description="stop strings (the worker's tokenizer decodes)")
+    ignore_eos: bool = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampled_logprob or self.logprobs > 0
 
 
 class GenerateRequest(WireModel):
@@ -108,6 +132,24 @@ class GenerateRequest(WireModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream_subject: str
     decode_instance: str = Field(default="", description="disaggregated mode: where KV goes next")
+
+
+class AckStatus(StrEnum):
+    ACCEPTED = "accepted"
+    TOO_LARGE = "too_large"  # prompt + max_tokens can never fit this worker's KV pools
+    INVALID = "invalid"  # this worker cannot serve these parameters
+    BUSY = "busy"  # draining or overloaded: try another worker later
+
+
+class GenerateAck(WireModel):
+    """worker → gateway reply to a GenerateRequest: the request is queued (tokens follow on the
+    stream subject) or refused with a reason. The gateway subscribes to the stream subject before
+    sending the request, so no chunk can be missed."""
+
+    request_id: str
+    instance_id: str
+    status: AckStatus = AckStatus.ACCEPTED
+    message: str = ""
 
 
 class FinishReason(StrEnum):
@@ -138,6 +180,7 @@ class TokenChunk(WireModel):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    instance_id: str = Field(default="", description="the worker that sent this chunk (liveness probes)")
 
     @model_validator(mode="after")
     def _error_means_finished(self) -> TokenChunk:
