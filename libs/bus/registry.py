@@ -103,7 +103,7 @@ class Registry:
         try:
             async with asyncio.timeout(timeout):
                 while (item := await watcher.updates(timeout=timeout)) is not None:
-                    if (entry := _decode_entry(item.key, item.value)) is not None:
+                    if item.value and (entry := _decode_entry(item.key, item.value)) is not None:
                         found[item.key] = entry
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise TimeoutError(f"listing registry bucket {self.bucket} took over {timeout}s") from exc
@@ -141,7 +141,8 @@ def _decode_entry(key: str, value: bytes | None) -> RegistryEntry | None:
 
 def _to_event(key: str, value: bytes | None, operation: str | None, known: set[str]) -> RegistryEvent | None:
     """Pure: turn one KV update into a join/leave event, tracking known keys."""
-    if operation in (KV_DEL, KV_PURGE):
+    # An expired entry arrives as a marker with an empty body (nats-py may not name its operation).
+    if operation in (KV_DEL, KV_PURGE) or not value:
         if key not in known:
             return None
         known.discard(key)
