@@ -309,3 +309,18 @@ def test_events_carry_block_hashes_and_checkpoint_flags() -> None:
     serve(o, "b", list(range(300, 337)))  # evicts "a"
     removed = [e for e in c.drain_events() if e.kind is EventKind.REMOVED]
     assert removed and removed[0].block_hashes == ev.block_hashes
+
+
+def test_caller_block_hashes_give_the_same_events_as_hashing_in_the_cache() -> None:
+    tokens = list(range(500, 530))
+    out = []
+    for given in (None, block_hashes(tokens, 4)):
+        c = KVCache(cfg())
+        hit = c.match(tokens)
+        assert c.admit("a", tokens, hit, 0, block_hashes=given).ok
+        assert c.reserve("a", 30)
+        c.commit("a", 30)
+        c.finish("a")
+        c.check_invariants()  # verifies every node's hashes chain from its parent
+        out.append([e.block_hashes for e in c.drain_events()])
+    assert out[0] == out[1] and sum(len(h) for h in out[0]) == 7
