@@ -219,3 +219,40 @@ class KVEventBatch(WireModel):
         if any(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)):
             raise ValueError(f"event ids must be consecutive, got {ids}")
         return self
+
+
+# --- disaggregated prefill -> decode hand-off ----------------------------------------------------
+
+
+class GenerateAccepted(WireModel):
+    """Reply of a prefill (or combined) worker to GenerateRequest: the request is queued. Results and
+    errors arrive as TokenChunks on the request's stream subject, never in this reply."""
+
+    request_id: str
+    instance_id: str
+
+
+class KVPrepareRequest(WireModel):
+    """prefill → decode (`windserve.worker.<decode>.kv_prepare`): admit this request, expect its KV.
+
+    Sent after prefill computed the prompt's KV and sampled the first token. The decode worker answers
+    with the prefix it already holds, so prefill ships only the pages after it (full layers) and the
+    pages of the last window (SWA layers). From the reply on, the decode worker owns the stream.
+    """
+
+    request_id: str
+    token_ids: list[int] = Field(min_length=1, description="the prompt (its KV is what gets shipped)")
+    first_token_id: int = Field(ge=0, description="token sampled by prefill (no KV yet)")
+    first_logprob: TokenLogprob | None = None
+    sampling: SamplingParams
+    stream_subject: str
+    page_size: int = Field(ge=1, description="KV page size of the prefill engine (must match decode)")
+    kv_dtype: str = Field(description="torch dtype name of the shipped KV (must match decode)")
+    prefill_instance: str
+    prefill_cached_tokens: int = Field(default=0, ge=0, description="prefix-cache hit on prefill (usage)")
+
+
+class KVPrepareReply(WireModel):
+    request_id: str
+    hit_tokens: int = Field(ge=0, description="decode already holds KV for prompt tokens [0, hit_tokens)")
+    address: str = Field(description="transfer-engine address the KV must be sent to")

@@ -50,3 +50,9 @@ def stream(request_id: str) -> str:
 def kv_events(instance_id: str) -> str:
     """KV-cache events (stored / removed block hashes) published by one worker."""
     return f"{PREFIX}.kv_events.{token(instance_id)}"
+
+
+def kv_prepare(instance_id: str) -> str:
+    """Disaggregated mode: prefill asks one decode worker to admit a request and expect its KV
+    (request/reply, `KVPrepareRequest` -> `KVPrepareReply`)."""
+    return f"{PREFIX}.worker.{token(instance_id)}.kv_prepare"

@@ -1,7 +1,7 @@
-"""Decode settings (env prefix WINDSERVE_). Role-specific fields land here with their handlers."""
+"""Decode settings (env prefix WINDSERVE_): the engine knobs shared with prefill."""
 
-from libs.service import ServiceConfig
+from services.prefill.config import EngineServiceConfig
 
 
-class DecodeConfig(ServiceConfig):
-    """Shared service settings only, for now."""
+class DecodeConfig(EngineServiceConfig):
+    """Decode role: admits shipped KV, decodes with continuous batching, streams tokens."""

@@ -1,8 +1,211 @@
-"""Logic of the prefill service (pure where possible)."""
+"""Prefill role logic: prefill-only engine run, then the KV hand-off to the chosen decode worker.
 
+IO is injected (`prepare`: ask a decode worker to admit; `publish`: a TokenChunk to the gateway), so the
+same code runs under NATS in the service and in-process in tests.
+
+Lifecycle of one request (each wait bounded):
+  1. prefill-only engine run -> first token, KV held in this engine;
+  2. the first token already ends the request (EOS / stop / max_tokens=1): publish it, done;
+  3. kv_prepare to the decode worker -> which prefix it already holds, where to send;
+  4. stream the missing pages layer by layer over the transfer engine;
+  5. always: release the held KV into the prefix cache (it is valid whatever happened downstream).
+A failure in 3-4 is published on the stream as an error chunk (the decode side, when alive, publishes
+its own; the gateway keeps the first final chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from libs.engine import AsyncEngine, Request
+from libs.engine import disagg as dg
+from libs.engine.core import HeldPrefill
+from libs.transfer import TransferStats
+from protos.messages import (
+    FinishReason,
+    GenerateRequest,
+    KVPrepareReply,
+    KVPrepareRequest,
+    TokenChunk,
+    Usage,
+)
 from services.prefill.config import PrefillConfig
+
+log = logging.getLogger("windserve.prefill")
+
+Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
+Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
 
 def health_details(config: PrefillConfig) -> dict[str, str]:
-    """Extra health fields: which model is configured and whether serving handlers exist yet."""
-    return {"model": config.model or "none", "serving": "not yet"}
+    return {"model": config.model or "tiny"}
+
+
+@dataclass
+class HandoffStats:
+    """Totals over every shipped request (bytes are KV payload bytes)."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    full_equivalent_bytes: int = 0
+    transfer_seconds: float = 0.0
+    failures: int = 0
+
+    def as_details(self) -> dict[str, str]:
+        return {"kv_requests": str(self.requests), "kv_bytes_sent": str(self.bytes_sent),
+                "kv_full_equivalent_bytes": str(self.full_equivalent_bytes),
+                "kv_transfer_seconds": f"{self.transfer_seconds:.6f}", "kv_failures": str(self.failures)}
+
+
+class HandoffError(RuntimeError):
+    """The KV hand-off to decode failed; the message says at which step."""
+
+
+class PrefillWorker:
+    """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
+
+    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, prepare: Prepare, publish: Publish, *,
+                 prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.instance_id = instance_id
+        self.prepare = prepare
+        self.publish = publish
+        self.prepare_timeout_s = prepare_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.stats = HandoffStats()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    # ------------------------------------------------------------------ entry points
+    def submit(self, req: GenerateRequest) -> asyncio.Task[None]:
+        """Start the request in the background (the bus handler answers GenerateAccepted at once)."""
+        if req.request_id in self.tasks:
+            raise ValueError(f"request {req.request_id!r} is already running on prefill {self.instance_id}")
+        if not req.decode_instance:
+            raise ValueError(f"request {req.request_id!r}: a prefill worker needs decode_instance")
+        task = asyncio.create_task(self.run(req), name=f"prefill-{req.request_id}")
+        self.tasks[req.request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(req.request_id, None))
+        return task
+
+    async def abort(self, request_id: str) -> bool:
+        """Client went away: stop computing / sending; the held KV is released by run()'s cleanup."""
+        task = self.tasks.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        return True
+
+    async def run(self, req: GenerateRequest) -> None:
+        """The whole lifecycle of one request; never raises (errors go to the stream)."""
+        held: HeldPrefill | None = None
+        try:
+            first = await self._prefill(req)
+            if first is None:
+                return
+            token, logprob, cached = first
+            params = dg.engine_params(req.sampling)
+            reason = await self.engine.call(lambda core: dg.first_token_finishes(core, params, token))
+            if reason is not None:
+                await self._publish_final(req, token, logprob, reason, cached)
+                await self._release(req.request_id)
+                return
+            held = await self.engine.call(lambda core: core.held_prefill(req.request_id))
+            await self._hand_off(req, held, token, logprob, cached)
+        except asyncio.CancelledError:
+            await self._safe_publish(req, TokenChunk(request_id=req.request_id, finish_reason=FinishReason.ABORT))
+            raise
+        except Exception as exc:
+            self.stats.failures += 1
+            log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
+            await self._safe_publish(req, TokenChunk(request_id=req.request_id, finish_reason=FinishReason.ERROR,
+                                                     error=f"prefill {self.instance_id}: {exc}"))
+        finally:
+            if held is not None:
+                await self._release(req.request_id)
+
+    # ------------------------------------------------------------------ steps
+    async def _prefill(self, req: GenerateRequest):
+        """(first token, its logprob, cached tokens), or None when the engine aborted the request."""
+        ereq = Request(req.request_id, list(req.token_ids), dg.engine_params(req.sampling), prefill_only=True)
+        outs = [o async for o in self.engine.generate(ereq)]  # one output: the first token (or a failure)
+        out = outs[-1]
+        if out.finish_reason is not dg.FinishReason.PREFILLED:
+            # Aborted, or too long for this engine's pools (finished as length with no token).
+            await self.publish(req.stream_subject, TokenChunk(
+                request_id=req.request_id, token_ids=list(out.new_token_ids),
+                finish_reason=dg.wire_finish(out.finish_reason),
+                usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
+            return None
+        lp = out.logprobs[0] if out.logprobs else None
+        return out.new_token_ids[0], lp, out.num_cached_tokens
+
+    async def _hand_off(self, req: GenerateRequest, held: HeldPrefill, token: int, logprob, cached: int) -> None:
+        core = self.engine.core
+        prep = KVPrepareRequest(
+            request_id=req.request_id, token_ids=list(req.token_ids), first_token_id=token,
+            first_logprob=None if logprob is None else dg.wire_logprob(logprob), sampling=req.sampling,
+            stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
+            prefill_instance=self.instance_id, prefill_cached_tokens=cached)
+        try:
+            reply = await asyncio.wait_for(self.prepare(req.decode_instance, prep), self.prepare_timeout_s)
+        except TimeoutError:
+            raise HandoffError(f"decode {req.decode_instance} did not answer kv_prepare within "
+                               f"{self.prepare_timeout_s}s") from None
+        except Exception as exc:
+            raise HandoffError(f"decode {req.decode_instance} refused the request: {exc}") from exc
+        stats = await self._send(req.request_id, held, reply)
+        self.stats.requests += 1
+        self.stats.bytes_sent += stats.nbytes
+        self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
+            core.runner.kv, core.model_config.layer_is_swa, held.num_computed)
+        self.stats.transfer_seconds += stats.seconds
+
+    async def _send(self, request_id: str, held: HeldPrefill, reply: KVPrepareReply) -> TransferStats:
+        core = self.engine.core
+        kv = core.runner.kv
+        plan = dg.plan_shipment(held.num_computed, core.config.page_size, core.cache.cfg.window, reply.hit_tokens)
+        layers = dg.shipment_layers(core.model_config.layer_is_swa, plan, held.full_pages, held.swa_pages)
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.transfer_timeout_s):
+                tx = await self.transfer.begin_send(reply.address, request_id, dg.layer_specs(kv, layers))
+                try:
+                    for lp in layers:
+                        await tx.send_layer(dg.gather_layer(kv, lp))
+                    return await tx.finish()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await tx.abort("prefill stopped sending")
+                    raise
+        except TimeoutError:
+            raise HandoffError(f"KV transfer to {reply.address} exceeded {self.transfer_timeout_s}s "
+                               f"(after {time.perf_counter() - start:.1f}s)") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise HandoffError(f"KV transfer to {reply.address} failed: {exc}") from exc
+
+    async def _release(self, request_id: str) -> None:
+        with contextlib.suppress(KeyError):
+            await self.engine.call(lambda core: core.release(request_id, cache=True))
+
+    async def _publish_final(self, req: GenerateRequest, token: int, logprob, reason, cached: int) -> None:
+        await self.publish(req.stream_subject, TokenChunk(
+            request_id=req.request_id, token_ids=[token],
+            logprobs=[] if logprob is None else [dg.wire_logprob(logprob)],
+            finish_reason=dg.wire_finish(reason),
+            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached)))
+
+    async def _safe_publish(self, req: GenerateRequest, chunk: TokenChunk) -> None:
+        try:
+            await asyncio.wait_for(self.publish(req.stream_subject, chunk), 5)
+        except Exception as exc:  # NATS gone: the gateway's own bound reports the failure
+            log.warning("could not publish final chunk", extra={"request": req.request_id, "error": repr(exc)})
