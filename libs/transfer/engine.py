@@ -400,7 +400,6 @@ class _EngineBase:
         except BaseException:
             await tx.abort("sender failed")
             raise
-        self.bytes_sent += stats.nbytes
         return stats
 
     async def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:

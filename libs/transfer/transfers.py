@@ -237,6 +237,7 @@ class OutgoingTransfer:
             raise self._failure or exc from None
         self.state = TransferState.COMPLETE
         self.conn.forget_outgoing(self)
+        self.conn.engine.bytes_sent += self.bytes_sent
         return TransferStats(self.request_id, len(self.header.layers), self.bytes_sent,
                              time.perf_counter() - self._started)
 
