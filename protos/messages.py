@@ -224,14 +224,6 @@ class KVEventBatch(WireModel):
 # --- disaggregated prefill -> decode hand-off ----------------------------------------------------
 
 
-class GenerateAccepted(WireModel):
-    """Reply of a prefill (or combined) worker to GenerateRequest: the request is queued. Results and
-    errors arrive as TokenChunks on the request's stream subject, never in this reply."""
-
-    request_id: str
-    instance_id: str
-
-
 class KVPrepareRequest(WireModel):
     """prefill → decode (`windserve.worker.<decode>.kv_prepare`): admit this request, expect its KV.
 

@@ -77,7 +77,7 @@ class Pipeline:
         self.decode_engine.start()
         await self.tx.start()
         await self.rx.start()
-        self.decode = DecodeWorker(self.decode_engine, self.rx, self.stream.publish, transfer_timeout_s=30)
+        self.decode = DecodeWorker(self.decode_engine, self.rx, "d0", self.stream.publish, transfer_timeout_s=30)
         self.prefill = PrefillWorker(self.prefill_engine, self.tx, "p0", self._prepare, self.stream.publish,
                                      transfer_timeout_s=30)
         return self
@@ -235,3 +235,44 @@ async def test_decode_engine_full_is_refused_and_prefill_frees(tiny):
         assert chunks[-1].finish_reason is FinishReason.ERROR and "full" in chunks[-1].error
         pipe.decode_engine.core.pending.clear()
         await pipe.assert_no_kv_in_use()
+
+
+# ------------------------------------------------------------------------------------------ router pairs
+def _entry(role, iid, running=0, waiting=0, buckets=(), address="ucx://h:1", used=0):
+    from protos.messages import RegistryEntry, WorkerLoad
+    return RegistryEntry(role=role, instance_id=iid, address=address, buckets=list(buckets),
+                         load=WorkerLoad(running=running, waiting=waiting, kv_full_used=used, kv_full_total=100))
+
+
+@pytest.mark.unit
+def test_pick_pair_by_bucket_and_load():
+    from protos.messages import Role
+    from services.router.handlers import pick_pair
+    prefills = [_entry(Role.PREFILL, "p-short", buckets=[0]), _entry(Role.PREFILL, "p-long", buckets=[1], waiting=5),
+                _entry(Role.PREFILL, "p-any", running=7)]
+    decodes = [_entry(Role.DECODE, "d-busy", running=3), _entry(Role.DECODE, "d-idle", used=50),
+               _entry(Role.DECODE, "d-noaddr", address="")]
+    edges = [100]
+    assert [e.instance_id for e in pick_pair(prefills, decodes, 10, edges, "q")] == ["p-short", "d-idle"]
+    # long prompt: only p-long and the catch-all p-any serve bucket 1; p-long has the shorter queue
+    assert pick_pair(prefills, decodes, 500, edges, "q")[0].instance_id == "p-long"
+    # this router's own recent picks count as load (a burst between two registry refreshes spreads)
+    assert pick_pair(prefills, decodes, 10, edges, "q", {"p-short": 9, "d-idle": 9})[1].instance_id == "d-busy"
+    # equal load: ties broken by the KV share, then by a deterministic hash
+    same = [_entry(Role.DECODE, f"d{i}") for i in range(4)]
+    picks = {pick_pair(prefills, same, 10, edges, f"r{i}")[1].instance_id for i in range(40)}
+    assert len(picks) > 1 and pick_pair(prefills, same, 10, edges, "r1") == pick_pair(prefills, same, 10, edges, "r1")
+
+
+@pytest.mark.unit
+def test_pick_pair_needs_both_roles_and_an_address():
+    from protos.messages import Role
+    from services.router.handlers import RecentPicks, pick_pair
+    with pytest.raises(LookupError, match="prefill"):
+        pick_pair([], [_entry(Role.DECODE, "d")], 1, [], "q")
+    with pytest.raises(LookupError, match="transfer address"):
+        pick_pair([_entry(Role.PREFILL, "p")], [_entry(Role.DECODE, "d", address="")], 1, [], "q")
+    recent = RecentPicks(window_s=2.0)
+    recent.add("a", 10.0)
+    recent.add("a", 11.5)
+    assert recent.counts(12.0) == {"a": 2} and recent.counts(13.0) == {"a": 1} and recent.counts(20) == {}

@@ -22,6 +22,7 @@ no page the decode cache believes live is left unwritten (a later prefix hit wou
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ from libs.transfer import LayerSpec
 from protos import messages as wire
 
 log = logging.getLogger(__name__)
+
+LOGPROB_FLOOR = -9999.0
 
 
 # ---------------------------------------------------------------------------------------------- plan (pure)
@@ -263,23 +266,19 @@ class DisaggEngineCore(EngineCore):
 
 # ---------------------------------------------------------------------------------------------- wire <-> engine
 def engine_params(p: wire.SamplingParams) -> SamplingParams:
-    """Wire sampling params -> engine params (wire logprobs 0 = none). Optional wire fields that later
-    protocol versions add (stop strings, ignore_eos, a separate 'sampled logprob only' flag) are read when
-    present."""
-    logprobs = getattr(p, "top_logprobs", None)
-    if logprobs is None:
-        logprobs = p.logprobs if p.logprobs > 0 else None
+    """Wire sampling params -> engine params (raises ValueError on values the engine refuses)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(getattr(p, "stop", ())),
-                          logprobs=logprobs, ignore_eos=bool(getattr(p, "ignore_eos", False)))
+                          seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
+                          logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos)
 
 
 def wire_logprob(lp: TokenLogprob) -> wire.TokenLogprob:
-    return wire.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top))
+    # JSON has no -inf: "impossible" alternatives get a floor value, as on the combined worker.
+    def finite(x: float) -> float:
+        return x if math.isfinite(x) else LOGPROB_FLOOR
 
-
-def engine_logprob(lp: wire.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top.items()))
+    return wire.TokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
+                             top={t: finite(v) for t, v in lp.top})
 
 
 def wire_finish(reason: FinishReason | None) -> wire.FinishReason | None:

@@ -25,15 +25,10 @@ from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
 from libs.transfer import IncomingTransfer
 from protos.messages import FinishReason, KVPrepareReply, KVPrepareRequest, TokenChunk, Usage
-from services.decode.config import DecodeConfig
 
 log = logging.getLogger("windserve.decode")
 
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
-
-
-def health_details(config: DecodeConfig) -> dict[str, str]:
-    return {"model": config.model or "tiny"}
 
 
 class PrepareRefused(RuntimeError):
@@ -55,18 +50,22 @@ class ReceiveStats:
 class DecodeWorker:
     """Serves kv_prepare. `engine` wraps a started DisaggEngineCore; `transfer` is a started engine."""
 
-    def __init__(self, engine: AsyncEngine, transfer, publish: Publish, *, transfer_timeout_s: float = 60.0,
-                 admit_timeout_s: float = 10.0) -> None:
+    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, publish: Publish, *,
+                 transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0) -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):
             raise TypeError("DecodeWorker needs an AsyncEngine over a DisaggEngineCore")
         self.engine = engine
         self.core: dg.DisaggEngineCore = engine.core
         self.transfer = transfer
+        self.instance_id = instance_id
         self.publish = publish
         self.transfer_timeout_s = transfer_timeout_s
         self.admit_timeout_s = admit_timeout_s
         self.stats = ReceiveStats()
         self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def _chunk(self, request_id: str, **fields) -> TokenChunk:
+        return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
 
     # ------------------------------------------------------------------ entry points
     async def prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
@@ -118,8 +117,8 @@ class DecodeWorker:
             incoming = self.transfer.expect(msg.request_id, self._destinations(msg, slot))
             ready.set_result(KVPrepareReply(request_id=msg.request_id, hit_tokens=slot.hit_tokens,
                                             address=self.transfer.address))
-            await self.publish(msg.stream_subject, TokenChunk(
-                request_id=msg.request_id, token_ids=[msg.first_token_id],
+            await self.publish(msg.stream_subject, self._chunk(
+                msg.request_id, token_ids=[msg.first_token_id],
                 logprobs=[] if msg.first_logprob is None else [msg.first_logprob]))
             stats = await incoming.wait(self.transfer_timeout_s)
             self.stats.requests += 1
@@ -193,16 +192,16 @@ class DecodeWorker:
             if out.finished:
                 usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=completion,
                               cached_tokens=msg.prefill_cached_tokens)
-            await self.publish(msg.stream_subject, TokenChunk(
-                request_id=msg.request_id, token_ids=list(out.new_token_ids),
+            await self.publish(msg.stream_subject, self._chunk(
+                msg.request_id, token_ids=list(out.new_token_ids),
                 logprobs=[dg.wire_logprob(lp) for lp in out.logprobs or ()],
                 finish_reason=dg.wire_finish(out.finish_reason), usage=usage))
             if out.finished:
                 return out.finish_reason is not dg.FinishReason.ABORT
 
     async def _final_error(self, msg: KVPrepareRequest, error: str | None) -> None:
-        chunk = (TokenChunk(request_id=msg.request_id, finish_reason=FinishReason.ABORT) if error is None else
-                 TokenChunk(request_id=msg.request_id, finish_reason=FinishReason.ERROR, error=error))
+        chunk = (self._chunk(msg.request_id, finish_reason=FinishReason.ABORT) if error is None else
+                 self._chunk(msg.request_id, finish_reason=FinishReason.ERROR, error=error))
         try:
             await asyncio.wait_for(self.publish(msg.stream_subject, chunk), 5)
         except Exception as exc:

@@ -1,14 +1,48 @@
-"""Wiring of the decode service: registry + health today; its request handlers come later."""
+"""Wiring of the decode service: serves `windserve.worker.<id>.kv_prepare`, receives KV, streams tokens."""
 
-from libs.service import Service
-from protos.messages import Role
+from __future__ import annotations
+
+import asyncio
+
+from libs.engine.disagg import DisaggEngineCore
+from protos import subjects
+from protos.messages import KVPrepareReply, KVPrepareRequest, Role, ServiceState
 from services.decode import handlers
 from services.decode.config import DecodeConfig
+from services.prefill.service import EngineRoleService
 
 
-class DecodeService(Service):
+class DecodeService(EngineRoleService):
     role = Role.DECODE
     config: DecodeConfig
+    core_class = DisaggEngineCore
 
-    def health_details(self) -> dict[str, str]:
-        return handlers.health_details(self.config)
+    def __init__(self, config: DecodeConfig) -> None:
+        super().__init__(config)
+        self.worker: handlers.DecodeWorker | None = None
+
+    async def setup_role(self) -> None:
+        assert self.bus is not None and self.engine is not None
+        self.worker = handlers.DecodeWorker(self.engine, self.transfer, self.config.instance_id, self.publish,
+                                            transfer_timeout_s=self.config.transfer_timeout_s,
+                                            admit_timeout_s=self.config.prepare_timeout_s)
+        await self.bus.serve(subjects.kv_prepare(self.config.instance_id), KVPrepareRequest, self._prepare)
+
+    async def _prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
+        assert self.worker is not None
+        if self.state is ServiceState.DRAINING:
+            raise handlers.PrepareRefused("decode worker is draining")
+        return await self.worker.prepare(msg)
+
+    async def abort_request(self, request_id: str) -> None:
+        if self.worker is not None:
+            await self.worker.abort(request_id)
+
+    def role_details(self) -> dict[str, str]:
+        if self.worker is None:
+            return {}
+        return {**self.worker.stats.as_details(), "in_flight_requests": str(len(self.worker.tasks))}
+
+    async def teardown_role(self) -> None:
+        if self.worker is not None and self.worker.tasks:
+            await asyncio.wait(set(self.worker.tasks.values()), timeout=self.config.drain_timeout_s)

@@ -27,6 +27,7 @@ from libs.engine import disagg as dg
 from libs.engine.core import HeldPrefill
 from libs.transfer import TransferStats
 from protos.messages import (
+    AckStatus,
     FinishReason,
     GenerateRequest,
     KVPrepareReply,
@@ -34,7 +35,6 @@ from protos.messages import (
     TokenChunk,
     Usage,
 )
-from services.prefill.config import PrefillConfig
 
 log = logging.getLogger("windserve.prefill")
 
@@ -42,8 +42,24 @@ Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
 
-def health_details(config: PrefillConfig) -> dict[str, str]:
-    return {"model": config.model or "tiny"}
+def refusal(req: GenerateRequest, vocab_size: int, max_request_tokens: int) -> tuple[AckStatus, str] | None:
+    """Why this worker can never serve `req` (ack status + message), or None when it can (pure)."""
+    if not req.token_ids:
+        return AckStatus.INVALID, "the prompt has no tokens"
+    if not req.decode_instance:
+        return AckStatus.INVALID, "a prefill worker needs decode_instance (route through the router)"
+    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+    total = len(req.token_ids) + req.sampling.max_tokens
+    if total > max_request_tokens:
+        return AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens ({req.sampling.max_tokens})"
+                                     f" = {total} tokens exceeds this worker's limit of {max_request_tokens}")
+    try:
+        dg.engine_params(req.sampling)
+    except ValueError as exc:
+        return AckStatus.INVALID, str(exc)
+    return None
 
 
 @dataclass
@@ -80,6 +96,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.stats = HandoffStats()
         self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def _chunk(self, request_id: str, **fields) -> TokenChunk:
+        return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
 
     # ------------------------------------------------------------------ entry points
     def submit(self, req: GenerateRequest) -> asyncio.Task[None]:
@@ -120,13 +139,13 @@ class PrefillWorker:
             held = await self.engine.call(lambda core: core.held_prefill(req.request_id))
             await self._hand_off(req, held, token, logprob, cached)
         except asyncio.CancelledError:
-            await self._safe_publish(req, TokenChunk(request_id=req.request_id, finish_reason=FinishReason.ABORT))
+            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ABORT))
             raise
         except Exception as exc:
             self.stats.failures += 1
             log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
-            await self._safe_publish(req, TokenChunk(request_id=req.request_id, finish_reason=FinishReason.ERROR,
-                                                     error=f"prefill {self.instance_id}: {exc}"))
+            error = f"prefill {self.instance_id}: {exc}"
+            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error))
         finally:
             if held is not None:
                 await self._release(req.request_id)
@@ -139,8 +158,8 @@ class PrefillWorker:
         out = outs[-1]
         if out.finish_reason is not dg.FinishReason.PREFILLED:
             # Aborted, or too long for this engine's pools (finished as length with no token).
-            await self.publish(req.stream_subject, TokenChunk(
-                request_id=req.request_id, token_ids=list(out.new_token_ids),
+            await self.publish(req.stream_subject, self._chunk(
+                req.request_id, token_ids=list(out.new_token_ids),
                 finish_reason=dg.wire_finish(out.finish_reason),
                 usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
             return None
@@ -198,8 +217,8 @@ class PrefillWorker:
             await self.engine.call(lambda core: core.release(request_id, cache=True))
 
     async def _publish_final(self, req: GenerateRequest, token: int, logprob, reason, cached: int) -> None:
-        await self.publish(req.stream_subject, TokenChunk(
-            request_id=req.request_id, token_ids=[token],
+        await self.publish(req.stream_subject, self._chunk(
+            req.request_id, token_ids=[token],
             logprobs=[] if logprob is None else [dg.wire_logprob(logprob)],
             finish_reason=dg.wire_finish(reason),
             usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached)))

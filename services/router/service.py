@@ -1,4 +1,10 @@
-"""Wiring of the router service: answers `windserve.route` (queue group `router`) from the registry."""
+"""Wiring of the router service: answers `windserve.route` (queue group `router`) from the registry.
+
+Disaggregated mode (prefill and decode workers live): a (prefill, decode) pair by length bucket and load.
+Aggregated mode (only combined workers): the least-loaded worker prefills and decodes.
+"""
+
+import time
 
 from libs.service import Service
 from protos import subjects
@@ -11,14 +17,26 @@ class RouterService(Service):
     role = Role.ROUTER
     config: RouterConfig
 
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self.recent = handlers.RecentPicks()
+
     async def setup(self) -> None:
         assert self.bus is not None
         await self.bus.serve(subjects.ROUTE, RouteRequest, self._route, queue=subjects.ROUTER_QUEUE)
 
     async def _route(self, req: RouteRequest) -> RouteReply:
         assert self.registry is not None
-        workers = await self.registry.list(Role.WORKER, timeout=self.config.registry_timeout_s)
-        worker = handlers.pick_worker(workers, req.num_tokens, self.config.bucket_edges, req.request_id)
+        entries = await self.registry.list(timeout=self.config.registry_timeout_s)
+        by_role = {role: [e for e in entries if e.role is role] for role in (Role.PREFILL, Role.DECODE, Role.WORKER)}
+        if by_role[Role.PREFILL] and by_role[Role.DECODE]:
+            now = time.monotonic()
+            prefill, decode = handlers.pick_pair(by_role[Role.PREFILL], by_role[Role.DECODE], req.num_tokens,
+                                                 self.config.bucket_edges, req.request_id, self.recent.counts(now))
+            self.recent.add(prefill.instance_id, now)
+            self.recent.add(decode.instance_id, now)
+            return RouteReply(prefill_instance=prefill.instance_id, decode_instance=decode.instance_id)
+        worker = handlers.pick_worker(by_role[Role.WORKER], req.num_tokens, self.config.bucket_edges, req.request_id)
         # Aggregated: the same instance prefills and decodes.
         return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)
 
