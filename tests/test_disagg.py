@@ -275,4 +275,4 @@ def test_pick_pair_needs_both_roles_and_an_address():
     recent = RecentPicks(window_s=2.0)
     recent.add("a", 10.0)
     recent.add("a", 11.5)
-    assert recent.counts(12.0) == {"a": 2} and recent.counts(13.0) == {"a": 1} and recent.counts(20) == {}
+    assert recent.counts(11.9) == {"a": 2} and recent.counts(13.0) == {"a": 1} and recent.counts(20) == {}
