@@ -11,7 +11,10 @@ import uvicorn
 from libs.service import Service
 from protos.messages import RegistryEntry, Role
 from services.gateway import handlers
+from services.gateway.admission import Admission, AdmissionConfig
+from services.gateway.backend import BackendConfig, NatsBackend
 from services.gateway.config import GatewayConfig
+from services.gateway.generation import Limits
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -30,13 +33,36 @@ class GatewayService(Service):
         super().__init__(config)
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
+        self.backend: NatsBackend | None = None
 
     async def _list_services(self) -> list[RegistryEntry]:
         assert self.registry is not None
         return await self.registry.list(timeout=self.config.registry_timeout_s)
 
+    async def _list_workers(self) -> list[RegistryEntry]:
+        assert self.registry is not None
+        return await self.registry.list(Role.WORKER, timeout=self.config.registry_timeout_s)
+
+    async def _build_api(self) -> handlers.Api:
+        from libs.model.tokenizer import load_tokenizer  # heavy import, only where the API is served
+
+        cfg = self.config
+        assert self.bus is not None
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model or None)
+        self.backend = NatsBackend(self.bus, self._list_workers, BackendConfig(
+            page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
+            registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
+            liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s,
+        ))
+        return handlers.Api(
+            backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
+            limits=Limits(cfg.max_model_len, cfg.default_max_tokens, cfg.max_n, cfg.max_batch),
+            admission=Admission(AdmissionConfig(cfg.max_in_flight, cfg.max_queued, cfg.queue_timeout_s)),
+            api_keys=cfg.keys, retry_after_s=cfg.retry_after_s,
+        )
+
     async def setup(self) -> None:
-        app = handlers.build_app(self._list_services, self.config.instance_id)
+        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api())
         uv_config = uvicorn.Config(
             app, host=self.config.http_host, port=self.config.http_port, log_config=None, lifespan="off"
         )
@@ -62,3 +88,5 @@ class GatewayService(Service):
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True  # uvicorn finishes open responses, then returns
             await asyncio.wait({self._http_task}, timeout=self.config.drain_timeout_s)
+        if self.backend is not None:
+            await self.backend.close()  # aborts of cancelled streams go out before the bus closes

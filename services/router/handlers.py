@@ -39,7 +39,7 @@ def pick_worker(workers: Sequence[RegistryEntry], num_tokens: int, bucket_edges:
         raise LookupError("no live worker in the registry")
     bucket = LengthBuckets(tuple(bucket_edges)).classify(num_tokens)
     serving = [w for w in workers if not w.buckets or bucket in w.buckets] or list(workers)
-    return min(serving, key=lambda w: (_load(w), xxhash.xxh64_intdigest(f"{request_id}/{w.instance_id}")))
+    return min(serving, key=lambda w: (_load(w), xxhash.xxh64_intdigest(f"{request_id}/{w.instance_id}".encode())))
 
 
 # --- disaggregated mode: (prefill, decode) pairs ------------------------------------------------------------

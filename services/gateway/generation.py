@@ -1,0 +1,395 @@
+"""From a validated OpenAI request to worker requests (a pure `Plan`), and from token chunks back to
+OpenAI responses: whole (`collect`) or as server-sent events (`stream_events`).
+
+One HTTP request becomes one sub-request per (prompt, choice): choice index = prompt index × n + i,
+as OpenAI numbers batch completions. With a seed, choice i samples with seed + i, so the n choices
+differ yet the whole response is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob
+from services.gateway import metrics
+from services.gateway.backend import Backend, BackendError
+from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from services.gateway.render import (
+    SSE_DONE,
+    TextAssembler,
+    chat_logprobs,
+    completion_logprobs,
+    sse_event,
+    usage_dict,
+)
+
+
+class Kind(StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int = 32768
+    default_max_tokens: int = 256
+    max_n: int = 16
+    max_batch: int = 64
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    index: int  # choice index in the response
+    prompt_index: int
+    request_id: str
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    subs: list[SubRequest]
+    stops: tuple[str, ...] = ()
+    logprobs: int | None = None  # None = off; else alternatives per token
+    return_token_ids: bool = False
+    as_token_ids: bool = False
+    include_usage: bool = False
+    stream: bool = False
+
+
+class Tokenizer:
+    """What the gateway needs from a tokenizer (libs.model.tokenizer satisfies it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+# --- planning (pure) --------------------------------------------------------------------------
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tok: Tokenizer) -> list[list[int]]:
+    """Normalise the four OpenAI prompt shapes to token id lists."""
+    if isinstance(prompt, str):
+        prompts = [tok.encode(prompt)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    if not prompts:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(400, f"prompt {i} has no tokens", param="prompt")
+        if any(t < 0 for t in ids):
+            raise ApiError(400, f"prompt {i} contains a negative token id", param="prompt")
+    return prompts
+
+
+def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, index: int) -> int:
+    if prompt_len >= limits.max_model_len:
+        raise ApiError(413, f"prompt {index} has {prompt_len} tokens; this model's context is "
+                            f"{limits.max_model_len} tokens", param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return min(limits.default_max_tokens, limits.max_model_len - prompt_len)
+    if prompt_len + requested > limits.max_model_len:
+        raise ApiError(413, f"prompt {index} ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
+                            f"model's context of {limits.max_model_len} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def _common_checks(body: CompletionRequest | ChatCompletionRequest, num_prompts: int, limits: Limits) -> tuple[str, ...]:
+    body.check_unsupported()
+    if body.n > limits.max_n:
+        raise ApiError(400, f"n={body.n} is above this server's limit of {limits.max_n}", param="n")
+    if num_prompts > limits.max_batch:
+        raise ApiError(400, f"{num_prompts} prompts in one request; the limit is {limits.max_batch}", param="prompt")
+    return tuple(body.stop_list())
+
+
+def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prompts: list[list[int]],
+          max_tokens: int | None, limits: Limits, stops: tuple[str, ...], logprobs: int | None) -> list[SubRequest]:
+    subs = []
+    for p, ids in enumerate(prompts):
+        budget = _max_tokens(max_tokens, len(ids), limits, p)
+        for i in range(body.n):
+            sampling = SamplingParams(
+                max_tokens=budget, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                seed=None if body.seed is None else body.seed + i, stop_token_ids=list(body.stop_token_ids),
+                logprobs=logprobs or 0, sampled_logprob=logprobs is not None, stop=list(stops),
+                ignore_eos=body.ignore_eos,
+            )
+            index = p * body.n + i
+            subs.append(SubRequest(index, p, f"{request_id}-{index}", sampling))
+    return subs
+
+
+def plan_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits, request_id: str, model: str) -> Plan:
+    prompts = completion_prompts(body.prompt, tok)
+    stops = _common_checks(body, len(prompts), limits)
+    subs = _subs(body, request_id, prompts, body.max_tokens, limits, stops, body.logprobs)
+    return Plan(Kind.COMPLETION, request_id, int(time.time()), model, prompts, subs, stops, body.logprobs,
+                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream)
+
+
+def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, request_id: str, model: str) -> Plan:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
+    if not ids:
+        raise ApiError(400, "the chat template produced an empty prompt", param="messages")
+    stops = _common_checks(body, 1, limits)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs)
+    return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
+                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream)
+
+
+# --- per-choice state -------------------------------------------------------------------------
+
+
+_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None  # set on the delta that completes the choice
+    offset: int  # text length before this delta (completions text_offset)
+
+
+@dataclass
+class ChoiceState:
+    sub: SubRequest
+    assembler: TextAssembler
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, chunk: TokenChunk) -> Delta:
+        if self.done:
+            return Delta("", [], [], None, len(self.assembler.text))
+        offset = len(self.assembler.text)
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        text = self.assembler.add(chunk.token_ids)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.usage is not None:
+            self.cached_tokens = chunk.usage.cached_tokens
+        if chunk.finish_reason is not None:
+            text += self.assembler.finish()
+            self.finish_reason = "stop" if self.assembler.stopped else _FINISH_NAMES.get(chunk.finish_reason, "stop")
+        elif self.assembler.stopped:  # the gateway saw the stop string first; the caller aborts the rest
+            self.finish_reason = "stop"
+        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offset)
+
+
+def new_states(plan: Plan, decode_text: Callable[[list[int]], str]) -> dict[int, ChoiceState]:
+    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops)) for s in plan.subs}
+
+
+def usage_of(plan: Plan, states: dict[int, ChoiceState]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice); cached tokens are those of each prompt's
+    first choice, so cached <= prompt always holds."""
+    first: dict[int, ChoiceState] = {}
+    for index in sorted(states):
+        first.setdefault(states[index].sub.prompt_index, states[index])
+    prompt = sum(len(p) for p in plan.prompts)
+    completion = sum(len(s.token_ids) for s in states.values())
+    cached = sum(s.cached_tokens for s in first.values())
+    return usage_dict(prompt, completion, cached)
+
+
+# --- fan-out over sub-requests ------------------------------------------------------------------
+
+
+_END = object()
+
+
+class Fanout:
+    """Runs every sub-request's stream as a task and merges their chunks in arrival order.
+
+    Cancelling a pump task closes its backend stream, which aborts that request downstream;
+    `close()` does this for all that are still running (no await: safe in a cancelled finally).
+    """
+
+    def __init__(self, backend: Backend, plan: Plan) -> None:
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._tasks = {s.index: asyncio.ensure_future(self._pump(backend, s, plan.prompts[s.prompt_index]))
+                       for s in plan.subs}
+
+    async def _pump(self, backend: Backend, sub: SubRequest, prompt: list[int]) -> None:
+        try:
+            async for chunk in backend.generate(sub.request_id, prompt, sub.sampling):
+                self._queue.put_nowait((sub.index, chunk))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            self._queue.put_nowait((sub.index, exc))
+        finally:
+            self._queue.put_nowait((sub.index, _END))
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenChunk]]:
+        """(choice index, chunk) until every stream ended; the first failure is raised."""
+        open_streams = len(self._tasks)
+        while open_streams:
+            index, item = await self._queue.get()
+            if item is _END:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+
+    def cancel(self, index: int) -> None:
+        self._tasks[index].cancel()
+
+    def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+
+
+def _error_to_api(exc: BackendError) -> ApiError:
+    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+    return ApiError(exc.status, exc.message, type_=type_, code=exc.code)
+
+
+def _record(plan: Plan, states: dict[int, ChoiceState], started: float, usage: dict[str, Any]) -> None:
+    metrics.PROMPT_TOKENS.inc(usage["prompt_tokens"])
+    metrics.OUTPUT_TOKENS.inc(usage["completion_tokens"])
+    metrics.CACHED_TOKENS.inc(usage["prompt_tokens_details"]["cached_tokens"])
+    for st in states.values():
+        if st.first_token_at is not None:
+            metrics.TTFT.observe(st.first_token_at - started)
+    metrics.LATENCY.observe(time.monotonic() - started)
+
+
+# --- rendering of choices -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Renderer:
+    plan: Plan
+    decode_token: Callable[[list[int]], str]  # keeps special tokens (logprob names)
+
+    def logprobs(self, lps: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if self.plan.logprobs is None:
+            return None
+        if self.plan.kind == Kind.CHAT:
+            return chat_logprobs(lps, self.decode_token, self.plan.as_token_ids, self.plan.logprobs)
+        return completion_logprobs(lps, self.decode_token, self.plan.as_token_ids, offset)
+
+    def header(self) -> dict[str, Any]:
+        obj = {Kind.COMPLETION: "text_completion", Kind.CHAT: "chat.completion"}[self.plan.kind]
+        if self.plan.stream and self.plan.kind == Kind.CHAT:
+            obj = "chat.completion.chunk"
+        return {"id": self.plan.id, "object": obj, "created": self.plan.created, "model": self.plan.model}
+
+    def _ids(self, choice: dict[str, Any], st: ChoiceState, token_ids: list[int], first: bool) -> dict[str, Any]:
+        if self.plan.return_token_ids:
+            if first:
+                choice["prompt_token_ids"] = self.plan.prompts[st.sub.prompt_index]
+            choice["token_ids"] = token_ids
+        return choice
+
+    def full_choice(self, st: ChoiceState) -> dict[str, Any]:
+        lps = self.logprobs(st.logprobs, 0)
+        if self.plan.kind == Kind.CHAT:
+            choice = {"index": st.sub.index, "message": {"role": "assistant", "content": st.assembler.text},
+                      "logprobs": lps, "finish_reason": st.finish_reason}
+        else:
+            choice = {"index": st.sub.index, "text": st.assembler.text, "logprobs": lps,
+                      "finish_reason": st.finish_reason}
+        return self._ids(choice, st, st.token_ids, first=True)
+
+    def delta_choice(self, st: ChoiceState, d: Delta, first: bool) -> dict[str, Any]:
+        lps = self.logprobs(d.logprobs, d.offset) if d.logprobs else None
+        if self.plan.kind == Kind.CHAT:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if d.text or first:
+                delta["content"] = d.text
+            choice = {"index": st.sub.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": st.sub.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+        return self._ids(choice, st, d.token_ids, first)
+
+
+# --- running a plan -----------------------------------------------------------------------------
+
+
+async def collect(plan: Plan, backend: Backend, renderer: Renderer, decode_text: Callable[[list[int]], str]
+                  ) -> dict[str, Any]:
+    """Run every sub-request to the end and build the whole (non-streaming) response body."""
+    started = time.monotonic()
+    states = new_states(plan, decode_text)
+    fanout = Fanout(backend, plan)
+    try:
+        async for index, chunk in fanout.events():
+            st = states[index]
+            st.apply(chunk)
+            if st.done and chunk.finish_reason is None:
+                fanout.cancel(index)  # stop string seen here first: abort the rest downstream
+    except BackendError as exc:
+        raise _error_to_api(exc) from exc
+    finally:
+        fanout.close()
+    usage = usage_of(plan, states)
+    _record(plan, states, started, usage)
+    choices = [renderer.full_choice(states[i]) for i in sorted(states)]
+    return {**renderer.header(), "choices": choices, "usage": usage}
+
+
+async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
+                        decode_text: Callable[[list[int]], str], on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Server-sent events of a streaming response; errors after the headers went out become an error
+    event followed by [DONE]. Leaving early (client gone) closes every sub-request (abort)."""
+    started = time.monotonic()
+    states = new_states(plan, decode_text)
+    seen: set[int] = set()
+    fanout = Fanout(backend, plan)
+    finished = False
+    try:
+        async for index, chunk in fanout.events():
+            st = states[index]
+            delta = st.apply(chunk)
+            if st.done and chunk.finish_reason is None:
+                fanout.cancel(index)
+            if not (delta.text or delta.token_ids or delta.finish_reason or index not in seen):
+                continue
+            first = index not in seen
+            seen.add(index)
+            yield sse_event({**renderer.header(), "choices": [renderer.delta_choice(st, delta, first)]})
+        usage = usage_of(plan, states)
+        _record(plan, states, started, usage)
+        if plan.include_usage:
+            yield sse_event({**renderer.header(), "choices": [], "usage": usage})
+        finished = True
+        yield SSE_DONE
+    except BackendError as exc:
+        api = _error_to_api(exc)
+        finished = True
+        yield sse_event(error_body(api.message, api.type, api.param, api.code))
+        yield SSE_DONE
+    finally:
+        fanout.close()
+        if not finished:
+            metrics.DISCONNECTS.inc()
+        on_close()

@@ -1,0 +1,16 @@
+"""Prometheus metrics of the gateway (process-global, exported on GET /metrics)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("windserve_gateway_requests_total", "HTTP API requests by endpoint and status", ["endpoint", "status"])
+IN_FLIGHT = Gauge("windserve_gateway_in_flight", "Requests running downstream")
+QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission slot")
+REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
+DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
+PROMPT_TOKENS = Counter("windserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
+CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens served from a prefix cache")
+OUTPUT_TOKENS = Counter("windserve_gateway_output_tokens_total", "Generated tokens sent to clients")
+TTFT = Histogram("windserve_gateway_ttft_seconds", "Time to first token (per choice)",
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+LATENCY = Histogram("windserve_gateway_request_seconds", "Whole request latency",
+                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
