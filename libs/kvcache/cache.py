@@ -136,7 +136,7 @@ class KVCache:
         swa_pages: list[int] = []
         for n in reversed(chain):
             full_pages += n.full  # type: ignore[arg-type]
-            swa_pages += n.swa if n.start >= ws else [-1] * n.npages  # type: ignore[operator]
+            swa_pages += n.swa if n.start >= ws else [-1] * n.npages  # type: ignore[operator,arg-type]
         return PrefixHit(hit_len, raw, load_f * self.P, tuple(full_pages),
                          tuple(swa_pages), tuple(copies), hid)
 

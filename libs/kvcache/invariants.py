@@ -42,7 +42,7 @@ def _check_tree(c: KVCache) -> list[Node]:
             if n.full is not None:
                 if len(n.full) != n.npages or len(n.swa) != n.npages:  # type: ignore[arg-type]
                     _fail(f"{where}: page list lengths differ from npages")
-                if n.n_swa != sum(1 for s in n.swa if s >= 0):  # type: ignore[union-attr]
+                if n.n_swa != sum(1 for s in n.swa if s >= 0):  # type: ignore[union-attr,misc]
                     _fail(f"{where}: n_swa={n.n_swa} is stale")
                 if parent.parent is not None and parent.full is None:
                     _fail(f"{where}: on device under a host-only parent")
