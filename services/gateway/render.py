@@ -43,14 +43,15 @@ def first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
 def held_back(text: str, stops: Sequence[str]) -> int:
     """Characters at the end of `text` that must not be emitted yet: an incomplete UTF-8 sequence, or
     the longest suffix that could still grow into a stop string."""
-    tail = len(text) - len(text.rstrip(_REPLACEMENT))
+    complete = text.rstrip(_REPLACEMENT)
     partial = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), partial, -1):
-            if text.endswith(s[:k]):
+        for k in range(min(len(s) - 1, len(complete)), partial, -1):
+            if complete.endswith(s[:k]):
                 partial = k
                 break
-    return max(tail, partial)
+    # The half character may complete a stop string that begins in the complete text before it.
+    return len(text) - len(complete) + partial
 
 
 class TextAssembler:
