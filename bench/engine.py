@@ -183,7 +183,7 @@ def l2_ttft(model, cfg, prefix_len: int = 1024, trials: int = 7) -> dict:
     for m in modes:
         a, b = statistics.median(l1[m]), statistics.median(l2[m])
         out[f"l2_{m}"] = {"l1_ttft_ms": a * 1e3, "l2_ttft_ms": b * 1e3, "ratio": b / a}
-    out["l2_hit_ttft_ratio"] = out[f"l2_{EngineConfig().l2_load_mode}"]["ratio"]
+    out["l2_hit_ttft_ratio"] = out[f"l2_{EngineConfig().resolved_load_mode}"]["ratio"]
     return out
 
 
@@ -225,10 +225,10 @@ def p90(xs: list[float]) -> float:
 
 def short_ttft(model, cfg) -> dict:
     """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill. Run side by side:
-    shorts alone; mix with buckets (edge 512, share 0.2, long chunks <= 64 tokens); mix with buckets but
+    shorts alone; mix with buckets (edge 512, share 0.2, long chunks <= 32 tokens); mix with buckets but
     no long-chunk cap; mix without buckets (FCFS)."""
     edges = (512,)
-    runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True, long_max=64),
+    runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True, long_max=32),
             "buckets_uncapped": dict(edges=edges, with_long=True), "fcfs": dict(edges=(), with_long=True)}
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(2):  # two rounds, interleaved

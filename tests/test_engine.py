@@ -215,7 +215,7 @@ async def test_async_engine_streams_and_cancel_aborts(tiny):
         with pytest.raises(asyncio.CancelledError):
             await task
         await engine.call(lambda c: None)  # abort commands run before this one
-        for _ in range(50):
+        for _ in range(600):  # bounded (30 s); the early-exit generator is closed by the loop's finalizer
             if not await engine.call(lambda c: c.has_work()):
                 break
             await asyncio.sleep(0.05)

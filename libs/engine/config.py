@@ -49,9 +49,11 @@ class EngineConfig:
     """Free-page share of a device pool under which cached pages are backed up to the host tier."""
     l2_backup_pages: int = 64
     """Most pages backed up per step."""
-    l2_load_mode: str = "thread"
+    l2_load_mode: str = "auto"
     """How host-tier hits are loaded: "thread" (copy thread / CUDA side stream running ahead of the
-    forward, layer by layer), "inline" (layer i copied just before layer i runs), "sync" (all before)."""
+    forward, layer by layer), "inline" (layer i copied just before layer i runs), "sync" (all before),
+    "auto" = thread on CUDA, inline on CPU (measured faster there: a CPU copy thread competes with the
+    compute for the same cores and the GIL)."""
     dtype: str = "float32"
     """KV and activation dtype: float32, bfloat16 or float16."""
     device: str = "cpu"
@@ -71,11 +73,18 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
             raise ValueError("EngineConfig: set both num_host_full_pages and num_host_swa_pages, or neither")
-        if self.l2_load_mode not in ("thread", "inline", "sync"):
-            raise ValueError(f"EngineConfig.l2_load_mode must be thread, inline or sync, got {self.l2_load_mode!r}")
+        if self.l2_load_mode not in ("auto", "thread", "inline", "sync"):
+            raise ValueError(f"EngineConfig.l2_load_mode must be auto, thread, inline or sync, "
+                             f"got {self.l2_load_mode!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs
+
+    @property
+    def resolved_load_mode(self) -> str:
+        if self.l2_load_mode != "auto":
+            return self.l2_load_mode
+        return "thread" if torch.device(self.device).type == "cuda" else "inline"
 
     @property
     def torch_dtype(self) -> torch.dtype:

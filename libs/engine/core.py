@@ -53,7 +53,7 @@ class EngineCore:
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           config.num_host_full_pages, config.num_host_swa_pages)
         self.runner = ModelRunner(model, model_config, sizes, dtype=config.torch_dtype,
-                                  device=config.device, seed=config.seed, load_mode=config.l2_load_mode)
+                                  device=config.device, seed=config.seed, load_mode=config.resolved_load_mode)
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
