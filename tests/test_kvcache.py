@@ -85,7 +85,7 @@ def test_plan_pools_fits_budget_and_sizes_swa_from_window_per_running_sequence()
 
 def test_decode_of_ten_windows_keeps_swa_within_window_plus_page() -> None:
     # retention "none": no checkpoint pages, so every SWA page the sequence holds is its window.
-    c = KVCache(cfg(page_size=4, window=8, num_full_pages=64, num_swa_pages=8, retention="none"))
+    c = KVCache(audit_tokens=True, config=cfg(page_size=4, window=8, num_full_pages=64, num_swa_pages=8, retention="none"))
     o = Oracle(c)
     tokens = list(range(6))
     hit = c.match(tokens)
@@ -103,7 +103,7 @@ def test_decode_of_ten_windows_keeps_swa_within_window_plus_page() -> None:
 
 
 def test_chunked_prefill_frees_swa_pages_as_they_leave_the_window() -> None:
-    c = KVCache(cfg(retention="none"))
+    c = KVCache(audit_tokens=True, config=cfg(retention="none"))
     o = Oracle(c)
     tokens = list(range(40))
     assert c.admit("p", tokens, c.match(tokens), 0).ok
@@ -118,7 +118,7 @@ def test_chunked_prefill_frees_swa_pages_as_they_leave_the_window() -> None:
 
 
 def test_reserve_refuses_without_memory_and_leaves_state_unchanged() -> None:
-    c = KVCache(cfg(num_full_pages=4, num_swa_pages=4))
+    c = KVCache(audit_tokens=True, config=cfg(num_full_pages=4, num_swa_pages=4))
     tokens = list(range(9))
     assert c.admit("a", tokens, c.match(tokens), 0).ok  # 3 full pages promised
     assert c.reserve("a", 9)
@@ -130,7 +130,7 @@ def test_reserve_refuses_without_memory_and_leaves_state_unchanged() -> None:
 
 
 def test_commit_beyond_reserve_and_unknown_sequence_are_errors() -> None:
-    c = KVCache(cfg())
+    c = KVCache(audit_tokens=True, config=cfg())
     tokens = list(range(6))
     assert c.admit("a", tokens, c.match(tokens), 2).ok
     with pytest.raises(ValueError, match="exceed the reserved"):
@@ -145,19 +145,19 @@ def test_commit_beyond_reserve_and_unknown_sequence_are_errors() -> None:
 
 
 def test_admission_accounts_decode_growth_and_names_the_pool() -> None:
-    c = KVCache(cfg(num_full_pages=5, num_swa_pages=16))
+    c = KVCache(audit_tokens=True, config=cfg(num_full_pages=5, num_swa_pages=16))
     tokens = list(range(16))  # 4 pages
     assert c.admit("a", tokens, c.match(tokens), 4).ok  # 20 tokens -> 5 pages
     res = c.admit("b", [7] * 4, c.match([7] * 4), 0)
     assert not res.ok and "full pool" in res.reason and "needs 1 pages" in res.reason
     c.abort("a")
     c.check_invariants()
-    res = KVCache(cfg(num_full_pages=5, num_swa_pages=2)).admit("c", tokens, KVCache(cfg()).match([]), 0)
+    res = KVCache(audit_tokens=True, config=cfg(num_full_pages=5, num_swa_pages=2)).admit("c", tokens, KVCache(audit_tokens=True, config=cfg()).match([]), 0)
     assert not res.ok and "swa pool" in res.reason
 
 
 def test_admission_evicts_unlocked_cache_but_never_running_pages() -> None:
-    c = KVCache(cfg(num_full_pages=12, num_swa_pages=12))
+    c = KVCache(audit_tokens=True, config=cfg(num_full_pages=12, num_swa_pages=12))
     o = Oracle(c)
     serve(o, "old", list(range(100, 133)))  # fills 8 full pages of cache
     assert c.usage().full.cached == 8
@@ -175,7 +175,7 @@ def test_admission_evicts_unlocked_cache_but_never_running_pages() -> None:
 
 
 def test_match_returns_longest_valid_hit_not_longest_token_match() -> None:
-    c = KVCache(cfg(retention="none"))
+    c = KVCache(audit_tokens=True, config=cfg(retention="none"))
     o = Oracle(c)
     a = list(range(40))
     serve(o, "a", a)
@@ -190,7 +190,7 @@ def test_match_returns_longest_valid_hit_not_longest_token_match() -> None:
 
 
 def test_insert_heals_tombstones_at_the_branch_point() -> None:
-    c = KVCache(cfg(retention="checkpoints"))
+    c = KVCache(audit_tokens=True, config=cfg(retention="checkpoints"))
     o = Oracle(c)
     a = list(range(40))
     serve(o, "a", a)
@@ -206,14 +206,14 @@ def test_turn_boundary_checkpoint_serves_requests_that_share_only_the_prompt_blo
     follow = prompt[:32] + [777] * 10
     hits = {}
     for retention in ("checkpoints", "none"):
-        o = Oracle(KVCache(cfg(retention=retention, checkpoint_align=8)))
+        o = Oracle(KVCache(audit_tokens=True, config=cfg(retention=retention, checkpoint_align=8)))
         serve(o, "t1", prompt, max_new=6)
         hits[retention] = serve(o, "t2", follow)
     assert hits == {"checkpoints": 32, "none": 0}
 
 
 def test_whole_sequence_reuse_hits_prompt_plus_output() -> None:
-    o = Oracle(KVCache(cfg()))
+    o = Oracle(KVCache(audit_tokens=True, config=cfg()))
     serve(o, "t1", list(range(21)), max_new=8)
     full_tokens = list(range(21))
     # Rebuild the sampled tokens the oracle engine appended (deterministic in seq id and length).
@@ -225,7 +225,7 @@ def test_whole_sequence_reuse_hits_prompt_plus_output() -> None:
 
 def test_lru_refresh_does_not_keep_out_of_window_ancestors_swa_hot() -> None:
     """A hit refreshes SWA recency only where its window is; the stem's own checkpoint ages out first."""
-    c = KVCache(cfg(retention="checkpoints", num_swa_pages=6, checkpoint_align=8))
+    c = KVCache(audit_tokens=True, config=cfg(retention="checkpoints", num_swa_pages=6, checkpoint_align=8))
     o = Oracle(c)
     stem = list(range(16))
     serve(o, "s", stem + [1])  # checkpoint at 16 (turn boundary) -> SWA pages 2, 3
@@ -238,7 +238,7 @@ def test_lru_refresh_does_not_keep_out_of_window_ancestors_swa_hot() -> None:
 
 
 def test_full_eviction_takes_least_recently_used_unlocked_leaf() -> None:
-    c = KVCache(cfg(num_full_pages=12, num_swa_pages=16))
+    c = KVCache(audit_tokens=True, config=cfg(num_full_pages=12, num_swa_pages=16))
     o = Oracle(c)
     serve(o, "a", list(range(100, 117)))
     serve(o, "b", list(range(200, 217)))
@@ -249,14 +249,14 @@ def test_full_eviction_takes_least_recently_used_unlocked_leaf() -> None:
 
 
 def test_disabled_prefix_cache_never_hits_nor_inserts() -> None:
-    o = Oracle(KVCache(cfg(enable_prefix_cache=False)))
+    o = Oracle(KVCache(audit_tokens=True, config=cfg(enable_prefix_cache=False)))
     serve(o, "a", list(range(20)))
     assert o.cache.match(list(range(20))).tokens == 0
     assert o.cache.usage().full.cached == 0 and o.cache.drain_events() == []
 
 
 def test_abort_frees_everything_and_inserts_nothing() -> None:
-    c = KVCache(cfg())
+    c = KVCache(audit_tokens=True, config=cfg())
     o = Oracle(c)
     tokens = list(range(30))
     assert c.admit("a", tokens, c.match(tokens), 3).ok
@@ -272,7 +272,7 @@ def test_abort_frees_everything_and_inserts_nothing() -> None:
 
 
 def test_backup_evict_and_load_back_moves_full_pages_and_live_swa_only() -> None:
-    c = KVCache(cfg(retention="none", num_full_pages=10, num_swa_pages=8, num_host_full_pages=16,
+    c = KVCache(audit_tokens=True, config=cfg(retention="none", num_full_pages=10, num_swa_pages=8, num_host_full_pages=16,
                     num_host_swa_pages=8))
     o = Oracle(c)
     a = list(range(33))
@@ -298,7 +298,7 @@ def test_backup_evict_and_load_back_moves_full_pages_and_live_swa_only() -> None
 
 
 def test_events_carry_block_hashes_and_checkpoint_flags() -> None:
-    c = KVCache(cfg(retention="none", num_full_pages=10, num_swa_pages=6))
+    c = KVCache(audit_tokens=True, config=cfg(retention="none", num_full_pages=10, num_swa_pages=6))
     o = Oracle(c)
     a = list(range(25))
     serve(o, "a", a)
@@ -315,7 +315,7 @@ def test_caller_block_hashes_give_the_same_events_as_hashing_in_the_cache() -> N
     tokens = list(range(500, 530))
     out = []
     for given in (None, block_hashes(tokens, 4)):
-        c = KVCache(cfg())
+        c = KVCache(audit_tokens=True, config=cfg())
         hit = c.match(tokens)
         assert c.admit("a", tokens, hit, 0, block_hashes=given).ok
         assert c.reserve("a", 30)

@@ -90,7 +90,7 @@ def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str
 @SETTINGS
 @given(cfg=CONFIGS, ops=OPS)
 def test_random_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, ops: list[tuple[str, int]]) -> None:
-    o = Oracle(KVCache(cfg))
+    o = Oracle(KVCache(audit_tokens=True, config=cfg))
     history: list[list[int]] = []
     names: list[str] = []
     for op, r in ops:
@@ -129,7 +129,7 @@ def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int,
     """With no memory pressure the hit must equal the brute-force longest valid prefix."""
     P = 4
     cfg = KVCacheConfig(page_size=P, window=window, num_full_pages=4096, num_swa_pages=4096, retention=retention)
-    o = Oracle(KVCache(cfg))
+    o = Oracle(KVCache(audit_tokens=True, config=cfg))
     cached: list[tuple[list[int], set[int]]] = []
     for i, (stem, n, extra) in enumerate(prompts):
         tokens = [stem * 100 + j for j in range(n)] + [9000 + i] * extra

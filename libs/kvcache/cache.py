@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from itertools import count
 
 from libs.kvcache.config import KVCacheConfig
-from libs.kvcache.hashing import chain_hashes
 from libs.kvcache.pool import PagePool
 from libs.kvcache.retention import POLICIES, RetentionContext, kept_pages
 from libs.kvcache.sequence import Seq
-from libs.kvcache.tree import Node, common_pages, ids, make_root, page_key, path_to_root, split, walk
+from libs.kvcache.tree import Node, PromptHashes, common_pages, ids, make_root, path_to_root, split, walk
 from libs.kvcache.types import (
     AdmitResult,
     EventKind,
@@ -37,8 +36,11 @@ _HeapEntry = tuple[int, int, int, Node]
 
 
 class KVCache:
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, audit_tokens: bool = False) -> None:
+        """`audit_tokens` (tests): remember each cached page's tokens so `check_invariants` can recompute every
+        node's hash chain (the tree itself stores only hashes)."""
         self.cfg = config
+        self._audit: dict[int, tuple[int, ...]] | None = {} if audit_tokens else None
         self.P = config.page_size
         self.wp = config.window_pages
         self.full_pool = PagePool("full", config.num_full_pages)
@@ -63,14 +65,18 @@ class KVCache:
 
     # ------------------------------------------------------------------ match / hits
 
-    def match(self, tokens: Sequence[int]) -> PrefixHit:
-        """Longest valid page-aligned hit (< len(tokens)); its nodes stay locked until admit or release_hit."""
-        if not self.cfg.enable_prefix_cache or len(tokens) <= self.P:
+    def match(self, tokens: Sequence[int], block_hashes: Sequence[int] | None = None) -> PrefixHit:
+        """Longest valid page-aligned hit (< len(tokens)); its nodes stay locked until admit or release_hit.
+
+        `block_hashes`: the prompt's hash chain if the caller has it (same function and seed as the cache);
+        otherwise the cache hashes the pages the walk reaches (one page when nothing matches)."""
+        if not self.cfg.enable_prefix_cache or len(tokens) <= self.P or not self.root.children:
             return PrefixHit(0, 0, 0)
-        toks = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
-        path = walk(self.root, toks, len(toks) // self.P, self.P)  # type: ignore[arg-type]
+        path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
+        if not path:
+            return PrefixHit(0, 0, 0)
         raw = sum(m for _, m in path) * self.P
-        best_dev, best_any = self._best_valid(path, (len(toks) - 1) // self.P)
+        best_dev, best_any = self._best_valid(path, (len(tokens) - 1) // self.P)
         self._clock += 1
         hit = None
         if best_any > best_dev:
@@ -157,7 +163,7 @@ class KVCache:
             self._split(node, page - node.start)
 
     def _split(self, node: Node, k: int) -> Node:
-        head = split(node, k, self.P)
+        head = split(node, k)
         self._nodes[head.nid] = head
         if head.n_swa:
             self._push(self._swa_heap, head, head.swa_access)
@@ -245,6 +251,8 @@ class KVCache:
             return AdmitResult(False, reason, seq.full_cap, seq.swa_cap)
         if block_hashes is not None:
             seq.hashes = list(block_hashes[:len(tokens) // self.P])
+        elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
+            seq.hashes = [h for n in reversed(path_to_root(entry[0])) for h in n.hashes]
         self._seqs[seq_id] = seq
         self._reserved_full += seq.full_cap
         self._reserved_swa += seq.swa_cap
@@ -400,19 +408,20 @@ class KVCache:
         if npg <= seq.hit_pages:
             return
         self._clock += 1
-        toks, node, pos = seq.tokens, self.root, 0
-        while pos < npg:
-            child = node.children.get(page_key(toks, pos, self.P))
+        hashes = PromptHashes(seq.tokens, self.P, self.cfg.hash_seed, seq.hashes)
+        node, pos = self.root, 0
+        while pos < npg and node.children:
+            child = node.children.get(hashes.upto(pos + 1)[pos])
             if child is None:
                 break
-            m = common_pages(child, toks, pos, npg - pos, self.P)
+            m = common_pages(child, hashes, pos, npg - pos)
             if m < child.npages:
                 child = self._split(child, m)
             self._absorb(child, seq, pos)
             child.access = self._clock
             pos, node = pos + child.npages, child
         if pos < npg:
-            self._add_nodes(node, seq, pos, npg)
+            self._add_nodes(node, seq, pos, npg, hashes.upto(npg))
 
     def _absorb(self, node: Node, seq: Seq, pos: int) -> None:
         """The sequence recomputed pages the tree already has: drop duplicates, heal tombstones, fill host-only
@@ -466,17 +475,18 @@ class KVCache:
         self._push(self._swa_heap, node, self._clock)
         self._emit(EventKind.STORED, Tier.DEVICE, node)
 
-    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int) -> None:
+    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int, hashes: list[int]) -> None:
         """New nodes for pages [pos, npg), cut at checkpoint ends so each checkpoint ends a node (SWA eviction
         and locking then work on whole checkpoints)."""
         cuts = sorted({e for e in seq.ckpt_ends if pos < e < npg} | {npg})
-        toks, P = seq.tokens, self.P
+        if self._audit is not None:
+            P = self.P
+            self._audit.update((hashes[j], tuple(seq.tokens[j * P:(j + 1) * P])) for j in range(pos, npg))
         for end in cuts:
-            node = Node(toks[pos * P:end * P], pos, parent, seq.full[pos:end], seq.swa[pos:end],
-                        self._hashes(seq, parent, pos, end), self._clock)
+            node = Node(pos, parent, seq.full[pos:end], seq.swa[pos:end], hashes[pos:end], self._clock)
             seq.full[pos:end] = [-1] * (end - pos)
             seq.swa[pos:end] = [-1] * (end - pos)
-            parent.children[tuple(node.key[:P])] = node
+            parent.children[node.hashes[0]] = node
             self._nodes[node.nid] = node
             self._tree_full += node.npages
             self._tree_swa += node.n_swa
@@ -487,13 +497,6 @@ class KVCache:
             self._emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end
         self._push(self._full_heap, parent, self._clock)
-
-    def _hashes(self, seq: Seq, parent: Node, pos: int, end: int) -> list[int]:
-        given = seq.hashes[pos:end]
-        if len(given) == end - pos:
-            return given
-        h = given[-1] if given else parent.hashes[-1] if parent.hashes else self.cfg.hash_seed
-        return given + chain_hashes(seq.tokens, self.P, h, pos + len(given), end - pos - len(given))
 
     # ------------------------------------------------------------------ eviction
 
@@ -577,7 +580,7 @@ class KVCache:
         if node.host_full is not None:
             self._emit(EventKind.REMOVED, Tier.HOST, node)
             self._free_host_pages(node)
-        del node.parent.children[tuple(node.key[:self.P])]  # type: ignore[union-attr]
+        del node.parent.children[node.hashes[0]]  # type: ignore[union-attr]
         del self._nodes[node.nid]
         node.alive = False
 

@@ -28,17 +28,16 @@ def check_cache(c: KVCache) -> None:
 
 
 def _check_tree(c: KVCache) -> list[Node]:
-    P = c.P
     out: list[Node] = []
     stack = [c.root]
     while stack:
         parent = stack.pop()
         for key, n in parent.children.items():
             where = f"node {n.nid} (pages {n.start}..{n.end})"
-            if not n.alive or n.parent is not parent or key != tuple(n.key[:P]):
-                _fail(f"{where}: broken parent/child link")
-            if n.npages == 0 or len(n.key) != n.npages * P or n.start != parent.end:
-                _fail(f"{where}: key/start do not match its pages")
+            if not n.alive or n.parent is not parent or n.npages == 0 or key != n.hashes[0]:
+                _fail(f"{where}: broken parent/child link (the child key is its first block hash)")
+            if n.start != parent.end:
+                _fail(f"{where}: starts at page {n.start}, its parent ends at {parent.end}")
             if n.full is not None:
                 if len(n.full) != n.npages or len(n.swa) != n.npages:  # type: ignore[arg-type]
                     _fail(f"{where}: page list lengths differ from npages")
@@ -54,9 +53,7 @@ def _check_tree(c: KVCache) -> list[Node]:
                 _fail(f"{where}: host page list lengths differ from npages")
             if not n.children and n.is_tombstone() and n.lock == 0:
                 _fail(f"{where}: unlocked tombstone leaf (no SWA KV anywhere, nothing below)")
-            h = parent.hashes[-1] if parent.hashes else c.cfg.hash_seed
-            if list(n.hashes) != chain_hashes(n.key, P, h, 0, n.npages):
-                _fail(f"{where}: block hashes do not chain from the parent")
+            _check_chain(c, parent, n, where)
             if c._nodes.get(n.nid) is not n:
                 _fail(f"{where}: missing from the node index")
             out.append(n)
@@ -64,6 +61,20 @@ def _check_tree(c: KVCache) -> list[Node]:
     if len(out) != len(c._nodes):
         _fail(f"node index holds {len(c._nodes)} nodes, the tree {len(out)}")
     return out
+
+
+def _check_chain(c: KVCache, parent: Node, n: Node, where: str) -> None:
+    """Block hashes chain from the parent. The tree keeps only hashes; with `audit_tokens` the cache remembers
+    each page's tokens, so the whole chain is recomputed from tokens (tests construct the cache that way)."""
+    if c._audit is None:
+        return
+    h = parent.hashes[-1] if parent.hashes else c.cfg.hash_seed
+    for i, want in enumerate(n.hashes):
+        toks = c._audit.get(want)
+        if toks is None or chain_hashes(toks, c.P, h, 0, 1) != [want]:
+            _fail(f"{where}: block hash {i} does not chain from the parent (tokens "
+                  f"{'unknown' if toks is None else toks})")
+        h = want
 
 
 def _check_locks(c: KVCache, nodes: list[Node]) -> None:
@@ -154,6 +165,10 @@ def _check_sequences(c: KVCache) -> None:
             chain = [p for n in reversed(path_to_root(s.lock_node)) for p in n.full]  # type: ignore[union-attr]
             if chain != s.full[:s.hit_pages]:
                 _fail(f"{where}: hit pages differ from the locked tree path")
+        if s.lock_node is not None:
+            path = [h for n in reversed(path_to_root(s.lock_node)) for h in n.hashes]
+            if path != chain_hashes(s.tokens, P, c.cfg.hash_seed, 0, s.hit_pages):
+                _fail(f"{where}: the locked tree path's block hashes are not the hashes of its prompt")
 
 
 def _check_pools(c: KVCache, owners: dict[str, list[int]]) -> None:

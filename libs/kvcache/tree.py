@@ -1,7 +1,11 @@
 """Radix-tree nodes over page-aligned token blocks, and the pure structural helpers (walk, split).
 
-A node holds a run of whole pages: its token key, full-pool page ids (None when the node lives only in the host
-tier), SWA page ids per page (-1 = no SWA KV, a tombstone page), its host copies, and one block hash per page.
+Nodes are keyed by block hash, not by tokens: the chained xxhash64 of a page identifies the page and its whole
+prefix, so a node stores one 8-byte hash per page instead of a copy of its tokens (the copy was the largest cost
+of inserting a sequence nothing reuses), and a child is found by its first page's hash.
+
+A node holds a run of whole pages: its block hashes (the key), full-pool page ids (None when the node lives only in the host
+tier), SWA page ids per page (-1 = no SWA KV, a tombstone page) and its host copies.
 `lock` counts the hits / running sequences whose prefix passes through the node (so every ancestor of a locked
 node is locked too); `swa_lock` counts those whose last window covers the node (its SWA pages are being read).
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import count
+
+from libs.kvcache.hashing import chain_hashes
 
 _ids = count(1)
 
@@ -26,22 +32,21 @@ def hash_ids(xs: Iterable[int]) -> array:
 
 
 class Node:
-    __slots__ = ("nid", "key", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
+    __slots__ = ("nid", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
                  "hashes", "lock", "swa_lock", "access", "swa_access", "alive")
 
-    def __init__(self, key: Sequence[int], start: int, parent: Node | None, full: Sequence[int] | None,
+    def __init__(self, start: int, parent: Node | None, full: Sequence[int] | None,
                  swa: Sequence[int] | None, hashes: Sequence[int], access: int) -> None:
         self.nid = next(_ids)
-        self.key = tuple(key)  # tuples of ints drop out of GC tracking after one pass
         self.start = start  # global index of the node's first page
         self.parent = parent
-        self.children: dict[tuple[int, ...], Node] = {}
+        self.children: dict[int, Node] = {}  # first page's block hash -> child
         self.full = None if full is None else ids(full)
         self.swa = None if swa is None else ids(swa)
         self.n_swa = 0 if self.swa is None else len(self.swa) - self.swa.count(-1)
         self.host_full: array | None = None
         self.host_swa: array | None = None
-        self.hashes = hash_ids(hashes)
+        self.hashes = hash_ids(hashes)  # the key: one chained block hash per page
         self.lock = 0
         self.swa_lock = 0
         self.access = access
@@ -76,35 +81,50 @@ class Node:
 
 
 def make_root() -> Node:
-    return Node([], 0, None, [], [], [], 0)
+    return Node(0, None, [], [], [], 0)
 
 
-def page_key(tokens: Sequence[int], page: int, page_size: int) -> tuple[int, ...]:
-    return tuple(tokens[page * page_size:(page + 1) * page_size])
+class PromptHashes:
+    """The block-hash chain of a token list, computed lazily page by page as a walk needs it (a prompt that
+    matches nothing costs one page hash), or taken from the caller."""
+
+    __slots__ = ("tokens", "page_size", "seed", "h")
+
+    def __init__(self, tokens: Sequence[int], page_size: int, seed: int, given: Sequence[int] | None = None) -> None:
+        self.tokens = tokens
+        self.page_size = page_size
+        self.seed = seed
+        self.h: list[int] = list(given[:len(tokens) // page_size]) if given is not None else []
+
+    def upto(self, n: int) -> list[int]:
+        """The hashes of the first n pages (n <= full pages of the tokens)."""
+        h = self.h
+        if len(h) < n:
+            h += chain_hashes(self.tokens, self.page_size, h[-1] if h else self.seed, len(h), n - len(h))
+        return h
 
 
-def common_pages(node: Node, tokens: list[int], first: int, limit: int, page_size: int) -> int:
-    """Pages of `node` (at most `limit`) equal to tokens' pages from `first` on; the first page is known equal."""
-    off = first * page_size
+def common_pages(node: Node, hashes: PromptHashes, first: int, limit: int) -> int:
+    """Pages of `node` (at most `limit`) equal to the prompt's pages from `first` on; the first is known equal."""
     n = min(node.npages, limit)
-    if node.key[:n * page_size] == tuple(tokens[off:off + n * page_size]):
+    h = hashes.upto(first + n)
+    if n == 1 or node.hashes[:n].tolist() == h[first:first + n]:
         return n
     m = 1
-    while m < n and node.key[m * page_size:(m + 1) * page_size] == tuple(
-            tokens[off + m * page_size:off + (m + 1) * page_size]):
+    while m < n and node.hashes[m] == h[first + m]:
         m += 1
     return m
 
 
-def walk(root: Node, tokens: list[int], max_pages: int, page_size: int) -> list[tuple[Node, int]]:
-    """The path of (node, pages matched in it) along `tokens`; only the last node may be partly matched."""
+def walk(root: Node, hashes: PromptHashes, max_pages: int) -> list[tuple[Node, int]]:
+    """The path of (node, pages matched in it) along the prompt; only the last node may be partly matched."""
     path: list[tuple[Node, int]] = []
     node, pos = root, 0
-    while pos < max_pages:
-        child = node.children.get(page_key(tokens, pos, page_size))
+    while pos < max_pages and node.children:
+        child = node.children.get(hashes.upto(pos + 1)[pos])
         if child is None:
             break
-        m = common_pages(child, tokens, pos, max_pages - pos, page_size)
+        m = common_pages(child, hashes, pos, max_pages - pos)
         path.append((child, m))
         pos += m
         if m < child.npages:
@@ -113,25 +133,23 @@ def walk(root: Node, tokens: list[int], max_pages: int, page_size: int) -> list[
     return path
 
 
-def split(node: Node, k: int, page_size: int) -> Node:
+def split(node: Node, k: int) -> Node:
     """Split `node` after its first k pages (0 < k < npages); returns the new prefix node (the parent half).
 
     Both halves keep the lock counts: every holder's prefix ends at a node boundary at or below `node`, and
     SWA locks only ever cover whole nodes inside a window, so each holder covers both halves.
     """
     assert 0 < k < node.npages, (k, node.npages)
-    kp = k * page_size
     parent = node.parent
     assert parent is not None
-    head = Node(node.key[:kp], node.start, parent, None if node.full is None else node.full[:k],
+    head = Node(node.start, parent, None if node.full is None else node.full[:k],
                 None if node.swa is None else node.swa[:k], node.hashes[:k], node.access)
     head.swa_access = node.swa_access
     head.lock, head.swa_lock = node.lock, node.swa_lock
     if node.host_full is not None:
         head.host_full, head.host_swa = node.host_full[:k], node.host_swa[:k]  # type: ignore[index]
         node.host_full, node.host_swa = node.host_full[k:], node.host_swa[k:]  # type: ignore[index]
-    parent.children[tuple(node.key[:page_size])] = head
-    node.key = node.key[kp:]
+    parent.children[head.hashes[0]] = head
     node.start += k
     if node.full is not None:
         node.full = node.full[k:]
@@ -139,7 +157,7 @@ def split(node: Node, k: int, page_size: int) -> Node:
     node.n_swa -= head.n_swa
     node.hashes = node.hashes[k:]
     node.parent = head
-    head.children[tuple(node.key[:page_size])] = node
+    head.children[node.hashes[0]] = node
     return head
 
 
