@@ -1,0 +1,237 @@
+"""Disaggregated serving end to end: gateway -> router -> prefill -> (UCX) -> decode as processes.
+
+Real nats-server, real ucxx (tcp on loopback), the tiny model, driven with the official openai client.
+The reference is the offline engine (`LLM`) with the same page layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from libs.engine import LLM, SamplingParams
+from tests.fixtures.nats import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = {"PAGE_SIZE": "4", "NUM_FULL_PAGES": "1024", "NUM_SWA_PAGES": "128", "MAX_NUM_BATCHED_TOKENS": "64",
+          "BUCKET_EDGES": "[]", "MAX_NUM_SEQS": "16"}
+OFFLINE = dict(page_size=4, num_full_pages=1024, num_swa_pages=128, max_num_batched_tokens=64, bucket_edges=(),
+               max_num_seqs=16)
+KILL_BOUND_S = 8.0  # gateway liveness: 0.5 s probes, 2 misses; generous for 2 busy cores
+
+
+@dataclass
+class Topology:
+    """nats (shared fixture) + one process per service instance, in its own registry bucket."""
+
+    nats_url: str
+    tmp: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    http_port: int = 0
+
+    def env(self, instance_id: str) -> dict[str, str]:
+        env = {**os.environ, "WINDSERVE_NATS_URL": self.nats_url, "WINDSERVE_INSTANCE_ID": instance_id,
+               "WINDSERVE_REGISTRY_BUCKET": self.bucket, "WINDSERVE_REGISTRY_TTL_S": "2",
+               "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.5", "WINDSERVE_LOAD_INTERVAL_S": "0.2",
+               "WINDSERVE_HTTP_PORT": str(self.http_port), "WINDSERVE_LIVENESS_INTERVAL_S": "0.5",
+               "WINDSERVE_DRAIN_TIMEOUT_S": "3", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
+               "UCX_LOG_LEVEL": "error", "PYTHONUNBUFFERED": "1"}
+        env.update({f"WINDSERVE_{k}": v for k, v in ENGINE.items()})
+        return env
+
+    def iid(self, role: str, index: int) -> str:
+        return f"{role}-{index}-{self.bucket[-8:]}"
+
+    def start(self, spec: dict[str, int]) -> None:
+        self.bucket = f"reg_{uuid.uuid4().hex[:8]}"
+        self.http_port = free_port()
+        for role, count in spec.items():
+            for i in range(count):
+                iid = self.iid(role, i)  # unique per topology: instance subjects are global on NATS
+                log = open(self.tmp / f"{iid}.log", "wb")  # noqa: SIM115  # closed with the process
+                self.procs[iid] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=ROOT,
+                                                   env=self.env(iid), stdout=log, stderr=subprocess.STDOUT)
+        self.wait_ready(set(self.procs), 90)
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+            return json.loads(resp.read())
+
+    def wait_ready(self, ids: set[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for iid, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{iid} exited with {p.returncode}: {self.log(iid)[-2000:]}")
+            try:
+                live = {i for ids_ in self.health()["services"].values() for i in ids_}
+                if ids <= live:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"not ready after {timeout}s")
+
+    def log(self, iid: str) -> str:
+        return (self.tmp / f"{iid}.log").read_text(errors="replace")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+@pytest.fixture(scope="module")
+def pair2(nats_server, tmp_path_factory):
+    """Two prefill and two decode replicas behind one gateway and one router."""
+    topo = Topology(nats_server.url, tmp_path_factory.mktemp("disagg"))
+    try:
+        topo.start({"gateway": 1, "router": 1, "prefill": 2, "decode": 2})
+        yield topo
+    finally:
+        topo.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    torch.manual_seed(0)
+    return LLM(None, **OFFLINE)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 250, (n,), generator=g).tolist()
+
+
+async def complete_ids(client: openai.AsyncOpenAI, ids: list[int], max_tokens: int) -> list[int]:
+    resp = await client.completions.create(model="windserve-tiny", prompt=ids, max_tokens=max_tokens,
+                                           temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    return list(resp.choices[0].token_ids)
+
+
+async def test_greedy_outputs_equal_offline_engine_with_concurrent_clients(pair2, offline):
+    prompts = [prompt(i, n) for i, n in enumerate([5, 16, 37, 70, 23, 90, 41, 12])]  # window is 16 tokens
+    expected = [list(o.token_ids) for o in offline.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    client = pair2.client()
+    got = await asyncio.gather(*(complete_ids(client, p, 12) for p in prompts))
+    assert got == expected
+    decodes = [i for i in pair2.health()["instances"] if i["role"] == "decode"]
+    assert len(decodes) == 2 and all(d["address"].startswith("ucx://") for d in decodes)
+
+
+async def test_text_streaming_stops_and_chat_match_offline(pair2, offline):
+    client = pair2.client()
+    # Both prompts stop on an EOS / end-of-turn token sampled on the decode side (the tiny model's choice).
+    texts = ["The quick brown fox jumps over the lazy dog, again and again, until the window slides by.",
+             "Once upon a time in a land far away there lived a small model"]
+    for text in texts:
+        want = offline.generate([text], SamplingParams(max_tokens=20))[0]
+        stream = await client.completions.create(model="windserve-tiny", prompt=text, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True})
+        toks, usage, finish = [], None, None
+        async for ev in stream:
+            for c in ev.choices:
+                toks += list(getattr(c, "token_ids", None) or [])
+                finish = c.finish_reason or finish
+            usage = ev.usage or usage
+        assert toks == list(want.token_ids) and finish == want.finish_reason == "stop"
+        assert usage.prompt_tokens == len(want.prompt_token_ids) and usage.completion_tokens == len(want.token_ids)
+    chat = await client.chat.completions.create(model="windserve-tiny", max_tokens=8, temperature=0,
+                                                messages=[{"role": "user", "content": "hello there"}])
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
+
+
+async def test_follow_up_turn_is_cached_and_still_exact(pair2, offline):
+    client = pair2.client()
+    first = prompt(100, 48)
+    out1 = await complete_ids(client, first, 8)
+    second = first + out1 + prompt(101, 10)
+    resp = await client.completions.create(model="windserve-tiny", prompt=second, max_tokens=8, temperature=0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    want = offline.generate([second], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert list(resp.choices[0].token_ids) == list(want.token_ids)
+
+
+async def _stream_tokens(client, ids, max_tokens, progress: dict, key: int) -> tuple[str, list[int], float]:
+    toks: list[int] = []
+    try:
+        stream = await client.completions.create(model="windserve-tiny", prompt=ids, max_tokens=max_tokens,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+        async for ev in stream:
+            for c in ev.choices:
+                toks += list(getattr(c, "token_ids", None) or [])
+            progress[key] = len(toks)
+        return "ok", toks, time.monotonic()
+    except openai.APIError as exc:
+        return f"error: {exc}", toks, time.monotonic()
+
+
+async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_server, tmp_path, offline):
+    topo = Topology(nats_server.url, tmp_path)
+    try:
+        topo.start({"gateway": 1, "router": 1, "prefill": 1, "decode": 2})
+        client = topo.client()
+        prompts = [prompt(200 + i, 20 + 7 * i) for i in range(4)]
+        max_tokens = 400
+        progress: dict[int, int] = {}
+        tasks = []
+        for i, p in enumerate(prompts):  # one by one: the router alternates over the two idle decoders
+            tasks.append(asyncio.create_task(_stream_tokens(client, p, max_tokens, progress, i)))
+            await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not (len(progress) == 4 and min(progress.values()) >= 3) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(progress) == 4, f"streams did not start: {progress}"
+        topo.procs[topo.iid("decode", 0)].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        expected = [list(o.token_ids) for o in offline.generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                                                        ignore_eos=True))]
+        errored = [(r, t) for r, _, t in results if r != "ok"]
+        finished = [(toks, want) for (r, toks, _), want in zip(results, expected, strict=True) if r == "ok"]
+        assert errored and finished, f"expected clients on both decoders: {[r for r, _, _ in results]}"
+        for reason, at in errored:
+            assert at - killed_at < KILL_BOUND_S, f"error after {at - killed_at:.1f}s: {reason}"
+        for toks, want in finished:
+            assert toks == want
+        # the survivor freed the KV of the finished requests, and routing drops the dead decoder (registry TTL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            decodes = [i for i in topo.health()["instances"] if i["role"] == "decode"]
+            if [d["instance_id"] for d in decodes] == [topo.iid("decode", 1)] and decodes[0]["load"]["kv_full_used"] == 0:
+                break
+            await asyncio.sleep(0.2)
+        assert [d["instance_id"] for d in decodes] == [topo.iid("decode", 1)] and decodes[0]["load"]["kv_full_used"] == 0
+        after = await complete_ids(client, prompts[0], 6)
+        assert after == expected[0][:6]
+    finally:
+        topo.stop()
