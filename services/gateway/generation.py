@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol, cast
 
 from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from services.gateway import metrics
@@ -66,7 +66,7 @@ class Plan:
     stream: bool = False
 
 
-class Tokenizer:
+class Tokenizer(Protocol):
     """What the gateway needs from a tokenizer (libs.model.tokenizer satisfies it)."""
 
     def encode(self, text: str) -> list[int]: ...
@@ -84,7 +84,7 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], to
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]  # type: ignore[arg-type]
     else:
-        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        prompts = [tok.encode(p) if isinstance(p, str) else list(cast(list[int], p)) for p in prompt]
     if not prompts:
         raise ApiError(400, "prompt is empty", param="prompt")
     for i, ids in enumerate(prompts):

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import time
 
+from libs.engine.async_engine import AsyncEngine
 from libs.engine.config import EngineConfig
 from libs.engine.worker import build_async_engine
 from libs.service import Service
@@ -40,7 +41,7 @@ class WorkerService(Service):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.engine = None
+        self.engine: AsyncEngine | None = None
         self.generations: Generations | None = None
         self.load = WorkerLoad()
 
@@ -48,12 +49,13 @@ class WorkerService(Service):
         cfg = self.config
         assert self.bus is not None
         # Loading a real checkpoint takes a while: keep the event loop (health answers) responsive.
-        self.engine = await asyncio.to_thread(
+        engine = await asyncio.to_thread(
             build_async_engine, cfg.model or None, engine_config(cfg), output_timeout_s=cfg.output_timeout_s
         )
-        self.engine.start()
-        vocab = int(self.engine.core.model_config.vocab_size)
-        self.generations = Generations(self.engine, self._publish, cfg, vocab)
+        engine.start()
+        self.engine = engine
+        vocab = int(engine.core.model_config.vocab_size)
+        self.generations = Generations(engine, self._publish, cfg, vocab)
         aborts = await self.bus.subscribe(subjects.ABORT, AbortRequest)
         self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
         await self._refresh_load()
