@@ -151,6 +151,12 @@ class Supervisor:
         }
         if self.cfg.model:
             env["WINDSERVE_MODEL"] = self.cfg.model
+        if name in ("prefill", "decode"):
+            # KV moves prefill -> decode over UCX; on one host TCP over loopback works everywhere (shared
+            # memory, UCX_TLS=sm,self, is faster where allowed). An operator's UCX_* settings win.
+            if "UCX_TLS" not in os.environ:
+                env["UCX_TLS"] = "tcp,self"
+                env.setdefault("UCX_NET_DEVICES", "lo")
         if name == "gateway":
             env["WINDSERVE_HTTP_HOST"] = self.cfg.http_host
             env["WINDSERVE_HTTP_PORT"] = str(self.http_port)

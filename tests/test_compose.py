@@ -83,3 +83,10 @@ def test_dockerfile_installs_cpu_torch_before_the_project():
     project = next(i for i, line in enumerate(lines) if line.strip() == "RUN pip install .")
     first = next(line for line in lines if line.strip() and not line.startswith("#"))
     assert first.startswith("FROM python:3.11") and torch < project
+
+
+def test_kv_transfer_engines_listen_on_the_compose_network(spec):
+    # prefill -> decode KV goes container to container; each replica advertises its own IP in the registry
+    for role in ("prefill", "decode"):
+        assert spec["services"][role]["environment"]["WINDSERVE_TRANSFER_HOST"] == "0.0.0.0"
+    assert "WINDSERVE_TRANSFER_HOST" not in spec["services"]["gateway"]["environment"]

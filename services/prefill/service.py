@@ -35,12 +35,13 @@ from services.prefill.config import EngineServiceConfig, PrefillConfig
 
 
 def advertised_address(bound: str, config: EngineServiceConfig) -> str:
-    """The transfer address peers dial: the bound one, with the advertised host when binding all interfaces."""
+    """The transfer address peers dial: the bound one, with the advertised host when binding all interfaces
+    (this host's IP: under compose every replica has the same service name but its own IP)."""
     scheme, host, port = parse_address(bound)
     if config.advertise_host:
         host = config.advertise_host
     elif host in ("0.0.0.0", "::"):
-        host = socket.gethostname()
+        host = socket.gethostbyname(socket.gethostname())
     return f"{scheme}://{host}:{port}"
 
 
