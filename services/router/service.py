@@ -4,6 +4,7 @@ Disaggregated mode (prefill and decode workers live): a (prefill, decode) pair b
 Aggregated mode (only combined workers): the least-loaded worker prefills and decodes.
 """
 
+import asyncio
 import time
 
 from libs.service import Service
@@ -11,6 +12,9 @@ from protos import subjects
 from protos.messages import Role, RouteReply, RouteRequest
 from services.router import handlers
 from services.router.config import RouterConfig
+
+LIST_ATTEMPTS = 3
+RELIST_DELAY_S = 0.05
 
 
 class RouterService(Service):
@@ -26,6 +30,18 @@ class RouterService(Service):
         await self.bus.serve(subjects.ROUTE, RouteRequest, self._route, queue=subjects.ROUTER_QUEUE)
 
     async def _route(self, req: RouteRequest) -> RouteReply:
+        # A registry listing taken while entries are re-put by heartbeats can miss one (seen under load);
+        # a missing role is therefore re-listed a few times (bounded) before the request is refused.
+        for attempt in range(LIST_ATTEMPTS):
+            try:
+                return await self._route_once(req)
+            except LookupError:
+                if attempt == LIST_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(RELIST_DELAY_S)
+        raise AssertionError("unreachable")
+
+    async def _route_once(self, req: RouteRequest) -> RouteReply:
         assert self.registry is not None
         entries = await self.registry.list(timeout=self.config.registry_timeout_s)
         by_role = {role: [e for e in entries if e.role is role] for role in (Role.PREFILL, Role.DECODE, Role.WORKER)}
@@ -36,6 +52,9 @@ class RouterService(Service):
             self.recent.add(prefill.instance_id, now)
             self.recent.add(decode.instance_id, now)
             return RouteReply(prefill_instance=prefill.instance_id, decode_instance=decode.instance_id)
+        if not by_role[Role.WORKER] and (by_role[Role.PREFILL] or by_role[Role.DECODE]):
+            raise LookupError(f"disaggregated mode needs prefill and decode workers; live: "
+                              f"{len(by_role[Role.PREFILL])} prefill, {len(by_role[Role.DECODE])} decode")
         worker = handlers.pick_worker(by_role[Role.WORKER], req.num_tokens, self.config.bucket_edges, req.request_id)
         # Aggregated: the same instance prefills and decodes.
         return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)

@@ -1,0 +1,303 @@
+"""Serving benchmark: the disaggregated pipeline (gateway -> router -> prefill -> UCX -> decode) under load.
+
+    python -m bench.serving [--requests 64] [--concurrency 8] [--in-scale 64] [--out-scale 16]
+
+Starts the `make run` topology (nats-server, gateway, router, one prefill, one decode, tiny model) as
+processes, replays the first requests of the conversation trace scaled to the tiny model (input and
+output lengths divided, each 512-token hash block expanded to 512/in-scale deterministic tokens seeded
+by its id, so shared prefixes stay shared) with concurrent streaming openai clients, and measures:
+
+* TTFT / TPOT p50 / p90 and output tokens/s (concurrent phase);
+* KV bytes moved prefill -> decode vs what a full-KV transfer would move (`transfer_bytes_ratio`),
+  next to the dual-pool limit for the same prompts (full layers O(N) + SWA layers one window);
+* UCX transfer GB/s inside the system, and TransferEngine vs raw ucxx on the same total bytes (this run);
+* gateway + bus overhead per output token: sequential requests through the gateway vs the offline
+  engine on the same requests, side by side in one run.
+
+Writes bench/results/serving.json and serving.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+MODEL = "windserve-tiny"
+ENGINE_ENV = {"WINDSERVE_PAGE_SIZE": "16", "WINDSERVE_NUM_FULL_PAGES": "4096", "WINDSERVE_NUM_SWA_PAGES": "512",
+              "WINDSERVE_MAX_NUM_BATCHED_TOKENS": "512", "WINDSERVE_LOAD_INTERVAL_S": "0.2"}
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+
+
+def block_tokens(block_id: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(int(block_id))
+    return torch.randint(0, 250, (n,), generator=g).tolist()
+
+
+def load_jobs(path: Path, count: int, in_scale: int, out_scale: int, max_in: int, max_out: int) -> list[Job]:
+    jobs = []
+    per_block = max(1, 512 // in_scale)
+    with path.open() as f:
+        for line in f:
+            if len(jobs) == count:
+                break
+            row = json.loads(line)
+            n_in = min(max_in, max(8, row["input_length"] // in_scale))
+            toks = [t for b in row["hash_ids"] for t in block_tokens(b, per_block)][:n_in]
+            jobs.append(Job(toks, min(max_out, max(2, row["output_length"] // out_scale))))
+    return jobs
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+# ------------------------------------------------------------------------------------------ the system
+class System:
+    def __init__(self, run_dir: Path) -> None:
+        from scripts.run import RunConfig, Supervisor, parse_services
+
+        os.environ.update(ENGINE_ENV)
+        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        self.sup = Supervisor(RunConfig(services=parse_services("gateway,router,prefill,decode"), http_port=0,
+                                        run_dir=run_dir, ready_timeout_s=120, grace_s=10))
+
+    def __enter__(self) -> System:
+        from scripts.run import StopFlag
+
+        self.sup.start_nats()
+        self.sup.start_services()
+        self.sup.wait_ready(StopFlag())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sup.stop_all()
+
+    def client(self):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.sup.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def worker_details(self) -> dict[str, dict[str, str]]:
+        from libs.bus import Bus, Registry
+        from protos import subjects
+        from protos.messages import HealthReply, HealthRequest
+
+        bus = await Bus.connect(self.sup.nats_url, name="bench-serving")
+        try:
+            out = {}
+            for e in await (await Registry.open(bus)).list():
+                if e.role.value in ("prefill", "decode"):
+                    reply = await bus.request(subjects.health(e.instance_id), HealthRequest(), HealthReply, 5)
+                    out[e.role.value] = reply.details
+            return out
+        finally:
+            await bus.close()
+
+
+async def stream_one(client, job: Job) -> dict[str, float]:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.completions.create(model=MODEL, prompt=job.prompt, max_tokens=job.max_tokens,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for ev in stream:
+        for c in ev.choices:
+            n = len(getattr(c, "token_ids", None) or [])
+            if n and first is None:
+                first = time.perf_counter()
+            tokens += n
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, "e2e": end - start}
+
+
+async def concurrent_phase(client, jobs: list[Job], concurrency: int) -> tuple[list[dict], float]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(job: Job) -> dict:
+        async with sem:
+            return await stream_one(client, job)
+
+    start = time.perf_counter()
+    rows = await asyncio.gather(*(run(j) for j in jobs))
+    return rows, time.perf_counter() - start
+
+
+class Offline:
+    """The offline engine with the services' knobs, for the per-token overhead comparison."""
+
+    def __init__(self) -> None:
+        from libs.engine import LLM
+
+        self.llm = LLM(None, page_size=16, num_full_pages=4096, num_swa_pages=512, max_num_batched_tokens=512)
+        self._n = 0
+
+    def tpot(self, job: Job) -> float:
+        """Per-token decode time of one request alone (prefill and first token excluded, like served TPOT)."""
+        from libs.engine import Request, SamplingParams
+
+        core = self.llm.core
+        self._n += 1
+        core.add_request(Request(f"off{self._n}", job.prompt, SamplingParams(max_tokens=job.max_tokens,
+                                                                              ignore_eos=True)))
+        n = 0
+        while n == 0:  # prefill (possibly chunked) up to the first token
+            n = sum(len(o.new_token_ids) for o in core.step())
+        t0, n = time.perf_counter(), 0
+        while core.has_work():
+            n += sum(len(o.new_token_ids) for o in core.step())
+        return (time.perf_counter() - t0) / max(1, n)
+
+
+def dual_pool_limit(jobs: list[Job]) -> float:
+    """Bytes ratio if prefill shipped exactly full pages + the SWA window (no decode-side hits)."""
+    from libs.engine import disagg as dg
+    from libs.model import ModelConfig
+    from libs.model.paged import KVPools
+
+    cfg = ModelConfig.tiny()
+    kv = KVPools.allocate(cfg, 1, 1, 16)
+    ship = full = 0
+    for job in jobs:
+        plan = dg.plan_shipment(len(job.prompt), 16, cfg.sliding_window)
+        layers = dg.shipment_layers(cfg.layer_is_swa, plan, [0] * plan.num_pages, [0] * plan.num_pages)
+        ship += dg.shipment_bytes(kv, layers)
+        full += dg.full_transfer_bytes(kv, cfg.layer_is_swa, len(job.prompt))
+    return ship / full
+
+
+async def raw_vs_engine(total_bytes: int) -> dict:
+    from bench.transfer import layer_specs, measure, summarize
+
+    mib = max(1, round(total_bytes / (1 << 20)))
+    times = await measure("ucx", "tcp", mib, 6, 3)
+    nbytes = sum(s.nbytes for s in layer_specs(mib, 6))
+    res = {k: summarize(nbytes, v) for k, v in times.items()}
+    return {"bytes": nbytes, "engine_gbps": res["engine"]["gbps"], "raw_gbps": res["raw"]["gbps"],
+            "engine_over_raw": res["engine"]["gbps"] / res["raw"]["gbps"]}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    c = result["concurrent"]
+    axes[0].bar(["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"],
+                [c["ttft_p50_ms"], c["ttft_p90_ms"], c["tpot_p50_ms"], c["tpot_p90_ms"]], color="tab:blue")
+    axes[0].set_ylabel("ms")
+    axes[0].set_title(f"{c['requests']} trace requests, {c['concurrency']} clients\n"
+                      f"{c['output_tokens_per_s']:.0f} output tok/s")
+    kv = result["kv_transfer"]
+    axes[1].bar(["measured", "dual-pool limit", "full KV"], [kv["transfer_bytes_ratio"], kv["dual_pool_limit"], 1.0],
+                color=["tab:green", "tab:olive", "tab:gray"])
+    axes[1].set_title("KV bytes prefill -> decode (ratio to full KV)")
+    t = result["ucx"]
+    o = result["overhead"]
+    axes[2].bar(["engine (served)", "engine (same bytes)", "raw ucxx"],
+                [kv["served_engine_gbps"], t["engine_gbps"], t["raw_gbps"]], color="tab:orange")
+    axes[2].set_ylabel("GB/s")
+    axes[2].set_title(f"UCX tcp loopback; gateway+bus overhead {o['overhead_ms_per_token']:.2f} ms/token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
+    seq_jobs = jobs[: args.sequential]
+    with tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp, System(Path(tmp)) as system:
+        client = system.client()
+        offline = Offline()
+        await stream_one(client, jobs[0])  # warm-up (model pages, UCX endpoints)
+        offline.tpot(jobs[0])
+        seq, off = [], []
+        for job in seq_jobs:  # served and offline alternate, one request at a time, same requests
+            seq.append(await stream_one(client, job))
+            off.append(await asyncio.to_thread(offline.tpot, job))
+        rows, wall = await concurrent_phase(client, jobs, args.concurrency)
+        details = await system.worker_details()
+    pre = details["prefill"]
+    sent, full_eq = int(pre["kv_bytes_sent"]), int(pre["kv_full_equivalent_bytes"])
+    secs, kv_reqs = float(pre["kv_transfer_seconds"]), int(pre["kv_requests"])
+    served_tpot = statistics.median(r["tpot"] for r in seq)
+    offline_tpot = statistics.median(off)
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "workload": {"trace": str(TRACE), "requests": len(jobs), "in_scale": args.in_scale,
+                     "out_scale": args.out_scale, "mean_prompt_tokens": statistics.mean(len(j.prompt) for j in jobs),
+                     "mean_output_tokens": statistics.mean(j.max_tokens for j in jobs)},
+        "concurrent": {"requests": len(rows), "concurrency": args.concurrency, "wall_s": wall,
+                       "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in rows], 0.5),
+                       "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in rows], 0.9),
+                       "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in rows], 0.5),
+                       "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in rows], 0.9),
+                       "output_tokens_per_s": tokens / wall},
+        "kv_transfer": {"requests": kv_reqs, "bytes_per_request": sent / max(1, kv_reqs),
+                        "full_kv_bytes_per_request": full_eq / max(1, kv_reqs),
+                        "transfer_bytes_ratio": sent / max(1, full_eq), "dual_pool_limit": dual_pool_limit(jobs),
+                        "decode_hit_tokens": int(details["decode"]["kv_hit_tokens"]),
+                        "served_engine_gbps": sent / secs / 1e9 if secs else 0.0},
+        "ucx": await raw_vs_engine(sent),
+        "overhead": {"sequential_requests": len(seq), "served_tpot_ms": 1e3 * served_tpot,
+                     "offline_tpot_ms": 1e3 * offline_tpot,
+                     "overhead_ms_per_token": 1e3 * (served_tpot - offline_tpot),
+                     "served_over_offline": served_tpot / offline_tpot},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--sequential", type=int, default=10, help="requests of the overhead phase (one at a time)")
+    p.add_argument("--in-scale", type=int, default=64, help="trace input lengths are divided by this")
+    p.add_argument("--out-scale", type=int, default=16, help="trace output lengths are divided by this")
+    p.add_argument("--max-in", type=int, default=1024)
+    p.add_argument("--max-out", type=int, default=48)
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    result = asyncio.run(bench(args))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "serving.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "serving.png")
+    c, kv, u, o = result["concurrent"], result["kv_transfer"], result["ucx"], result["overhead"]
+    print(f"concurrent: {c['requests']} req x{c['concurrency']}: TTFT p50 {c['ttft_p50_ms']:.0f} ms p90 "
+          f"{c['ttft_p90_ms']:.0f} ms, TPOT p50 {c['tpot_p50_ms']:.1f} ms p90 {c['tpot_p90_ms']:.1f} ms, "
+          f"{c['output_tokens_per_s']:.0f} output tok/s")
+    print(f"KV: {kv['bytes_per_request'] / 1024:.1f} KiB/request vs full {kv['full_kv_bytes_per_request'] / 1024:.1f}"
+          f" KiB: ratio {kv['transfer_bytes_ratio']:.3f} (dual-pool limit {kv['dual_pool_limit']:.3f}); "
+          f"served {kv['served_engine_gbps']:.3f} GB/s")
+    print(f"UCX same bytes ({u['bytes'] / 2**20:.1f} MiB): engine {u['engine_gbps']:.3f} GB/s, raw "
+          f"{u['raw_gbps']:.3f} GB/s ({u['engine_over_raw']:.2f})")
+    print(f"overhead: served TPOT {o['served_tpot_ms']:.2f} ms vs offline {o['offline_tpot_ms']:.2f} ms "
+          f"(+{o['overhead_ms_per_token']:.2f} ms/token)")
+    print(f"wrote {RESULTS / 'serving.json'} and serving.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
