@@ -677,8 +677,15 @@ class KVCache:
         out = [False] * node.npages
         if swa is None:
             return tuple(out)
+        n, c = node.npages, node.n_swa if node.full is not None else node.host_swa_count()
+        if c == 0:
+            return tuple(out)
+        # Retention leaves SWA mostly at a node's end (nodes are cut at checkpoint ends): check that in C.
+        tail = swa[n - c:].count(-1) == 0
         prev = -1
-        for i in [i for i, s in enumerate(swa) if s >= 0]:
+        if tail and c < n:  # the run restarts at the first SWA page
+            run, prev = 0, n - c - 1
+        for i in range(n - c, n) if tail else [i for i, s in enumerate(swa) if s >= 0]:
             run = run + 1 if i == prev + 1 else 1
             prev = i
             out[i] = run >= min(node.start + i + 1, wp)

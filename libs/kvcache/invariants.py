@@ -21,6 +21,7 @@ def _fail(msg: str) -> None:
 
 def check_cache(c: KVCache) -> None:
     nodes = _check_tree(c)
+    _check_checkpoint_flags(c, nodes)
     _check_locks(c, nodes)
     owners = _check_counters(c, nodes)
     _check_sequences(c)
@@ -61,6 +62,17 @@ def _check_tree(c: KVCache) -> list[Node]:
     if len(out) != len(c._nodes):
         _fail(f"node index holds {len(c._nodes)} nodes, the tree {len(out)}")
     return out
+
+
+def _check_checkpoint_flags(c: KVCache, nodes: list[Node]) -> None:
+    """The event flags (`swa_checkpoint`) equal a brute-force scan: a hit ending after page g is valid when every
+    page of the window before it holds SWA KV (device or host)."""
+    for n in nodes:
+        chain = list(reversed(path_to_root(n)))
+        present = [a.swa_at(i) for a in chain for i in range(a.npages)]
+        want = tuple(all(present[max(0, g + 1 - c.wp):g + 1]) for g in range(n.start, n.end))
+        if c._checkpoint_flags(n) != want:
+            _fail(f"node {n.nid}: checkpoint flags {c._checkpoint_flags(n)} != brute force {want}")
 
 
 def _check_chain(c: KVCache, parent: Node, n: Node, where: str) -> None:
