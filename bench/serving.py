@@ -52,7 +52,7 @@ def block_tokens(block_id: int, n: int) -> list[int]:
 
 
 def load_jobs(path: Path, count: int, in_scale: int, out_scale: int, max_in: int, max_out: int) -> list[Job]:
-    jobs = []
+    jobs: list[Job] = []
     per_block = max(1, 512 // in_scale)
     with path.open() as f:
         for line in f:
@@ -105,7 +105,7 @@ class System:
 
         bus = await Bus.connect(self.sup.nats_url, name="bench-serving")
         try:
-            out = {}
+            out: dict[str, dict[str, str]] = {}
             for e in await (await Registry.open(bus)).list():
                 if e.role.value in ("prefill", "decode"):
                     reply = await bus.request(subjects.health(e.instance_id), HealthRequest(), HealthReply, 5)

@@ -31,6 +31,11 @@ log = logging.getLogger("windserve.decode")
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
 
+def _settle(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 class PrepareRefused(RuntimeError):
     """kv_prepare cannot be honoured (mismatched layout, no room, duplicate id); the message says why."""
 
@@ -77,7 +82,8 @@ class DecodeWorker:
         task = asyncio.create_task(self._run(msg, ready), name=f"decode-{msg.request_id}")
         self.tasks[msg.request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(msg.request_id, None))
-        await asyncio.wait({ready, task}, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future] = {ready, task}
+        await asyncio.wait(waiters, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
             return ready.result()  # raises the refusal (no room, bad layout) as the bus error reply
         task.cancel()
@@ -104,7 +110,7 @@ class DecodeWorker:
         admitted: asyncio.Future[dg.RemoteSlot] = loop.create_future()
 
         def on_admitted(slot: dg.RemoteSlot) -> None:  # engine thread
-            loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(slot))
+            loop.call_soon_threadsafe(_settle, admitted, slot)
 
         req = dg.RemoteRequest(msg.request_id, list(msg.token_ids), dg.engine_params(msg.sampling),
                                first_token=msg.first_token_id, on_admitted=on_admitted)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from libs.engine import AsyncEngine
 from libs.engine.core import EngineCore
@@ -54,15 +54,16 @@ class EngineRoleService(Service):
     def __init__(self, config: EngineServiceConfig) -> None:
         super().__init__(config)
         self.engine: AsyncEngine | None = None
-        self.transfer = None
+        self.transfer: Any = None  # a started libs.transfer engine (UCX or the TCP fallback)
         self.address = ""
         self.load = WorkerLoad()
 
     async def setup(self) -> None:
         assert self.bus is not None
         # Loading a real checkpoint takes a while: keep the event loop (health answers) responsive.
-        self.engine = await asyncio.to_thread(self._build_engine)
-        self.engine.start()
+        engine: AsyncEngine = await asyncio.to_thread(self._build_engine)
+        engine.start()
+        self.engine = engine
         self.transfer = create_engine()
         self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
         await self.setup_role()
