@@ -96,19 +96,27 @@ class Registry:
         return Registration(self, entry, heartbeat)
 
     async def list(self, role: Role | str | None = None, timeout: float = 5.0) -> list[RegistryEntry]:
-        """Live entries (optionally of one role), sorted by key."""
+        """Live entries (optionally of one role), sorted by key.
+
+        Reads the stream's per-subject state, then the last message of each subject. (A KV watcher's
+        initial snapshot can skip an entry that a heartbeat re-puts while the snapshot is taken.)
+        """
         pattern = f"{Role(role).value}.*" if role else ">"
-        found: dict[str, RegistryEntry] = {}
-        watcher = await self._kv.watch(pattern, ignore_deletes=True)
+        prefix = f"$KV.{self.bucket}."
         try:
             async with asyncio.timeout(timeout):
-                while (item := await watcher.updates(timeout=timeout)) is not None:
-                    if item.value and (entry := _decode_entry(item.key, item.value)) is not None:
-                        found[item.key] = entry
+                info = await self._bus.js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + pattern)
+                found: dict[str, RegistryEntry] = {}
+                for subject in sorted(info.state.subjects or {}):
+                    key = subject.removeprefix(prefix)
+                    try:
+                        item = await self._kv.get(key)
+                    except nats.js.errors.KeyNotFoundError:  # deleted or expired (a marker is left)
+                        continue
+                    if item.value and (entry := _decode_entry(key, item.value)) is not None:
+                        found[key] = entry
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise TimeoutError(f"listing registry bucket {self.bucket} took over {timeout}s") from exc
-        finally:
-            await watcher.stop()
         return [found[k] for k in sorted(found)]
 
     async def watch(self, role: Role | str | None = None) -> AsyncIterator[RegistryEvent]:
