@@ -4,7 +4,6 @@ Disaggregated mode (prefill and decode workers live): a (prefill, decode) pair b
 Aggregated mode (only combined workers): the least-loaded worker prefills and decodes.
 """
 
-import asyncio
 import time
 
 from libs.service import Service
@@ -12,9 +11,6 @@ from protos import subjects
 from protos.messages import Role, RouteReply, RouteRequest
 from services.router import handlers
 from services.router.config import RouterConfig
-
-LIST_ATTEMPTS = 3
-RELIST_DELAY_S = 0.05
 
 
 class RouterService(Service):
@@ -30,18 +26,6 @@ class RouterService(Service):
         await self.bus.serve(subjects.ROUTE, RouteRequest, self._route, queue=subjects.ROUTER_QUEUE)
 
     async def _route(self, req: RouteRequest) -> RouteReply:
-        # A registry listing taken while entries are re-put by heartbeats can miss one (seen under load);
-        # a missing role is therefore re-listed a few times (bounded) before the request is refused.
-        for attempt in range(LIST_ATTEMPTS):
-            try:
-                return await self._route_once(req)
-            except LookupError:
-                if attempt == LIST_ATTEMPTS - 1:
-                    raise
-                await asyncio.sleep(RELIST_DELAY_S)
-        raise AssertionError("unreachable")
-
-    async def _route_once(self, req: RouteRequest) -> RouteReply:
         assert self.registry is not None
         entries = await self.registry.list(timeout=self.config.registry_timeout_s)
         by_role = {role: [e for e in entries if e.role is role] for role in (Role.PREFILL, Role.DECODE, Role.WORKER)}
