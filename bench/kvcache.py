@@ -64,7 +64,7 @@ def load_trace(n: int) -> list[Request]:
 def run_request(cache: KVCache, sid: str, req: Request, chunk: int = PREFILL_CHUNK,
                 hashes: list[int] | None = None) -> tuple[bool, int]:
     """match -> admit -> chunked prefill -> decode (committed a page at a time). (admitted, hit tokens)."""
-    hit = cache.match(req.prompt)
+    hit = cache.match(req.prompt, block_hashes=hashes)
     res = cache.admit(sid, req.prompt, hit, len(req.output), block_hashes=hashes)
     if not res.ok:
         return False, 0

@@ -19,7 +19,17 @@ from libs.kvcache.config import KVCacheConfig
 from libs.kvcache.pool import PagePool
 from libs.kvcache.retention import POLICIES, RetentionContext, kept_pages
 from libs.kvcache.sequence import Seq
-from libs.kvcache.tree import Node, PromptHashes, common_pages, ids, make_root, path_to_root, split, walk
+from libs.kvcache.tree import (
+    Node,
+    PromptHashes,
+    common_pages,
+    ids,
+    make_root,
+    no_pages,
+    path_to_root,
+    split,
+    walk,
+)
 from libs.kvcache.types import (
     AdmitResult,
     EventKind,
@@ -142,7 +152,7 @@ class KVCache:
         swa_pages: list[int] = []
         for n in reversed(chain):
             full_pages += n.full  # type: ignore[arg-type]
-            swa_pages += n.swa if n.start >= ws else [-1] * n.npages  # type: ignore[operator,arg-type]
+            swa_pages += n.swa if n.start >= ws else no_pages(n.npages)  # type: ignore[arg-type]
         return PrefixHit(hit_len, raw, load_f * self.P, tuple(full_pages),
                          tuple(swa_pages), tuple(copies), hid)
 
@@ -177,7 +187,7 @@ class KVCache:
         copies = []
         for n in loads:
             n.full = ids(self.full_pool.alloc(n.npages))
-            n.swa = ids([-1] * n.npages)
+            n.swa = no_pages(n.npages)
             copies += [PageCopy(Group.FULL, h, d, "h2d") for h, d in zip(n.host_full, n.full, strict=True)]  # type: ignore[arg-type]
             for i, h in enumerate(n.host_swa):  # type: ignore[arg-type]
                 if h >= 0:
@@ -252,7 +262,7 @@ class KVCache:
         if block_hashes is not None:
             seq.hashes = list(block_hashes[:len(tokens) // self.P])
         elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
-            seq.hashes = [h for n in reversed(path_to_root(entry[0])) for h in n.hashes]
+            seq.hashes = [h for n in reversed(path_to_root(entry[0])) for h in n.hashes]  # type: ignore[misc]
         self._seqs[seq_id] = seq
         self._reserved_full += seq.full_cap
         self._reserved_swa += seq.swa_cap
@@ -268,7 +278,7 @@ class KVCache:
         # Only the window is promised: checkpoint pages are kept later if memory nobody was promised is left.
         swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages)
         seq = Seq(seq_id, tokens, hit.tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
-                  full=list(hit.full_pages), swa=list(hit.swa_pages), num_computed=hit.tokens,
+                  full=ids(hit.full_pages), swa=ids(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
         seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
         return seq
@@ -335,7 +345,7 @@ class KVCache:
         if seq.swa_locked and first >= seq.hit_pages and seq.lock_node is not None:
             self._unlock(seq.lock_node, seq.hit_tokens, swa=True, full=False)
             seq.swa_locked = False
-            seq.swa[:seq.hit_pages] = [-1] * seq.hit_pages
+            seq.swa[:seq.hit_pages] = no_pages(seq.hit_pages)
         if seq.keep_all or lo <= seq.swa_lo:
             return
         before = seq.swa_outstanding()
@@ -362,7 +372,7 @@ class KVCache:
     def page_tables(self, seq_id: str) -> tuple[list[int], list[int]]:
         """Per logical page j: the full page id, and the SWA page id or -1 (no SWA KV held for that page)."""
         seq = self._seq(seq_id)
-        return list(seq.full), list(seq.swa)
+        return seq.full.tolist(), seq.swa.tolist()
 
     def num_computed(self, seq_id: str) -> int:
         return self._seq(seq_id).num_computed
@@ -463,8 +473,8 @@ class KVCache:
         n = node.npages
         node.full = ids(seq.full[pos:pos + n])
         node.swa = ids(seq.swa[pos:pos + n])
-        seq.full[pos:pos + n] = [-1] * n
-        seq.swa[pos:pos + n] = [-1] * n
+        seq.full[pos:pos + n] = no_pages(n)
+        seq.swa[pos:pos + n] = no_pages(n)
         node.n_swa = len(node.swa) - node.swa.count(-1)
         self._tree_full += n
         self._tree_swa += node.n_swa
@@ -475,7 +485,7 @@ class KVCache:
         self._push(self._swa_heap, node, self._clock)
         self._emit(EventKind.STORED, Tier.DEVICE, node)
 
-    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int, hashes: list[int]) -> None:
+    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int, hashes: Sequence[int]) -> None:
         """New nodes for pages [pos, npg), cut at checkpoint ends so each checkpoint ends a node (SWA eviction
         and locking then work on whole checkpoints)."""
         cuts = sorted({e for e in seq.ckpt_ends if pos < e < npg} | {npg})
@@ -484,8 +494,8 @@ class KVCache:
             self._audit.update((hashes[j], tuple(seq.tokens[j * P:(j + 1) * P])) for j in range(pos, npg))
         for end in cuts:
             node = Node(pos, parent, seq.full[pos:end], seq.swa[pos:end], hashes[pos:end], self._clock)
-            seq.full[pos:end] = [-1] * (end - pos)
-            seq.swa[pos:end] = [-1] * (end - pos)
+            seq.full[pos:end] = no_pages(end - pos)
+            seq.swa[pos:end] = no_pages(end - pos)
             parent.children[node.hashes[0]] = node
             self._nodes[node.nid] = node
             self._tree_full += node.npages
@@ -557,10 +567,11 @@ class KVCache:
         """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree."""
         self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
         self._tree_swa -= node.n_swa
-        node.swa = ids([-1] * node.npages)
+        node.swa = no_pages(node.npages)
         node.n_swa = 0
-        self._emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
-        self._prune_tombstones(node)
+        if node.children or node.lock or not node.is_tombstone():  # the blocks stay: say their SWA went
+            self._emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
+        self._prune_tombstones(node)  # else the node leaves now and REMOVED says it all
 
     def _free_device_pages(self, node: Node) -> None:
         self.full_pool.free(node.full)  # type: ignore[arg-type]
@@ -614,7 +625,7 @@ class KVCache:
             if not self._ensure_host(n.npages, n.n_swa, fresh):
                 break
             n.host_full = ids(self.host_full_pool.alloc(n.npages))
-            n.host_swa = ids([-1] * n.npages)
+            n.host_swa = no_pages(n.npages)
             copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
             for i, s in enumerate(n.swa):  # type: ignore[arg-type]
                 if s >= 0:
@@ -656,7 +667,7 @@ class KVCache:
         parent = node.parent
         ph = parent.hashes[-1] if parent is not None and parent.hashes else None
         flags = self._checkpoint_flags(node) if kind is EventKind.STORED else (False,) * node.npages
-        self._events.append(KVEvent(self._next_event, kind, tier, tuple(node.hashes), ph, flags))
+        self._events.append(KVEvent(self._next_event, kind, tier, node.hashes, ph, flags))
         self._next_event += 1
 
     def _checkpoint_flags(self, node: Node) -> tuple[bool, ...]:

@@ -175,7 +175,7 @@ def _check_sequences(c: KVCache) -> None:
                   f"(window + page = {c.cfg.seq_swa_pages})")
         if s.swa_locked and s.lock_node is not None:
             chain = [p for n in reversed(path_to_root(s.lock_node)) for p in n.full]  # type: ignore[union-attr]
-            if chain != s.full[:s.hit_pages]:
+            if chain != s.full[:s.hit_pages].tolist():
                 _fail(f"{where}: hit pages differ from the locked tree path")
         if s.lock_node is not None:
             path = [h for n in reversed(path_to_root(s.lock_node)) for h in n.hashes]

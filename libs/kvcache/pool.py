@@ -20,12 +20,13 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> array:
+        """n page ids as an int64 array (slices of it are copies in C, not per-int conversions)."""
         if n > len(self._free):
             raise MemoryError(f"{self.name} pool: need {n} pages, {len(self._free)} free")
         if n <= 0:
-            return []
-        pages = self._free[-n:].tolist()
+            return array("q")
+        pages = self._free[-n:]
         del self._free[-n:]
         pages.reverse()
         return pages

@@ -12,6 +12,7 @@ the sequence's own until `finish` hands them to the tree or frees them.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from libs.kvcache.tree import Node
@@ -28,8 +29,9 @@ class Seq:
     swa_cap: int  # private SWA pages promised at admission (window + page + checkpoints)
     keep: frozenset[int]  # private page indices whose SWA pages are retained (checkpoints)
     keep_all: bool
-    full: list[int] = field(default_factory=list)
-    swa: list[int] = field(default_factory=list)
+    # int64 arrays, not lists: slicing them into tree nodes is a memcpy, and they are invisible to the GC
+    full: array = field(default_factory=lambda: array("q"))
+    swa: array = field(default_factory=lambda: array("q"))
     num_computed: int = 0
     reserved_upto: int = 0  # tokens whose pages are allocated
     swa_private: int = 0

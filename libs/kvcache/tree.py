@@ -27,8 +27,18 @@ def ids(xs: Iterable[int]) -> array:
     return array("q", xs)
 
 
-def hash_ids(xs: Iterable[int]) -> array:
-    return array("Q", xs)
+def hash_ids(xs: Iterable[int]) -> tuple[int, ...]:
+    """Block hashes as a tuple: its ints drop out of GC tracking after one pass, and events share the tuple
+    instead of converting a copy per event."""
+    return xs if type(xs) is tuple else tuple(xs)
+
+
+def no_pages(n: int) -> array:
+    """n page slots holding -1 (no page)."""
+    return _NONE * n
+
+
+_NONE = array("q", [-1])
 
 
 class Node:
@@ -94,13 +104,14 @@ class PromptHashes:
         self.tokens = tokens
         self.page_size = page_size
         self.seed = seed
-        self.h: list[int] = list(given[:len(tokens) // page_size]) if given is not None else []
+        self.h: Sequence[int] = given if given is not None else []  # never mutated: the caller's list
 
-    def upto(self, n: int) -> list[int]:
-        """The hashes of the first n pages (n <= full pages of the tokens)."""
+    def upto(self, n: int) -> Sequence[int]:
+        """The hashes of the first n pages (n <= full pages of the tokens); may hold more."""
         h = self.h
         if len(h) < n:
-            h += chain_hashes(self.tokens, self.page_size, h[-1] if h else self.seed, len(h), n - len(h))
+            h = self.h = [*h, *chain_hashes(self.tokens, self.page_size, h[-1] if h else self.seed, len(h),
+                                            n - len(h))]
         return h
 
 
@@ -108,7 +119,7 @@ def common_pages(node: Node, hashes: PromptHashes, first: int, limit: int) -> in
     """Pages of `node` (at most `limit`) equal to the prompt's pages from `first` on; the first is known equal."""
     n = min(node.npages, limit)
     h = hashes.upto(first + n)
-    if n == 1 or node.hashes[:n].tolist() == h[first:first + n]:
+    if n == 1 or node.hashes[:n] == tuple(h[first:first + n]):
         return n
     m = 1
     while m < n and node.hashes[m] == h[first + m]:
