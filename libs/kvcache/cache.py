@@ -24,6 +24,7 @@ from libs.kvcache.tree import (
     PromptHashes,
     common_pages,
     ids,
+    live,
     make_root,
     no_pages,
     path_to_root,
@@ -80,7 +81,8 @@ class KVCache:
 
         `block_hashes`: the prompt's hash chain if the caller has it (same function and seed as the cache);
         otherwise the cache hashes the pages the walk reaches (one page when nothing matches)."""
-        if not self.cfg.enable_prefix_cache or len(tokens) <= self.P or not self.root.children:
+        if not self.cfg.enable_prefix_cache or len(tokens) <= self.P or not self.root.children or (
+                block_hashes and block_hashes[0] not in self.root.children):  # no-reuse fast path
             return PrefixHit(0, 0, 0)
         path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
         if not path:
@@ -565,7 +567,7 @@ class KVCache:
 
     def _evict_swa(self, node: Node) -> None:
         """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree."""
-        self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
+        self.swa_pool.free(live(node.swa, node.n_swa))  # type: ignore[arg-type]
         self._tree_swa -= node.n_swa
         node.swa = no_pages(node.npages)
         node.n_swa = 0
@@ -575,7 +577,7 @@ class KVCache:
 
     def _free_device_pages(self, node: Node) -> None:
         self.full_pool.free(node.full)  # type: ignore[arg-type]
-        self.swa_pool.free(s for s in node.swa if s >= 0)  # type: ignore[union-attr]
+        self.swa_pool.free(live(node.swa, node.n_swa))  # type: ignore[arg-type]
         self._tree_full -= node.npages
         self._tree_swa -= node.n_swa
         node.full = node.swa = None

@@ -41,6 +41,15 @@ def no_pages(n: int) -> array:
 _NONE = array("q", [-1])
 
 
+def live(pages: array, n_live: int) -> array:
+    """The page ids (>= 0) of a page array holding `n_live` of them. Retention leaves SWA pages at the end of a
+    node (nodes are cut at checkpoint ends), so the common case is one C-level slice, not a Python loop."""
+    if n_live == 0:
+        return array("q")
+    tail = pages[len(pages) - n_live:]
+    return tail if tail.count(-1) == 0 else array("q", [p for p in pages if p >= 0])
+
+
 class Node:
     __slots__ = ("nid", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
                  "hashes", "lock", "swa_lock", "access", "swa_access", "alive")
