@@ -96,6 +96,11 @@ class Service:
         await self._registration.start()
         self._set_state(ServiceState.RUNNING)
 
+    def refresh_registration(self) -> None:
+        """Re-read `registry_entry()` (e.g. fresh load figures); the next heartbeat publishes it."""
+        if self._registration is not None:
+            self._registration.entry = self.registry_entry()
+
     async def _health(self, _: HealthRequest) -> HealthReply:
         return HealthReply(
             role=self.role,

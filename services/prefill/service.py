@@ -107,8 +107,7 @@ class EngineRoleService(Service):
         while True:
             await asyncio.sleep(self.config.load_interval_s)
             await self._refresh_load()
-            if self._registration is not None:  # the next heartbeat carries the fresh load
-                self._registration.entry = self.registry_entry()
+            self.refresh_registration()
 
     def registry_entry(self) -> RegistryEntry:
         base = super().registry_entry()

@@ -89,8 +89,7 @@ class WorkerService(Service):
         while True:
             await asyncio.sleep(self.config.load_interval_s)
             await self._refresh_load()
-            if self._registration is not None:  # the next heartbeat carries the fresh load
-                self._registration.entry = self.registry_entry()
+            self.refresh_registration()
 
     def _export_metrics(self, usage) -> None:
         for pool, stats in (("full", usage.full), ("swa", usage.swa)):
