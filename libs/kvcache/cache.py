@@ -17,7 +17,7 @@ from itertools import count
 
 from libs.kvcache.config import KVCacheConfig
 from libs.kvcache.pool import PagePool
-from libs.kvcache.retention import POLICIES, RetentionContext, kept_pages
+from libs.kvcache.retention import POLICIES, CheckpointKind, RetentionContext, kept_pages
 from libs.kvcache.sequence import Seq
 from libs.kvcache.tree import (
     Node,
@@ -44,6 +44,12 @@ from libs.kvcache.types import (
 )
 
 _HeapEntry = tuple[int, int, int, Node]
+_KIND_BITS = tuple(int(k) for k in CheckpointKind)
+_REUSED = 1 << 30  # node.kinds flag: a hit has ended at this checkpoint
+_WARM = 1 << 48  # added to the SWA LRU key of checkpoints of kinds that get reused: they go after cold ones
+_COLD_EVIDENCE = 32  # checkpoints of a kind stored before its hit ratio can call it cold
+_COLD_FRACTION = 0.1  # a kind is cold when its hit ratio is below this fraction of the best kind's
+_STATS_HALF_LIFE = 1024  # stored checkpoints of a kind after which its counts are halved (follow the workload)
 
 
 class KVCache:
@@ -73,6 +79,9 @@ class KVCache:
         self._swa_heap: list[_HeapEntry] = []
         self._events: deque[KVEvent] = deque(maxlen=config.max_pending_events)
         self._next_event = 0
+        self._kind_stored = dict.fromkeys(_KIND_BITS, 0)
+        self._kind_hits = dict.fromkeys(_KIND_BITS, 0)
+        self._cold_kinds = 0  # CheckpointKind bits whose checkpoints this workload does not reuse
 
     # ------------------------------------------------------------------ match / hits
 
@@ -150,6 +159,9 @@ class KVCache:
                 n.swa_access = self._clock
         hid = next(self._hit_ids)
         self._hits[hid] = (deepest, hit_len)
+        if not deepest.kinds & _REUSED:  # the hit ratio of a kind: the share of its checkpoints ever reused
+            self._count_kinds(self._kind_hits, deepest.kinds)
+            deepest.kinds |= _REUSED
         full_pages: list[int] = []
         swa_pages: list[int] = []
         for n in reversed(chain):
@@ -178,7 +190,7 @@ class KVCache:
         head = split(node, k)
         self._nodes[head.nid] = head
         if head.n_swa:
-            self._push(self._swa_heap, head, head.swa_access)
+            self._push(self._swa_heap, head, self._swa_key(head))
         return head
 
     def _load(self, loads: list[Node], nf: int, ns: int) -> list[PageCopy]:
@@ -226,7 +238,7 @@ class KVCache:
                 n.swa_lock -= 1
                 if n.swa_lock == 0:
                     self._locked_swa -= n.n_swa
-                    self._push(self._swa_heap, n, n.swa_access)
+                    self._push(self._swa_heap, n, self._swa_key(n))
         if not full:
             return
         for n in chain:
@@ -234,7 +246,7 @@ class KVCache:
             if n.lock == 0:
                 if n.full is not None:
                     self._locked_full -= len(n.full)
-                self._push(self._full_heap, n, n.access)
+                self._push(self._full_heap, n, self._full_key(n))
         self._prune_tombstones(deepest)
 
     # ------------------------------------------------------------------ admission and the running sequence
@@ -283,6 +295,7 @@ class KVCache:
                   full=ids(hit.full_pages), swa=ids(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
         seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
+        seq.ckpt_kinds = {x // self.P: int(plan.kind_of(i)) for i, x in enumerate(plan.checkpoints)}
         return seq
 
     def _admission_shortfall(self, seq: Seq, prompt: int, max_new: int) -> str:
@@ -468,7 +481,8 @@ class KVCache:
             if node.swa_lock:
                 self._locked_swa += healed
             node.swa_access = self._clock
-            self._push(self._swa_heap, node, node.swa_access)
+            self._set_kinds(node, seq)
+            self._push(self._swa_heap, node, self._swa_key(node))
             self._emit(EventKind.STORED, Tier.DEVICE, node)
 
     def _adopt(self, node: Node, seq: Seq, pos: int) -> None:
@@ -483,8 +497,9 @@ class KVCache:
         self._private_full -= n
         self._private_swa -= node.n_swa
         node.swa_access = self._clock
-        self._push(self._full_heap, node, self._clock)
-        self._push(self._swa_heap, node, self._clock)
+        self._set_kinds(node, seq)
+        self._push(self._full_heap, node, self._full_key(node))
+        self._push(self._swa_heap, node, self._swa_key(node))
         self._emit(EventKind.STORED, Tier.DEVICE, node)
 
     def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int, hashes: Sequence[int]) -> None:
@@ -500,15 +515,66 @@ class KVCache:
             seq.swa[pos:end] = no_pages(end - pos)
             parent.children[node.hashes[0]] = node
             self._nodes[node.nid] = node
+            self._set_kinds(node, seq)
             self._tree_full += node.npages
             self._tree_swa += node.n_swa
             self._private_full -= node.npages
             self._private_swa -= node.n_swa
             if node.n_swa:
-                self._push(self._swa_heap, node, self._clock)
+                self._push(self._swa_heap, node, self._swa_key(node))
             self._emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end
-        self._push(self._full_heap, parent, self._clock)
+        self._push(self._full_heap, parent, self._full_key(parent))
+
+    # ------------------------------------------------------------------ checkpoint kinds (learned SWA value)
+
+    def _set_kinds(self, node: Node, seq: Seq) -> None:
+        """A node that now holds SWA pages of `seq` learns the kinds of the checkpoint ending at its end."""
+        if not node.n_swa:
+            return
+        kinds: int = seq.ckpt_kinds.get(node.end, 0)
+        if node.end == seq.num_computed // self.P:
+            kinds |= CheckpointKind.END
+        new = kinds & ~node.kinds
+        node.kinds |= kinds
+        self._count_kinds(self._kind_stored, new)
+
+    def _count_kinds(self, counts: dict[int, int], kinds: int) -> None:
+        if not kinds:
+            return
+        for bit in _KIND_BITS:
+            if kinds & bit:
+                counts[bit] += 1
+                if self._kind_stored[bit] >= _STATS_HALF_LIFE:
+                    self._kind_stored[bit] //= 2
+                    self._kind_hits[bit] //= 2
+        cold = self._cold_mask()
+        if cold != self._cold_kinds:
+            self._cold_kinds = cold
+            self._rebuild(self._swa_heap)
+
+    def _cold_mask(self) -> int:
+        """Kinds whose checkpoints end hits far less often than the best kind's (Laplace-smoothed ratios)."""
+        ratio = {b: (self._kind_hits[b] + 1) / (self._kind_stored[b] + 2) for b in _KIND_BITS}
+        best = max(ratio.values())
+        return sum(b for b in _KIND_BITS
+                   if self._kind_stored[b] >= _COLD_EVIDENCE and ratio[b] < _COLD_FRACTION * best)
+
+    def _is_cold(self, n: Node) -> bool:
+        """Every kind of the node's checkpoint is cold. A node without a known kind (inside a hit's window,
+        `all` retention) counts as warm."""
+        kinds = n.kinds & ~_REUSED
+        return bool(kinds) and not kinds & ~self._cold_kinds
+
+    def _swa_key(self, n: Node) -> int:
+        """SWA LRU order: cold checkpoints first, then the rest, each by recency."""
+        return n.swa_access if self._is_cold(n) else n.swa_access + _WARM
+
+    @staticmethod
+    def _full_key(n: Node) -> int:
+        """Full LRU order over leaves. (A cold-first order here measured no gain: the SWA LRU already drops a
+        cold leaf's checkpoint first, and the tombstone leaf then leaves the tree with its full pages.)"""
+        return n.access
 
     # ------------------------------------------------------------------ eviction
 
@@ -520,10 +586,10 @@ class KVCache:
 
     def _ensure_free(self, nf: int, ns: int) -> None:
         while self.full_pool.num_free < nf:
-            if not self._evict_one(self._full_heap, _full_evictable, _access, self._evict_device):
+            if not self._evict_one(self._full_heap, _full_evictable, self._full_key, self._evict_device):
                 raise AssertionError(f"full pool: need {nf} free pages, accounting promised them, none evictable")
         while self.swa_pool.num_free < ns:
-            if not self._evict_one(self._swa_heap, _swa_evictable, _swa_access, self._evict_swa):
+            if not self._evict_one(self._swa_heap, _swa_evictable, self._swa_key, self._evict_swa):
                 raise AssertionError(f"swa pool: need {ns} free pages, accounting promised them, none evictable")
 
     def _evict_one(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int],
@@ -541,8 +607,7 @@ class KVCache:
                 evict(node)
                 return True
             if attempt == 0:
-                heap[:] = [(key(n), -n.start, n.nid, n) for n in self._nodes.values() if ok(n)]
-                heapq.heapify(heap)
+                self._rebuild(heap)
         return False
 
     def _push(self, heap: list[_HeapEntry], node: Node, acc: int) -> None:
@@ -550,10 +615,13 @@ class KVCache:
             return
         heapq.heappush(heap, (acc, -node.start, node.nid, node))
         if len(heap) > 4 * len(self._nodes) + 256:
-            ok = _full_evictable if heap is self._full_heap else _swa_evictable
-            key = _access if heap is self._full_heap else _swa_access
-            heap[:] = [(key(n), -n.start, n.nid, n) for n in self._nodes.values() if ok(n)]
-            heapq.heapify(heap)
+            self._rebuild(heap)
+
+    def _rebuild(self, heap: list[_HeapEntry]) -> None:
+        ok = _full_evictable if heap is self._full_heap else _swa_evictable
+        key = self._full_key if heap is self._full_heap else self._swa_key
+        heap[:] = [(key(n), -n.start, n.nid, n) for n in self._nodes.values() if ok(n)]
+        heapq.heapify(heap)
 
     def _evict_device(self, node: Node) -> None:
         """Full-LRU victim (an unlocked device leaf): to host-only if backed up, else out of the tree."""
@@ -604,7 +672,7 @@ class KVCache:
             if not node.children and node.lock == 0 and node.is_tombstone():
                 self._remove_subtree(node)
             elif node.full is not None and node.lock == 0 and not node.has_device_child():
-                self._push(self._full_heap, node, node.access)
+                self._push(self._full_heap, node, self._full_key(node))
                 return
             else:
                 return
@@ -721,14 +789,6 @@ class KVCache:
         from libs.kvcache.invariants import check_cache
 
         check_cache(self)
-
-
-def _access(n: Node) -> int:
-    return n.access
-
-
-def _swa_access(n: Node) -> int:
-    return n.swa_access
 
 
 def _full_evictable(n: Node) -> bool:

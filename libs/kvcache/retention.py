@@ -7,8 +7,21 @@ tombstone (full KV only). Policies are pure functions of the request shape, regi
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+class CheckpointKind(enum.IntFlag):
+    """Why a checkpoint was kept. The cache counts, per kind, how many checkpoints it stored and how many later
+    ended a hit, and evicts the SWA KV of kinds this workload does not reuse first (see docs/kvcache.md)."""
+
+    END = 1  # the end of the sequence (chat: the next turn extends prompt + output)
+    TURN = 2  # the prompt end rounded down to the router's hash block
+    PROMPT_END = 4  # the prompt end rounded down to the page (regenerate, n > 1)
+    BRANCH = 8  # where the sequence left the cached tree
+    PERIODIC = 16  # every `checkpoint_every_pages` pages
+    OTHER = 32  # a custom policy's checkpoint without a kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +40,10 @@ class RetentionContext:
 class RetentionPlan:
     keep_all: bool
     checkpoints: tuple[int, ...]  # page-aligned token positions X; pages covering [X - window, X) are kept
+    kinds: tuple[CheckpointKind, ...] = ()  # per checkpoint (empty: OTHER for all)
+
+    def kind_of(self, i: int) -> CheckpointKind:
+        return self.kinds[i] if i < len(self.kinds) else CheckpointKind.OTHER
 
 
 RetentionPolicy = Callable[[RetentionContext], RetentionPlan]
@@ -52,14 +69,22 @@ def retain_checkpoints(ctx: RetentionContext) -> RetentionPlan:
     - optionally every `every_pages` pages.
     """
     p = ctx.page_size
-    points = {ctx.prompt_tokens // ctx.align * ctx.align, ctx.prompt_tokens // p * p}
+    points: dict[int, CheckpointKind] = {}
+
+    def add(x: int, kind: CheckpointKind) -> None:
+        if ctx.hit_tokens < x <= ctx.max_tokens:
+            points[x] = points.get(x, CheckpointKind(0)) | kind
+
+    add(ctx.prompt_tokens // ctx.align * ctx.align, CheckpointKind.TURN)
+    add(ctx.prompt_tokens // p * p, CheckpointKind.PROMPT_END)
     if ctx.raw_tokens > ctx.hit_tokens:
-        points.add(ctx.raw_tokens)
+        add(ctx.raw_tokens, CheckpointKind.BRANCH)
     if ctx.every_pages:
         step = ctx.every_pages * p
-        points.update(range(step, ctx.max_tokens + 1, step))
-    keep = tuple(sorted(x for x in points if ctx.hit_tokens < x <= ctx.max_tokens))
-    return RetentionPlan(keep_all=False, checkpoints=keep)
+        for x in range(step, ctx.max_tokens + 1, step):
+            add(x, CheckpointKind.PERIODIC)
+    keep = tuple(sorted(points))
+    return RetentionPlan(keep_all=False, checkpoints=keep, kinds=tuple(points[x] for x in keep))
 
 
 POLICIES: dict[str, RetentionPolicy] = {

@@ -52,7 +52,7 @@ def live(pages: array, n_live: int) -> array:
 
 class Node:
     __slots__ = ("nid", "start", "parent", "children", "full", "swa", "n_swa", "host_full", "host_swa",
-                 "hashes", "lock", "swa_lock", "access", "swa_access", "alive")
+                 "hashes", "lock", "swa_lock", "access", "swa_access", "alive", "kinds")
 
     def __init__(self, start: int, parent: Node | None, full: Sequence[int] | None,
                  swa: Sequence[int] | None, hashes: Sequence[int], access: int) -> None:
@@ -71,6 +71,7 @@ class Node:
         self.access = access
         self.swa_access = access
         self.alive = True
+        self.kinds = 0  # CheckpointKind bits of the checkpoint(s) ending at this node (0: none known)
 
     @property
     def npages(self) -> int:
@@ -166,6 +167,7 @@ def split(node: Node, k: int) -> Node:
                 None if node.swa is None else node.swa[:k], node.hashes[:k], node.access)
     head.swa_access = node.swa_access
     head.lock, head.swa_lock = node.lock, node.swa_lock
+    head.kinds = node.kinds  # a window split in two: both halves are worth what the checkpoint is
     if node.host_full is not None:
         head.host_full, head.host_swa = node.host_full[:k], node.host_swa[:k]  # type: ignore[index]
         node.host_full, node.host_swa = node.host_full[k:], node.host_swa[k:]  # type: ignore[index]
