@@ -279,8 +279,9 @@ def plot(sweep: dict[str, object], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000, help="trace prefix length")
-    ap.add_argument("--checkpoints-per-seq", type=float, default=4.0,
-                    help="planner share of SWA checkpoints (1: 0.156, 4: 0.238, 8: 0.227 hit at 512 GiB)")
+    ap.add_argument("--checkpoints-per-seq", type=float, default=1.5,
+                    help="planner share of SWA checkpoints (1: 0.234, 1.25: 0.252, 1.5: 0.256, 2: 0.257, "
+                         "4: 0.238 hit at 512 GiB)")
     ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -293,7 +294,10 @@ def main() -> None:
     print(f"  no-reuse: {over['us_per_request_cache']:.0f} us/request with cache "
           f"({over['us_per_request_cache_hashing']:.0f} us hashing itself), {over['us_per_request_disabled']:.0f} us "
           f"disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x)")
-    budgets = [64, 256, 1024, 4096] if args.quick else [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    # Finer around the two 90%-of-oracle crossings (windserve ~0.5-1 TiB, single pool ~2-4 TiB): the budget
+    # needed is interpolated log-linearly between neighbouring points.
+    budgets = [64, 256, 1024, 4096] if args.quick else [32, 64, 128, 256, 384, 448, 512, 576, 640, 768, 1024,
+                                                         1536, 2048, 2560, 3072, 3584, 4096, 8192]
     sweep = hit_rate_sweep(reqs, budgets, args.checkpoints_per_seq)
     result = {
         "trace": {"file": "shared/traces/conversation_trace.jsonl", "requests_used": len(reqs),

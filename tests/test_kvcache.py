@@ -324,3 +324,75 @@ def test_caller_block_hashes_give_the_same_events_as_hashing_in_the_cache() -> N
         c.check_invariants()  # verifies every node's hashes chain from its parent
         out.append([e.block_hashes for e in c.drain_events()])
     assert out[0] == out[1] and sum(len(h) for h in out[0]) == 7
+
+
+# ---------------------------------------------------------------- hash-keyed tree, learned checkpoint kinds
+
+
+def test_match_with_caller_hashes_equals_match_hashing_itself() -> None:
+    o = Oracle(KVCache(audit_tokens=True, config=cfg()))
+    a = list(range(40))
+    serve(o, "a", a, max_new=3)
+    c = o.cache
+    for probe in (a + [1], a[:30] + [7] * 9, [5] * 20):
+        mine, theirs = c.match(probe), c.match(probe, block_hashes=block_hashes(probe, 4))
+        assert (mine.tokens, mine.raw_tokens, mine.full_pages) == (theirs.tokens, theirs.raw_tokens,
+                                                                   theirs.full_pages)
+        c.release_hit(mine)
+        c.release_hit(theirs)
+    wrong = c.match(a + [1], block_hashes=block_hashes(a + [1], 4, seed=99))  # another chain: nothing shared
+    assert wrong.tokens == 0 and wrong.raw_tokens == 0
+
+
+def test_invariants_catch_caller_hashes_that_are_not_the_tokens_chain() -> None:
+    c = KVCache(audit_tokens=True, config=cfg())
+    tokens = list(range(600, 620))
+    bad = block_hashes(tokens, 4)
+    bad[2] ^= 1
+    assert c.admit("a", tokens, c.match(tokens), 0, block_hashes=bad).ok
+    assert c.reserve("a", 20)
+    c.commit("a", 20)
+    c.finish("a")
+    with pytest.raises(AssertionError, match="does not chain"):
+        c.check_invariants()
+
+
+def test_swa_eviction_of_a_leaf_sends_removed_only_and_of_an_inner_node_swa_removed() -> None:
+    c = KVCache(audit_tokens=True, config=cfg(retention="none", num_swa_pages=4))
+    o = Oracle(c)
+    a = list(range(17))
+    serve(o, "a", a)  # a leaf holding its end window (2 SWA pages)
+    (stored,) = c.drain_events()
+    serve(o, "b", list(range(900, 917)))  # needs 3 SWA pages: a's window goes, a becomes a tombstone leaf
+    kinds = [(e.kind, e.block_hashes) for e in c.drain_events()]
+    assert (EventKind.REMOVED, stored.block_hashes) in kinds and EventKind.SWA_REMOVED not in dict(kinds)
+    assert c.match(a + [1]).raw_tokens == 0  # its full pages left the tree with it
+
+    c = KVCache(audit_tokens=True, config=cfg(retention="checkpoints", checkpoint_align=8, num_swa_pages=6))
+    o = Oracle(c)
+    stem = list(range(16))
+    serve(o, "s", stem + [1])  # turn checkpoint at 16 (an inner node once "x" extends it)
+    serve(o, "x", stem + list(range(50, 66)) + [2])
+    c.drain_events()
+    serve(o, "z", list(range(900, 917)))  # needs SWA: evicts the oldest checkpoint, the stem's
+    dropped = [e for e in c.drain_events() if e.kind is EventKind.SWA_REMOVED]
+    assert dropped and dropped[0].block_hashes == tuple(block_hashes(stem, 4)[-2:])  # the stem's window node
+    assert c.match(stem + [9]).tokens == 0 and c.match(stem + [9]).raw_tokens == 16
+
+
+def test_kinds_nobody_reuses_turn_cold_and_their_checkpoints_go_first() -> None:
+    """Each conversation's follow-up shares only the first prompt's whole blocks (the trace's shape): the turn
+    checkpoint is reused, the end-of-sequence and page-aligned prompt-end ones never. With a small SWA pool,
+    plain LRU would have evicted an old turn checkpoint long before the last conversation; cold-first keeps it."""
+    c = KVCache(audit_tokens=True, config=cfg(page_size=4, window=4, num_full_pages=600, num_swa_pages=40,
+                                               checkpoint_align=8))
+    o = Oracle(c)
+    for i in range(40):
+        first = [i * 1000 + j for j in range(16)] + [i * 1000 + 500 + j for j in range(6)]
+        serve(o, f"a{i}", first, max_new=6)  # checkpoints: turn 16, prompt end 20, end 24
+        assert serve(o, f"b{i}", first[:16] + [i * 1000 + 700 + j for j in range(5)]) == 16
+    stats = c.checkpoint_stats()
+    assert stats["turn"][1] > 0 and not stats["turn"][2]
+    assert stats["end"][2] and stats["prompt_end"][2] and stats["end"][1] == 0
+    probe = [20 * 1000 + j for j in range(16)] + [1, 2, 3]
+    assert c.match(probe).tokens == 16  # conversation 20's turn checkpoint outlived 19 newer conversations

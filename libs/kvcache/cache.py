@@ -45,10 +45,13 @@ from libs.kvcache.types import (
 
 _HeapEntry = tuple[int, int, int, Node]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
+_SPECULATIVE = int(CheckpointKind.PERIODIC)  # cold until proven reused: inserted at low priority, they only
+# take SWA memory no warm checkpoint needs
 _REUSED = 1 << 30  # node.kinds flag: a hit has ended at this checkpoint
 _WARM = 1 << 48  # added to the SWA LRU key of checkpoints of kinds that get reused: they go after cold ones
 _COLD_EVIDENCE = 32  # checkpoints of a kind stored before its hit ratio can call it cold
 _COLD_FRACTION = 0.1  # a kind is cold when its hit ratio is below this fraction of the best kind's
+_COLD_RECHECK = 8  # counted checkpoints / reuses between re-evaluations of the cold kinds
 _STATS_HALF_LIFE = 1024  # stored checkpoints of a kind after which its counts are halved (follow the workload)
 
 
@@ -82,6 +85,7 @@ class KVCache:
         self._kind_stored = dict.fromkeys(_KIND_BITS, 0)
         self._kind_hits = dict.fromkeys(_KIND_BITS, 0)
         self._cold_kinds = 0  # CheckpointKind bits whose checkpoints this workload does not reuse
+        self._kind_counts = 0
 
     # ------------------------------------------------------------------ match / hits
 
@@ -296,6 +300,9 @@ class KVCache:
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
         seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
         seq.ckpt_kinds = {x // self.P: int(plan.kind_of(i)) for i, x in enumerate(plan.checkpoints)}
+        for end, kinds in seq.ckpt_kinds.items():
+            for j in range(max(hp, end - self.wp), end):
+                seq.keep_kinds[j] = seq.keep_kinds.get(j, 0) | kinds
         return seq
 
     def _admission_shortfall(self, seq: Seq, prompt: int, max_new: int) -> str:
@@ -365,16 +372,19 @@ class KVCache:
             return
         before = seq.swa_outstanding()
         spare = self._avail_swa()  # frees below do not change it: each freed page is promised back to seq
+        spare_free = self.swa_pool.num_free - self._reserved_swa  # ... the part that evicts nothing
         freed = []
         for j in range(seq.swa_lo, lo):
             s = seq.swa[j]
             if s < 0:
                 continue
-            if j in seq.keep and spare > 0:
+            if j in seq.keep and (spare_free if self._cold(seq.keep_kinds.get(j, 0)) else spare) > 0:
                 # Keep the checkpoint page and promise one more page so the window can still grow; best
-                # effort, from memory no running sequence was promised.
+                # effort, from memory no running sequence was promised. A cold kind's page (a speculative
+                # or so far unused checkpoint) takes only free memory: it never evicts cached KV.
                 seq.swa_cap += 1
                 spare -= 1
+                spare_free -= 1
                 continue
             freed.append(s)
             seq.swa[j] = -1
@@ -548,27 +558,36 @@ class KVCache:
                 if self._kind_stored[bit] >= _STATS_HALF_LIFE:
                     self._kind_stored[bit] //= 2
                     self._kind_hits[bit] //= 2
+        self._kind_counts += 1
+        if self._kind_counts % _COLD_RECHECK:
+            return
         cold = self._cold_mask()
         if cold != self._cold_kinds:
             self._cold_kinds = cold
             self._rebuild(self._swa_heap)
 
+    def checkpoint_stats(self) -> dict[str, tuple[int, int, bool]]:
+        """Per checkpoint kind: (checkpoints stored, of which reused by a hit, cold), counts halved now and then
+        so they follow the workload. Cold kinds' SWA KV is evicted first and kept only from free memory."""
+        return {CheckpointKind(b).name.lower(): (self._kind_stored[b], self._kind_hits[b],  # type: ignore[union-attr]
+                                                 bool(self._cold_kinds & b)) for b in _KIND_BITS}
+
     def _cold_mask(self) -> int:
-        """Kinds whose checkpoints end hits far less often than the best kind's (Laplace-smoothed ratios)."""
+        """Kinds whose checkpoints end hits far less often than the best kind's (Laplace-smoothed ratios);
+        before enough evidence, the speculative kinds."""
         ratio = {b: (self._kind_hits[b] + 1) / (self._kind_stored[b] + 2) for b in _KIND_BITS}
         best = max(ratio.values())
-        return sum(b for b in _KIND_BITS
-                   if self._kind_stored[b] >= _COLD_EVIDENCE and ratio[b] < _COLD_FRACTION * best)
+        return sum(b for b in _KIND_BITS if (ratio[b] < _COLD_FRACTION * best if self._kind_stored[b] >= _COLD_EVIDENCE
+                                             else b & _SPECULATIVE))
 
-    def _is_cold(self, n: Node) -> bool:
-        """Every kind of the node's checkpoint is cold. A node without a known kind (inside a hit's window,
-        `all` retention) counts as warm."""
-        kinds = n.kinds & ~_REUSED
+    def _cold(self, kinds: int) -> bool:
+        """Every kind of a checkpoint is cold. No known kind (inside a hit's window, `all` retention) is warm."""
+        kinds &= ~_REUSED
         return bool(kinds) and not kinds & ~self._cold_kinds
 
     def _swa_key(self, n: Node) -> int:
         """SWA LRU order: cold checkpoints first, then the rest, each by recency."""
-        return n.swa_access if self._is_cold(n) else n.swa_access + _WARM
+        return n.swa_access if self._cold(n.kinds) else n.swa_access + _WARM
 
     @staticmethod
     def _full_key(n: Node) -> int:

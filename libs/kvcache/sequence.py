@@ -39,6 +39,7 @@ class Seq:
     swa_locked: bool = False  # still reading the hit's SWA pages (tree-owned)
     ckpt_ends: tuple[int, ...] = ()  # page indices where checkpoints end (new tree nodes are cut there)
     ckpt_kinds: dict[int, int] = field(default_factory=dict)  # checkpoint end page -> CheckpointKind bits
+    keep_kinds: dict[int, int] = field(default_factory=dict)  # kept page -> bits of the checkpoints it serves
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, when the caller gave them
 
     @property
