@@ -47,6 +47,7 @@ _HeapEntry = tuple[int, int, int, Node]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
 _SPECULATIVE = int(CheckpointKind.PERIODIC)  # cold until proven reused: inserted at low priority, they only
 # take SWA memory no warm checkpoint needs
+_END = int(CheckpointKind.END)
 _REUSED = 1 << 30  # node.kinds flag: a hit has ended at this checkpoint
 _WARM = 1 << 48  # added to the SWA LRU key of checkpoints of kinds that get reused: they go after cold ones
 _COLD_EVIDENCE = 32  # checkpoints of a kind stored before its hit ratio can call it cold
@@ -299,7 +300,7 @@ class KVCache:
                   full=ids(hit.full_pages), swa=ids(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
         seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
-        seq.ckpt_kinds = {x // self.P: int(plan.kind_of(i)) for i, x in enumerate(plan.checkpoints)}
+        seq.ckpt_kinds = {x // self.P: plan.kind_of(i) for i, x in enumerate(plan.checkpoints)}
         for end, kinds in seq.ckpt_kinds.items():
             for j in range(max(hp, end - self.wp), end):
                 seq.keep_kinds[j] = seq.keep_kinds.get(j, 0) | kinds
@@ -544,7 +545,7 @@ class KVCache:
             return
         kinds: int = seq.ckpt_kinds.get(node.end, 0)
         if node.end == seq.num_computed // self.P:
-            kinds |= CheckpointKind.END
+            kinds |= _END
         new = kinds & ~node.kinds
         node.kinds |= kinds
         self._count_kinds(self._kind_stored, new)

@@ -24,6 +24,11 @@ class CheckpointKind(enum.IntFlag):
     OTHER = 32  # a custom policy's checkpoint without a kind
 
 
+_TURN, _PROMPT_END, _BRANCH, _PERIODIC, _OTHER = (int(k) for k in (
+    CheckpointKind.TURN, CheckpointKind.PROMPT_END, CheckpointKind.BRANCH, CheckpointKind.PERIODIC,
+    CheckpointKind.OTHER))
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionContext:
     prompt_tokens: int
@@ -40,10 +45,10 @@ class RetentionContext:
 class RetentionPlan:
     keep_all: bool
     checkpoints: tuple[int, ...]  # page-aligned token positions X; pages covering [X - window, X) are kept
-    kinds: tuple[CheckpointKind, ...] = ()  # per checkpoint (empty: OTHER for all)
+    kinds: tuple[int, ...] = ()  # per checkpoint, CheckpointKind bits (missing: OTHER)
 
-    def kind_of(self, i: int) -> CheckpointKind:
-        return self.kinds[i] if i < len(self.kinds) else CheckpointKind.OTHER
+    def kind_of(self, i: int) -> int:
+        return self.kinds[i] if i < len(self.kinds) else _OTHER
 
 
 RetentionPolicy = Callable[[RetentionContext], RetentionPlan]
@@ -69,20 +74,20 @@ def retain_checkpoints(ctx: RetentionContext) -> RetentionPlan:
     - optionally every `every_pages` pages.
     """
     p = ctx.page_size
-    points: dict[int, CheckpointKind] = {}
+    points: dict[int, int] = {}  # position -> CheckpointKind bits (plain ints: enum arithmetic is slow)
 
-    def add(x: int, kind: CheckpointKind) -> None:
+    def add(x: int, kind: int) -> None:
         if ctx.hit_tokens < x <= ctx.max_tokens:
-            points[x] = points.get(x, CheckpointKind(0)) | kind
+            points[x] = points.get(x, 0) | kind
 
-    add(ctx.prompt_tokens // ctx.align * ctx.align, CheckpointKind.TURN)
-    add(ctx.prompt_tokens // p * p, CheckpointKind.PROMPT_END)
+    add(ctx.prompt_tokens // ctx.align * ctx.align, _TURN)
+    add(ctx.prompt_tokens // p * p, _PROMPT_END)
     if ctx.raw_tokens > ctx.hit_tokens:
-        add(ctx.raw_tokens, CheckpointKind.BRANCH)
+        add(ctx.raw_tokens, _BRANCH)
     if ctx.every_pages:
         step = ctx.every_pages * p
         for x in range(step, ctx.max_tokens + 1, step):
-            add(x, CheckpointKind.PERIODIC)
+            add(x, _PERIODIC)
     keep = tuple(sorted(points))
     return RetentionPlan(keep_all=False, checkpoints=keep, kinds=tuple(points[x] for x in keep))
 
