@@ -11,135 +11,157 @@ Semantics (shared by the torch reference and the flashinfer path):
 * a sink adds one logit per query head to the softmax denominator and no value (gpt-oss / MiMo style).
 
 Pages wholly to the left of every query's window are never read, so they may be ``-1`` in the table.
+
+The torch reference attends *blocks*: a block is G sequences padded to L queries and N keys each, attended
+with one gather and two batched matmuls. All decode rows form one block; prefill rows form one more block
+when padding wastes little, otherwise one block per sequence (a long chunk next to short ones would
+otherwise pad every short one to the long one's size). Plans are built with tensor ops for the whole batch,
+once per step per layer group, and reused by every layer of the group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels.kv import flat_slots
+from kernels.kv import kv_slot_mapping, slots_at
+
+# A prefill block is padded to its longest chunk and widest key range; past this waste factor
+# (padded score entries / real ones) each prefill sequence gets a block of its own.
+PREFILL_PAD_WASTE = 2.0
 
 
 @dataclass(frozen=True)
-class SeqPlan:
-    """What one sequence reads: flat pool slots of its visible keys and the query/key visibility mask."""
+class AttnBlock:
+    """G sequences attended as one padded batch of L queries x N keys each.
 
-    q_start: int  # row of its first new token in the flattened batch
-    q_len: int
-    slots: torch.Tensor  # int64 [n_keys]
-    mask: torch.Tensor  # bool [q_len, n_keys], True = visible
+    Padding queries repeat their sequence's last query (so no row is fully masked) and padding keys
+    read the sequence's last key slot (always mapped, always finite); both are masked out or dropped."""
+
+    rows: torch.Tensor  # int64 [G, L]: row of each query in the flattened batch
+    slots: torch.Tensor  # int64 [G, N]: flat pool slot of each key
+    hidden: torch.Tensor  # bool [G, L, N]: True = key NOT visible to the query (masked with -inf)
+    dst: torch.Tensor  # int64 [R]: batch row of each real (non-padding) query, in block order
+    src: torch.Tensor  # int64 [R]: its index in the block's flattened [G * L] output
 
 
 @dataclass(frozen=True)
 class AttnPlan:
     """Per-forward attention metadata, built once and reused by every layer that shares the page table."""
 
-    seqs: tuple[SeqPlan, ...]
+    blocks: tuple[AttnBlock, ...]
     window_left: int
     page_size: int
     page_table: torch.Tensor
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
-    # decode-only batches (every q_len == 1) are attended in one padded batched matmul instead of a loop
-    decode_slots: torch.Tensor | None = None  # int64 [B, max_keys], padded with slot 0
-    decode_mask: torch.Tensor | None = None  # bool [B, max_keys]
+    write_slots: torch.Tensor  # int64 [T]: flat pool slot of every new token (where its K/V is written)
+    identity: bool = False  # one block covering every row in order: its output is the result as is
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.write_slots.numel())
 
 
-def _decode_padding(seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(s.slots.numel() for s in seqs)
-    slots = torch.zeros(len(seqs), width, dtype=torch.int64, device=seqs[0].slots.device)
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool, device=seqs[0].slots.device)
-    for b, s in enumerate(seqs):
-        slots[b, :s.slots.numel()] = s.slots
-        mask[b, :s.slots.numel()] = s.mask[0]
-    return slots, mask
-
-
-def _seq_plan(row: torch.Tensor, q_start: int, q_len: int, kv_len: int, page_size: int, window_left: int,
-              b: int) -> SeqPlan:
-    first_q = kv_len - q_len
-    lo = 0 if window_left < 0 else max(0, first_q - window_left)
-    kpos = torch.arange(lo, kv_len, device=row.device)
-    qpos = torch.arange(first_q, kv_len, device=row.device)
-    mask = kpos[None, :] <= qpos[:, None]
+def _block(table: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, qstart: torch.Tensor, sel: torch.Tensor,
+           page_size: int, window_left: int) -> AttnBlock:
+    """Block over sequences ``sel`` (int64 indices into the batch)."""
+    dev = table.device
+    q_s, kv_s, st = q[sel], kv[sel], qstart[sel]
+    first = kv_s - q_s
+    lo = (first - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(first)
+    n = kv_s - lo
+    n_keys, n_q = int(n.max()), int(q_s.max())
+    kcol = torch.arange(n_keys, device=dev)
+    kvalid = kcol[None, :] < n[:, None]
+    kpos = torch.where(kvalid, lo[:, None] + kcol[None, :], (kv_s - 1)[:, None])
+    slots = slots_at(table, sel[:, None].expand_as(kpos), kpos, page_size, what="attention read")
+    qcol = torch.arange(n_q, device=dev)
+    lc = torch.minimum(qcol[None, :], (q_s - 1)[:, None])
+    qpos = (first[:, None] + lc)[:, :, None]
+    visible = kvalid[:, None, :] & (kpos[:, None, :] <= qpos)
     if window_left >= 0:
-        mask &= kpos[None, :] >= (qpos[:, None] - window_left)
-    slots = flat_slots(row, kpos, page_size, what=f"attention read, sequence {b}")
-    return SeqPlan(q_start=q_start, q_len=q_len, slots=slots, mask=mask)
+        visible &= kpos[:, None, :] >= qpos - window_left
+    rows = st[:, None] + lc
+    qvalid = (qcol[None, :] < q_s[:, None]).flatten()
+    src = torch.nonzero(qvalid).flatten()
+    return AttnBlock(rows, slots, ~visible, rows.flatten()[src], src)
+
+
+def _prefill_groups(q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, window_left: int) -> list[torch.Tensor]:
+    """One group of all prefill sequences when padding them together wastes little, else one each."""
+    if sel.numel() <= 1:
+        return [sel] if sel.numel() else []
+    q_s, kv_s = q[sel], kv[sel]
+    n = kv_s - ((kv_s - q_s - window_left).clamp(min=0) if window_left >= 0 else 0)
+    padded = sel.numel() * int(q_s.max()) * int(n.max())
+    real = int((q_s * n).sum())
+    if padded <= PREFILL_PAD_WASTE * real:
+        return [sel]
+    return list(sel.split(1))
 
 
 def plan_paged_attention(
-    page_table: torch.Tensor, q_lens: list[int], kv_lens: list[int], page_size: int, window_left: int = -1
+    page_table: torch.Tensor, q_lens: Sequence[int], kv_lens: Sequence[int], page_size: int, window_left: int = -1
 ) -> AttnPlan:
-    """Precompute which pool slots each sequence reads and its causal(+window) mask."""
-    seqs = []
-    q_start = 0
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        seqs.append(_seq_plan(page_table[b], q_start, q_len, kv_len, page_size, window_left, b))
-        q_start += q_len
-    padded = _decode_padding(seqs) if seqs and all(q == 1 for q in q_lens) else (None, None)
-    return AttnPlan(tuple(seqs), window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens), *padded)
+    """Precompute, for the whole batch, which pool slots each query reads and its causal(+window) mask,
+    plus the write slot of every new token. Raises ValueError naming the sequence and logical page
+    when a page that must be read or written is unmapped (-1)."""
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"plan_paged_attention: {len(q_lens)} q_lens but {len(kv_lens)} kv_lens")
+    dev = page_table.device
+    write = kv_slot_mapping(page_table, q_lens, kv_lens, page_size)
+    q = torch.as_tensor(q_lens, dtype=torch.int64, device=dev)
+    kv = torch.as_tensor(kv_lens, dtype=torch.int64, device=dev)
+    qstart = torch.cumsum(q, 0) - q
+    is_decode = q == 1
+    groups = [torch.nonzero(is_decode).flatten()]
+    groups += _prefill_groups(q, kv, torch.nonzero(~is_decode).flatten(), window_left)
+    blocks = tuple(_block(page_table, q, kv, qstart, g, page_size, window_left) for g in groups if g.numel())
+    identity = len(blocks) == 1 and blocks[0].rows.numel() == write.numel() and blocks[0].rows.shape[0] == q.numel()
+    return AttnPlan(blocks, window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens), write, identity)
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [L, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] -> [L, Hq, Dv], GQA by grouping query heads per KV head."""
-    L, hq, _ = q.shape
-    hkv = k.shape[1]
+def _attend_block(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, blk: AttnBlock, scale: float,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """q ``[T, Hq, D]`` -> the block's output ``[G * L, Hq, Dv]`` (float32). GQA: the g query heads of a KV
+    head are folded into the query axis, so K/V are never repeated per query head."""
+    g_seqs, n_q = blk.rows.shape
+    n_keys = blk.slots.shape[1]
+    hq, hkv = q.shape[1], k_flat.shape[1]
     g = hq // hkv
-    qg = q.view(L, hkv, g, -1).permute(1, 2, 0, 3)  # [Hkv, G, L, D]
-    scores = torch.matmul(qg.float(), k.permute(1, 2, 0).float()[:, None]) * scale  # [Hkv, G, L, N]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    qb = q.index_select(0, blk.rows.flatten()) if n_q > 1 or blk.rows.shape[0] != q.shape[0] else q
+    qb = qb.float().view(g_seqs, n_q, hkv, g, -1).permute(0, 2, 3, 1, 4).reshape(g_seqs, hkv, g * n_q, -1)
+    flat = blk.slots.flatten()
+    k = k_flat.index_select(0, flat).float().view(g_seqs, n_keys, hkv, -1).permute(0, 2, 3, 1)  # [G, Hkv, D, N]
+    scores = torch.matmul(qb, k).mul_(scale).view(g_seqs, hkv, g, n_q, n_keys)
+    scores.masked_fill_(blk.hidden[:, None, None], float("-inf"))
     if sinks is not None:
-        sink_col = sinks.float().view(hkv, g, 1, 1).expand(hkv, g, L, 1)
+        sink_col = sinks.float().view(1, hkv, g, 1, 1).expand(g_seqs, hkv, g, n_q, 1)
         probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(1, 0, 2).float()[:, None])  # [Hkv, G, L, Dv]
-    return out.permute(2, 0, 1, 3).reshape(L, hq, -1).to(q.dtype)
+    v = v_flat.index_select(0, flat).float().view(g_seqs, n_keys, hkv, -1).transpose(1, 2)  # [G, Hkv, N, Dv]
+    out = torch.matmul(probs.reshape(g_seqs, hkv, g * n_q, n_keys), v)  # [G, Hkv, g*L, Dv]
+    return out.view(g_seqs, hkv, g, n_q, -1).permute(0, 3, 1, 2, 4).reshape(g_seqs * n_q, hq, -1)
 
 
 def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttnPlan, scale: float,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: q ``[T, Hq, D]``, pools ``[pages, page_size, Hkv, D|Dv]`` -> ``[T, Hq, Dv]``.
 
-    Loops over sequences only; each sequence's keys are fetched with one vectorised gather.
-    """
+    One gather + two batched matmuls per block (usually one or two blocks per step)."""
     k_flat = k_pool.view(-1, *k_pool.shape[2:])
     v_flat = v_pool.view(-1, *v_pool.shape[2:])
-    if plan.decode_slots is not None:
-        return _decode_batched(q, k_flat, v_flat, plan, scale, sinks)
+    if plan.identity:
+        return _attend_block(q, k_flat, v_flat, plan.blocks[0], scale, sinks).to(q.dtype)
     out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
-    for s in plan.seqs:
-        k = k_flat.index_select(0, s.slots)
-        v = v_flat.index_select(0, s.slots)
-        rows = slice(s.q_start, s.q_start + s.q_len)
-        out[rows] = _attend_one(q[rows], k, v, s.mask, scale, sinks)
+    for blk in plan.blocks:
+        res = _attend_block(q, k_flat, v_flat, blk, scale, sinks)
+        out.index_copy_(0, blk.dst, res.index_select(0, blk.src).to(q.dtype))
     return out
-
-
-def _decode_batched(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: AttnPlan, scale: float,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
-    """One query per sequence: gather every sequence's keys into a padded [B, N] block and attend at once."""
-    assert plan.decode_slots is not None and plan.decode_mask is not None
-    b, hq, _ = q.shape
-    n = plan.decode_slots.shape[1]
-    k = k_flat.index_select(0, plan.decode_slots.reshape(-1)).view(b, n, *k_flat.shape[1:])  # [B, N, Hkv, D]
-    v = v_flat.index_select(0, plan.decode_slots.reshape(-1)).view(b, n, *v_flat.shape[1:])
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.view(b, hkv, g, -1).float()  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale  # [B, Hkv, G, N]
-    scores = scores.masked_fill(~plan.decode_mask[:, None, None, :], float("-inf"))
-    if sinks is not None:
-        sink_col = sinks.float().view(1, hkv, g, 1).expand(b, hkv, g, 1)
-        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [B, Hkv, G, Dv]
-    return out.reshape(b, hq, -1).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttnPlan, scale: float,

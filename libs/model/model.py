@@ -29,13 +29,31 @@ class Backbone(nn.Module):
         self.mtp = MTP(cfg) if cfg.num_mtp_layers else None
 
 
+class RopeTable:
+    """cos/sin of every position up to a high-water mark, grown by doubling: a step looks its
+    positions up with one index_select instead of recomputing the trigonometry."""
+
+    def __init__(self) -> None:
+        self._cos = self._sin = torch.empty(0)
+        self._key: tuple | None = None
+
+    def lookup(self, positions: torch.Tensor, max_pos: int, inv_freq: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # keyed on the buffer itself too: loading or .to() replaces the model's inv_freq tensors
+        key = (positions.device, dtype, inv_freq.device, inv_freq.data_ptr())
+        if self._key != key or max_pos >= self._cos.shape[0]:
+            size = max(256, 1 << max_pos.bit_length())
+            all_pos = torch.arange(size, device=positions.device)
+            self._cos, self._sin = rope_cos_sin(all_pos, inv_freq.to(positions.device), dtype)
+            self._key = key
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+
+
 def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
-             inv_freq: torch.Tensor, dtype: torch.dtype) -> AttnContext:
-    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+             rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype) -> AttnContext:
+    cos, sin = rope.lookup(positions, max(meta.kv_lens), inv_freq, dtype)
     plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left)
-    # the new tokens are the last q_len keys each sequence reads, so their write slots come from the plan
-    slots = torch.cat([s.slots[s.slots.numel() - s.q_len:] for s in plan.seqs])
-    return AttnContext(cos, sin, plan, slots)
+    return AttnContext(cos, sin, plan, plan.write_slots)
 
 
 class MiMoV2Model(nn.Module):
@@ -50,19 +68,22 @@ class MiMoV2Model(nn.Module):
         self.inv_freq_swa: torch.Tensor
         self.register_buffer("inv_freq_full", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_full), persistent=False)
         self.register_buffer("inv_freq_swa", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_swa), persistent=False)
+        self._rope_full, self._rope_swa = RopeTable(), RopeTable()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
     def _contexts(self, meta: BatchMeta, kv: KVPools) -> tuple[AttnContext | None, AttnContext | None]:
+        """One attention plan (and rope lookup) per layer group per forward, shared by its layers."""
         pos = meta.positions
         full = swa = None
         if self.cfg.full_layers:
-            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self.inv_freq_full, self.dtype)
+            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full,
+                            self.dtype)
         if self.cfg.swa_layers:
-            swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self.inv_freq_swa,
-                           self.dtype)
+            swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self._rope_swa,
+                           self.inv_freq_swa, self.dtype)
         return full, swa
 
     @torch.inference_mode()
@@ -93,7 +114,7 @@ class MiMoV2Model(nn.Module):
         if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
             raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
         ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
-                       self.inv_freq_swa, self.dtype)
+                       self._rope_swa, self.inv_freq_swa, self.dtype)
         emb = self.model.embed_tokens(input_ids)
         h = self.model.mtp.layers[step](emb, prev_hidden, ctx, kv_mtp.swa_k[step], kv_mtp.swa_v[step])
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h

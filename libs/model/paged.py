@@ -7,10 +7,12 @@ cached ones through those tables only; it never allocates KV.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kernels.kv import new_token_index
 from libs.model.config import ModelConfig
 
 
@@ -79,9 +81,7 @@ class BatchMeta:
     @property
     def positions(self) -> torch.Tensor:
         """Position of every new token, flattened in batch order."""
-        dev = self.full_page_table.device
-        return torch.cat([torch.arange(kv - q, kv, device=dev) for q, kv in zip(self.q_lens, self.kv_lens,
-                                                                                strict=True)])
+        return new_token_index(self.q_lens, self.kv_lens, self.full_page_table.device)[1]
 
     def logits_rows(self) -> torch.Tensor:
         if self.logits_indices is not None:
@@ -99,9 +99,11 @@ class BatchMeta:
         return cls(list(q_lens), list(kv_lens), full, swa, idx)
 
 
+def pad_page_lists(rows: Sequence[Sequence[int]], width: int | None = None) -> list[list[int]]:
+    """Ragged page-id lists padded with -1 to one width (at least 1), ready for a single torch.tensor()."""
+    w = max(max((len(r) for r in rows), default=0), 1) if width is None else width
+    return [[*r, *([-1] * (w - len(r)))] for r in rows]
+
+
 def _pad(rows: list[list[int]], device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+    return torch.tensor(pad_page_lists(rows), dtype=torch.int64, device=device).view(len(rows), -1)
