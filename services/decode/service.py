@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from libs.engine.disagg import DisaggEngineCore
 from protos import subjects
 from protos.messages import KVPrepareReply, KVPrepareRequest, Role, ServiceState
@@ -33,16 +31,3 @@ class DecodeService(EngineRoleService):
         if self.state is ServiceState.DRAINING:
             raise handlers.PrepareRefused("decode worker is draining")
         return await self.worker.prepare(msg)
-
-    async def abort_request(self, request_id: str) -> None:
-        if self.worker is not None:
-            await self.worker.abort(request_id)
-
-    def role_details(self) -> dict[str, str]:
-        if self.worker is None:
-            return {}
-        return {**self.worker.stats.as_details(), "in_flight_requests": str(len(self.worker.tasks))}
-
-    async def teardown_role(self) -> None:
-        if self.worker is not None and self.worker.tasks:
-            await asyncio.wait(set(self.worker.tasks.values()), timeout=self.config.drain_timeout_s)

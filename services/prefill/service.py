@@ -57,6 +57,8 @@ class EngineRoleService(Service):
         self.transfer: Any = None  # a started libs.transfer engine (UCX or the TCP fallback)
         self.address = ""
         self.load = WorkerLoad()
+        # The role's handler object (PrefillWorker / DecodeWorker): abort(id), stats, tasks.
+        self.worker: Any = None
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -85,6 +87,8 @@ class EngineRoleService(Service):
 
     async def abort_request(self, request_id: str) -> None:
         """Free everything held for request_id (broadcast abort)."""
+        if self.worker is not None:
+            await self.worker.abort(request_id)
 
     async def publish(self, subject: str, chunk: TokenChunk) -> None:
         assert self.bus is not None
@@ -120,7 +124,9 @@ class EngineRoleService(Service):
         })
 
     def role_details(self) -> dict[str, str]:
-        return {}
+        if self.worker is None:
+            return {}
+        return {**self.worker.stats.as_details(), "in_flight_requests": str(len(self.worker.tasks))}
 
     def health_details(self) -> dict[str, str]:
         details = {"model": self.config.model or "tiny", "address": self.address,
@@ -131,6 +137,8 @@ class EngineRoleService(Service):
 
     async def teardown_role(self) -> None:
         """Let in-flight requests finish (bounded)."""
+        if self.worker is not None and self.worker.tasks:
+            await asyncio.wait(set(self.worker.tasks.values()), timeout=self.config.drain_timeout_s)
 
     async def teardown(self) -> None:
         await self.teardown_role()
@@ -174,16 +182,3 @@ class PrefillService(EngineRoleService):
                                status=refusal[0], message=refusal[1])
         self.worker.submit(req)
         return GenerateAck(request_id=req.request_id, instance_id=self.config.instance_id)
-
-    async def abort_request(self, request_id: str) -> None:
-        if self.worker is not None:
-            await self.worker.abort(request_id)
-
-    def role_details(self) -> dict[str, str]:
-        if self.worker is None:
-            return {}
-        return {**self.worker.stats.as_details(), "in_flight_requests": str(len(self.worker.tasks))}
-
-    async def teardown_role(self) -> None:
-        if self.worker is not None and self.worker.tasks:
-            await asyncio.wait(set(self.worker.tasks.values()), timeout=self.config.drain_timeout_s)
