@@ -212,6 +212,16 @@ def test_turn_boundary_checkpoint_serves_requests_that_share_only_the_prompt_blo
     assert hits == {"checkpoints": 32, "none": 0}
 
 
+def test_prompt_end_checkpoint_serves_an_exact_repeat_of_a_page_aligned_prompt() -> None:
+    prompt = list(range(40))  # 10 full pages: a repeat must leave a token, so it can resume at 36 at most
+    hits = {}
+    for retention in ("checkpoints", "none"):
+        o = Oracle(KVCache(audit_tokens=True, config=cfg(retention=retention)))
+        serve(o, "t1", prompt, max_new=6)
+        hits[retention] = serve(o, "t2", prompt)
+    assert hits == {"checkpoints": 36, "none": 0}
+
+
 def test_whole_sequence_reuse_hits_prompt_plus_output() -> None:
     o = Oracle(KVCache(audit_tokens=True, config=cfg()))
     serve(o, "t1", list(range(21)), max_new=8)

@@ -18,7 +18,7 @@ class CheckpointKind(enum.IntFlag):
 
     END = 1  # the end of the sequence (chat: the next turn extends prompt + output)
     TURN = 2  # the prompt end rounded down to the router's hash block
-    PROMPT_END = 4  # the prompt end rounded down to the page (regenerate, n > 1)
+    PROMPT_END = 4  # the last page boundary a repeat of the same prompt can hit (regenerate, n > 1)
     BRANCH = 8  # where the sequence left the cached tree
     PERIODIC = 16  # every `checkpoint_every_pages` pages
     OTHER = 32  # a custom policy's checkpoint without a kind
@@ -67,8 +67,9 @@ def retain_all(ctx: RetentionContext) -> RetentionPlan:
 def retain_checkpoints(ctx: RetentionContext) -> RetentionPlan:
     """Windows where reuse is likely, besides the end of the sequence (which every policy keeps):
 
-    - turn boundary: the prompt end rounded down to `align` (the next turn, a regenerate, or a request that shares
-      this prompt's whole blocks resumes there) and to the page;
+    - turn boundary: the prompt end rounded down to `align` (the next turn, or a request that shares this
+      prompt's whole blocks, resumes there);
+    - prompt end: the last page boundary strictly before the prompt's end (a regenerate of the same prompt);
     - branch point: where this sequence leaves the cached tree, when that point is a tombstone (heals it, so the
       next request sharing the same stem hits there);
     - optionally every `every_pages` pages.
@@ -81,7 +82,9 @@ def retain_checkpoints(ctx: RetentionContext) -> RetentionPlan:
             points[x] = points.get(x, 0) | kind
 
     add(ctx.prompt_tokens // ctx.align * ctx.align, _TURN)
-    add(ctx.prompt_tokens // p * p, _PROMPT_END)
+    # A match always leaves one token to compute, so a repeat of this exact prompt resumes at the last page
+    # boundary strictly before its end: for a page-aligned prompt that is one page before the end.
+    add((ctx.prompt_tokens - 1) // p * p, _PROMPT_END)
     if ctx.raw_tokens > ctx.hit_tokens:
         add(ctx.raw_tokens, _BRANCH)
     if ctx.every_pages:
