@@ -4,15 +4,9 @@ tiny model, driven by the official `openai` client; greedy outputs checked again
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -23,84 +17,39 @@ from libs.engine import LLM, SamplingParams
 from libs.model.tokenizer import ByteTokenizer
 from protos import subjects
 from protos.messages import HealthReply, HealthRequest
-from tests.fixtures.nats import free_port, start_nats_server
+from tests.fixtures.nats import start_nats_server
+from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "windserve-tiny"
 KEY = "sk-e2e"
 ENGINE = {"page_size": 16, "num_full_pages": 512, "num_swa_pages": 256}
 TOK = ByteTokenizer()
 
 
-@dataclass
-class System:
-    procs: dict[str, subprocess.Popen[bytes]]
-    url: str
-    nats_url: str
-    logs: Path
-
+class System(ServiceGroup):
     def client(self, timeout: float = 30.0) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=timeout)
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-            return json.load(resp)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
 
 
 def start_system(nats_url: str, logs: Path, services: dict[str, str], bucket: str, gateway_env: dict[str, str]
                  ) -> System:
     """Start `services` ({instance id: service name}); wait until the gateway's /health lists them all."""
-    logs.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    common = {**os.environ, "WINDSERVE_NATS_URL": nats_url, "WINDSERVE_REGISTRY_BUCKET": bucket,
-              "WINDSERVE_REGISTRY_TTL_S": "2", "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.5", "WINDSERVE_LOG_LEVEL": "WARNING"}
+    system = System(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING"}, bucket=bucket)
     per_service = {
-        "worker": {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()} | {"WINDSERVE_LOAD_INTERVAL_S": "0.2"},
-        "gateway": {"WINDSERVE_HTTP_PORT": str(port), "WINDSERVE_LIVENESS_INTERVAL_S": "0.5", **gateway_env},
+        "worker": {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()},
+        "gateway": gateway_env,
         "router": {},
     }
-    procs = {}
-    for instance, name in services.items():
-        env = {**common, "WINDSERVE_INSTANCE_ID": instance, **per_service[name]}
-        log = open(logs / f"{instance}.log", "wb")  # noqa: SIM115 - closed with the process
-        procs[instance] = subprocess.Popen([sys.executable, "-m", f"services.{name}"], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT)
-    system = System(procs, f"http://127.0.0.1:{port}", nats_url, logs)
     try:
-        wait_ready(system, set(services), timeout=90)
+        for instance, name in services.items():
+            system.start(instance, name, per_service[name])
+        system.wait_ready(timeout=90)
     except Exception:
         system.stop()
         raise
     return system
-
-
-def wait_ready(system: System, instances: set[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for instance, p in system.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{instance} exited with {p.returncode}; see {system.logs / instance}.log")
-        try:
-            listed = {i for ids in system.health()["services"].values() for i in ids}
-            if instances <= listed:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"services {sorted(instances)} not all listed by the gateway within {timeout}s")
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,8 @@ The reference is the offline engine (`LLM`) with the same page layout.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -23,10 +16,9 @@ import pytest
 import torch
 
 from libs.engine import LLM, SamplingParams
-from tests.fixtures.nats import free_port
+from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
-ROOT = Path(__file__).resolve().parent.parent
 ENGINE = {"PAGE_SIZE": "4", "NUM_FULL_PAGES": "1024", "NUM_SWA_PAGES": "128", "MAX_NUM_BATCHED_TOKENS": "64",
           "BUCKET_EDGES": "[]", "MAX_NUM_SEQS": "16"}
 OFFLINE = dict(page_size=4, num_full_pages=1024, num_swa_pages=128, max_num_batched_tokens=64, bucket_edges=(),
@@ -34,86 +26,34 @@ OFFLINE = dict(page_size=4, num_full_pages=1024, num_swa_pages=128, max_num_batc
 KILL_BOUND_S = 8.0  # gateway liveness: 0.5 s probes, 2 misses; generous for 2 busy cores
 
 
-@dataclass
-class Topology:
+class Topology(ServiceGroup):
     """nats (shared fixture) + one process per service instance, in its own registry bucket."""
 
-    nats_url: str
-    tmp: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    http_port: int = 0
-
-    def env(self, instance_id: str) -> dict[str, str]:
-        env = {**os.environ, "WINDSERVE_NATS_URL": self.nats_url, "WINDSERVE_INSTANCE_ID": instance_id,
-               "WINDSERVE_REGISTRY_BUCKET": self.bucket, "WINDSERVE_REGISTRY_TTL_S": "2",
-               "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.5", "WINDSERVE_LOAD_INTERVAL_S": "0.2",
-               "WINDSERVE_HTTP_PORT": str(self.http_port), "WINDSERVE_LIVENESS_INTERVAL_S": "0.5",
-               "WINDSERVE_DRAIN_TIMEOUT_S": "3", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
-               "UCX_LOG_LEVEL": "error", "PYTHONUNBUFFERED": "1"}
-        env.update({f"WINDSERVE_{k}": v for k, v in ENGINE.items()})
-        return env
-
     def iid(self, role: str, index: int) -> str:
-        return f"{role}-{index}-{self.bucket[-8:]}"
+        return f"{role}-{index}-{self.bucket[-8:]}"  # unique per topology: instance subjects are global on NATS
 
-    def start(self, spec: dict[str, int]) -> None:
-        self.bucket = f"reg_{uuid.uuid4().hex[:8]}"
-        self.http_port = free_port()
+    def start_topology(self, spec: dict[str, int]) -> None:
         for role, count in spec.items():
             for i in range(count):
-                iid = self.iid(role, i)  # unique per topology: instance subjects are global on NATS
-                log = open(self.tmp / f"{iid}.log", "wb")  # noqa: SIM115  # closed with the process
-                self.procs[iid] = subprocess.Popen([sys.executable, "-m", f"services.{role}"], cwd=ROOT,
-                                                   env=self.env(iid), stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready(set(self.procs), 90)
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-            return json.loads(resp.read())
-
-    def wait_ready(self, ids: set[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for iid, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{iid} exited with {p.returncode}: {self.log(iid)[-2000:]}")
-            try:
-                live = {i for ids_ in self.health()["services"].values() for i in ids_}
-                if ids <= live:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"not ready after {timeout}s")
-
-    def log(self, iid: str) -> str:
-        return (self.tmp / f"{iid}.log").read_text(errors="replace")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+                self.start(self.iid(role, i), role)
+        self.wait_ready(90)
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+
+def topology(nats_url: str, logs: Path) -> Topology:
+    env = {"WINDSERVE_DRAIN_TIMEOUT_S": "3", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error"}
+    env.update({f"WINDSERVE_{k}": v for k, v in ENGINE.items()})
+    return Topology(nats_url, logs, env=env)
 
 
 @pytest.fixture(scope="module")
 def pair2(nats_server, tmp_path_factory):
     """Two prefill and two decode replicas behind one gateway and one router."""
-    topo = Topology(nats_server.url, tmp_path_factory.mktemp("disagg"))
+    topo = topology(nats_server.url, tmp_path_factory.mktemp("disagg"))
     try:
-        topo.start({"gateway": 1, "router": 1, "prefill": 2, "decode": 2})
+        topo.start_topology({"gateway": 1, "router": 1, "prefill": 2, "decode": 2})
         yield topo
     finally:
         topo.stop()
@@ -196,9 +136,9 @@ async def _stream_tokens(client, ids, max_tokens, progress: dict, key: int) -> t
 
 
 async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_server, tmp_path, offline):
-    topo = Topology(nats_server.url, tmp_path)
+    topo = topology(nats_server.url, tmp_path)
     try:
-        topo.start({"gateway": 1, "router": 1, "prefill": 1, "decode": 2})
+        topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 2})
         client = topo.client()
         prompts = [prompt(200 + i, 20 + 7 * i) for i in range(4)]
         max_tokens = 400
