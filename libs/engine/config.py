@@ -52,8 +52,9 @@ class EngineConfig:
     l2_load_mode: str = "auto"
     """How host-tier hits are loaded: "thread" (copy thread / CUDA side stream running ahead of the
     forward, layer by layer), "inline" (layer i copied just before layer i runs), "sync" (all before),
-    "auto" = thread on CUDA, inline on CPU (measured faster there: a CPU copy thread competes with the
-    compute for the same cores and the GIL)."""
+    "auto" = thread on CUDA, sync on CPU (measured fastest there: a CPU copy competes with the compute
+    for the same cores, so there is nothing to overlap, and one indexed copy per pool tensor costs the
+    fewest operations; see docs/engine.md)."""
     dtype: str = "float32"
     """KV and activation dtype: float32, bfloat16 or float16."""
     device: str = "cpu"
@@ -84,7 +85,7 @@ class EngineConfig:
     def resolved_load_mode(self) -> str:
         if self.l2_load_mode != "auto":
             return self.l2_load_mode
-        return "thread" if torch.device(self.device).type == "cuda" else "inline"
+        return "thread" if torch.device(self.device).type == "cuda" else "sync"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,6 +10,7 @@ threading.Event (torch releases the GIL inside the copy kernels, so some overlap
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,11 +52,12 @@ def split_copies(copies: Sequence, direction: str) -> dict[str, tuple[list[int],
     for c in copies:
         if c.direction != direction:
             raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
-        if c.group not in last:
+        target = last.get(c.group)
+        if target is None:
             raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
-        last[c.group].pop(c.dst, None)
-        last[c.group][c.dst] = c.src
-    return {g: (list(m.values()), list(m.keys())) for g, m in last.items()}
+        target.pop(c.dst, None)
+        target[c.dst] = c.src
+    return {g: (list(m.values()), list(m.keys())) for g, m in last.items() if m}
 
 
 def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,30 +66,59 @@ def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tensor,
                dst_ids: list[int] | torch.Tensor, layer: int | None = None) -> None:
-    """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None)."""
+    """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None).
+
+    One index_select + one index_copy_ per pool tensor, over pages flattened to rows (a page-dim
+    index on the 5-D tensor takes a slower strided path)."""
     if len(src_ids) == 0:
         return
     for src_t, dst_t in zip(_pool_tensors(src_pools, group), _pool_tensors(dst_pools, group), strict=True):
-        src_idx = torch.as_tensor(src_ids, device=src_t.device)
-        dst_idx = torch.as_tensor(dst_ids, device=dst_t.device)
+        src_idx = torch.as_tensor(src_ids, dtype=torch.int64, device=src_t.device)
+        dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64, device=dst_t.device)
         if layer is None:
-            dst_t[:, dst_idx] = src_t[:, src_idx].to(dst_t.device, non_blocking=True)
+            src_rows, dst_rows, dim = src_t.flatten(2), dst_t.flatten(2), 1  # [layers, pages, page elems]
         else:
-            dst_t[layer].index_copy_(0, dst_idx, src_t[layer].index_select(0, src_idx).to(dst_t.device,
-                                                                                        non_blocking=True))
+            src_rows, dst_rows, dim = src_t[layer].flatten(1), dst_t[layer].flatten(1), 0  # [pages, page elems]
+        moved = src_rows.index_select(dim, src_idx).to(dst_t.device, non_blocking=True)
+        dst_rows.index_copy_(dim, dst_idx, moved)
 
 
 class LoadMode(StrEnum):
     THREAD = "thread"  # a copy thread (CPU) / side stream (CUDA) runs ahead of the compute, layer by layer
     INLINE = "inline"  # layer i's pages are copied right before layer i runs, on the compute thread
-    SYNC = "sync"  # everything is copied before the forward starts (no overlap; the baseline)
+    SYNC = "sync"  # everything is copied before the forward starts (one indexed copy per pool tensor)
+
+
+class CopyWorker:
+    """One long-lived copy thread (and, on CUDA, one side stream) per runner: a step's load is a job
+    on its queue, so no thread or stream is created per step."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = torch.cuda.Stream() if cuda else None
+        self._thread = threading.Thread(target=self._run, name="kv-l2-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(LOAD_WAIT_TIMEOUT_S)
 
 
 class LayerwiseLoad:
     """One in-flight host -> device load, copied layer by layer in model layer order."""
 
     def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence,
-                 mode: LoadMode = LoadMode.THREAD) -> None:
+                 mode: LoadMode = LoadMode.THREAD, worker: CopyWorker | None = None) -> None:
         groups = split_copies(copies, "h2d")
         self._host, self._dev, self._slots, self._mode = host, device_pools, slots, mode
         # Index tensors are built once per group, not once per layer.
@@ -95,18 +126,21 @@ class LayerwiseLoad:
                            torch.tensor(dst, dtype=torch.int64, device=device_pools.full_k.device))
                        for g, (src, dst) in groups.items()}
         self._cuda = device_pools.full_k.is_cuda
-        self._done = [threading.Event() for _ in slots]
-        self._cuda_events = [torch.cuda.Event() for _ in slots] if self._cuda else []
+        self._copied = [slot.group not in self._index for slot in slots]  # inline bookkeeping
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._done: list[threading.Event] = []
+        self._cuda_events: list = []
         if mode is LoadMode.SYNC:
             for g, (src, dst) in self._index.items():
                 copy_pages(host, device_pools, g, src, dst)
-            for ev in self._done:
-                ev.set()
+            self._copied = [True] * len(slots)
         elif mode is LoadMode.THREAD:
-            self._thread = threading.Thread(target=self._run, name="kv-l2-load", daemon=True)
-            self._thread.start()
+            if worker is None:
+                raise ValueError("LayerwiseLoad: thread mode needs the runner's CopyWorker")
+            self._done = [threading.Event() for _ in slots]
+            self._cuda_events = [torch.cuda.Event() for _ in slots] if self._cuda else []
+            self._stream = worker.stream
+            worker.submit(self._run)
 
     def _copy_layer(self, i: int) -> None:
         slot = self._slots[i]
@@ -115,12 +149,13 @@ class LayerwiseLoad:
 
     def _run(self) -> None:
         try:
-            stream = torch.cuda.Stream() if self._cuda else None
             for i in range(len(self._slots)):
-                if stream is not None:
-                    with torch.cuda.stream(stream):
+                if self._copied[i]:
+                    pass
+                elif self._stream is not None:
+                    with torch.cuda.stream(self._stream):
                         self._copy_layer(i)
-                        self._cuda_events[i].record(stream)
+                        self._cuda_events[i].record(self._stream)
                 else:
                     self._copy_layer(i)
                 self._done[i].set()
@@ -131,20 +166,18 @@ class LayerwiseLoad:
 
     def wait_layer(self, layer: int) -> None:
         """Block the compute side until layer's pages are on the device (CUDA: stream-ordered)."""
-        if self._mode is LoadMode.INLINE:
-            if not self._done[layer].is_set():
+        if self._mode is not LoadMode.THREAD:
+            if not self._copied[layer]:
                 self._copy_layer(layer)
-                self._done[layer].set()
+                self._copied[layer] = True
             return
         if not self._done[layer].wait(LOAD_WAIT_TIMEOUT_S):
             raise TimeoutError(f"L2 load-back of layer {layer} did not finish in {LOAD_WAIT_TIMEOUT_S}s")
         if self._error is not None:
             raise RuntimeError(f"L2 load-back copy thread failed at layer {layer}") from self._error
-        if self._cuda and self._mode is LoadMode.THREAD:
+        if self._cuda and not self._copied[layer]:
             torch.cuda.current_stream().wait_event(self._cuda_events[layer])
 
     def finish(self) -> None:
         for i in range(len(self._slots)):
             self.wait_layer(i)
-        if self._thread is not None:
-            self._thread.join(LOAD_WAIT_TIMEOUT_S)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-from libs.engine.host_tier import LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
+from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import SampleResult, make_generator, sample
-from libs.model.paged import BatchMeta, KVPools
+from libs.model.paged import BatchMeta, KVPools, pad_page_lists
 
 
 @dataclass(frozen=True)
@@ -26,22 +27,21 @@ class PoolSizes:
 
 
 def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Tensor, BatchMeta]:
-    """Flatten the plan's tokens and build the attention metadata (page tables padded with -1)."""
+    """Flatten the plan's tokens and build the attention metadata (page tables padded with -1).
+
+    Each tensor is made by one torch.tensor() over plain lists: per-sequence tensor building costs
+    more than the decode forward's attention on small models."""
     seqs = plan.seqs
     ids = [t for s in seqs for t in s.token_ids]
     width = max(max(len(s.full_pages), len(s.swa_pages)) for s in seqs)
-    full = torch.full((len(seqs), width), -1, dtype=torch.int64)
-    swa = torch.full((len(seqs), width), -1, dtype=torch.int64)
-    logits_rows, row = [], 0
-    for b, s in enumerate(seqs):
-        full[b, : len(s.full_pages)] = torch.tensor(s.full_pages, dtype=torch.int64)
-        swa[b, : len(s.swa_pages)] = torch.tensor(s.swa_pages, dtype=torch.int64)
-        row += s.num_new
-        if s.sample:
-            logits_rows.append(row - 1)
+    full = torch.tensor(pad_page_lists([s.full_pages for s in seqs], width), dtype=torch.int64)
+    swa = torch.tensor(pad_page_lists([s.swa_pages for s in seqs], width), dtype=torch.int64)
+    q_lens = [s.num_new for s in seqs]
+    ends = list(accumulate(q_lens))
+    logits_rows = [end - 1 for end, s in zip(ends, seqs, strict=True) if s.sample]
     meta = BatchMeta(
-        q_lens=[s.num_new for s in seqs], kv_lens=[s.kv_len for s in seqs],
-        full_page_table=full.to(device), swa_page_table=swa.to(device),
+        q_lens=q_lens, kv_lens=[s.kv_len for s in seqs],
+        full_page_table=full.view(len(seqs), -1).to(device), swa_page_table=swa.view(len(seqs), -1).to(device),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device))
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
 
@@ -67,6 +67,7 @@ class ModelRunner:
                     setattr(self.host, name, getattr(self.host, name).pin_memory())
         self.slots = layer_slots(model_config.layer_is_swa)
         self._load: LayerwiseLoad | None = None
+        self._worker: CopyWorker | None = None
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(i))
                        for i, layer in enumerate(decoder_layers(model))]
         self._generators: dict[str, torch.Generator] = {}
@@ -94,7 +95,9 @@ class ModelRunner:
         if copies:
             if self.host is None:
                 raise RuntimeError("the cache returned host load-backs but the engine has no host tier")
-            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode)
+            if self.load_mode is LoadMode.THREAD and self._worker is None:
+                self._worker = CopyWorker(self.device.type == "cuda")  # started once, on the first load
+            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode, self._worker)
 
     def finish_load(self) -> None:
         load, self._load = self._load, None
@@ -116,7 +119,9 @@ class ModelRunner:
             self.finish_load()
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SampleResult:
-        gens = [self._generator(r, p) for r, p in zip(req_ids, params, strict=True)]
+        # greedy rows never draw: they share the default generator instead of a per-request lookup
+        gens = [self._default_gen if p.greedy else self._generator(r, p)
+                for r, p in zip(req_ids, params, strict=True)]
         return sample(logits, params, gens)
 
     def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:

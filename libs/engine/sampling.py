@@ -76,7 +76,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"sample(): {logits.shape[0]} logits rows, {len(params)} params, "
                          f"{len(generators)} generators; all three must match")
     logits = logits.float()
-    chosen = logits.argmax(dim=-1).tolist()
+    chosen = logits.argmax(dim=-1).tolist()  # all-greedy batches stop here: one argmax, one transfer
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
@@ -87,5 +87,6 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = filter_logits(logits[idx], temp, top_k, top_p).softmax(dim=-1).cpu()
         for j, row in enumerate(random_rows):
             chosen[row] = int(torch.multinomial(probs[j], 1, generator=generators[row]))
-    logprobs = logits.log_softmax(dim=-1)
-    return SampleResult(chosen, _logprob_entries(logprobs, chosen, params))
+    if all(p.logprobs is None for p in params):
+        return SampleResult(chosen, [None] * len(params))
+    return SampleResult(chosen, _logprob_entries(logits.log_softmax(dim=-1), chosen, params))

@@ -248,11 +248,15 @@ class Scheduler:
                 self._preempt_or_fail(seq, st)
 
     def _schedule_prefills(self, st: _StepState) -> None:
+        prefilling: list[list[Seq]] = [[] for _ in range(self.buckets.num_buckets)]
+        for s in self.running:
+            if not s.is_decoding:
+                prefilling[s.bucket].append(s)
         for bucket in range(self.buckets.num_buckets):
             shorter_waiting = self._shorter_work_exists(bucket)
             st.long_cap = self.config.long_prefill_cap(st.num_tokens) if shorter_waiting else None
             st.long_tokens = 0
-            for seq in [s for s in self.running if s.bucket == bucket and not s.is_decoding]:
+            for seq in prefilling[bucket]:
                 if st.budget == 0:
                     return
                 if seq.req_id in st.scheduled_ids or seq.status is not SeqStatus.RUNNING:
@@ -273,6 +277,8 @@ class Scheduler:
 
     def _shorter_work_exists(self, bucket: int) -> bool:
         """Is a request from a shorter bucket waiting or still prefilling?"""
+        if bucket == 0:
+            return False
         if any(self.waiting[b] for b in range(bucket)):
             return True
         return any(s.bucket < bucket and not s.is_decoding for s in self.running)
