@@ -194,8 +194,9 @@ def drain_req(core: EngineCore, req: Request) -> None:
 
 # ---------------------------------------------------------------- short-request TTFT in a mix
 def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int = 24, gap_s: float = 0.03,
-               long_len: int = 3072, long_max: int | None = None) -> list[float]:
-    core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges, long_prefill_max_tokens=long_max)
+               long_len: int = 3072, long_max: int | None = None, adaptive: bool = True) -> list[float]:
+    core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges, long_prefill_max_tokens=long_max,
+                     adaptive_long_cap=adaptive)
     arrivals: list[tuple[float, Request]] = []
     if with_long:
         arrivals += [(0.0, Request(f"long{i}", tokens(7000 + i, long_len), greedy(4))) for i in range(2)]
@@ -224,12 +225,15 @@ def p90(xs: list[float]) -> float:
 
 
 def short_ttft(model, cfg) -> dict:
-    """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill. Run side by side:
-    shorts alone; mix with buckets (edge 512, share 0.2, long chunks <= 32 tokens); mix with buckets but
-    no long-chunk cap; mix without buckets (FCFS)."""
+    """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill, in one worker. Run side by
+    side: shorts alone; mix with buckets (edge 512, share 0.2) and the default step-cost-adaptive long cap;
+    mix with buckets and a static token cap instead (token share + long chunks <= 32 tokens, the previous
+    default); buckets with neither cap; no buckets (FCFS)."""
     edges = (512,)
-    runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True, long_max=32),
-            "buckets_uncapped": dict(edges=edges, with_long=True), "fcfs": dict(edges=(), with_long=True)}
+    runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True),
+            "buckets_static32": dict(edges=edges, with_long=True, long_max=32, adaptive=False),
+            "buckets_uncapped": dict(edges=edges, with_long=True, adaptive=False),
+            "fcfs": dict(edges=(), with_long=True)}
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(2):  # two rounds, interleaved
         for k, kw in runs.items():
@@ -237,6 +241,7 @@ def short_ttft(model, cfg) -> dict:
     p = {k: p90(v) for k, v in ttfts.items()}
     out = {f"short_p90_{k}_ms": v * 1e3 for k, v in p.items()}
     out["short_p90_ttft_ratio_buckets"] = p["buckets"] / p["alone"]
+    out["short_p90_ttft_ratio_buckets_static32"] = p["buckets_static32"] / p["alone"]
     out["short_p90_ttft_ratio_buckets_uncapped"] = p["buckets_uncapped"] / p["alone"]
     out["short_p90_ttft_ratio_fcfs"] = p["fcfs"] / p["alone"]
     return out

@@ -42,6 +42,8 @@ class EngineConfig:
     long_prefill_max_tokens: int | None = None
     """Most long-bucket prefill tokens in any step (bounds how long a short arrival waits for the step in
     flight); None = only the step budget."""
+    adaptive_long_cap: bool = True
+    """Bound long-bucket prefill chunks by the measured step cost (see SchedulerConfig.adaptive_long_cap)."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
     preemption by recompute when the pools fill up)."""

@@ -7,6 +7,7 @@ AsyncEngine wraps it for asyncio callers.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -93,8 +94,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One schedule -> execute -> update round; outputs of every request that progressed."""
         plan = self.scheduler.schedule()
+        t0 = time.perf_counter()
         logits = self.runner.forward(plan)
         sampled = self._sample(plan, logits)
+        self.scheduler.observe_step(plan, time.perf_counter() - t0)
         outputs = self.scheduler.update(plan, sampled)
         for out in outputs:
             if out.finished:

@@ -21,7 +21,11 @@ from enum import Enum
 from libs.engine.buckets import LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
+
+# Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
+COLD_LONG_CHUNK = 32
 
 
 class SeqStatus(Enum):
@@ -52,6 +56,12 @@ class SchedulerConfig:
     """Most prefill tokens of longer-bucket (bucket > 0) requests in any step, even with no short request
     waiting: a step cannot be interrupted, so a short request arriving mid-step waits for it to end;
     this bounds that wait at the cost of more steps for long prompts. None = only the step budget."""
+    adaptive_long_cap: bool = True
+    """Size longer-bucket prefill chunks by the measured step cost (StepCostModel) instead of token counts:
+    next to shorter work the long tokens may add at most long_prefill_share of the step's predicted time,
+    and a step with no shorter work may cost at most (1 + long_prefill_share) x the fixed step cost, so a
+    short request arriving while it runs waits for little more than any step. Token shares are used until
+    the model has seen enough steps."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -157,6 +167,8 @@ class _StepState:
     num_tokens: int = 0
     long_cap: int | None = None  # cap on this bucket's prefill tokens (None = none)
     long_tokens: int = 0  # this bucket's prefill tokens so far
+    attn_pairs: int = 0  # sum of q_len * kv_len over the scheduled sequences (step cost model input)
+    long_budget_s: float | None = None  # predicted seconds this bucket's prefill chunks may still add
 
 
 class Scheduler:
@@ -180,6 +192,7 @@ class Scheduler:
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
+        self.cost = StepCostModel()
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -256,12 +269,13 @@ class Scheduler:
             shorter_waiting = self._shorter_work_exists(bucket)
             st.long_cap = self.config.long_prefill_cap(st.num_tokens) if shorter_waiting else None
             st.long_tokens = 0
+            st.long_budget_s = self._long_budget(bucket, shorter_waiting, st)
             for seq in prefilling[bucket]:
                 if st.budget == 0:
                     return
                 if seq.req_id in st.scheduled_ids or seq.status is not SeqStatus.RUNNING:
                     continue
-                chunk = self._chunk_size(seq.num_to_compute, bucket, shorter_waiting, st)
+                chunk = self._chunk_size(seq.num_to_compute, bucket, shorter_waiting, st, seq.num_computed)
                 if chunk <= 0:
                     continue
                 if self._reserve(seq, chunk, st):
@@ -283,12 +297,32 @@ class Scheduler:
             return True
         return any(s.bucket < bucket and not s.is_decoding for s in self.running)
 
-    def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState) -> int:
+    def _long_budget(self, bucket: int, shorter_waiting: bool, st: _StepState) -> float | None:
+        """Seconds longer-bucket prefill may add to this step (None = no time bound; see adaptive_long_cap)."""
+        fit = self.cost.fit
+        if bucket == 0 or not self.config.adaptive_long_cap or fit is None:
+            return None  # (before the model has a fit, _chunk_size applies COLD_LONG_CHUNK instead)
+        share = self.config.long_prefill_share
+        if share >= 1.0:
+            return None
+        if shorter_waiting and st.num_tokens > 0:
+            return share * fit.predict(st.num_tokens, st.attn_pairs)
+        return share * fit.fixed
+
+    def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState,
+                    prefix: int) -> int:
         chunk = min(to_compute, st.budget)
         if bucket > 0 and self.config.long_prefill_max_tokens is not None:
             chunk = min(chunk, self.config.long_prefill_max_tokens - st.long_tokens)
-        if bucket > 0 and shorter_waiting and st.long_cap is not None:
+        if bucket > 0 and st.long_budget_s is not None and self.cost.fit is not None:
+            fitted = self.cost.fit.max_chunk(st.long_budget_s, prefix, max(chunk, 0))
+            # a step with nothing else in it still moves the long prompt forward
+            chunk = max(fitted, 1) if st.num_tokens == 0 and chunk > 0 else fitted
+        elif bucket > 0 and shorter_waiting and st.long_cap is not None:
             chunk = min(chunk, st.long_cap - st.long_tokens)
+        if bucket > 0 and self.config.adaptive_long_cap and self.cost.fit is None:
+            # cold start: no step cost measured yet, so keep long chunks small until there is
+            chunk = min(chunk, COLD_LONG_CHUNK - st.long_tokens)
         return chunk
 
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
@@ -299,7 +333,7 @@ class Scheduler:
         st.load_copies.extend(hit.load_copies)
         self.stats.loaded_pages += len(hit.load_copies)
         actual_bucket = self.buckets.classify(len(seq.token_ids) - hit.tokens)
-        chunk = self._chunk_size(len(seq.token_ids) - hit.tokens, actual_bucket, shorter_waiting, st)
+        chunk = self._chunk_size(len(seq.token_ids) - hit.tokens, actual_bucket, shorter_waiting, st, hit.tokens)
         if chunk <= 0:
             self.cache.release_hit(hit)
             return False
@@ -375,8 +409,11 @@ class Scheduler:
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
         st.num_tokens += num_new
+        st.attn_pairs += num_new * end
         if long:
             st.long_tokens += num_new
+            if st.long_budget_s is not None and self.cost.fit is not None:
+                st.long_budget_s -= self.cost.fit.chunk_cost(num_new, start)
 
     def _maybe_backup(self) -> list:
         cfg = self.config
@@ -400,6 +437,11 @@ class Scheduler:
         self.stats.loaded_pages += len(hit.load_copies)
         self.cache.release_hit(hit)
         return self.buckets.classify(len(tokens) - hit.tokens)
+
+    def observe_step(self, plan: BatchPlan, seconds: float) -> None:
+        """Feed the measured execute time of a plan to the step cost model (see adaptive_long_cap)."""
+        if plan.seqs:
+            self.cost.observe(plan.num_tokens, sum(s.num_new * s.kv_len for s in plan.seqs), seconds)
 
     # ----------------------------------------------------------------- update
     def update(self, plan: BatchPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:

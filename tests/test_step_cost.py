@@ -1,0 +1,104 @@
+"""Step cost model (pure) and the scheduler's time-based long-prefill cap."""
+
+import pytest
+
+from libs.engine.request import Request, SamplingParams
+from libs.engine.scheduler import COLD_LONG_CHUNK, Scheduler, SchedulerConfig
+from libs.engine.step_cost import MIN_SAMPLES, CostFit, StepCostModel, fit_step_cost
+from libs.kvcache import KVCache, KVCacheConfig
+
+pytestmark = pytest.mark.unit
+
+TRUE = CostFit(fixed=4e-3, per_token=1.5e-4, per_pair=2e-7)
+
+
+def synthetic(n: int = 60) -> list[tuple[int, int, float]]:
+    out = []
+    for i in range(n):
+        tokens = 1 + (i * 37) % 200
+        pairs = tokens * (tokens + (i * 101) % 3000)
+        wobble = 1.0 + 0.02 * ((i * 7) % 5 - 2) / 2  # deterministic +-2% "noise"
+        out.append((tokens, pairs, TRUE.predict(tokens, pairs) * wobble))
+    return out
+
+
+def test_fit_recovers_known_coefficients():
+    fit = fit_step_cost(synthetic())
+    assert fit is not None
+    assert fit.fixed == pytest.approx(TRUE.fixed, rel=0.1)
+    assert fit.per_token == pytest.approx(TRUE.per_token, rel=0.1)
+    assert fit.per_pair == pytest.approx(TRUE.per_pair, rel=0.1)
+
+
+def test_fit_needs_more_than_one_token_count():
+    assert fit_step_cost([(32, 32 * 40, 0.005)] * 20) is None
+
+
+def test_model_fits_only_after_enough_samples():
+    m = StepCostModel()
+    samples = synthetic(MIN_SAMPLES)
+    for s in samples[:-1]:
+        m.observe(*s)
+    assert m.fit is None
+    m.observe(*samples[-1])
+    assert m.fit is not None
+
+
+@pytest.mark.parametrize("budget,prefix", [(0.0, 0), (1e-3, 100), (5e-3, 3000), (1.0, 10)])
+def test_max_chunk_is_the_largest_chunk_within_budget(budget, prefix):
+    n = TRUE.max_chunk(budget, prefix, limit=256)
+    brute = max((k for k in range(257) if TRUE.chunk_cost(k, prefix) <= budget), default=0)
+    assert n == brute
+
+
+def make_sched(share=0.2, budget=256) -> Scheduler:
+    cache = KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=1024, num_swa_pages=128))
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, bucket_edges=(40,), long_prefill_share=share),
+                     cache)
+
+
+def long_chunk(plan) -> tuple[int, int]:
+    (item,) = [s for s in plan.seqs if s.req_id == "long"]
+    return item.num_new, item.start
+
+
+def test_cold_start_keeps_long_chunks_small():
+    s = make_sched()
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    assert long_chunk(plan)[0] == COLD_LONG_CHUNK
+
+
+def test_long_chunk_next_to_short_work_adds_at_most_share_of_predicted_step():
+    s = make_sched(share=0.2)
+    s.cost.fit = TRUE
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    n, start = long_chunk(plan)
+    base = TRUE.predict(20, 20 * 20)  # the short prefill alone
+    assert 1 <= n
+    assert TRUE.chunk_cost(n, start) <= 0.2 * base < TRUE.chunk_cost(n + 1, start)
+
+
+def test_long_only_step_costs_at_most_share_over_the_fixed_cost():
+    s = make_sched(share=0.2)
+    s.cost.fit = TRUE
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    n, start = long_chunk(s.schedule())
+    assert TRUE.chunk_cost(n, start) <= 0.2 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
+    # a fit so steep that not one token fits still moves a long-only step by one token
+    s2 = make_sched(share=0.2)
+    s2.cost.fit = CostFit(fixed=1e-3, per_token=1.0, per_pair=0.0)
+    s2.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    assert long_chunk(s2.schedule())[0] == 1
+
+
+def test_adaptive_cap_off_keeps_the_token_share():
+    cache = KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=1024, num_swa_pages=128))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, bucket_edges=(40,), long_prefill_share=0.2,
+                                  adaptive_long_cap=False), cache)
+    s.cost.fit = TRUE
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
+    assert long_chunk(s.schedule())[0] == 5  # 20 short tokens * 0.2 / 0.8
