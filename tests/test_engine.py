@@ -210,7 +210,8 @@ async def test_async_engine_streams_and_cancel_aborts(tiny):
                 if n == 2:
                     return n
         assert await consume_two() == 2  # leaving the loop early aborts the request
-        task = asyncio.create_task(_consume_all(engine, Request("s3", tokens(23, 40), greedy(200))))
+        # long enough (1800 tokens) that the faster engine cannot finish it before the cancel below
+        task = asyncio.create_task(_consume_all(engine, Request("s3", tokens(23, 40), greedy(1800))))
         await asyncio.sleep(0.2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -103,7 +103,10 @@ class AsyncEngine:
 
     async def _next(self, stream: asyncio.Queue, req_id: str) -> RequestOutput:
         try:
-            item = await asyncio.wait_for(stream.get(), self.output_timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands while the
+            # inner get completes, and with outputs arriving every millisecond that race is common
+            async with asyncio.timeout(self.output_timeout_s):
+                item = await stream.get()
         except TimeoutError:
             raise TimeoutError(f"request {req_id!r}: no output from the engine in {self.output_timeout_s}s") from None
         if isinstance(item, BaseException):
