@@ -14,7 +14,7 @@ from libs.kvcache import (
     block_hashes,
     plan_pools,
 )
-from tests.test_kvcache_oracle import Oracle, Running
+from tests.fixtures.kvcache_oracle import Oracle, Running
 
 pytestmark = pytest.mark.unit
 
@@ -227,7 +227,7 @@ def test_whole_sequence_reuse_hits_prompt_plus_output() -> None:
     serve(o, "t1", list(range(21)), max_new=8)
     full_tokens = list(range(21))
     # Rebuild the sampled tokens the oracle engine appended (deterministic in seq id and length).
-    from tests.test_kvcache_oracle import hash_free_token
+    from tests.fixtures.kvcache_oracle import hash_free_token
     for n in range(21, 29):
         full_tokens.append(10_000_000 + 7919 * n % 9973 + hash_free_token("t1", n))
     assert serve(o, "t2", full_tokens[:28] + [1, 2, 3]) == 28

@@ -1,5 +1,5 @@
 """Property tests: random interleavings of cache operations, invariants after every step, every hit and every
-forward read checked against the brute-force oracle (tests/test_kvcache_oracle.py)."""
+forward read checked against the brute-force oracle (tests/fixtures/kvcache_oracle.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libs.kvcache import KVCache, KVCacheConfig
-from tests.test_kvcache_oracle import Oracle, Running
+from tests.fixtures.kvcache_oracle import Oracle, Running
 
 pytestmark = pytest.mark.unit
 
