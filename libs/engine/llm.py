@@ -44,7 +44,7 @@ class LLM:
         self._ids = itertools.count()
         return self
 
-    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str],
+    def generate(self, prompts: Sequence[Sequence[int] | str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
         """Generate for every prompt (token ids or text); outputs in prompt order."""
         params_list = self._params_for(prompts, params)
