@@ -23,6 +23,7 @@ from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
+from libs.kvcache import block_hashes
 
 # Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
 COLD_LONG_CHUNK = 32
@@ -113,6 +114,15 @@ class Seq:
     admit_order: int = -1
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
+    _hashes: list[int] = field(default_factory=list)
+    _hashed_len: int = -1
+
+    def block_hashes(self, page_size: int, seed: int) -> list[int]:
+        if self._hashed_len != len(self.token_ids):
+            self._hashes = block_hashes(self.token_ids, page_size, seed)
+            self._hashed_len = len(self.token_ids)
+        return self._hashes
 
     @property
     def req_id(self) -> str:
@@ -200,7 +210,8 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
         if req.params.stop and self.decode is None:
             raise ValueError(f"request {req.req_id!r} has stop strings but the engine has no tokenizer")
-        seq = Seq(req, list(req.prompt_token_ids), bucket=self._classify(req.prompt_token_ids))
+        seq = Seq(req, list(req.prompt_token_ids), bucket=0)
+        seq.bucket = self._classify(seq)
         served = self.config.served_buckets
         if served is not None and seq.bucket not in served:
             self.stats.misrouted += 1
@@ -327,7 +338,8 @@ class Scheduler:
 
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
         """Try to admit the head of a waiting queue; False stops admission from this queue."""
-        hit = self.cache.match(seq.token_ids)
+        hashes = self._hashes(seq)
+        hit = self.cache.match(seq.token_ids, hashes)
         # A host-tier hit is on device pages in the cache's books from now on, admitted or not:
         # its copies must run whatever happens next.
         st.load_copies.extend(hit.load_copies)
@@ -340,7 +352,7 @@ class Scheduler:
         growth = seq.remaining_new_tokens
         if self.config.admission_decode_tokens is not None:
             growth = min(growth, self.config.admission_decode_tokens)
-        result = self.cache.admit(seq.req_id, seq.token_ids, hit, growth)
+        result = self.cache.admit(seq.req_id, seq.token_ids, hit, growth, block_hashes=hashes)
         if not result.ok:
             return False
         self.waiting[bucket].popleft()
@@ -380,7 +392,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.stats.preemptions += 1
-        seq.bucket = self._classify(seq.token_ids)
+        seq.bucket = self._classify(seq)
         self.waiting[seq.bucket].appendleft(seq)
         st.preempted.append(seq.req_id)
 
@@ -427,16 +439,19 @@ class Scheduler:
         self.stats.backed_up_pages += len(copies)
         return copies
 
-    def _classify(self, tokens: Sequence[int]) -> int:
+    def _hashes(self, seq: Seq) -> list[int]:
+        return seq.block_hashes(self.cache.cfg.page_size, self.cache.cfg.hash_seed)
+
+    def _classify(self, seq: Seq) -> int:
         """Bucket by uncached tokens: probe the prefix cache and give the hit back at once.
 
         A probe that hits the host tier has already moved those nodes to device pages in the
         cache's books, so its load copies must still run: they join the next plan."""
-        hit = self.cache.match(tokens)
+        hit = self.cache.match(seq.token_ids, self._hashes(seq))
         self._probe_loads.extend(hit.load_copies)
         self.stats.loaded_pages += len(hit.load_copies)
         self.cache.release_hit(hit)
-        return self.buckets.classify(len(tokens) - hit.tokens)
+        return self.buckets.classify(len(seq.token_ids) - hit.tokens)
 
     def observe_step(self, plan: BatchPlan, seconds: float) -> None:
         """Feed the measured execute time of a plan to the step cost model (see adaptive_long_cap)."""
