@@ -4,14 +4,26 @@ Routing: ``scores = sigmoid(x @ Wg^T)``; experts are *chosen* on ``scores + corr
 restricted to the best ``topk_group`` of ``n_group`` groups), but *weighted* by the plain scores,
 renormalised over the chosen k and multiplied by ``routed_scaling_factor``.
 
-Expert pass: token-expert pairs are sorted by expert so each expert runs one matmul over a contiguous slice
-(a loop over experts, never over tokens).
+Expert pass, two shapes with the same result (up to fp32 rounding):
+
+* dense (small batches): every expert runs on every token as two batched matmuls over ``[E, T, .]`` and the
+  outputs are summed with a dense ``[T, E]`` weight matrix that is zero off the chosen experts. It does
+  ``E / k`` times the useful flops but is ~8 torch ops whatever ``E`` is; at decode batch sizes on a small
+  model the per-op overhead, not the flops, is the cost.
+* segmented (everything else): token-expert pairs are sorted by expert so each active expert runs one matmul
+  over a contiguous slice (a loop over experts, never over tokens), then one ``index_add_``.
+
+:func:`grouped_moe` picks dense while the padded work stays under :data:`DENSE_MOE_MAX_MACS`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# Dense expert pass while T * E * 3 * I * H (its multiply-adds) stays below this: ~1 ms of matmul on one CPU
+# core, about what the segmented pass spends in per-expert op overhead for a handful of experts.
+DENSE_MOE_MAX_MACS = 1 << 22
 
 
 def sigmoid_topk_route(
@@ -44,7 +56,29 @@ def sigmoid_topk_route(
 def grouped_moe(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """SwiGLU experts. x ``[T, H]``; gate_up ``[E, 2I, H]`` (gate rows first); down ``[E, H, I]``."""
+    """SwiGLU experts. x ``[T, H]``; gate_up ``[E, 2I, H]`` (gate rows first); down ``[E, H, I]``;
+    weights/ids ``[T, k]`` from :func:`sigmoid_topk_route`. Returns ``[T, H]`` in x's dtype."""
+    e, two_i, h = gate_up.shape
+    if x.shape[0] * e * h * two_i * 3 // 2 <= DENSE_MOE_MAX_MACS:
+        return dense_moe(x, weights, ids, gate_up, down)
+    return segmented_moe(x, weights, ids, gate_up, down)
+
+
+def dense_moe(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Every expert on every token, weighted by a dense routing matrix (see module docstring)."""
+    dense_w = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    dense_w.scatter_(1, ids, weights.to(x.dtype))
+    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
+    y = torch.matmul(F.silu(gate).mul_(up), down.transpose(1, 2))  # [E, T, H]
+    return y.mul_(dense_w.t().unsqueeze(-1)).sum(0)
+
+
+def segmented_moe(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Token-expert pairs sorted by expert, one matmul pair per active expert, one index_add_."""
     t, k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
