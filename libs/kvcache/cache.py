@@ -44,6 +44,7 @@ from libs.kvcache.types import (
 )
 
 _HeapEntry = tuple[int, int, int, Node]
+_PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
 _SPECULATIVE = int(CheckpointKind.PERIODIC)  # cold until proven reused: inserted at low priority, they only
 # take SWA memory no warm checkpoint needs
@@ -81,7 +82,8 @@ class KVCache:
         self._reserved_full = self._reserved_swa = 0  # promised, not yet allocated
         self._full_heap: list[_HeapEntry] = []
         self._swa_heap: list[_HeapEntry] = []
-        self._events: deque[KVEvent] = deque(maxlen=config.max_pending_events)
+        # (id, kind, tier, hashes, parent hash, flags as `_flags_spec`): built into KVEvents when drained
+        self._events: deque[_PendingEvent] = deque(maxlen=config.max_pending_events)
         self._next_event = 0
         self._kind_stored = dict.fromkeys(_KIND_BITS, 0)
         self._kind_hits = dict.fromkeys(_KIND_BITS, 0)
@@ -749,19 +751,28 @@ class KVCache:
     # ------------------------------------------------------------------ events
 
     def drain_events(self) -> list[KVEvent]:
-        out = list(self._events)
+        """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""
+        out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)))
+               for eid, kind, tier, hashes, ph, flags in self._events]
         self._events.clear()
         return out
 
     def _emit(self, kind: EventKind, tier: Tier, node: Node) -> None:
+        """Queue an event as a plain tuple; `drain_events` builds the KVEvent. The flags are fixed now (they say
+        what was valid when the event was made) but kept compact: the index of the first valid page, or the
+        tuple itself in the rare case the valid pages are not a suffix of the node."""
         parent = node.parent
         ph = parent.hashes[-1] if parent is not None and parent.hashes else None
-        flags = self._checkpoint_flags(node) if kind is EventKind.STORED else (False,) * node.npages
-        self._events.append(KVEvent(self._next_event, kind, tier, node.hashes, ph, flags))
+        flags = self._flags_spec(node) if kind is EventKind.STORED else len(node.hashes)
+        self._events.append((self._next_event, kind, tier, node.hashes, ph, flags))
         self._next_event += 1
 
     def _checkpoint_flags(self, node: Node) -> tuple[bool, ...]:
-        """Per block of `node`: would a hit ending after it be valid (SWA held for the window before it)?
+        """Per block of `node`: would a hit ending after it be valid (SWA held for the window before it)?"""
+        return _materialise(self._flags_spec(node), node.npages)
+
+    def _flags_spec(self, node: Node) -> int | tuple[bool, ...]:
+        """`_checkpoint_flags` compactly: an int k means pages k.. are valid and the ones before are not.
         Only pages holding SWA can end a checkpoint, so the scan visits those (few, under retention)."""
         wp = self.wp
         run = 0  # consecutive SWA pages just before the node, capped at wp
@@ -775,18 +786,26 @@ class KVCache:
                 break
             anc = anc.parent
         swa = node.swa if node.full is not None else node.host_swa
-        out = [False] * node.npages
+        n = node.npages
         if swa is None:
-            return tuple(out)
-        n, c = node.npages, node.n_swa if node.full is not None else node.host_swa_count()
+            return n
+        c = node.n_swa if node.full is not None else node.host_swa_count()
         if c == 0:
-            return tuple(out)
-        # Retention leaves SWA mostly at a node's end (nodes are cut at checkpoint ends): check that in C.
-        tail = swa[n - c:].count(-1) == 0
+            return n
+        # Retention leaves SWA mostly at a node's end (nodes are cut at checkpoint ends): check that in C. Along
+        # a contiguous SWA run the run length grows by one per page and the bar min(page + 1, wp) by at most
+        # one, so the valid pages of the tail are a suffix: the first one is the answer.
+        if swa[n - c:].count(-1) == 0:
+            if c < n:  # the run restarts at the first SWA page
+                run = 0
+            for i in range(n - c, n):
+                run += 1
+                if run >= min(node.start + i + 1, wp):
+                    return i
+            return n
+        out = [False] * n
         prev = -1
-        if tail and c < n:  # the run restarts at the first SWA page
-            run, prev = 0, n - c - 1
-        for i in range(n - c, n) if tail else [i for i, s in enumerate(swa) if s >= 0]:
+        for i in (i for i, s in enumerate(swa) if s >= 0):
             run = run + 1 if i == prev + 1 else 1
             prev = i
             out[i] = run >= min(node.start + i + 1, wp)
@@ -818,3 +837,10 @@ def _full_evictable(n: Node) -> bool:
 def _swa_evictable(n: Node) -> bool:
     return n.alive and n.n_swa > 0 and n.swa_lock == 0
 
+
+
+def _materialise(flags: int | tuple[bool, ...], n: int) -> tuple[bool, ...]:
+    """Event flags from their compact form (see `_flags_spec`)."""
+    if type(flags) is int:
+        return (False,) * flags + (True,) * (n - flags)  # type: ignore[operator]
+    return flags  # type: ignore[return-value]
