@@ -412,20 +412,19 @@ class KVCache:
         """Insert the page-aligned computed tokens into the tree (healing tombstones), unlock, free the rest."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
-        if cache and self.cfg.enable_prefix_cache:
-            self._insert(seq)
-        self._drop_seq(seq)
+        tree_upto = self._insert(seq) if cache and self.cfg.enable_prefix_cache else seq.hit_pages
+        self._drop_seq(seq, tree_upto)
 
     def abort(self, seq_id: str) -> None:
         """Free everything the sequence held; insert nothing."""
         self.finish(seq_id, cache=False)
 
-    def _drop_seq(self, seq: Seq) -> None:
+    def _drop_seq(self, seq: Seq, tree_upto: int) -> None:
+        """Free the sequence's private pages; those below `tree_upto` are the tree's (all -1 here)."""
         self._reserved_full -= seq.full_outstanding()
         self._reserved_swa -= seq.swa_outstanding()
-        hp = seq.hit_pages
-        full = [p for p in seq.full[hp:] if p >= 0]
-        swa = [p for p in seq.swa[hp:] if p >= 0]
+        full = [p for p in seq.full[tree_upto:] if p >= 0]
+        swa = [p for p in seq.swa[tree_upto:] if p >= 0]
         self.full_pool.free(full)
         self.swa_pool.free(swa)
         self._private_full -= len(full)
@@ -441,10 +440,11 @@ class KVCache:
 
     # ------------------------------------------------------------------ insert
 
-    def _insert(self, seq: Seq) -> None:
+    def _insert(self, seq: Seq) -> int:
+        """Hand pages [hit_pages, computed pages) to the tree (or free them as duplicates); returns the end."""
         npg = seq.num_computed // self.P
         if npg <= seq.hit_pages:
-            return
+            return seq.hit_pages
         self._clock += 1
         hashes = PromptHashes(seq.tokens, self.P, self.cfg.hash_seed, seq.hashes)
         node, pos = self.root, 0
@@ -460,6 +460,7 @@ class KVCache:
             pos, node = pos + child.npages, child
         if pos < npg:
             self._add_nodes(node, seq, pos, npg, hashes.upto(npg))
+        return npg
 
     def _absorb(self, node: Node, seq: Seq, pos: int) -> None:
         """The sequence recomputed pages the tree already has: drop duplicates, heal tombstones, fill host-only
@@ -522,10 +523,9 @@ class KVCache:
         if self._audit is not None:
             P = self.P
             self._audit.update((hashes[j], tuple(seq.tokens[j * P:(j + 1) * P])) for j in range(pos, npg))
+        first = pos
         for end in cuts:
             node = Node(pos, parent, seq.full[pos:end], seq.swa[pos:end], hashes[pos:end], self._clock)
-            seq.full[pos:end] = no_pages(end - pos)
-            seq.swa[pos:end] = no_pages(end - pos)
             parent.children[node.hashes[0]] = node
             self._nodes[node.nid] = node
             self._set_kinds(node, seq)
@@ -537,6 +537,7 @@ class KVCache:
                 self._push(self._swa_heap, node, self._swa_key(node))
             self._emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end
+        seq.full[first:npg] = seq.swa[first:npg] = no_pages(npg - first)  # the tree owns them now
         self._push(self._full_heap, parent, self._full_key(parent))
 
     # ------------------------------------------------------------------ checkpoint kinds (learned SWA value)

@@ -56,12 +56,14 @@ class Node:
 
     def __init__(self, start: int, parent: Node | None, full: Sequence[int] | None,
                  swa: Sequence[int] | None, hashes: Sequence[int], access: int) -> None:
+        """`full` / `swa` int64 arrays become the node's own (pass fresh slices); other sequences are copied."""
         self.nid = next(_ids)
         self.start = start  # global index of the node's first page
         self.parent = parent
         self.children: dict[int, Node] = {}  # first page's block hash -> child
-        self.full = None if full is None else ids(full)
-        self.swa = None if swa is None else ids(swa)
+        # Arrays are taken over, not copied: every caller passes a fresh slice (one copy per node, not two).
+        self.full = None if full is None else full if type(full) is array else ids(full)
+        self.swa = None if swa is None else swa if type(swa) is array else ids(swa)
         self.n_swa = 0 if self.swa is None else len(self.swa) - self.swa.count(-1)
         self.host_full: array | None = None
         self.host_swa: array | None = None
