@@ -46,6 +46,8 @@ from libs.kvcache.types import (
 _HeapEntry = tuple[int, int, int, Node]
 _PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
+_ALL_KINDS = sum(_KIND_BITS)
+_BITS_OF = tuple(tuple(b for b in _KIND_BITS if m & b) for m in range(_ALL_KINDS + 1))  # kinds -> its bits
 _SPECULATIVE = int(CheckpointKind.PERIODIC)  # cold until proven reused: inserted at low priority, they only
 # take SWA memory no warm checkpoint needs
 _END = int(CheckpointKind.END)
@@ -556,12 +558,11 @@ class KVCache:
     def _count_kinds(self, counts: dict[int, int], kinds: int) -> None:
         if not kinds:
             return
-        for bit in _KIND_BITS:
-            if kinds & bit:
-                counts[bit] += 1
-                if self._kind_stored[bit] >= _STATS_HALF_LIFE:
-                    self._kind_stored[bit] //= 2
-                    self._kind_hits[bit] //= 2
+        for bit in _BITS_OF[kinds & _ALL_KINDS]:
+            counts[bit] += 1
+            if self._kind_stored[bit] >= _STATS_HALF_LIFE:
+                self._kind_stored[bit] //= 2
+                self._kind_hits[bit] //= 2
         self._kind_counts += 1
         if self._kind_counts % _COLD_RECHECK:
             return
@@ -579,10 +580,14 @@ class KVCache:
     def _cold_mask(self) -> int:
         """Kinds whose checkpoints end hits far less often than the best kind's (Laplace-smoothed ratios);
         before enough evidence, the speculative kinds."""
-        ratio = {b: (self._kind_hits[b] + 1) / (self._kind_stored[b] + 2) for b in _KIND_BITS}
-        best = max(ratio.values())
-        return sum(b for b in _KIND_BITS if (ratio[b] < _COLD_FRACTION * best if self._kind_stored[b] >= _COLD_EVIDENCE
-                                             else b & _SPECULATIVE))
+        hits, stored = self._kind_hits, self._kind_stored
+        ratio = [(hits[b] + 1) / (stored[b] + 2) for b in _KIND_BITS]
+        bar = _COLD_FRACTION * max(ratio)
+        cold = 0
+        for b, r in zip(_KIND_BITS, ratio, strict=True):
+            if (r < bar) if stored[b] >= _COLD_EVIDENCE else b & _SPECULATIVE:
+                cold |= b
+        return cold
 
     def _cold(self, kinds: int) -> bool:
         """Every kind of a checkpoint is cold. No known kind (inside a hit's window, `all` retention) is warm."""
