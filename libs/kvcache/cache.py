@@ -525,21 +525,23 @@ class KVCache:
         if self._audit is not None:
             P = self.P
             self._audit.update((hashes[j], tuple(seq.tokens[j * P:(j + 1) * P])) for j in range(pos, npg))
-        first = pos
+        first, n_swa = pos, 0
         for end in cuts:
             node = Node(pos, parent, seq.full[pos:end], seq.swa[pos:end], hashes[pos:end], self._clock)
             parent.children[node.hashes[0]] = node
             self._nodes[node.nid] = node
-            self._set_kinds(node, seq)
-            self._tree_full += node.npages
-            self._tree_swa += node.n_swa
-            self._private_full -= node.npages
-            self._private_swa -= node.n_swa
             if node.n_swa:
+                n_swa += node.n_swa
+                self._set_kinds(node, seq)
                 self._push(self._swa_heap, node, self._swa_key(node))
             self._emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end
-        seq.full[first:npg] = seq.swa[first:npg] = no_pages(npg - first)  # the tree owns them now
+        # The tree owns the pages now (counted once per insert, not per node).
+        seq.full[first:npg] = seq.swa[first:npg] = no_pages(npg - first)
+        self._tree_full += npg - first
+        self._private_full -= npg - first
+        self._tree_swa += n_swa
+        self._private_swa -= n_swa
         self._push(self._full_heap, parent, self._full_key(parent))
 
     # ------------------------------------------------------------------ checkpoint kinds (learned SWA value)
