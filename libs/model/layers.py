@@ -7,6 +7,7 @@ the per-expert checkpoint tensors onto slices).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,41 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class FusedWeight:
+    """Row-concatenation of several ``[out_i, in]`` weights so one matmul computes all their projections.
+
+    The parts' ``.data`` become views of the fused tensor, so memory is not doubled and in-place writes to a
+    part (loading, ``load_state_dict``) land in the fused tensor too. Whenever a part's storage is replaced
+    (``.to()``, ``param.data = ...``) the views no longer line up and the next :meth:`get` rebuilds."""
+
+    def __init__(self) -> None:
+        self._fused: torch.Tensor | None = None
+
+    def get(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self._fused is None or not self._lines_up(parts):
+            self._fused = self._build(parts)
+        return self._fused
+
+    def _lines_up(self, parts: Sequence[torch.Tensor]) -> bool:
+        fused = self._fused
+        assert fused is not None
+        ptr, row_bytes = fused.data_ptr(), fused.stride(0) * fused.element_size()
+        for p in parts:
+            if p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device:
+                return False
+            ptr += p.shape[0] * row_bytes
+        return True
+
+    @staticmethod
+    def _build(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        # built outside inference mode: the parts keep being ordinary (loadable, trainable) parameters
+        with torch.inference_mode(False), torch.no_grad():
+            fused = torch.cat([p.detach() for p in parts])
+            for p, view in zip(parts, fused.split([p.shape[0] for p in parts]), strict=True):
+                p.data = view
+        return fused
+
+
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
@@ -37,6 +73,12 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: neox ``rotate_half(x) * sin == swap_halves(x) * signed_sin``."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,12 +90,20 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat([xr * cos[:, None] + rotated * sin[:, None], xp], dim=-1)
 
 
+def apply_partial_rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """In-place :func:`apply_partial_rope` (3 ops): x ``[T, H, D]``, cos/sin_signed ``[T, 1, rot]``."""
+    rot = cos.shape[-1]
+    xr = x[..., :rot]
+    swapped = xr.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # a copy: [x2, x1]
+    xr.mul_(cos).addcmul_(swapped, sin_signed)
+
+
 @dataclass(frozen=True)
 class AttnContext:
     """Per-forward, per-layer-type data shared by all layers of that type."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor  # [T, 1, rotary_dim]
+    sin: torch.Tensor  # [T, 1, rotary_dim], first half negated (see signed_sin)
     plan: AttnPlan
     slots: torch.Tensor  # flat pool slot of each new token
 
@@ -74,12 +124,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
         has_sinks = cfg.swa_sinks if is_swa else cfg.full_sinks
         self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if has_sinks else None
+        self._qkv = FusedWeight()
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, k_pool: torch.Tensor, v_pool: torch.Tensor):
-        t = x.shape[0]
-        q = apply_partial_rope(self.q_proj(x).view(t, self.num_heads, self.qk_dim), ctx.cos, ctx.sin)
-        k = apply_partial_rope(self.k_proj(x).view(t, self.num_kv_heads, self.qk_dim), ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.v_dim) * self.v_scale
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.qk_dim
+        qkv = F.linear(x, self._qkv.get((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)))
+        # q and k heads share head_dim and sit side by side in the fused output: one rotation covers both
+        qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+        apply_partial_rope_(qk, ctx.cos, ctx.sin)
+        q, k = qk.split((hq, hkv), dim=1)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, self.v_dim) * self.v_scale
         scatter_kv(k_pool, v_pool, ctx.slots, k, v)
         out = paged_attention(q, k_pool, v_pool, ctx.plan, self.scale, self.attention_sink_bias)
         return self.o_proj(out.reshape(t, -1))
@@ -91,9 +145,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._gate_up = FusedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self._gate_up.get((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class Router(nn.Module):

@@ -10,7 +10,15 @@ from torch import nn
 
 from kernels import plan_paged_attention
 from libs.model.config import ModelConfig
-from libs.model.layers import AttnContext, DecoderLayer, MTPLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from libs.model.layers import (
+    AttnContext,
+    DecoderLayer,
+    MTPLayer,
+    RMSNorm,
+    rope_cos_sin,
+    rope_inv_freq,
+    signed_sin,
+)
 from libs.model.paged import BatchMeta, KVPools
 
 
@@ -44,7 +52,8 @@ class RopeTable:
         if self._key != key or max_pos >= self._cos.shape[0]:
             size = max(256, 1 << max_pos.bit_length())
             all_pos = torch.arange(size, device=positions.device)
-            self._cos, self._sin = rope_cos_sin(all_pos, inv_freq.to(positions.device), dtype)
+            cos, sin = rope_cos_sin(all_pos, inv_freq.to(positions.device), dtype)
+            self._cos, self._sin = cos[:, None], signed_sin(sin)[:, None]  # [P, 1, rot]: broadcast over heads
             self._key = key
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
