@@ -20,6 +20,7 @@ from kernels import (
 )
 from kernels.attention import paged_attention_ref
 from kernels.fp8 import FP8_DTYPE, quant_fp8_block
+from kernels.moe import dense_moe, segmented_moe
 from libs.model.weights import dequant_fused_qkv_fp8, split_fused_qkv
 
 HQ, HKV, DQK, DV, PAGE = 4, 2, 12, 8, 4
@@ -148,13 +149,14 @@ def _naive_moe(x, weights, ids, gate_up, down):
 
 
 @pytest.mark.unit
-def test_grouped_moe_matches_naive_loop():
+@pytest.mark.parametrize("moe", [grouped_moe, dense_moe, segmented_moe])
+def test_moe_paths_match_naive_loop(moe):
     torch.manual_seed(2)
     t, h, i, e, k = 23, 16, 8, 6, 2
     x = torch.randn(t, h, dtype=torch.float64)
     gate_up, down = torch.randn(e, 2 * i, h, dtype=torch.float64), torch.randn(e, h, i, dtype=torch.float64)
     w, ids = sigmoid_topk_route(torch.randn(t, e), torch.randn(e) * 0.1, k)
-    torch.testing.assert_close(grouped_moe(x, w.double(), ids, gate_up, down), _naive_moe(x, w, ids, gate_up, down))
+    torch.testing.assert_close(moe(x, w.double(), ids, gate_up, down), _naive_moe(x, w, ids, gate_up, down))
 
 
 @pytest.mark.unit
