@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from bench.model import hf_tiny_dir
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine.runner import build_inputs
-from libs.model import ModelConfig, load_model
+from libs.model import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"step_overhead_ratio": ("<=", 1.15), "throughput_vs_hf": (">=", 5.0), "l2_hit_ttft_ratio": ("<=", 1.1),
@@ -83,26 +84,6 @@ def _fake(s):
 
 
 # ---------------------------------------------------------------- throughput vs transformers
-def hf_tiny_dir(tmp: Path) -> Path:
-    """The built-in tiny shape as a transformers checkpoint (random weights), loaded by both sides."""
-    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-
-    t = ModelConfig.tiny()
-    hf_cfg = MiMoV2FlashConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        moe_intermediate_size=t.moe_intermediate_size, num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads_full, head_dim=t.qk_head_dim,
-        v_head_dim=t.v_head_dim, n_routed_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
-        sliding_window=t.sliding_window, max_position_embeddings=4096, eos_token_id=None,
-        layer_types=["sliding_attention" if s else "full_attention" for s in t.layer_is_swa],
-        rope_parameters={k: {"rope_type": "default", "rope_theta": th, "partial_rotary_factor": 0.5}
-                         for k, th in (("full_attention", t.rope_theta_full),
-                                       ("sliding_attention", t.rope_theta_swa))})
-    torch.manual_seed(0)
-    MiMoV2FlashForCausalLM(hf_cfg).save_pretrained(tmp)
-    return tmp
-
-
 def throughput_vs_hf(n_req: int = 32) -> dict:
     """32 concurrent requests with mixed output lengths (8..128 new tokens). transformers generates a
     static batch until the longest is done; only each request's own tokens count as output for both."""

@@ -48,8 +48,9 @@ REF_TABLE = {
 }
 
 
-def _hf_dir(tmp: Path) -> Path:
-    """The windserve tiny config expressed as a transformers config, random weights, saved as safetensors."""
+def hf_tiny_dir(tmp: Path) -> Path:
+    """The windserve tiny config expressed as a transformers config, random weights, saved as safetensors
+    (no EOS, so `generate` runs to the requested length)."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
     t = ModelConfig.tiny()
@@ -58,7 +59,7 @@ def _hf_dir(tmp: Path) -> Path:
         moe_intermediate_size=t.moe_intermediate_size, num_hidden_layers=t.num_layers,
         num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads_full, head_dim=t.qk_head_dim,
         v_head_dim=t.v_head_dim, n_routed_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
-        sliding_window=t.sliding_window, max_position_embeddings=4096,
+        sliding_window=t.sliding_window, max_position_embeddings=4096, eos_token_id=None,
         layer_types=["sliding_attention" if s else "full_attention" for s in t.layer_is_swa],
         rope_parameters={k: {"rope_type": "default", "rope_theta": th, "partial_rotary_factor": 0.5}
                          for k, th in (("full_attention", t.rope_theta_full), ("sliding_attention",
@@ -138,7 +139,7 @@ def throughput() -> dict:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
-        path = _hf_dir(Path(tmp))
+        path = hf_tiny_dir(Path(tmp))
         model, cfg = load_model(str(path), progress=False)
         hf = MiMoV2FlashForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(0, cfg.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
