@@ -141,7 +141,7 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 2})
         client = topo.client()
         prompts = [prompt(200 + i, 20 + 7 * i) for i in range(4)]
-        max_tokens = 400
+        max_tokens = 1500  # long enough that no stream can finish before the kill (decode is ~3-5 ms/token)
         progress: dict[int, int] = {}
         tasks = []
         for i, p in enumerate(prompts):  # one by one: the router alternates over the two idle decoders
