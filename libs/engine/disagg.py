@@ -272,6 +272,26 @@ def engine_params(p: wire.SamplingParams) -> SamplingParams:
                           logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos)
 
 
+def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int
+                    ) -> tuple[wire.AckStatus, str] | None:
+    """Why a worker of this model can never serve `req` (ack status + message), or None when it can (pure)."""
+    if not req.token_ids:
+        return wire.AckStatus.INVALID, "the prompt has no tokens"
+    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return wire.AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+    total = len(req.token_ids) + req.sampling.max_tokens
+    if total > max_request_tokens:
+        return wire.AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens "
+                                          f"({req.sampling.max_tokens}) = {total} tokens exceeds this worker's "
+                                          f"limit of {max_request_tokens}")
+    try:
+        engine_params(req.sampling)
+    except ValueError as exc:
+        return wire.AckStatus.INVALID, str(exc)
+    return None
+
+
 def wire_logprob(lp: TokenLogprob) -> wire.TokenLogprob:
     # JSON has no -inf: "impossible" alternatives get a floor value, as on the combined worker.
     def finite(x: float) -> float:

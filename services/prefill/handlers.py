@@ -44,22 +44,9 @@ Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
 def refusal(req: GenerateRequest, vocab_size: int, max_request_tokens: int) -> tuple[AckStatus, str] | None:
     """Why this worker can never serve `req` (ack status + message), or None when it can (pure)."""
-    if not req.token_ids:
-        return AckStatus.INVALID, "the prompt has no tokens"
-    if not req.decode_instance:
+    if req.token_ids and not req.decode_instance:
         return AckStatus.INVALID, "a prefill worker needs decode_instance (route through the router)"
-    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
-    total = len(req.token_ids) + req.sampling.max_tokens
-    if total > max_request_tokens:
-        return AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens ({req.sampling.max_tokens})"
-                                     f" = {total} tokens exceeds this worker's limit of {max_request_tokens}")
-    try:
-        dg.engine_params(req.sampling)
-    except ValueError as exc:
-        return AckStatus.INVALID, str(exc)
-    return None
+    return dg.request_refusal(req, vocab_size, max_request_tokens)
 
 
 @dataclass

@@ -16,23 +16,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from libs.engine.request import FinishReason as EngineFinish
+from libs.engine.disagg import engine_params, request_refusal, wire_finish, wire_logprob
 from libs.engine.request import Request, RequestOutput
-from libs.engine.request import SamplingParams as EngineSampling
 from libs.kvcache.types import PoolUsage
 from protos.messages import (
     AckStatus,
     FinishReason,
     GenerateAck,
     GenerateRequest,
-    SamplingParams,
     TokenChunk,
-    TokenLogprob,
     Usage,
     WorkerLoad,
 )
@@ -42,44 +38,18 @@ log = logging.getLogger("windserve.worker")
 
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
-# JSON has no -inf; OpenAI-style APIs report "impossible" tokens with this floor instead.
-LOGPROB_FLOOR = -9999.0
-
-_FINISH = {
-    EngineFinish.STOP: FinishReason.STOP,
-    EngineFinish.LENGTH: FinishReason.LENGTH,
-    EngineFinish.ABORT: FinishReason.ABORT,
-}
-
-
-# --- pure conversions -------------------------------------------------------------------------
-
-
-def engine_params(p: SamplingParams) -> EngineSampling:
-    """Wire sampling params → engine params (raises ValueError on values the engine refuses)."""
-    return EngineSampling(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-        stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
-        logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos,
-    )
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else LOGPROB_FLOOR
+# --- pure conversions (wire <-> engine: the ones in libs.engine.disagg, shared with prefill/decode) ---------
 
 
 def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int, completion_tokens: int) -> TokenChunk:
     """One engine output → one TokenChunk; `completion_tokens` counts every token produced so far."""
-    logprobs = [
-        TokenLogprob(token_id=lp.token_id, logprob=_finite(lp.logprob), top={t: _finite(v) for t, v in lp.top})
-        for lp in out.logprobs or ()
-    ]
+    logprobs = [wire_logprob(lp) for lp in out.logprobs or ()]
     finished = out.finished and out.finish_reason is not None
     return TokenChunk(
         request_id=out.req_id,
         token_ids=list(out.new_token_ids),
         logprobs=logprobs,
-        finish_reason=_FINISH.get(out.finish_reason) if finished and out.finish_reason else None,
+        finish_reason=wire_finish(out.finish_reason) if finished else None,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                     cached_tokens=out.num_cached_tokens) if finished else None,
         instance_id=instance_id,
@@ -88,24 +58,10 @@ def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int, 
 
 def refusal(req: GenerateRequest, config: WorkerConfig, vocab_size: int) -> GenerateAck | None:
     """Why this worker can never serve `req` (an ack to send back), or None when it can."""
-    def refuse(status: AckStatus, message: str) -> GenerateAck:
-        return GenerateAck(request_id=req.request_id, instance_id=config.instance_id, status=status, message=message)
-
-    if not req.token_ids:
-        return refuse(AckStatus.INVALID, "the prompt has no tokens")
-    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return refuse(AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
-    total = len(req.token_ids) + req.sampling.max_tokens
-    if total > config.max_request_tokens:
-        return refuse(AckStatus.TOO_LARGE,
-                      f"prompt ({len(req.token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) = {total} "
-                      f"tokens exceeds this worker's limit of {config.max_request_tokens}")
-    try:
-        engine_params(req.sampling)
-    except ValueError as exc:
-        return refuse(AckStatus.INVALID, str(exc))
-    return None
+    reason = request_refusal(req, vocab_size, config.max_request_tokens)
+    if reason is None:
+        return None
+    return GenerateAck(request_id=req.request_id, instance_id=config.instance_id, status=reason[0], message=reason[1])
 
 
 def load_from(usage: PoolUsage, running: int, waiting: int, now: float) -> WorkerLoad:
