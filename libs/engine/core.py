@@ -109,7 +109,10 @@ class EngineCore:
         rows = [s.req_id for s in plan.seqs if s.sample]
         if not rows:
             return {}
-        params = [self.scheduler.seqs[r].req.params for r in rows]
+        seqs = self.scheduler.seqs
+        params = [seqs[r].req.params for r in rows]
+        if all(p.plain_greedy for p in params):  # the common case: one argmax, one transfer
+            return {r: SampledToken(t) for r, t in zip(rows, logits.argmax(dim=-1).tolist(), strict=True)}
         result = self.runner.sample(logits, rows, params)
         return {r: SampledToken(t, lp) for r, t, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,8 @@ class ScheduledSeq:
     token_ids: tuple[int, ...]
     is_prefill: bool
     sample: bool
-    full_pages: tuple[int, ...]
-    swa_pages: tuple[int, ...]
+    full_pages: Sequence[int]  # (lists straight from the cache: never mutated after scheduling)
+    swa_pages: Sequence[int]
 
     @property
     def num_new(self) -> int:
@@ -46,10 +47,13 @@ class BatchPlan:
     load_copies: tuple[Any, ...] = ()
     backup_copies: tuple[Any, ...] = ()
     preempted: tuple[str, ...] = field(default=())
+    num_tokens: int = -1  # new tokens over `seqs` (filled in when omitted)
+    attn_pairs: int = 0  # sum of num_new * kv_len over `seqs` (the step cost model's input)
+    interruptible: bool = False  # only longer-bucket prefill: may stop at a layer boundary (see EngineCore)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens", sum(s.num_new for s in self.seqs))
 
     @property
     def is_empty(self) -> bool:

@@ -61,6 +61,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without logprobs: the token is the argmax and nothing else is computed."""
+        return self.logprobs is None and (self.temperature == 0.0 or self.top_k == 1)
+
 
 @dataclass
 class Request:

@@ -14,7 +14,7 @@ from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_page
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import SampleResult, make_generator, sample
-from libs.model.paged import BatchMeta, KVPools, pad_page_lists
+from libs.model.paged import BatchMeta, KVPools
 
 
 @dataclass(frozen=True)
@@ -29,21 +29,30 @@ class PoolSizes:
 def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Tensor, BatchMeta]:
     """Flatten the plan's tokens and build the attention metadata (page tables padded with -1).
 
-    Each tensor is made by one torch.tensor() over plain lists: per-sequence tensor building costs
-    more than the decode forward's attention on small models."""
+    Everything goes through flat Python lists and one torch.tensor() per tensor: per-sequence tensor
+    building (or nested lists) costs more than the decode forward's attention on small models."""
     seqs = plan.seqs
-    ids = [t for s in seqs for t in s.token_ids]
+    ids: list[int] = []
+    for s in seqs:
+        ids += s.token_ids
     width = max(max(len(s.full_pages), len(s.swa_pages)) for s in seqs)
-    full = torch.tensor(pad_page_lists([s.full_pages for s in seqs], width), dtype=torch.int64)
-    swa = torch.tensor(pad_page_lists([s.swa_pages for s in seqs], width), dtype=torch.int64)
+    full: list[int] = []
+    swa: list[int] = []
+    for s in seqs:
+        full += s.full_pages
+        full += _PAD * (width - len(s.full_pages))
+        swa += s.swa_pages
+        swa += _PAD * (width - len(s.swa_pages))
     q_lens = [s.num_new for s in seqs]
-    ends = list(accumulate(q_lens))
-    logits_rows = [end - 1 for end, s in zip(ends, seqs, strict=True) if s.sample]
+    logits_rows = [end - 1 for end, s in zip(accumulate(q_lens), seqs, strict=True) if s.sample]
+    pages = torch.tensor([full, swa], dtype=torch.int64).view(2, len(seqs), width).to(device)
     meta = BatchMeta(
-        q_lens=q_lens, kv_lens=[s.kv_len for s in seqs],
-        full_page_table=full.view(len(seqs), -1).to(device), swa_page_table=swa.view(len(seqs), -1).to(device),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device))
+        q_lens=q_lens, kv_lens=[s.start + s.num_new for s in seqs], full_page_table=pages[0],
+        swa_page_table=pages[1], logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device))
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
+
+
+_PAD = [-1]
 
 
 class ModelRunner:

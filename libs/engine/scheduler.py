@@ -179,6 +179,7 @@ class _StepState:
     long_tokens: int = 0  # this bucket's prefill tokens so far
     attn_pairs: int = 0  # sum of q_len * kv_len over the scheduled sequences (step cost model input)
     long_budget_s: float | None = None  # predicted seconds this bucket's prefill chunks may still add
+    long_seqs: int = 0  # scheduled sequences that are longer-bucket prefill chunks
 
 
 class Scheduler:
@@ -258,7 +259,9 @@ class Scheduler:
         st.load_copies, self._probe_loads = self._probe_loads, []
         self._schedule_decodes(st)
         self._schedule_prefills(st)
-        return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted))
+        return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted),
+                         num_tokens=st.num_tokens, attn_pairs=st.attn_pairs,
+                         interruptible=bool(st.scheduled) and st.long_seqs == len(st.scheduled))
 
     def _schedule_decodes(self, st: _StepState) -> None:
         for seq in list(self.running):
@@ -414,15 +417,17 @@ class Scheduler:
         start = seq.num_computed
         full, swa = self.cache.page_tables(seq.req_id)
         end = start + num_new
+        n = len(seq.token_ids)
+        # (is_decoding inlined: this runs for every sequence of every step)
         st.scheduled.append(ScheduledSeq(
-            req_id=seq.req_id, start=start, token_ids=tuple(seq.token_ids[start:end]),
-            is_prefill=not seq.is_decoding, sample=end == len(seq.token_ids),
-            full_pages=tuple(full), swa_pages=tuple(swa)))
+            seq.req_id, start, tuple(seq.token_ids[start:end]), not (start == n - 1 and n > seq.num_prompt),
+            end == n, full, swa))
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
         st.num_tokens += num_new
         st.attn_pairs += num_new * end
         if long:
+            st.long_seqs += 1
             st.long_tokens += num_new
             if st.long_budget_s is not None and self.cost.fit is not None:
                 st.long_budget_s -= self.cost.fit.chunk_cost(num_new, start)
@@ -456,7 +461,7 @@ class Scheduler:
     def observe_step(self, plan: BatchPlan, seconds: float) -> None:
         """Feed the measured execute time of a plan to the step cost model (see adaptive_long_cap)."""
         if plan.seqs:
-            self.cost.observe(plan.num_tokens, sum(s.num_new * s.kv_len for s in plan.seqs), seconds)
+            self.cost.observe(plan.num_tokens, plan.attn_pairs, seconds)
 
     # ----------------------------------------------------------------- update
     def update(self, plan: BatchPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
