@@ -11,6 +11,7 @@ running sequence its lifetime growth (`reserved`), and nothing is handed out unl
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import count
@@ -44,6 +45,7 @@ from libs.kvcache.types import (
 )
 
 _HeapEntry = tuple[int, int, int, Node]
+_LazyEntry = tuple[int, int, int, Seq]
 _PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
 _ALL_KINDS = sum(_KIND_BITS)
@@ -82,6 +84,9 @@ class KVCache:
         self._locked_full = self._locked_swa = 0  # ... of which locked (lock > 0 / swa_lock > 0)
         self._private_full = self._private_swa = 0  # pages owned by running sequences
         self._reserved_full = self._reserved_swa = 0  # promised, not yet allocated
+        self._lazy_swa = 0  # running sequences' lazily kept checkpoint pages (cached: reclaimable at any time)
+        self._lazy_heap: list[_LazyEntry] = []  # (stamp, tie, page index, seq); stale when the index left seq.lazy
+        self._lazy_tie = count()
         self._full_heap: list[_HeapEntry] = []
         self._swa_heap: list[_HeapEntry] = []
         # (id, kind, tier, hashes, parent hash, flags as `_flags_spec`): built into KVEvents when drained
@@ -379,23 +384,36 @@ class KVCache:
         spare = self._avail_swa()  # frees below do not change it: each freed page is promised back to seq
         spare_free = self.swa_pool.num_free - self._reserved_swa  # ... the part that evicts nothing
         freed = []
+        lazy = 0
         for j in range(seq.swa_lo, lo):
             s = seq.swa[j]
             if s < 0:
                 continue
-            if j in seq.keep and (spare_free if self._cold(seq.keep_kinds.get(j, 0)) else spare) > 0:
-                # Keep the checkpoint page and promise one more page so the window can still grow; best
-                # effort, from memory no running sequence was promised. A cold kind's page (a speculative
-                # or so far unused checkpoint) takes only free memory: it never evicts cached KV.
+            kinds = seq.keep_kinds.get(j, 0) if j in seq.keep else 0
+            if kinds and self._cold(kinds) and (kinds & ~_SPECULATIVE or spare_free > 0):
+                # A cold kind's page is kept lazily: it becomes cached memory, reclaimed in SWA LRU order
+                # with the tree's cold checkpoints (before any warm one), so it never crowds out a promise
+                # or warm KV. Speculative pages (periodic: many per sequence, never reused yet) only take
+                # memory that is free now; measured on the trace, letting them push out cached cold
+                # checkpoints cost hits.
+                if not kinds & ~_SPECULATIVE:
+                    spare_free -= 1
+                seq.lazy.add(j)
+                heapq.heappush(self._lazy_heap, (self._clock, next(self._lazy_tie), j, seq))
+                lazy += 1
+                continue
+            if kinds and not self._cold(kinds) and spare > 0:
+                # Keep the warm checkpoint page and promise one more page so the window can still grow;
+                # best effort, from memory no running sequence was promised (it may evict cache).
                 seq.swa_cap += 1
                 spare -= 1
-                spare_free -= 1
                 continue
             freed.append(s)
             seq.swa[j] = -1
         self.swa_pool.free(freed)
-        seq.swa_private -= len(freed)
-        self._private_swa -= len(freed)
+        seq.swa_private -= len(freed) + lazy
+        self._private_swa -= len(freed) + lazy
+        self._lazy_swa += lazy
         self._reserved_swa += seq.swa_outstanding() - before
         seq.swa_lo = lo
 
@@ -414,12 +432,60 @@ class KVCache:
         """Insert the page-aligned computed tokens into the tree (healing tombstones), unlock, free the rest."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        self._settle_lazy(seq, keep=cache)
         tree_upto = self._insert(seq) if cache and self.cfg.enable_prefix_cache else seq.hit_pages
         self._drop_seq(seq, tree_upto)
 
     def abort(self, seq_id: str) -> None:
         """Free everything the sequence held; insert nothing."""
         self.finish(seq_id, cache=False)
+
+    def _settle_lazy(self, seq: Seq, keep: bool) -> None:
+        """At finish: the lazy pages that still form a whole checkpoint window go back to the sequence (to be
+        inserted with it); the others (a window the cache took a page of, or everything on abort) are freed."""
+        if not seq.lazy:
+            return
+        whole: set[int] = set()
+        if keep:
+            for end in seq.ckpt_ends:
+                pages = range(max(seq.hit_pages, end - self.wp), min(end, len(seq.swa)))
+                if pages and all(seq.swa[j] >= 0 for j in pages):
+                    whole.update(j for j in pages if j in seq.lazy)
+        drop = [j for j in seq.lazy if j not in whole]
+        self.swa_pool.free(seq.swa[j] for j in drop)
+        for j in drop:
+            seq.swa[j] = -1
+        before = seq.swa_outstanding()
+        seq.swa_private += len(whole)
+        self._private_swa += len(whole)
+        self._reserved_swa += seq.swa_outstanding() - before
+        self._lazy_swa -= len(seq.lazy)
+        seq.lazy.clear()
+
+    def _reclaim_lazy(self) -> bool:
+        """Free the oldest lazy checkpoint page and the rest of its window (useless without it)."""
+        while self._lazy_heap:
+            _, _, j, seq = heapq.heappop(self._lazy_heap)
+            if j not in seq.lazy:
+                continue
+            pages = {j}
+            for end in seq.ckpt_ends:
+                if end - self.wp <= j < end:
+                    pages.update(k for k in range(end - self.wp, end) if k in seq.lazy)
+            for k in pages:
+                self.swa_pool.free_one(seq.swa[k])
+                seq.swa[k] = -1
+                seq.lazy.discard(k)
+            self._lazy_swa -= len(pages)
+            return True
+        return False
+
+    def _lazy_key(self) -> int | None:
+        """SWA LRU key of the oldest live lazy page (a cold checkpoint's key: its stamp), None if none."""
+        heap = self._lazy_heap
+        while heap and heap[0][2] not in heap[0][3].lazy:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def _drop_seq(self, seq: Seq, tree_upto: int) -> None:
         """Free the sequence's private pages; those below `tree_upto` are the tree's (all -1 here)."""
@@ -612,15 +678,32 @@ class KVCache:
         return self.full_pool.num_free + self._tree_full - self._locked_full - self._reserved_full
 
     def _avail_swa(self) -> int:
-        return self.swa_pool.num_free + self._tree_swa - self._locked_swa - self._reserved_swa
+        return self.swa_pool.num_free + self._tree_swa - self._locked_swa + self._lazy_swa - self._reserved_swa
 
     def _ensure_free(self, nf: int, ns: int) -> None:
         while self.full_pool.num_free < nf:
             if not self._evict_one(self._full_heap, _full_evictable, self._full_key, self._evict_device):
                 raise AssertionError(f"full pool: need {nf} free pages, accounting promised them, none evictable")
         while self.swa_pool.num_free < ns:
-            if not self._evict_one(self._swa_heap, _swa_evictable, self._swa_key, self._evict_swa):
+            lazy = self._lazy_key()
+            if lazy is not None and (lazy <= self._swa_top_key()) and self._reclaim_lazy():
+                continue
+            if not self._evict_one(self._swa_heap, _swa_evictable, self._swa_key, self._evict_swa) and not (
+                    self._reclaim_lazy()):
                 raise AssertionError(f"swa pool: need {ns} free pages, accounting promised them, none evictable")
+
+    def _swa_top_key(self) -> float:
+        """The SWA LRU key of the next tree victim (stale heap entries at the top fixed first), inf if none."""
+        heap = self._swa_heap
+        while heap:
+            acc, _, _, node = heap[0]
+            if not _swa_evictable(node):
+                heapq.heappop(heap)
+            elif self._swa_key(node) != acc:
+                heapq.heapreplace(heap, (self._swa_key(node), -node.start, node.nid, node))
+            else:
+                return acc
+        return math.inf
 
     def _evict_one(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int],
                    evict: Callable[[Node], None]) -> bool:
@@ -828,7 +911,8 @@ class KVCache:
         return PoolUsage(
             full=PoolStats(self.full_pool.capacity, self.full_pool.num_free, self._tree_full - self._locked_full,
                            self._locked_full + self._private_full, self._reserved_full),
-            swa=PoolStats(self.swa_pool.capacity, self.swa_pool.num_free, self._tree_swa - self._locked_swa,
+            swa=PoolStats(self.swa_pool.capacity, self.swa_pool.num_free,
+                          self._tree_swa - self._locked_swa + self._lazy_swa,
                           self._locked_swa + self._private_swa, self._reserved_swa),
             host_full=host(self.host_full_pool), host_swa=host(self.host_swa_pool))
 

@@ -127,18 +127,19 @@ def _check_counters(c: KVCache, nodes: list[Node]) -> dict[str, list[int]]:
             owners["host_full"] += n.host_full
             owners["host_swa"] += [s for s in n.host_swa if s >= 0]  # type: ignore[union-attr]
     tree_f, tree_s = len(owners["full"]), len(owners["swa"])
-    priv_f = priv_s = 0
+    priv_f = priv_s = lazy_s = 0
     for s in c._seqs.values():
         pf = [p for p in s.full[s.hit_pages:] if p >= 0]
-        ps = [p for p in s.swa[s.hit_pages:] if p >= 0]
+        ps = [p for j, p in enumerate(s.swa) if p >= 0 and j >= s.hit_pages and j not in s.lazy]
         owners["full"] += pf
-        owners["swa"] += ps
+        owners["swa"] += ps + [s.swa[j] for j in s.lazy]
         priv_f += len(pf)
         priv_s += len(ps)
-    got = (c._tree_full, c._tree_swa, c._locked_full, c._locked_swa, c._private_full, c._private_swa)
-    want = (tree_f, tree_s, locked_f, locked_s, priv_f, priv_s)
+        lazy_s += len(s.lazy)
+    got = (c._tree_full, c._tree_swa, c._locked_full, c._locked_swa, c._private_full, c._private_swa, c._lazy_swa)
+    want = (tree_f, tree_s, locked_f, locked_s, priv_f, priv_s, lazy_s)
     if got != want:
-        _fail(f"counters (tree full/swa, locked full/swa, private full/swa) are {got}, recomputed {want}")
+        _fail(f"counters (tree full/swa, locked full/swa, private full/swa, lazy swa) are {got}, recomputed {want}")
     res_f = sum(s.full_outstanding() for s in c._seqs.values())
     res_s = sum(s.swa_outstanding() for s in c._seqs.values())
     if (c._reserved_full, c._reserved_swa) != (res_f, res_s):
@@ -162,6 +163,7 @@ def _check_sequences(c: KVCache) -> None:
             _fail(f"{where}: num_computed {s.num_computed} outside [hit, reserved/tokens]")
         if any(p < 0 for p in s.full):
             _fail(f"{where}: a page without a full page")
+        _check_lazy(c, s, where)
         if s.keep_all:
             continue
         window = [j for j in range(s.hit_pages, len(s.swa)) if s.swa[j] >= 0 and j not in s.keep]
@@ -181,6 +183,18 @@ def _check_sequences(c: KVCache) -> None:
             path = [h for n in reversed(path_to_root(s.lock_node)) for h in n.hashes]
             if path != chain_hashes(s.tokens, P, c.cfg.hash_seed, 0, s.hit_pages):
                 _fail(f"{where}: the locked tree path's block hashes are not the hashes of its prompt")
+
+
+def _check_lazy(c: KVCache, s: object, where: str) -> None:
+    """Lazy pages are cold checkpoint pages that left the window, each reclaimable through the lazy heap."""
+    lazy: set[int] = s.lazy  # type: ignore[attr-defined]
+    first = s.num_computed // c.P - c.wp  # type: ignore[attr-defined]
+    for j in lazy:
+        if j not in s.keep or j >= first or j < s.hit_pages or s.swa[j] < 0:  # type: ignore[attr-defined]
+            _fail(f"{where}: lazy SWA page index {j} is not a kept checkpoint page below the window {first}")
+    queued = {j for _, _, j, q in c._lazy_heap if q is s}
+    if not lazy <= queued:
+        _fail(f"{where}: lazy pages {sorted(lazy - queued)} cannot be reclaimed (not in the lazy heap)")
 
 
 def _check_pools(c: KVCache, owners: dict[str, list[int]]) -> None:

@@ -7,7 +7,10 @@ the sequence's own until `finish` hands them to the tree or frees them.
 
     logical pages   0 .. hit_pages-1 | hit_pages ..................... len(full)-1
     full            tree (locked)    | private
-    swa             -1 ... tree(win) | -1 -1 -1 (freed) ... ckpt ... -1 [window + page]
+    swa             -1 ... tree(win) | -1 -1 -1 (freed) ... ckpt ... lazy ... -1 [window + page]
+
+`lazy` pages are checkpoint pages of cold kinds kept after they left the window: the cache may take them back
+at any time (they count as cached, not in use), so they never add to what the sequence is promised.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class Seq:
     ckpt_kinds: dict[int, int] = field(default_factory=dict)  # checkpoint end page -> CheckpointKind bits
     keep_kinds: dict[int, int] = field(default_factory=dict)  # kept page -> bits of the checkpoints it serves
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, when the caller gave them
+    # Kept pages of cold (speculative) checkpoints that left the window: still in `swa`, but evictable cache, not
+    # the sequence's usage (the cache reclaims them first when it needs SWA memory; see KVCache._slide_window).
+    lazy: set[int] = field(default_factory=set)
 
     @property
     def full_private(self) -> int:
