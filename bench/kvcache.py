@@ -287,9 +287,9 @@ def plot(sweep: dict[str, object], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000, help="trace prefix length")
-    ap.add_argument("--checkpoints-per-seq", type=float, default=1.5,
-                    help="planner share of SWA checkpoints (1: 0.234, 1.25: 0.252, 1.5: 0.256, 2: 0.257, "
-                         "4: 0.238 hit at 512 GiB)")
+    ap.add_argument("--checkpoints-per-seq", type=float, default=1.25,
+                    help="planner share of SWA checkpoints (hit at 512 GiB: 1.1: 0.253, 1.2: 0.259, 1.25: 0.260, "
+                         "1.3: 0.258, 1.5: 0.258, 2: 0.257, 3: 0.248)")
     ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -406,3 +406,39 @@ def test_kinds_nobody_reuses_turn_cold_and_their_checkpoints_go_first() -> None:
     assert stats["end"][2] and stats["prompt_end"][2] and stats["end"][1] == 0
     probe = [20 * 1000 + j for j in range(16)] + [1, 2, 3]
     assert c.match(probe).tokens == 16  # conversation 20's turn checkpoint outlived 19 newer conversations
+
+
+def test_lazy_checkpoint_pages_are_cached_memory_reclaimed_before_they_crowd_a_new_sequence() -> None:
+    """Cold (here speculative periodic) checkpoint pages that left the window are kept while SWA memory is spare,
+    count as cached, not as the sequence's usage, and are taken back when another sequence needs SWA pages; the
+    running sequence's own window is untouched (the oracle checks every read) and whole windows left at finish
+    still serve hits."""
+    c = KVCache(audit_tokens=True, config=cfg(num_swa_pages=10, checkpoint_every_pages=2))
+    o = Oracle(c)
+    a = list(range(1000, 1042))
+    assert c.admit("a", a, c.match(a), 0).ok
+    o.running["a"] = Running(list(a), len(a), 0)
+    while c.num_computed("a") < 36:
+        assert o.step("a", 4)
+        c.check_invariants()
+    lazy = c.usage().swa.cached
+    assert lazy > 0 and c.usage().swa.in_use <= c.cfg.seq_swa_pages  # kept pages are cache, not a's usage
+    b = list(range(5000, 5024))
+    assert c.admit("b", b, c.match(b), 0).ok  # the lazy pages count as available memory
+    o.running["b"] = Running(list(b), len(b), 0)
+    while c.num_computed("b") < len(b):
+        assert o.step("b", 4)
+        c.check_invariants()
+    assert c.usage().swa.cached < lazy  # b's pages came from a's lazy pages
+    while c.num_computed("a") < len(a):
+        assert o.step("a", 2)  # a's window was never taken
+        c.check_invariants()
+    for sid in ("a", "b"):
+        o.running.pop(sid)
+        c.finish(sid)
+        c.check_invariants()
+    assert c.usage().swa.in_use == 0 and c.usage().swa.reserved == 0
+    hit = c.match(a[:40] + [7])
+    o.check_hit(a[:40] + [7], hit)
+    assert hit.tokens == 40  # the end window survives whatever was reclaimed
+    c.release_hit(hit)

@@ -94,7 +94,8 @@ class KVCache:
         self._next_event = 0
         self._kind_stored = dict.fromkeys(_KIND_BITS, 0)
         self._kind_hits = dict.fromkeys(_KIND_BITS, 0)
-        self._cold_kinds = 0  # CheckpointKind bits whose checkpoints this workload does not reuse
+        self._cold_kinds = self._cold_mask()  # CheckpointKind bits this workload does not reuse (at first:
+        # the speculative kinds)
         self._kind_counts = 0
 
     # ------------------------------------------------------------------ match / hits
