@@ -24,7 +24,7 @@ CONFIGS = st.builds(
     num_swa_pages=st.integers(8, 24),
     retention=st.sampled_from(["checkpoints", "none", "all"]),
     checkpoint_align=st.sampled_from([0, 8]),
-    checkpoint_every_pages=st.sampled_from([0, 3]),
+    checkpoint_every_pages=st.sampled_from([0, 1, 3]),  # 1: many lazy pages, reclaimed under pressure
 )
 
 OPS = st.lists(st.tuples(st.sampled_from(["start", "turn", "step", "run", "run", "finish", "finish", "abort",
@@ -148,3 +148,42 @@ def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int,
         npg = len(tokens) // P
         swa = set(range(npg)) if retention == "all" else set(range(max(0, npg - cfg.window_pages), npg))
         cached.append((tokens[:npg * P], swa))
+
+
+@SETTINGS
+@given(window=st.sampled_from([4, 8]), spare=st.integers(0, 6),
+       lens=st.lists(st.integers(12, 40), min_size=2, max_size=4),
+       steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=10, max_size=80))
+def test_lazy_checkpoint_pages_yield_to_running_sequences(window: int, spare: int, lens: list[int],
+                                                          steps: list[tuple[int, int]]) -> None:
+    """Sequences that keep a (speculative) checkpoint at every page, in an SWA pool with little room beyond their
+    windows: the lazily kept pages fill the spare room and are taken back whenever a running sequence needs a
+    page. Every read is checked by the oracle, invariants after every step, nothing leaks at the end."""
+    P = 4
+    need = len(lens) * (-(-window // P) + 1)
+    cfg = KVCacheConfig(page_size=P, window=window, num_full_pages=64, num_swa_pages=need + spare,
+                        checkpoint_every_pages=1)
+    o = Oracle(KVCache(audit_tokens=True, config=cfg))
+    admitted = 0
+
+    def admit_next() -> None:
+        nonlocal admitted
+        tokens = [admitted * 1000 + j for j in range(lens[admitted])]
+        assert o.cache.admit(f"s{admitted}", tokens, o.cache.match(tokens), 0).ok  # lazy pages count as free
+        o.running[f"s{admitted}"] = Running(tokens, len(tokens), 0)
+        admitted += 1
+
+    admit_next()
+    for who, k in steps:
+        if who == 3 and admitted < len(lens):  # arrives while lazy pages hold the spare room
+            admit_next()
+        sid = f"s{who % admitted}"
+        left = len(o.running[sid].tokens) - o.cache.num_computed(sid)
+        if left:
+            assert o.step(sid, min(k, left, P - o.cache.num_computed(sid) % P))  # inside the promise
+        o.cache.check_invariants()
+    for sid in sorted(o.running):
+        o.cache.finish(sid)
+        o.cache.check_invariants()
+    u = o.cache.usage()
+    assert u.swa.in_use == 0 and u.swa.reserved == 0 and u.swa.free + u.swa.cached == u.swa.capacity
