@@ -175,9 +175,12 @@ def drain_req(core: EngineCore, req: Request) -> None:
 
 # ---------------------------------------------------------------- short-request TTFT in a mix
 def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int = 24, gap_s: float = 0.03,
-               long_len: int = 3072, long_max: int | None = None, adaptive: bool = True) -> list[float]:
+               long_len: int = 3072, long_max: int | None = None, adaptive: bool = True,
+               interrupt: bool = True) -> tuple[list[float], list[float]]:
+    """TTFT of each short request and of each long one. Arrivals are checked between steps and, like AsyncEngine does when a
+    request comes in, between the layers of a step of long prefill chunks (`interrupt`)."""
     core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges, long_prefill_max_tokens=long_max,
-                     adaptive_long_cap=adaptive)
+                     adaptive_long_cap=adaptive, interruptible_steps=interrupt)
     arrivals: list[tuple[float, Request]] = []
     if with_long:
         arrivals += [(0.0, Request(f"long{i}", tokens(7000 + i, long_len), greedy(4))) for i in range(2)]
@@ -186,6 +189,10 @@ def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     pending = sorted(arrivals, key=lambda a: a[0])
+
+    def arrived() -> bool:  # an urgent (short-bucket) request is due: what AsyncEngine's flag reports
+        return bool(pending) and pending[0][0] <= time.perf_counter() - start and core.is_urgent(pending[0][1])
+
     while pending or core.has_work():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -195,10 +202,11 @@ def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int
         if not core.has_work():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
-        for o in core.step():
+        for o in core.step(interrupt=arrived if interrupt else None):
             if o.new_token_ids and o.req_id not in first:
                 first[o.req_id] = time.perf_counter() - start
-    return [first[r] - added[r] for r in added if r.startswith("short")]
+    ttft = {r: first[r] - added[r] for r in added}
+    return [v for r, v in ttft.items() if r.startswith("short")], [v for r, v in ttft.items() if r.startswith("long")]
 
 
 def p90(xs: list[float]) -> float:
@@ -207,21 +215,28 @@ def p90(xs: list[float]) -> float:
 
 def short_ttft(model, cfg) -> dict:
     """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill, in one worker. Run side by
-    side: shorts alone; mix with buckets (edge 512, share 0.2) and the default step-cost-adaptive long cap;
-    mix with buckets and a static token cap instead (token share + long chunks <= 32 tokens, the previous
-    default); buckets with neither cap; no buckets (FCFS)."""
+    side: shorts alone; mix with buckets (edge 512, share 0.2), the default step-cost-adaptive long cap and
+    long-only steps interrupted between layers when a short arrives; the same without interruption; with a
+    static token cap instead (token share + long chunks <= 32 tokens); buckets with neither cap; no buckets
+    (FCFS). The long requests' TTFT is reported too: what interruption costs them."""
     edges = (512,)
     runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True),
+            "buckets_no_interrupt": dict(edges=edges, with_long=True, interrupt=False),
             "buckets_static32": dict(edges=edges, with_long=True, long_max=32, adaptive=False),
             "buckets_uncapped": dict(edges=edges, with_long=True, adaptive=False),
             "fcfs": dict(edges=(), with_long=True)}
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
+    longs: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(3):  # three rounds, interleaved
         for k, kw in runs.items():
-            ttfts[k] += mixed_ttft(model, cfg, **kw)
+            short, long = mixed_ttft(model, cfg, **kw)
+            ttfts[k] += short
+            longs[k] += long
     p = {k: p90(v) for k, v in ttfts.items()}
     out = {f"short_p90_{k}_ms": v * 1e3 for k, v in p.items()}
+    out.update({f"long_ttft_median_{k}_ms": statistics.median(v) * 1e3 for k, v in longs.items() if v})
     out["short_p90_ttft_ratio_buckets"] = p["buckets"] / p["alone"]
+    out["short_p90_ttft_ratio_buckets_no_interrupt"] = p["buckets_no_interrupt"] / p["alone"]
     out["short_p90_ttft_ratio_buckets_static32"] = p["buckets_static32"] / p["alone"]
     out["short_p90_ttft_ratio_buckets_uncapped"] = p["buckets_uncapped"] / p["alone"]
     out["short_p90_ttft_ratio_fcfs"] = p["fcfs"] / p["alone"]

@@ -226,3 +226,76 @@ async def test_async_engine_streams_and_cancel_aborts(tiny):
 
 async def _consume_all(engine, req):
     return [o async for o in engine.generate(req)]
+
+
+class LayerCountdown:
+    """Interrupt check that fires on its n-th poll (one poll per decoder layer of an interruptible step)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.polls = n, 0
+
+    def __call__(self) -> bool:
+        self.polls += 1
+        return self.polls == self.n
+
+
+@pytest.mark.parametrize("fire_at", [1, 4])
+def test_interrupted_long_steps_leave_outputs_and_pools_unchanged(tiny, fire_at):
+    """A step of long prefill chunks stopped between layers (its K/V partly written, nothing committed) is
+    redone by the next step; the outputs equal full recompute and the pools return to their baseline."""
+    model, cfg, _ = tiny
+    core = make_core(tiny, bucket_edges=(32,), max_num_batched_tokens=16, num_swa_pages=64)
+    long_prompt = tokens(40, 90)  # several windows long: partial SWA writes would show if they leaked
+    core.add_request(Request("long", long_prompt, greedy(5)))
+    got: dict[str, list[int]] = {}
+    interrupted = 0
+    while core.has_work():
+        seq = core.scheduler.seqs.get("long")
+        before = seq.num_computed if seq is not None else None
+        check = LayerCountdown(fire_at)
+        outs = core.step(interrupt=check if interrupted < 3 else None)
+        if check.polls >= fire_at and not outs:  # it fired
+            interrupted += 1
+            assert core.scheduler.seqs["long"].num_computed == before  # nothing committed
+            core.check_invariants()
+            if interrupted == 2:  # a short request arrives: the next step serves it next to a capped chunk
+                core.add_request(Request("short", tokens(41, 6), greedy(3)))
+        for out in outs:
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+        core.check_invariants()
+    assert interrupted == 3 and core.num_interrupted == 3
+    assert got["long"] == direct_greedy(model, cfg, long_prompt, 5)
+    assert got["short"] == direct_greedy(model, cfg, tokens(41, 6), 3)
+    assert_baseline(core)
+
+
+def test_steps_with_short_or_decode_work_are_never_interrupted(tiny):
+    core = make_core(tiny, bucket_edges=(32,), max_num_batched_tokens=16)
+    core.add_request(Request("short", tokens(42, 6), greedy(40)))
+    core.step()  # the short prefill: now it decodes
+    core.add_request(Request("long", tokens(43, 80), greedy(2)))
+    for _ in range(4):  # every step carries the short's decode next to the long chunk
+        outs = core.step(interrupt=lambda: True)
+        assert any(o.req_id == "short" and o.new_token_ids for o in outs)
+    assert core.num_interrupted == 0
+    assert core.is_urgent(Request("x", tokens(44, 31), greedy(1)))
+    assert not core.is_urgent(Request("y", tokens(44, 32), greedy(1)))
+    assert not make_core(tiny).is_urgent(Request("z", tokens(44, 3), greedy(1)))  # no buckets: nothing to jump
+
+
+async def test_async_engine_short_request_during_long_prefill(tiny):
+    """Shorts submitted while a long prompt prefills (their arrival may stop long steps between layers):
+    every output still equals full recompute."""
+    model, cfg, _ = tiny
+    core = make_core(tiny, bucket_edges=(32,), max_num_batched_tokens=16, num_swa_pages=64)
+    long_prompt = tokens(45, 160)
+    async with AsyncEngine(core, output_timeout_s=60) as engine:
+        long_task = asyncio.create_task(_consume_all(engine, Request("long", long_prompt, greedy(4))))
+        shorts = []
+        for i in range(4):
+            await asyncio.sleep(0.01)
+            shorts.append(asyncio.create_task(_consume_all(engine, Request(f"s{i}", tokens(46 + i, 5), greedy(3)))))
+        for i, task in enumerate(shorts):
+            assert [o.new_token_ids[0] for o in await task] == direct_greedy(model, cfg, tokens(46 + i, 5), 3)
+        assert [o.new_token_ids[0] for o in await long_task] == direct_greedy(model, cfg, long_prompt, 4)
+        await engine.call(lambda c: assert_baseline(c))

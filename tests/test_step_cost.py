@@ -51,10 +51,10 @@ def test_max_chunk_is_the_largest_chunk_within_budget(budget, prefix):
     assert n == brute
 
 
-def make_sched(share=0.2, budget=256) -> Scheduler:
+def make_sched(share=0.2, budget=256, **opts) -> Scheduler:
     cache = KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=1024, num_swa_pages=128))
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, bucket_edges=(40,), long_prefill_share=share),
-                     cache)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, bucket_edges=(40,), long_prefill_share=share,
+                                     **opts), cache)
 
 
 def long_chunk(plan) -> tuple[int, int]:
@@ -81,14 +81,16 @@ def test_long_chunk_next_to_short_work_adds_at_most_share_of_predicted_step():
     assert TRUE.chunk_cost(n, start) <= 0.2 * base < TRUE.chunk_cost(n + 1, start)
 
 
-def test_long_only_step_costs_at_most_share_over_the_fixed_cost():
-    s = make_sched(share=0.2)
+def test_long_only_step_costs_at_most_share_over_the_fixed_cost_when_not_interruptible():
+    s = make_sched(share=0.2, interruptible_steps=False)
     s.cost.fit = TRUE
     s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
-    n, start = long_chunk(s.schedule())
+    plan = s.schedule()
+    n, start = long_chunk(plan)
     assert TRUE.chunk_cost(n, start) <= 0.2 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
+    assert not plan.interruptible
     # a fit so steep that not one token fits still moves a long-only step by one token
-    s2 = make_sched(share=0.2)
+    s2 = make_sched(share=0.2, interruptible_steps=False)
     s2.cost.fit = CostFit(fixed=1e-3, per_token=1.0, per_pair=0.0)
     s2.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
     assert long_chunk(s2.schedule())[0] == 1
@@ -102,3 +104,15 @@ def test_adaptive_cap_off_keeps_the_token_share():
     s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
     s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
     assert long_chunk(s.schedule())[0] == 5  # 20 short tokens * 0.2 / 0.8
+
+
+def test_interruptible_long_only_step_costs_at_most_long_step_cost_fixed_costs():
+    s = make_sched(share=0.2, long_step_cost=3.0)
+    s.cost.fit = TRUE
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    n, start = long_chunk(plan)
+    assert TRUE.chunk_cost(n, start) <= 2.0 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
+    assert plan.interruptible
+    s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
+    assert not s.schedule().interruptible  # short work in the step: it runs to the end

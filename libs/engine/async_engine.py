@@ -41,6 +41,8 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # set when a short request is queued: a step of long prefill chunks stops at the next layer for it
+        self._urgent = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -71,11 +73,15 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     # ------------------------------------------------------------------ public API
-    async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float | None = None) -> Any:
-        """Run fn(core) on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float | None = None, *,
+                   urgent: bool = False) -> Any:
+        """Run fn(core) on the engine thread between steps and return its result. `urgent` lets it stop a
+        step of long prefill chunks at the next layer instead of waiting for the step to end."""
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((lambda: fn(self.core), fut))
+        if urgent:
+            self._urgent.set()
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s or self.output_timeout_s)
 
     async def abort(self, req_id: str) -> bool:
@@ -90,7 +96,7 @@ class AsyncEngine:
             self._streams[req.req_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
-            await self.call(lambda core: core.add_request(req))
+            await self.call(lambda core: core.add_request(req), urgent=self.core.is_urgent(req))
             while not finished:
                 item = await self._next(stream, req.req_id)
                 finished = item.finished
@@ -125,13 +131,18 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._run_commands(block=not self.core.has_work())
                 if self.core.has_work():
-                    self._dispatch(self.core.step())
+                    self._dispatch(self.core.step(interrupt=self._interrupt_now))
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step loop crashed")
             self._error = exc
             self._fail_all(exc)
 
+    def _interrupt_now(self) -> bool:
+        # the flag alone could be stale (its command already ran): a queued command must be waiting too
+        return self._urgent.is_set() and not self._commands.empty()
+
     def _run_commands(self, block: bool) -> None:
+        self._urgent.clear()  # before draining: a short request queued from here on sets it again
         try:
             item = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
         except queue.Empty:

@@ -44,6 +44,11 @@ class EngineConfig:
     flight); None = only the step budget."""
     adaptive_long_cap: bool = True
     """Bound long-bucket prefill chunks by the measured step cost (see SchedulerConfig.adaptive_long_cap)."""
+    interruptible_steps: bool = True
+    """Steps of only long-bucket prefill may be stopped between layers when a short request arrives
+    (EngineCore.step(interrupt=...), which AsyncEngine passes); see SchedulerConfig.interruptible_steps."""
+    long_step_cost: float = 4.0
+    """Most predicted cost of an interruptible long-prefill-only step, in fixed step costs."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
     preemption by recompute when the pools fill up)."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.request import Request, RequestOutput
-from libs.engine.runner import ModelRunner, PoolSizes
+from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig
 
@@ -56,6 +57,7 @@ class EngineCore:
         self.runner = ModelRunner(model, model_config, sizes, dtype=config.torch_dtype,
                                   device=config.device, seed=config.seed, load_mode=config.resolved_load_mode)
         self.num_steps = 0
+        self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -91,11 +93,26 @@ class EngineCore:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """One schedule -> execute -> update round; outputs of every request that progressed."""
+    def is_urgent(self, req: Request) -> bool:
+        """Would `req` be worth interrupting a step for: is it in the shortest length bucket, whatever its
+        prefix hit? (Its raw prompt length is an upper bound on what it has left to compute.)"""
+        return self.scheduler.buckets.num_buckets > 1 and self.scheduler.buckets.classify(
+            len(req.prompt_token_ids)) == 0
+
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """One schedule -> execute -> update round; outputs of every request that progressed.
+
+        `interrupt` (e.g. "a short request has arrived", see is_urgent) is polled between decoder layers of
+        a step that carries only longer-bucket prefill chunks. When it fires the step stops there and
+        nothing is committed: the chunks are rescheduled by the next step, next to the new short work and
+        capped by long_prefill_share. A short request then waits for one layer, not a whole long step."""
         plan = self.scheduler.schedule()
         t0 = time.perf_counter()
-        logits = self.runner.forward(plan)
+        try:
+            logits = self.runner.forward(plan, interrupt if plan.interruptible else None)
+        except StepInterrupted:
+            self.num_interrupted += 1
+            return []
         sampled = self._sample(plan, logits)
         self.scheduler.observe_step(plan, time.perf_counter() - t0)
         outputs = self.scheduler.update(plan, sampled)

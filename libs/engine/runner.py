@@ -4,7 +4,7 @@ BatchPlan into model inputs (flattened token ids + BatchMeta), runs the forward 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -55,6 +55,10 @@ def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Ten
 _PAD = [-1]
 
 
+class StepInterrupted(Exception):
+    """Raised between decoder layers when a step's interrupt check fires (see EngineCore.step)."""
+
+
 class ModelRunner:
     """Runs the model over a BatchPlan. The KV pools live here; the cache only hands out page ids."""
 
@@ -79,12 +83,15 @@ class ModelRunner:
         self._worker: CopyWorker | None = None
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(i))
                        for i, layer in enumerate(decoder_layers(model))]
+        self._interrupt: Callable[[], bool] | None = None
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = make_generator(seed)
 
     # ------------------------------------------------------------------ tiers
     def _make_hook(self, layer: int):
         def hook(_module, _args):
+            if self._interrupt is not None and self._interrupt():
+                raise StepInterrupted(f"step interrupted before layer {layer}")
             if self._load is not None:
                 self._load.wait_layer(layer)
         return hook
@@ -115,16 +122,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """Execute the plan's copies and forward; logits [num sampling seqs, vocab] in plan order."""
+    def forward(self, plan: BatchPlan, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Execute the plan's copies and forward; logits [num sampling seqs, vocab] in plan order.
+
+        With `interrupt`, it is polled before every decoder layer and the forward raises StepInterrupted
+        as soon as it returns True. The copies still complete (the cache's books already moved those
+        pages); the K/V the forward wrote so far sits at positions no sequence has committed, so it is
+        simply written again when the chunk is rescheduled."""
         self.backup(plan.backup_copies)
         self.start_load(plan.load_copies)
+        self._interrupt = interrupt
         try:
             if not plan.seqs:
                 return torch.empty(0)
             input_ids, meta = build_inputs(plan, self.device)
             return self.model(input_ids, meta, self.kv)
         finally:
+            self._interrupt = None
             self.finish_load()
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SampleResult:

@@ -63,6 +63,14 @@ class SchedulerConfig:
     and a step with no shorter work may cost at most (1 + long_prefill_share) x the fixed step cost, so a
     short request arriving while it runs waits for little more than any step. Token shares are used until
     the model has seen enough steps."""
+    interruptible_steps: bool = True
+    """The caller polls for arrivals during a step (EngineCore.step(interrupt=...); AsyncEngine does), so a
+    step of only longer-bucket prefill may be stopped between layers when a short request arrives: plans
+    are marked interruptible and such steps may cost up to long_step_cost x the fixed step cost (a short
+    arrival waits for one layer of it). False: they cost at most (1 + long_prefill_share) x fixed."""
+    long_step_cost: float = 4.0
+    """With interruptible_steps: most predicted cost of a step of only longer-bucket prefill, in fixed step
+    costs. Larger = fewer, bigger steps for long prompts and a longer layer for a short arrival to wait."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -82,6 +90,8 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
         if not 0.0 <= self.l2_backup_watermark <= 1.0:
             raise ValueError(f"l2_backup_watermark must be in [0, 1], got {self.l2_backup_watermark}")
+        if self.long_step_cost < 1.0:
+            raise ValueError(f"long_step_cost must be >= 1 (fixed step costs), got {self.long_step_cost}")
         if self.long_prefill_max_tokens is not None and self.long_prefill_max_tokens < 1:
             raise ValueError(f"long_prefill_max_tokens must be None or >= 1, got {self.long_prefill_max_tokens}")
         if self.admission_decode_tokens is not None and self.admission_decode_tokens < 0:
@@ -261,7 +271,8 @@ class Scheduler:
         self._schedule_prefills(st)
         return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted),
                          num_tokens=st.num_tokens, attn_pairs=st.attn_pairs,
-                         interruptible=bool(st.scheduled) and st.long_seqs == len(st.scheduled))
+                         interruptible=self.config.interruptible_steps and bool(st.scheduled)
+                         and st.long_seqs == len(st.scheduled))
 
     def _schedule_decodes(self, st: _StepState) -> None:
         for seq in list(self.running):
@@ -321,6 +332,8 @@ class Scheduler:
             return None
         if shorter_waiting and st.num_tokens > 0:
             return share * fit.predict(st.num_tokens, st.attn_pairs)
+        if st.num_tokens == 0 and self.config.interruptible_steps:
+            return (self.config.long_step_cost - 1.0) * fit.fixed  # a short arrival stops it between layers
         return share * fit.fixed
 
     def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState,
