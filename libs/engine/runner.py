@@ -4,6 +4,7 @@ BatchPlan into model inputs (flattened token ids + BatchMeta), runs the forward 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -84,12 +85,15 @@ class ModelRunner:
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(i))
                        for i, layer in enumerate(decoder_layers(model))]
         self._interrupt: Callable[[], bool] | None = None
+        self._forward_thread: int | None = None  # the thread inside forward(): the layer hooks act for it only
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = make_generator(seed)
 
     # ------------------------------------------------------------------ tiers
     def _make_hook(self, layer: int):
         def hook(_module, _args):
+            if threading.get_ident() != self._forward_thread:
+                return  # someone else's forward of the same model (e.g. a reference run in a test)
             if self._interrupt is not None and self._interrupt():
                 raise StepInterrupted(f"step interrupted before layer {layer}")
             if self._load is not None:
@@ -132,13 +136,14 @@ class ModelRunner:
         self.backup(plan.backup_copies)
         self.start_load(plan.load_copies)
         self._interrupt = interrupt
+        self._forward_thread = threading.get_ident()
         try:
             if not plan.seqs:
                 return torch.empty(0)
             input_ids, meta = build_inputs(plan, self.device)
             return self.model(input_ids, meta, self.kv)
         finally:
-            self._interrupt = None
+            self._interrupt = self._forward_thread = None
             self.finish_load()
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SampleResult:
