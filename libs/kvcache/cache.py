@@ -45,7 +45,7 @@ from libs.kvcache.types import (
 )
 
 _HeapEntry = tuple[int, int, int, Node]
-_LazyEntry = tuple[int, int, int, Seq]
+_LazyEntry = tuple[int, int, str]  # (stamp, page index, seq id)
 _PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
 _ALL_KINDS = sum(_KIND_BITS)
@@ -85,8 +85,10 @@ class KVCache:
         self._private_full = self._private_swa = 0  # pages owned by running sequences
         self._reserved_full = self._reserved_swa = 0  # promised, not yet allocated
         self._lazy_swa = 0  # running sequences' lazily kept checkpoint pages (cached: reclaimable at any time)
-        self._lazy_heap: list[_LazyEntry] = []  # (stamp, tie, page index, seq); stale when the index left seq.lazy
-        self._lazy_tie = count()
+        # (stamp, page index, seq id), oldest first: stamps are the clock when the page left its window, so
+        # appending keeps the queue sorted (no heap needed). An entry is stale once the index left seq.lazy. Ids,
+        # not Seq objects: a stale entry must not keep a finished sequence (and its token list) alive for the GC.
+        self._lazy_q: deque[_LazyEntry] = deque()
         self._full_heap: list[_HeapEntry] = []
         self._swa_heap: list[_HeapEntry] = []
         # (id, kind, tier, hashes, parent hash, flags as `_flags_spec`): built into KVEvents when drained
@@ -400,7 +402,7 @@ class KVCache:
                 if not kinds & ~_SPECULATIVE:
                     spare_free -= 1
                 seq.lazy.add(j)
-                heapq.heappush(self._lazy_heap, (self._clock, next(self._lazy_tie), j, seq))
+                self._lazy_q.append((self._clock, j, seq.seq_id))
                 lazy += 1
                 continue
             if kinds and not self._cold(kinds) and spare > 0:
@@ -447,32 +449,40 @@ class KVCache:
         if not seq.lazy:
             return
         whole: set[int] = set()
-        if keep:
+        if keep and not seq.lazy_taken:  # the usual case, nothing taken back: insert them all (cheap)
+            whole = seq.lazy
+        elif keep:
             for end in seq.ckpt_ends:
                 pages = range(max(seq.hit_pages, end - self.wp), min(end, len(seq.swa)))
                 if pages and all(seq.swa[j] >= 0 for j in pages):
                     whole.update(j for j in pages if j in seq.lazy)
-        drop = [j for j in seq.lazy if j not in whole]
-        self.swa_pool.free(seq.swa[j] for j in drop)
-        for j in drop:
-            seq.swa[j] = -1
+        if whole is not seq.lazy:
+            drop = [j for j in seq.lazy if j not in whole]
+            self.swa_pool.free(seq.swa[j] for j in drop)
+            for j in drop:
+                seq.swa[j] = -1
         before = seq.swa_outstanding()
         seq.swa_private += len(whole)
         self._private_swa += len(whole)
         self._reserved_swa += seq.swa_outstanding() - before
         self._lazy_swa -= len(seq.lazy)
-        seq.lazy.clear()
+        seq.lazy = set()
+        if len(self._lazy_q) > 4 * self._lazy_swa + 256:  # stale entries pile up while nothing is reclaimed
+            self._lazy_q = deque(e for e in self._lazy_q if self._lazy_seq(e) is not None)
 
     def _reclaim_lazy(self) -> bool:
         """Free the oldest lazy checkpoint page and the rest of its window (useless without it)."""
-        while self._lazy_heap:
-            _, _, j, seq = heapq.heappop(self._lazy_heap)
-            if j not in seq.lazy:
+        while self._lazy_q:
+            entry = self._lazy_q.popleft()
+            seq = self._lazy_seq(entry)
+            if seq is None:
                 continue
+            j = entry[1]
             pages = {j}
             for end in seq.ckpt_ends:
                 if end - self.wp <= j < end:
                     pages.update(k for k in range(end - self.wp, end) if k in seq.lazy)
+            seq.lazy_taken = True
             for k in pages:
                 self.swa_pool.free_one(seq.swa[k])
                 seq.swa[k] = -1
@@ -483,10 +493,16 @@ class KVCache:
 
     def _lazy_key(self) -> int | None:
         """SWA LRU key of the oldest live lazy page (a cold checkpoint's key: its stamp), None if none."""
-        heap = self._lazy_heap
-        while heap and heap[0][2] not in heap[0][3].lazy:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        q = self._lazy_q
+        while q and self._lazy_seq(q[0]) is None:
+            q.popleft()
+        return q[0][0] if q else None
+
+    def _lazy_seq(self, entry: _LazyEntry) -> Seq | None:
+        """The running sequence whose lazy page the entry names, None if stale. (A reused sequence id can revive
+        an entry: its page is then reclaimed a little early, never wrongly: it is lazy either way.)"""
+        seq = self._seqs.get(entry[2])
+        return seq if seq is not None and entry[1] in seq.lazy else None
 
     def _drop_seq(self, seq: Seq, tree_upto: int) -> None:
         """Free the sequence's private pages; those below `tree_upto` are the tree's (all -1 here)."""

@@ -192,9 +192,12 @@ def _check_lazy(c: KVCache, s: object, where: str) -> None:
     for j in lazy:
         if j not in s.keep or j >= first or j < s.hit_pages or s.swa[j] < 0:  # type: ignore[attr-defined]
             _fail(f"{where}: lazy SWA page index {j} is not a kept checkpoint page below the window {first}")
-    queued = {j for _, _, j, q in c._lazy_heap if q is s}
+    queued = {j for _, j, sid in c._lazy_q if sid == s.seq_id}  # type: ignore[attr-defined]
     if not lazy <= queued:
-        _fail(f"{where}: lazy pages {sorted(lazy - queued)} cannot be reclaimed (not in the lazy heap)")
+        _fail(f"{where}: lazy pages {sorted(lazy - queued)} cannot be reclaimed (not in the lazy queue)")
+    stamps = [t for t, _, _ in c._lazy_q]
+    if stamps != sorted(stamps):
+        _fail("lazy queue is not oldest first (reclaim order would not be LRU)")
 
 
 def _check_pools(c: KVCache, owners: dict[str, list[int]]) -> None:

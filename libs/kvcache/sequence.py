@@ -47,6 +47,7 @@ class Seq:
     # Kept pages of cold (speculative) checkpoints that left the window: still in `swa`, but evictable cache, not
     # the sequence's usage (the cache reclaims them first when it needs SWA memory; see KVCache._slide_window).
     lazy: set[int] = field(default_factory=set)
+    lazy_taken: bool = False  # the cache took back a lazy page (its window may be partial now)
 
     @property
     def full_private(self) -> int:
