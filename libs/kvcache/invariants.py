@@ -186,7 +186,7 @@ def _check_sequences(c: KVCache) -> None:
 
 
 def _check_lazy(c: KVCache, s: object, where: str) -> None:
-    """Lazy pages are cold checkpoint pages that left the window, each reclaimable through the lazy heap."""
+    """Lazy pages are cold checkpoint pages that left the window, each reclaimable through the lazy queue."""
     lazy: set[int] = s.lazy  # type: ignore[attr-defined]
     first = s.num_computed // c.P - c.wp  # type: ignore[attr-defined]
     for j in lazy:

@@ -44,8 +44,8 @@ class Seq:
     ckpt_kinds: dict[int, int] = field(default_factory=dict)  # checkpoint end page -> CheckpointKind bits
     keep_kinds: dict[int, int] = field(default_factory=dict)  # kept page -> bits of the checkpoints it serves
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, when the caller gave them
-    # Kept pages of cold (speculative) checkpoints that left the window: still in `swa`, but evictable cache, not
-    # the sequence's usage (the cache reclaims them first when it needs SWA memory; see KVCache._slide_window).
+    # Kept pages of cold checkpoints that left the window: still in `swa`, but evictable cache, not the
+    # sequence's usage (reclaimed in SWA-LRU order with the tree's cold checkpoints; see KVCache._slide_window).
     lazy: set[int] = field(default_factory=set)
     lazy_taken: bool = False  # the cache took back a lazy page (its window may be partial now)
 
