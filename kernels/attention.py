@@ -59,6 +59,7 @@ class AttnPlan:
     kv_lens: tuple[int, ...]
     write_slots: torch.Tensor  # int64 [T]: flat pool slot of every new token (where its K/V is written)
     identity: bool = False  # one block covering every row in order: its output is the result as is
+    kv_start: tuple[int, ...] | None = None  # per sequence, no key left of this position is read (None: 0)
 
     @property
     def num_tokens(self) -> int:
@@ -66,12 +67,14 @@ class AttnPlan:
 
 
 def _block(table: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, qstart: torch.Tensor, sel: torch.Tensor,
-           page_size: int, window_left: int) -> AttnBlock:
+           page_size: int, window_left: int, kv_start: torch.Tensor | None) -> AttnBlock:
     """Block over sequences ``sel`` (int64 indices into the batch)."""
     dev = table.device
     q_s, kv_s, st = q[sel], kv[sel], qstart[sel]
     first = kv_s - q_s
     lo = (first - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(first)
+    if kv_start is not None:
+        lo = torch.maximum(lo, kv_start[sel])
     n = kv_s - lo
     n_keys, n_q = int(n.max()), int(q_s.max())
     kcol = torch.arange(n_keys, device=dev)
@@ -95,7 +98,7 @@ def _prefill_groups(q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, window
     if sel.numel() <= 1:
         return [sel] if sel.numel() else []
     q_s, kv_s = q[sel], kv[sel]
-    n = kv_s - ((kv_s - q_s - window_left).clamp(min=0) if window_left >= 0 else 0)
+    n = kv_s - ((kv_s - q_s - window_left).clamp(min=0) if window_left >= 0 else 0)  # (kv_start only shrinks n)
     padded = sel.numel() * int(q_s.max()) * int(n.max())
     real = int((q_s * n).sum())
     if padded <= PREFILL_PAD_WASTE * real:
@@ -104,11 +107,15 @@ def _prefill_groups(q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, window
 
 
 def plan_paged_attention(
-    page_table: torch.Tensor, q_lens: Sequence[int], kv_lens: Sequence[int], page_size: int, window_left: int = -1
+    page_table: torch.Tensor, q_lens: Sequence[int], kv_lens: Sequence[int], page_size: int, window_left: int = -1,
+    kv_start: Sequence[int] | None = None
 ) -> AttnPlan:
     """Precompute, for the whole batch, which pool slots each query reads and its causal(+window) mask,
     plus the write slot of every new token. Raises ValueError naming the sequence and logical page
-    when a page that must be read or written is unmapped (-1)."""
+    when a page that must be read or written is unmapped (-1).
+
+    ``kv_start[b]``: keys of sequence b left of this position are neither read nor visible (their pages may
+    be -1). An SWA window rebuild uses it: the span's first queries see only the span (see docs/engine.md)."""
     if len(q_lens) != len(kv_lens):
         raise ValueError(f"plan_paged_attention: {len(q_lens)} q_lens but {len(kv_lens)} kv_lens")
     dev = page_table.device
@@ -116,12 +123,14 @@ def plan_paged_attention(
     q = torch.as_tensor(q_lens, dtype=torch.int64, device=dev)
     kv = torch.as_tensor(kv_lens, dtype=torch.int64, device=dev)
     qstart = torch.cumsum(q, 0) - q
+    ks = None if kv_start is None else torch.as_tensor(kv_start, dtype=torch.int64, device=dev)
     is_decode = q == 1
     groups = [torch.nonzero(is_decode).flatten()]
     groups += _prefill_groups(q, kv, torch.nonzero(~is_decode).flatten(), window_left)
-    blocks = tuple(_block(page_table, q, kv, qstart, g, page_size, window_left) for g in groups if g.numel())
+    blocks = tuple(_block(page_table, q, kv, qstart, g, page_size, window_left, ks) for g in groups if g.numel())
     identity = len(blocks) == 1 and blocks[0].rows.numel() == write.numel() and blocks[0].rows.shape[0] == q.numel()
-    return AttnPlan(blocks, window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens), write, identity)
+    return AttnPlan(blocks, window_left, page_size, page_table, tuple(q_lens), tuple(kv_lens), write, identity,
+                    None if kv_start is None else tuple(kv_start))
 
 
 def _attend_block(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, blk: AttnBlock, scale: float,
@@ -167,7 +176,8 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttnPlan, scale: float,
                     sinks: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Dispatch: flashinfer on CUDA when installed (``backend='auto'|'flashinfer'``), else the torch reference."""
-    if backend == "torch" or (backend == "auto" and not _flashinfer_usable(q)):
+    if backend == "torch" or (backend == "auto" and (plan.kv_start is not None or not _flashinfer_usable(q))):
+        # (a window rebuild's kv_start is a torch-reference feature: flashinfer's plan has no key floor)
         return paged_attention_ref(q, k_pool, v_pool, plan, scale, sinks)
     from kernels.flashinfer_attn import paged_attention_flashinfer
 

@@ -376,3 +376,35 @@ def test_tokenizer_json_and_template_from_model_dir(tmp_path):
     assert tok.decode(ids) == text and len(ids) < len(text)
     assert tok.eos_token_ids[0] == tok.special_tokens["<|im_end|>"]
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x[assistant]"
+
+
+@pytest.mark.parametrize("span_windows", [None, 1])
+def test_swa_window_rebuild_from_cached_full_kv(ours, span_windows):
+    """Recomputing only the last (SWA layers + 1) windows before E, with the full-attention K/V of [0, E) read from
+    the cache and never rewritten, and SWA keys limited to the span, gives the logits of a full pass; one
+    window is not enough. Pages the rebuild must not touch hold NaN (SWA below the span is unmapped)."""
+    model, cfg = ours
+    page, n, e = 4, 200, 140
+    span = (len(cfg.swa_layers) + 1) * cfg.sliding_window if span_windows is None else span_windows * cfg.sliding_window
+    r = e - span
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(7))
+    pages = -(-n // page)
+    table = torch.arange(pages).unsqueeze(0)
+    ref_kv = KVPools.allocate(cfg, pages, pages, page)
+    ref = model(ids, BatchMeta([n], [n], table, table.clone()), ref_kv)[-1]
+    kv = KVPools.allocate(cfg, pages, pages, page)
+    for t in (kv.full_k, kv.full_v, kv.swa_k, kv.swa_v):
+        t.fill_(float("nan"))
+    kv.full_k[:, :e // page] = ref_kv.full_k[:, :e // page]
+    kv.full_v[:, :e // page] = ref_kv.full_v[:, :e // page]
+    cached_k = kv.full_k[:, :e // page].clone()
+    swa_table = table.clone()
+    swa_table[0, :r // page] = -1
+    meta = BatchMeta([n - r], [n], table, swa_table, full_write_from=[e], swa_kv_start=[r])
+    out = model(ids[r:], meta, kv)[-1]
+    assert torch.equal(kv.full_k[:, :e // page], cached_k)  # the cached full K/V was not rewritten
+    assert torch.isfinite(out).all()
+    if span_windows is None:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        assert (out - ref).abs().max() > 1e-3  # far outside the tolerance the full span meets

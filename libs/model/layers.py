@@ -108,7 +108,8 @@ class AttnContext:
     cos: torch.Tensor  # [T, 1, rotary_dim]
     sin: torch.Tensor  # [T, 1, rotary_dim], first half negated (see signed_sin)
     plan: AttnPlan
-    slots: torch.Tensor  # flat pool slot of each new token
+    slots: torch.Tensor  # flat pool slot of each new token (of each row in write_rows when that is set)
+    write_rows: torch.Tensor | None = None  # new tokens whose K/V is written (None = all of them)
 
 
 class Attention(nn.Module):
@@ -137,6 +138,8 @@ class Attention(nn.Module):
         apply_partial_rope_(qk, ctx.cos, ctx.sin)
         q, k = qk.split((hq, hkv), dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, self.v_dim) * self.v_scale
+        if ctx.write_rows is not None:
+            k, v = k.index_select(0, ctx.write_rows), v.index_select(0, ctx.write_rows)
         scatter_kv(k_pool, v_pool, ctx.slots, k, v)
         out = paged_attention(q, k_pool, v_pool, ctx.plan, self.scale, self.attention_sink_bias)
         return self.o_proj(out.reshape(t, -1))

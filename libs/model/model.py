@@ -59,10 +59,18 @@ class RopeTable:
 
 
 def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
-             rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype) -> AttnContext:
+             rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype, swa: bool) -> AttnContext:
     cos, sin = rope.lookup(positions, max(meta.kv_lens), inv_freq, dtype)
-    plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left)
-    return AttnContext(cos, sin, plan, plan.write_slots)
+    plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left,
+                                meta.swa_kv_start if swa else None)
+    if swa or meta.full_write_from is None:
+        return AttnContext(cos, sin, plan, plan.write_slots)
+    # window rebuild: the full-attention K/V of the span is cached (and exact); only later positions are written
+    seq = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=positions.device),
+                                  torch.as_tensor(meta.q_lens, device=positions.device))
+    floor = torch.as_tensor(meta.full_write_from, dtype=torch.int64, device=positions.device)
+    rows = torch.nonzero(positions >= floor[seq]).flatten()
+    return AttnContext(cos, sin, plan, plan.write_slots.index_select(0, rows), rows)
 
 
 class MiMoV2Model(nn.Module):
@@ -89,10 +97,10 @@ class MiMoV2Model(nn.Module):
         full = swa = None
         if self.cfg.full_layers:
             full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full,
-                            self.dtype)
+                            self.dtype, swa=False)
         if self.cfg.swa_layers:
             swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self._rope_swa,
-                           self.inv_freq_swa, self.dtype)
+                           self.inv_freq_swa, self.dtype, swa=True)
         return full, swa
 
     @torch.inference_mode()
@@ -123,7 +131,7 @@ class MiMoV2Model(nn.Module):
         if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
             raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
         ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
-                       self._rope_swa, self.inv_freq_swa, self.dtype)
+                       self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
         emb = self.model.embed_tokens(input_ids)
         h = self.model.mtp.layers[step](emb, prev_hidden, ctx, kv_mtp.swa_k[step], kv_mtp.swa_v[step])
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h

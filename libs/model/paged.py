@@ -61,6 +61,9 @@ class BatchMeta:
     full_page_table: torch.Tensor  # int64 [B, max_pages]; logical page j of seq b -> full-pool page id (-1 unused)
     swa_page_table: torch.Tensor  # int64 [B, max_pages]; -1 where the page holds no SWA KV
     logits_indices: torch.Tensor | None = None  # rows of the flattened new tokens that need logits
+    # SWA window rebuild (see docs/engine.md), per sequence; None = no sequence rebuilds:
+    full_write_from: list[int] | None = None  # full-attention K/V of positions below this is cached: not written
+    swa_kv_start: list[int] | None = None  # SWA layers read no key left of this position (pages there may be -1)
 
     def __post_init__(self) -> None:
         b = len(self.q_lens)
@@ -69,6 +72,9 @@ class BatchMeta:
         for i, (q, kv) in enumerate(zip(self.q_lens, self.kv_lens, strict=True)):
             if q < 1 or kv < q:
                 raise ValueError(f"sequence {i}: need 1 <= q_len <= kv_len, got q_len={q} kv_len={kv}")
+        for name in ("full_write_from", "swa_kv_start"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != b:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {b} sequences")
         for name in ("full_page_table", "swa_page_table"):
             t = getattr(self, name)
             if t.dim() != 2 or t.shape[0] != b:
