@@ -29,9 +29,8 @@ def serve(o: Oracle, sid: str, tokens: list[int], max_new: int = 0, chunk: int =
     """match -> admit -> chunked prefill -> decode -> finish through the oracle engine; returns the hit."""
     hit = o.cache.match(tokens)
     o.check_hit(tokens, hit)
-    res = o.cache.admit(sid, tokens, hit, max_new)
+    res = o.admit(sid, tokens, hit, max_new)
     assert res.ok, res.reason
-    o.running[sid] = Running(list(tokens), len(tokens), max_new)
     while o.cache.num_computed(sid) < len(o.running[sid].tokens):
         left = len(o.running[sid].tokens) - o.cache.num_computed(sid)
         assert o.step(sid, min(chunk, left))
@@ -56,6 +55,8 @@ def swa_window_pages(c: KVCache, sid: str) -> int:
     (dict(retention="lru"), "retention"),
     (dict(checkpoint_align=6), "multiple of page_size"),
     (dict(num_host_full_pages=8), "host tier"),
+    (dict(rebuild_tokens=10), "rebuild_tokens=10 must be a multiple of page_size"),
+    (dict(rebuild_tokens=4), "and >= window"),
 ])
 def test_config_rejects_bad_values_with_named_field(kw: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -442,3 +443,127 @@ def test_lazy_checkpoint_pages_are_cached_memory_reclaimed_before_they_crowd_a_n
     o.check_hit(a[:40] + [7], hit)
     assert hit.tokens == 40  # the end window survives whatever was reclaimed
     c.release_hit(hit)
+
+
+# ---------------------------------------------------------------- SWA window rebuild from cached full KV
+
+
+def rebuild_cfg(**kw: object) -> KVCacheConfig:
+    """window 4, page 4; S = 16 = (3 SWA layers + 1) windows: the oracle's model gets exact SWA KV from R + 8."""
+    base: dict[str, object] = dict(window=4, rebuild_tokens=16, retention="none")
+    base.update(kw)
+    return cfg(**base)
+
+
+def test_rebuild_hit_where_a_checkpoint_only_cache_falls_back() -> None:
+    a = list(range(40))
+    b = a[:32] + [900 + i for i in range(5)]  # full KV of a[:32] cached, SWA only at a's end (page 9)
+    plain = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg(rebuild_tokens=0)))
+    serve(plain, "a", a)
+    assert plain.cache.match(b).tokens == 0
+    o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg()))
+    serve(o, "a", a)
+    hit = o.cache.match(b)
+    o.check_hit(b, hit)
+    assert (hit.tokens, hit.full_tokens, hit.raw_tokens) == (16, 32, 32) and hit.is_rebuild
+    assert hit.full_pages == o.cache.match(a + [1]).full_pages[:8]  # the cached pages, not new ones
+    assert set(hit.swa_pages) == {-1}
+    o.cache.release_hit(hit)
+    assert serve(o, "b", b) == 16  # the oracle engine checks every span read: full < 32 cached, SWA >= 16
+    st = o.cache.rebuild_stats()
+    assert (st.matched, st.admitted, st.rebuilt_tokens) == (2, 1, 16)
+
+
+def test_no_rebuild_when_it_skips_no_more_than_the_valid_hit() -> None:
+    a = list(range(40))
+    b = a[:32] + [900 + i for i in range(5)]
+    for s_tokens, want in ((16, (16, 16)), (12, (20, 32))):  # valid hit 16; R = 32 - S
+        o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg(rebuild_tokens=s_tokens)))
+        serve(o, "t", a[:17])  # its end window: a valid hit at 16
+        serve(o, "a", a)
+        hit = o.cache.match(b)
+        o.check_hit(b, hit)
+        assert (hit.tokens, hit.full_tokens) == want, s_tokens
+        o.cache.release_hit(hit)
+        o.cache.check_invariants()
+
+
+def test_abort_mid_span_leaks_nothing_and_leaves_the_tree_as_it_was() -> None:
+    o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg()))
+    a = list(range(40))
+    serve(o, "a", a)
+    b = a[:32] + [900 + i for i in range(5)]
+    before = o.cache.usage()
+    hit = o.cache.match(b)
+    assert o.admit("b", b, hit, 4).ok
+    assert o.step("b", 4) and o.step("b", 6) and o.step("b", 4)  # at 30: holds SWA pages 6, 7 (exact) + window
+    o.cache.check_invariants()
+    full, swa = o.cache.page_tables("b")
+    assert full == list(hit.full_pages) and [j for j, s in enumerate(swa) if s >= 0] == [6, 7]
+    o.cache.abort("b")
+    o.running.pop("b")
+    o.cache.check_invariants()
+    after = o.cache.usage()
+    assert (after.full, after.swa) == (before.full, before.swa)
+    again = o.cache.match(b)
+    assert (again.tokens, again.full_tokens, again.full_pages) == (16, 32, hit.full_pages)
+
+
+def test_finish_after_a_rebuild_heals_the_tombstone_so_the_next_request_hits_there() -> None:
+    o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg(retention="checkpoints")))
+    a = list(range(40))
+    serve(o, "a", a)
+    b = a[:32] + [900 + i for i in range(13)]
+    assert serve(o, "b", b, max_new=3) == 16  # rebuild: the branch checkpoint at 32 keeps its window (page 7)
+    again = o.cache.match(b)
+    o.check_hit(b, again)
+    assert not again.is_rebuild and again.tokens >= 32
+    o.cache.release_hit(again)
+    c = a[:32] + [700 + i for i in range(3)]  # another continuation: a normal valid hit at the healed point
+    hit = o.cache.match(c)
+    o.check_hit(c, hit)
+    assert (hit.tokens, hit.full_tokens) == (32, 32)
+    o.cache.release_hit(hit)
+
+
+@pytest.mark.parametrize("kw, probe_at", [
+    (dict(retention="checkpoints", checkpoint_align=20), 20),  # a turn checkpoint at 20 lies inside the span
+    (dict(retention="all", num_swa_pages=14), 24),  # "all" would keep every span page
+])
+def test_scratch_swa_of_a_rebuild_span_is_never_retained(kw: dict[str, object], probe_at: int) -> None:
+    """R = 16 for a branch at E = 32: SWA KV of [16, 24) is scratch (missing context before R). A hit ending
+    where its window reads it must not become valid; the oracle fails any read of scratch KV."""
+    o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg(**kw)))
+    a = list(range(40))
+    serve(o, "a", a)
+    if kw["retention"] == "all":  # drop a's SWA (keep its full KV): an extension, then an unrelated request
+        serve(o, "a2", a + list(range(40, 48)))
+        serve(o, "d", list(range(500, 520)))
+    b = a[:32] + [900 + i for i in range(5)]  # the turn checkpoint: 37 // 20 * 20 = 20
+    assert serve(o, "b", b) == 16
+    probe = a[:probe_at] + [1, 2, 3]
+    hit = o.cache.match(probe)
+    o.check_hit(probe, hit)
+    assert hit.tokens < probe_at or hit.is_rebuild
+    o.cache.release_hit(hit)
+
+
+def test_rebuild_hit_brings_host_full_pages_back() -> None:
+    o = Oracle(KVCache(audit_tokens=True, config=rebuild_cfg(num_full_pages=12, num_swa_pages=8,
+                                                              num_host_full_pages=16, num_host_swa_pages=8)))
+    a = list(range(41))
+    serve(o, "a", a)  # 10 full pages
+    o.run_copies(o.cache.backup_to_host(100))
+    serve(o, "x", list(range(500, 521)))  # needs 6 full pages: a goes to the host tier
+    b = a[:36] + [900 + i for i in range(5)]
+    hit = o.cache.match(b)
+    assert hit.is_rebuild and (hit.tokens, hit.full_tokens) == (20, 36) and hit.host_tokens > 0
+    assert {(c.group, c.direction) for c in hit.load_copies} >= {("full", "h2d")}
+    o.check_hit(b, hit)  # executes the loads, then checks the full KV of [0, 36)
+    assert o.admit("b", b, hit, 0).ok
+    while o.cache.num_computed("b") < len(b):
+        assert o.step("b", 3)
+        o.cache.check_invariants()
+    o.running.pop("b")
+    o.cache.finish("b")
+    o.cache.check_invariants()

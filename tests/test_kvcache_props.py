@@ -3,12 +3,14 @@ forward read checked against the brute-force oracle (tests/fixtures/kvcache_orac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libs.kvcache import KVCache, KVCacheConfig
-from tests.fixtures.kvcache_oracle import Oracle, Running
+from libs.kvcache import KVCache, KVCacheConfig, PrefixHit
+from tests.fixtures.kvcache_oracle import Oracle, Running, tree_reference
 
 pytestmark = pytest.mark.unit
 
@@ -39,41 +41,52 @@ def _prompt(r: int, history: list[list[int]]) -> list[int]:
     return base + [50_000 + r % 97 * 100 + i for i in range(1 + tail * 3)]
 
 
-def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str]) -> None:
+def _long_prompt(r: int, history: list[list[int]]) -> list[int]:
+    """Longer stems (24-48 tokens) than `_prompt`, so branches sit a rebuild span past the last checkpoint."""
+    family, stem, tail = r % 3, (r >> 2) % 4, (r >> 4) % 5
+    base = [family * 1000 + i for i in range(24 + 8 * stem)]
+    return base + [50_000 + r % 97 * 100 + i for i in range(1 + tail * 3)]
+
+
+def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str],
+           prompt: Callable[[int, list[list[int]]], list[int]] = _prompt) -> None:
     cache = o.cache
     ids = sorted(o.running)
     if not ids and op in ("step", "run", "finish", "abort"):
         op = "turn" if r % 2 else "start"
-    if op in ("start", "turn", "probe"):
+    if op in ("start", "turn", "probe", "branch", "serve", "bserve"):
         if op == "turn" and history:
             prev = history[r % len(history)]
             tokens = prev + [70_000 + r % 11 + i for i in range(1 + r % 6)]
+        elif op in ("branch", "bserve") and history:  # leaves an earlier sequence at a page boundary: full KV, no checkpoint
+            prev = history[r % len(history)]
+            cut = (r >> 3) % (len(prev) // cache.cfg.page_size + 1) * cache.cfg.page_size
+            tokens = prev[:cut] + [80_000 + r % 13 * 10 + i for i in range(1 + r % 7)]
         else:
-            tokens = _prompt(r, history)
+            tokens = prompt(r, history)
+        full_ref, valid_ref = tree_reference(cache, tokens)
         hit = cache.match(tokens)
         cache.check_invariants()
         o.check_hit(tokens, hit)
+        _check_against_reference(cache.cfg, tokens, hit, full_ref, valid_ref)
         if op == "probe":
             cache.release_hit(hit)
             return
         sid = f"s{len(names)}"
         names.append(sid)
-        max_new = r % 5
-        res = cache.admit(sid, tokens, hit, max_new)
-        if res.ok:
-            o.running[sid] = Running(list(tokens), len(tokens), max_new)
-        else:
+        res = o.admit(sid, tokens, hit, r % 5)
+        if not res.ok:
             assert res.reason and ("full pool" in res.reason or "swa pool" in res.reason)
-    elif op in ("step", "run") and ids:
-        sid = ids[r % len(ids)]
-        run = o.running[sid]
-        while (left := len(run.tokens) - cache.num_computed(sid)) > 0:
-            k = min(left, 1 + r % 6)  # chunks up to 6 tokens: crosses pages, not always aligned
-            if not o.step(sid, k) and not o.step(sid, 1):
-                break
-            cache.check_invariants()
-            if op == "step":
-                break
+        elif op in ("serve", "bserve"):  # the whole request at once: the tree fills with what later ops share
+            _run_to_end(o, sid, 1 + r % 6)
+            if cache.num_computed(sid) == len(o.running[sid].tokens):
+                run = o.running.pop(sid)
+                cache.finish(sid)
+                history.append(run.tokens[:cache.cfg.page_size * (len(run.tokens) // cache.cfg.page_size)])
+    elif op == "step" and ids:
+        _run_to_end(o, ids[r % len(ids)], 1 + r % 6, max_steps=1)
+    elif op == "run" and ids:
+        _run_to_end(o, ids[r % len(ids)], 1 + r % 6)
     elif op in ("finish", "abort") and ids:
         done = [s for s in ids if cache.num_computed(s) == len(o.running[s].tokens)]
         sid = done[r % len(done)] if done and r % 5 else ids[r % len(ids)]
@@ -87,14 +100,38 @@ def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str
         o.run_copies(cache.backup_to_host(1 + r % 12))
 
 
-@SETTINGS
-@given(cfg=CONFIGS, ops=OPS)
-def test_random_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, ops: list[tuple[str, int]]) -> None:
-    o = Oracle(KVCache(audit_tokens=True, config=cfg))
+def _run_to_end(o: Oracle, sid: str, chunk: int, max_steps: int = 1 << 30) -> None:
+    """Prefill/decode steps of `chunk` tokens (up to 6: crosses pages, not always aligned), 1 if refused."""
+    run = o.running[sid]
+    while max_steps and (left := len(run.tokens) - o.cache.num_computed(sid)) > 0:
+        if not o.step(sid, min(left, chunk)) and not o.step(sid, 1):
+            break
+        o.cache.check_invariants()
+        max_steps -= 1
+
+
+def _check_against_reference(cfg: KVCacheConfig, tokens: list[int], hit: PrefixHit, full_ref: int,
+                             valid_ref: int) -> None:
+    """A normal hit is never past the brute-force longest valid hit (memory may make it shorter); a rebuild hit
+    ends inside the cached full KV, recomputes exactly rebuild_tokens and skips more than any valid hit."""
+    limit = (len(tokens) - 1) // cfg.page_size * cfg.page_size
+    if not hit.is_rebuild:
+        assert hit.tokens <= valid_ref, (hit.tokens, valid_ref)
+        return
+    assert cfg.rebuild_tokens > 0, "rebuild hit with rebuilds off"
+    assert hit.full_tokens <= min(full_ref, limit), (hit.full_tokens, full_ref)
+    assert hit.full_tokens - hit.tokens == cfg.rebuild_tokens
+    assert hit.tokens > valid_ref, (hit.tokens, valid_ref)
+
+
+def _run(o: Oracle, ops: list[tuple[str, int]],
+         prompt: Callable[[int, list[list[int]]], list[int]] = _prompt) -> None:
+    """Apply the ops with invariants after each; at the end finish everything and check nothing leaked."""
+    cfg = o.cache.cfg
     history: list[list[int]] = []
     names: list[str] = []
     for op, r in ops:
-        _apply(o, op, r, history, names)
+        _apply(o, op, r, history, names, prompt)
         o.cache.check_invariants()
         if not cfg.retention == "all":
             for sid in o.running:
@@ -108,27 +145,70 @@ def test_random_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig,
     assert u.full.in_use == 0 and u.swa.in_use == 0 and u.full.reserved == 0 and u.swa.reserved == 0
 
 
-def _oracle_hit(tokens: list[int], cached: list[tuple[list[int], set[int]]], P: int, wp: int) -> int:
-    """Brute force: per page of `tokens`, does any cached sequence with the same prefix hold full / SWA KV?"""
-    best = 0
+@SETTINGS
+@given(cfg=CONFIGS, ops=OPS)
+def test_random_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, ops: list[tuple[str, int]]) -> None:
+    _run(Oracle(KVCache(audit_tokens=True, config=cfg)), ops)
+
+
+REBUILD_CONFIGS = st.builds(
+    lambda host, window, layers, **kw: KVCacheConfig(
+        num_host_full_pages=host, num_host_swa_pages=host // 2, window=window,
+        rebuild_tokens=-(-(layers + 1) * window // 4) * 4, **kw),
+    host=st.sampled_from([0, 24]),
+    page_size=st.sampled_from([4]),
+    window=st.sampled_from([4, 6, 8]),
+    layers=st.integers(1, 3),  # SWA layers of the model: S = (layers + 1) windows, rounded up to pages
+    num_full_pages=st.integers(32, 96),
+    num_swa_pages=st.integers(8, 24),
+    retention=st.sampled_from(["checkpoints", "none", "all"]),
+    checkpoint_align=st.sampled_from([0, 8]),
+    checkpoint_every_pages=st.sampled_from([0, 0, 3]),
+)
+
+REBUILD_OPS = st.lists(st.tuples(st.sampled_from(["start", "serve", "serve", "turn", "branch", "bserve", "bserve",
+                                                  "step", "run", "finish", "abort", "backup", "backup",
+                                                  "probe"]),
+                                 st.integers(0, 1 << 16)), min_size=5, max_size=60)
+
+
+@SETTINGS
+@given(cfg=REBUILD_CONFIGS, ops=REBUILD_OPS)
+def test_rebuild_hits_read_only_cached_full_kv_and_their_own_window(cfg: KVCacheConfig,
+                                                                   ops: list[tuple[str, int]]) -> None:
+    """Random interleavings with SWA window rebuilds on: every rebuild hit is checked against the brute-force tree
+    reference (full KV below E, R > any valid hit), every span read by the oracle engine (full < E cached, SWA
+    >= R in the window), and scratch SWA KV of a span must never be read by a later hit."""
+    _run(Oracle(KVCache(audit_tokens=True, config=cfg)), ops, _long_prompt)
+
+
+def _oracle_hit(tokens: list[int], cached: list[tuple[list[int], set[int]]], P: int, wp: int) -> tuple[int, int]:
+    """Brute force: per page of `tokens`, does any cached sequence with the same prefix hold full / SWA KV?
+    (longest valid hit, longest full-KV prefix), both page aligned and < len(tokens)."""
+    best = full_end = 0
     for end in range(1, (len(tokens) - 1) // P + 1):
         full = any(len(t) >= end * P and t[:end * P] == tokens[:end * P] for t, _ in cached)
         swa = all(any(len(t) >= (j + 1) * P and t[:(j + 1) * P] == tokens[:(j + 1) * P] and j in s
                       for t, s in cached) for j in range(max(0, end - wp), end))
+        full_end = end * P if full else full_end
         if full and swa:
             best = end * P
-    return best
+    return best, full_end
 
 
 @SETTINGS
 @given(retention=st.sampled_from(["none", "all"]), window=st.sampled_from([4, 8, 12]),
-       prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 24), st.integers(0, 5)), min_size=2,
+       rebuild_windows=st.sampled_from([0, 2, 3]),
+       prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 5)), min_size=2,
                         max_size=12))
-def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int,
+def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int, rebuild_windows: int,
                                                 prompts: list[tuple[int, int, int]]) -> None:
-    """With no memory pressure the hit must equal the brute-force longest valid prefix."""
+    """With no memory pressure the hit must equal the brute-force longest valid prefix, or, with rebuilds on,
+    the rebuild hit at the end of the full-KV prefix when that skips more (R = E - S > valid)."""
     P = 4
-    cfg = KVCacheConfig(page_size=P, window=window, num_full_pages=4096, num_swa_pages=4096, retention=retention)
+    S = -(-rebuild_windows * window // P) * P
+    cfg = KVCacheConfig(page_size=P, window=window, num_full_pages=4096, num_swa_pages=4096, retention=retention,
+                        rebuild_tokens=S)
     o = Oracle(KVCache(audit_tokens=True, config=cfg))
     cached: list[tuple[list[int], set[int]]] = []
     for i, (stem, n, extra) in enumerate(prompts):
@@ -137,10 +217,11 @@ def test_hits_are_maximal_with_unlimited_memory(retention: str, window: int,
             continue
         hit = o.cache.match(tokens)
         o.check_hit(tokens, hit)
-        assert hit.tokens == _oracle_hit(tokens, cached, P, cfg.window_pages), (tokens, hit.tokens)
+        valid, full_end = _oracle_hit(tokens, cached, P, cfg.window_pages)
+        want = (full_end - S, full_end) if S and full_end - S > valid else (valid, valid)
+        assert (hit.tokens, hit.full_tokens) == want, (tokens, hit)
         sid = f"q{i}"
-        assert o.cache.admit(sid, tokens, hit, 0).ok
-        o.running[sid] = Running(list(tokens), len(tokens), 0)
+        assert o.admit(sid, tokens, hit, 0).ok
         while o.cache.num_computed(sid) < len(tokens):
             assert o.step(sid, min(P, len(tokens) - o.cache.num_computed(sid)))
         o.cache.finish(sid)

@@ -14,11 +14,12 @@ from libs.kvcache.types import (
     PoolStats,
     PoolUsage,
     PrefixHit,
+    RebuildStats,
     Tier,
 )
 
 __all__ = [
     "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "Direction", "EventKind", "Group", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
-    "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "register_policy",
+    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "register_policy",
 ]

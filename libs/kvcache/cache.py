@@ -18,7 +18,7 @@ from itertools import count
 
 from libs.kvcache.config import KVCacheConfig
 from libs.kvcache.pool import PagePool
-from libs.kvcache.retention import POLICIES, CheckpointKind, RetentionContext, kept_pages
+from libs.kvcache.retention import POLICIES, CheckpointKind, RetentionContext, RetentionPlan, kept_pages
 from libs.kvcache.sequence import Seq
 from libs.kvcache.tree import (
     Node,
@@ -41,6 +41,7 @@ from libs.kvcache.types import (
     PoolStats,
     PoolUsage,
     PrefixHit,
+    RebuildStats,
     Tier,
 )
 
@@ -59,6 +60,7 @@ _COLD_EVIDENCE = 32  # checkpoints of a kind stored before its hit ratio can cal
 _COLD_FRACTION = 0.1  # a kind is cold when its hit ratio is below this fraction of the best kind's
 _COLD_RECHECK = 8  # counted checkpoints / reuses between re-evaluations of the cold kinds
 _STATS_HALF_LIFE = 1024  # stored checkpoints of a kind after which its counts are halved (follow the workload)
+_NO_HIT = PrefixHit(0, 0, 0)
 
 
 class KVCache:
@@ -77,7 +79,8 @@ class KVCache:
         self.root = make_root()
         self._nodes: dict[int, Node] = {}
         self._seqs: dict[str, Seq] = {}
-        self._hits: dict[int, tuple[Node, int]] = {}  # hit id -> (deepest node, L) while the hit holds its locks
+        # hit id -> (deepest node, L or E, holds SWA locks) while the hit holds its locks
+        self._hits: dict[int, tuple[Node, int, bool]] = {}
         self._hit_ids = count(1)
         self._clock = 0
         self._tree_full = self._tree_swa = 0  # device pages owned by tree nodes
@@ -99,6 +102,7 @@ class KVCache:
         self._cold_kinds = self._cold_mask()  # CheckpointKind bits this workload does not reuse (at first:
         # the speculative kinds)
         self._kind_counts = 0
+        self._rebuild_matched = self._rebuild_admitted = self._rebuilt_tokens = 0
 
     # ------------------------------------------------------------------ match / hits
 
@@ -109,15 +113,16 @@ class KVCache:
         otherwise the cache hashes the pages the walk reaches (one page when nothing matches)."""
         if not self.cfg.enable_prefix_cache or len(tokens) <= self.P or not self.root.children or (
                 block_hashes and block_hashes[0] not in self.root.children):  # no-reuse fast path
-            return PrefixHit(0, 0, 0)
+            return _NO_HIT
         path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
         if not path:
-            return PrefixHit(0, 0, 0)
+            return _NO_HIT
         raw = sum(m for _, m in path) * self.P
-        best_dev, best_any = self._best_valid(path, (len(tokens) - 1) // self.P)
+        max_pages = (len(tokens) - 1) // self.P
+        best_dev, best_any = self._best_valid(path, max_pages)
         self._clock += 1
-        hit = None
-        if best_any > best_dev:
+        hit = self._rebuild_hit(path, raw, max_pages, best_any) if self.cfg.rebuild_tokens else None
+        if hit is None and best_any > best_dev:
             hit = self._take_hit(path, best_any, raw)
         if hit is None and best_dev:
             hit = self._take_hit(path, best_dev, raw)
@@ -130,7 +135,7 @@ class KVCache:
             if hit.hit_id:
                 raise KeyError(f"hit {hit.hit_id} is not live (already released or admitted)")
             return
-        self._unlock(entry[0], entry[1], swa=True)
+        self._unlock(entry[0], entry[1], swa=entry[2])
 
     def _best_valid(self, path: list[tuple[Node, int]], max_pages: int) -> tuple[int, int]:
         """(longest valid L on device, longest valid L counting host-only nodes), in tokens."""
@@ -154,10 +159,30 @@ class KVCache:
                         best_dev = g
         return best_dev * self.P, best_any * self.P
 
-    def _take_hit(self, path: list[tuple[Node, int]], hit_len: int, raw: int) -> PrefixHit | None:
-        """Split the tree so the hit and its window end at node boundaries, lock it, load host-only nodes."""
+    def _rebuild_hit(self, path: list[tuple[Node, int]], raw: int, max_pages: int, best: int) -> PrefixHit | None:
+        """A rebuild hit at the end E of the full-KV match (host nodes loaded; else the device part alone), only
+        when it skips more than the best valid hit: R = E - rebuild_tokens > best."""
+        P, S = self.P, self.cfg.rebuild_tokens
+        on_device = 0
+        for node, m in path:
+            if node.full is None:
+                break
+            on_device += m
+        for end in dict.fromkeys((min(raw // P, max_pages), min(on_device, max_pages))):
+            if end * P - S > best:
+                hit = self._take_hit(path, end * P, raw, end * P - S)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _take_hit(self, path: list[tuple[Node, int]], hit_len: int, raw: int, skip: int = -1) -> PrefixHit | None:
+        """Split the tree so the hit and its window end at node boundaries, lock it, load host-only nodes.
+
+        `skip` < hit_len makes a rebuild hit: full KV of [0, hit_len) locked, no SWA KV read (no SWA locks, no
+        SWA recency refresh, not a reuse of the checkpoint kinds there), the engine starts at `skip`."""
         end = hit_len // self.P
-        ws = max(0, end - self.wp)
+        rebuild = 0 <= skip < hit_len
+        ws = end if rebuild else max(0, end - self.wp)  # no node starts at or past `end`: nothing SWA-locked
         deepest = self._split_at(path[-1][0], end)
         self._split_chain_at(deepest, ws)
         chain = path_to_root(deepest)  # deepest first
@@ -175,8 +200,10 @@ class KVCache:
             if n.start >= ws:
                 n.swa_access = self._clock
         hid = next(self._hit_ids)
-        self._hits[hid] = (deepest, hit_len)
-        if not deepest.kinds & _REUSED:  # the hit ratio of a kind: the share of its checkpoints ever reused
+        self._hits[hid] = (deepest, hit_len, not rebuild)
+        if rebuild:
+            self._rebuild_matched += 1
+        elif not deepest.kinds & _REUSED:  # the hit ratio of a kind: the share of its checkpoints ever reused
             self._count_kinds(self._kind_hits, deepest.kinds)
             deepest.kinds |= _REUSED
         full_pages: list[int] = []
@@ -184,8 +211,8 @@ class KVCache:
         for n in reversed(chain):
             full_pages += n.full  # type: ignore[arg-type]
             swa_pages += n.swa if n.start >= ws else no_pages(n.npages)  # type: ignore[arg-type]
-        return PrefixHit(hit_len, raw, load_f * self.P, tuple(full_pages),
-                         tuple(swa_pages), tuple(copies), hid)
+        return PrefixHit(skip if rebuild else hit_len, raw, load_f * self.P, tuple(full_pages),
+                         tuple(swa_pages), tuple(copies), hid, hit_len)
 
     def _split_at(self, last: Node, end: int) -> Node:
         """Split so a node on `last`'s chain ends exactly at page `end` (node starts survive earlier splits,
@@ -282,14 +309,19 @@ class KVCache:
         entry = self._hits.pop(hit.hit_id, None)
         if hit.hit_id and entry is None:
             raise ValueError(f"admit {seq_id!r}: hit {hit.hit_id} is not live (released or admitted already)")
-        if hit.tokens >= len(tokens) or hit.tokens % self.P:
-            raise ValueError(f"admit {seq_id!r}: hit of {hit.tokens} tokens does not fit a {len(tokens)}-token prompt")
+        if hit.full_tokens >= len(tokens) or hit.tokens % self.P or hit.full_tokens % self.P or (
+                hit.tokens > hit.full_tokens):
+            raise ValueError(f"admit {seq_id!r}: hit of {hit.tokens} tokens (full KV {hit.full_tokens}) does not "
+                             f"fit a {len(tokens)}-token prompt")
         seq = self._new_seq(seq_id, list(tokens), hit, entry[0] if entry else None, max_new_tokens)
         reason = self._admission_shortfall(seq, len(tokens), max_new_tokens)
         if reason:
             if entry:
-                self._unlock(entry[0], entry[1], swa=True)
+                self._unlock(entry[0], entry[1], swa=entry[2])
             return AdmitResult(False, reason, seq.full_cap, seq.swa_cap)
+        if hit.full_tokens > hit.tokens:
+            self._rebuild_admitted += 1
+            self._rebuilt_tokens += hit.full_tokens - hit.tokens
         if block_hashes is not None:
             seq.hashes = list(block_hashes[:len(tokens) // self.P])
         elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
@@ -300,21 +332,28 @@ class KVCache:
         return AdmitResult(True, "", seq.full_cap, seq.swa_cap)
 
     def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None, max_new: int) -> Seq:
-        hp = hit.tokens // self.P
+        """The sequence view of an admission. Full pages: the hit's tree pages [0, full_tokens), private after.
+        SWA pages: its own from `hit.tokens` on (a rebuild hit reads none of the tree's)."""
+        hp = hit.full_tokens // self.P
+        sf = hit.tokens // self.P
         ctx = RetentionContext(len(tokens), len(tokens) + max_new, hit.tokens, hit.raw_tokens, self.P,
                                self.cfg.window, self.cfg.align, self.cfg.checkpoint_every_pages)
         plan = self._policy(ctx)
-        keep = kept_pages(plan, self.P, self.wp, hp)
-        full_cap = -(-(len(tokens) + max_new) // self.P) - hp
+        if sf < hp:  # rebuild: a checkpoint inside the span would hold scratch SWA KV
+            plan = _from(plan, hit.full_tokens)
+        keep = kept_pages(plan, self.P, self.wp, sf)
+        total = -(-(len(tokens) + max_new) // self.P)
+        full_cap = total - hp
         # Only the window is promised: checkpoint pages are kept later if memory nobody was promised is left.
-        swa_cap = full_cap if plan.keep_all else min(full_cap, self.cfg.seq_swa_pages)
-        seq = Seq(seq_id, tokens, hit.tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
+        swa_cap = total - sf if plan.keep_all else min(total - sf, self.cfg.seq_swa_pages)
+        seq = Seq(seq_id, tokens, hit.full_tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
                   full=ids(hit.full_pages), swa=ids(hit.swa_pages), num_computed=hit.tokens,
-                  reserved_upto=hit.tokens, swa_lo=hp, swa_locked=hit.tokens > 0)
+                  reserved_upto=hit.tokens, swa_lo=sf, swa_locked=0 < hit.tokens == hit.full_tokens,
+                  swa_from=sf, scratch_end=max(sf, hp - self.wp) if sf < hp else sf)
         seq.ckpt_ends = tuple(x // self.P for x in plan.checkpoints)
         seq.ckpt_kinds = {x // self.P: plan.kind_of(i) for i, x in enumerate(plan.checkpoints)}
         for end, kinds in seq.ckpt_kinds.items():
-            for j in range(max(hp, end - self.wp), end):
+            for j in range(max(sf, end - self.wp), end):
                 seq.keep_kinds[j] = seq.keep_kinds.get(j, 0) | kinds
         return seq
 
@@ -326,7 +365,7 @@ class KVCache:
                  self._tree_swa - self._locked_swa, self._reserved_swa)):
             if need > avail:
                 return (f"{name} pool cannot hold {seq.seq_id!r}: needs {need} pages for {prompt} prompt + {max_new} "
-                        f"new tokens (hit {seq.hit_tokens}), available {max(avail, 0)} = free {free} + evictable "
+                        f"new tokens (hit {seq.num_computed}), available {max(avail, 0)} = free {free} + evictable "
                         f"{cached} - promised to running sequences {reserved}")
         return ""
 
@@ -338,6 +377,8 @@ class KVCache:
         if num_new_tokens < 0:
             raise ValueError(f"reserve {seq_id!r}: num_new_tokens must be >= 0")
         target = seq.num_computed + num_new_tokens
+        if seq.num_computed < seq.hit_tokens:
+            return self._reserve_span(seq, target)
         need = -(-target // self.P) - len(seq.full)
         if need <= 0:
             seq.reserved_upto = max(seq.reserved_upto, target)
@@ -359,6 +400,31 @@ class KVCache:
         seq.reserved_upto = target
         return True
 
+    def _reserve_span(self, seq: Seq, target: int) -> bool:
+        """reserve() inside a rebuild span [R, E): the full pages below E are the tree's (never written); SWA
+        pages for every page the chunk writes that has none; both past E."""
+        end = -(-target // self.P)
+        new = max(0, end - len(seq.full))
+        holes = [j for j in range(seq.num_computed // self.P, min(end, len(seq.swa))) if seq.swa[j] < 0]
+        need_s = len(holes) + new
+        if new - seq.full_outstanding() > self._avail_full() or need_s - seq.swa_outstanding() > self._avail_swa():
+            return False
+        self._ensure_free(new, need_s)
+        before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
+        for j in holes:
+            seq.swa[j] = self.swa_pool.alloc_one()
+        seq.full += self.full_pool.alloc(new)
+        seq.swa += self.swa_pool.alloc(new)
+        seq.swa_private += need_s
+        seq.full_cap = max(seq.full_cap, seq.full_private)
+        seq.swa_cap = max(seq.swa_cap, seq.swa_private)
+        self._private_full += new
+        self._private_swa += need_s
+        self._reserved_full += seq.full_outstanding() - before_f
+        self._reserved_swa += seq.swa_outstanding() - before_s
+        seq.reserved_upto = max(seq.reserved_upto, target)
+        return True
+
     def commit(self, seq_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
         """The KV of the next `num_new_tokens` tokens is written; `new_token_ids` (sampled tokens) are appended.
         SWA pages that left the window are freed here, at once (kept only if a checkpoint needs them)."""
@@ -376,11 +442,15 @@ class KVCache:
 
     def _slide_window(self, seq: Seq) -> None:
         first = seq.num_computed // self.P - self.wp  # first page of the window kept at rest
-        lo = max(seq.hit_pages, first)
+        lo = max(seq.swa_from, first)
         if seq.swa_locked and first >= seq.hit_pages and seq.lock_node is not None:
             self._unlock(seq.lock_node, seq.hit_tokens, swa=True, full=False)
             seq.swa_locked = False
             seq.swa[:seq.hit_pages] = no_pages(seq.hit_pages)
+        if lo <= seq.swa_lo:
+            return
+        if seq.swa_lo < seq.scratch_end:
+            self._free_scratch(seq, min(lo, seq.scratch_end))
         if seq.keep_all or lo <= seq.swa_lo:
             return
         before = seq.swa_outstanding()
@@ -420,6 +490,21 @@ class KVCache:
         self._reserved_swa += seq.swa_outstanding() - before
         seq.swa_lo = lo
 
+    def _free_scratch(self, seq: Seq, upto: int) -> None:
+        """Free a rebuild span's scratch SWA pages below `upto` (they left the window, or the sequence ends):
+        never retained, whatever the policy says."""
+        lo = seq.swa_lo
+        freed = [s for s in seq.swa[lo:upto] if s >= 0]
+        seq.swa[lo:upto] = no_pages(upto - lo)
+        before = seq.swa_outstanding()
+        seq.swa_private -= len(freed)
+        if seq.keep_all:  # its promise covered every page; these are never needed again
+            seq.swa_cap -= len(freed)
+        self.swa_pool.free(freed)
+        self._private_swa -= len(freed)
+        self._reserved_swa += seq.swa_outstanding() - before
+        seq.swa_lo = upto
+
     def page_tables(self, seq_id: str) -> tuple[list[int], list[int]]:
         """Per logical page j: the full page id, and the SWA page id or -1 (no SWA KV held for that page)."""
         seq = self._seq(seq_id)
@@ -435,6 +520,8 @@ class KVCache:
         """Insert the page-aligned computed tokens into the tree (healing tombstones), unlock, free the rest."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        if seq.swa_lo < seq.scratch_end:
+            self._free_scratch(seq, seq.scratch_end)
         self._settle_lazy(seq, keep=cache)
         tree_upto = self._insert(seq) if cache and self.cfg.enable_prefix_cache else seq.hit_pages
         self._drop_seq(seq, tree_upto)
@@ -453,7 +540,7 @@ class KVCache:
             whole = seq.lazy
         elif keep:
             for end in seq.ckpt_ends:
-                pages = range(max(seq.hit_pages, end - self.wp), min(end, len(seq.swa)))
+                pages = range(max(seq.swa_from, end - self.wp), min(end, len(seq.swa)))
                 if pages and all(seq.swa[j] >= 0 for j in pages):
                     whole.update(j for j in pages if j in seq.lazy)
         if whole is not seq.lazy:
@@ -509,7 +596,8 @@ class KVCache:
         self._reserved_full -= seq.full_outstanding()
         self._reserved_swa -= seq.swa_outstanding()
         full = [p for p in seq.full[tree_upto:] if p >= 0]
-        swa = [p for p in seq.swa[tree_upto:] if p >= 0]
+        # A rebuild's SWA pages start below its tree pages (those not inserted are still its own)
+        swa = [p for p in seq.swa[tree_upto if seq.swa_from == seq.hit_pages else seq.swa_from:] if p >= 0]
         self.full_pool.free(full)
         self.swa_pool.free(swa)
         self._private_full -= len(full)
@@ -528,7 +616,7 @@ class KVCache:
     def _insert(self, seq: Seq) -> int:
         """Hand pages [hit_pages, computed pages) to the tree (or free them as duplicates); returns the end."""
         npg = seq.num_computed // self.P
-        if npg <= seq.hit_pages:
+        if npg <= seq.swa_from:
             return seq.hit_pages
         self._clock += 1
         hashes = PromptHashes(seq.tokens, self.P, self.cfg.hash_seed, seq.hashes)
@@ -545,22 +633,25 @@ class KVCache:
             pos, node = pos + child.npages, child
         if pos < npg:
             self._add_nodes(node, seq, pos, npg, hashes.upto(npg))
-        return npg
+        return max(npg, seq.hit_pages)
 
     def _absorb(self, node: Node, seq: Seq, pos: int) -> None:
         """The sequence recomputed pages the tree already has: drop duplicates, heal tombstones, fill host-only
-        nodes back onto the device with the sequence's pages."""
-        if node.end <= seq.hit_pages:
+        nodes back onto the device with the sequence's pages. (A rebuild's SWA pages below its tree pages heal
+        the tombstones its hit started from; its full pages there are the tree's own.)"""
+        if node.end <= seq.swa_from:
             return
         if node.full is None:
             self._adopt(node, seq, pos)
             return
         healed = 0
         dup_full, dup_swa = [], []
-        for i in range(max(0, seq.hit_pages - pos), node.npages):
+        own_full = seq.hit_pages - pos
+        for i in range(max(0, seq.swa_from - pos), node.npages):
             g = pos + i
-            dup_full.append(seq.full[g])
-            seq.full[g] = -1
+            if i >= own_full:
+                dup_full.append(seq.full[g])
+                seq.full[g] = -1
             s = seq.swa[g]
             if s < 0:
                 continue
@@ -655,6 +746,10 @@ class KVCache:
         if cold != self._cold_kinds:
             self._cold_kinds = cold
             self._rebuild(self._swa_heap)
+
+    def rebuild_stats(self) -> RebuildStats:
+        """SWA window rebuild hits returned by match, admitted, and the tokens the admitted ones recompute."""
+        return RebuildStats(self._rebuild_matched, self._rebuild_admitted, self._rebuilt_tokens)
 
     def checkpoint_stats(self) -> dict[str, tuple[int, int, bool]]:
         """Per checkpoint kind: (checkpoints stored, of which reused by a hit, cold), counts halved now and then
@@ -946,6 +1041,13 @@ def _full_evictable(n: Node) -> bool:
 def _swa_evictable(n: Node) -> bool:
     return n.alive and n.n_swa > 0 and n.swa_lock == 0
 
+
+
+def _from(plan: RetentionPlan, x0: int) -> RetentionPlan:
+    """The plan's checkpoints at or past token `x0` (with their kinds)."""
+    keep = [i for i, x in enumerate(plan.checkpoints) if x >= x0]
+    return RetentionPlan(plan.keep_all, tuple(plan.checkpoints[i] for i in keep),
+                         tuple(plan.kind_of(i) for i in keep))
 
 
 def _materialise(flags: int | tuple[bool, ...], n: int) -> tuple[bool, ...]:

@@ -34,11 +34,19 @@ class KVCacheConfig:
     hash_seed: int = DEFAULT_HASH_SEED
     max_pending_events: int = 1 << 16
     """Undrained events kept; older ones are dropped (consumers see a gap in event ids)."""
+    rebuild_tokens: int = 0
+    """S, tokens an SWA window rebuild recomputes (0 = off): when full KV is cached up to E but no SWA checkpoint
+    is near E, `match` may return a rebuild hit that skips only R = E - S tokens (see `PrefixHit`). The engine
+    sets it to ceil((swa_layers + 1) * window / page) * page. The cache trusts the SWA KV the span writes only
+    on pages from one window (in pages) before E on (exact when page <= window, see docs/kvcache.md)."""
 
     def __post_init__(self) -> None:
         _positive(self, "page_size", "window", "max_pending_events")
         _non_negative(self, "num_full_pages", "num_swa_pages", "num_host_full_pages", "num_host_swa_pages",
-                      "checkpoint_align", "checkpoint_every_pages")
+                      "checkpoint_align", "checkpoint_every_pages", "rebuild_tokens")
+        if self.rebuild_tokens and (self.rebuild_tokens % self.page_size or self.rebuild_tokens < self.window):
+            raise ValueError(f"rebuild_tokens={self.rebuild_tokens} must be a multiple of page_size="
+                             f"{self.page_size} and >= window={self.window} (or 0 = off)")
         if self.retention not in POLICIES:
             raise ValueError(f"retention must be one of {sorted(POLICIES)}, got {self.retention!r}")
         if self.checkpoint_align % self.page_size:

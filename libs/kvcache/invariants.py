@@ -13,6 +13,7 @@ from libs.kvcache.tree import Node, path_to_root
 
 if TYPE_CHECKING:
     from libs.kvcache.cache import KVCache
+    from libs.kvcache.sequence import Seq
 
 
 def _fail(msg: str) -> None:
@@ -92,7 +93,7 @@ def _check_chain(c: KVCache, parent: Node, n: Node, where: str) -> None:
 def _check_locks(c: KVCache, nodes: list[Node]) -> None:
     want_lock: Counter[int] = Counter()
     want_swa: Counter[int] = Counter()
-    holders = [(node, hit_len, True) for node, hit_len in c._hits.values()]
+    holders = list(c._hits.values())
     holders += [(s.lock_node, s.hit_tokens, s.swa_locked) for s in c._seqs.values() if s.lock_node is not None]
     for deepest, hit_len, swa in holders:
         if not deepest.alive or deepest.end * c.P != hit_len:
@@ -130,7 +131,7 @@ def _check_counters(c: KVCache, nodes: list[Node]) -> dict[str, list[int]]:
     priv_f = priv_s = lazy_s = 0
     for s in c._seqs.values():
         pf = [p for p in s.full[s.hit_pages:] if p >= 0]
-        ps = [p for j, p in enumerate(s.swa) if p >= 0 and j >= s.hit_pages and j not in s.lazy]
+        ps = [p for j, p in enumerate(s.swa) if p >= 0 and j >= s.swa_from and j not in s.lazy]
         owners["full"] += pf
         owners["swa"] += ps + [s.swa[j] for j in s.lazy]
         priv_f += len(pf)
@@ -159,23 +160,24 @@ def _check_sequences(c: KVCache) -> None:
         where = f"sequence {s.seq_id!r}"
         if len(s.full) != len(s.swa) or len(s.full) * P < s.reserved_upto:
             _fail(f"{where}: page tables cover {len(s.full)} pages for {s.reserved_upto} reserved tokens")
-        if not s.hit_tokens <= s.num_computed <= min(s.reserved_upto, len(s.tokens)):
+        if not s.swa_from * P <= s.num_computed <= min(s.reserved_upto, len(s.tokens)):
             _fail(f"{where}: num_computed {s.num_computed} outside [hit, reserved/tokens]")
         if any(p < 0 for p in s.full):
             _fail(f"{where}: a page without a full page")
+        _check_rebuild(c, s, where)
         _check_lazy(c, s, where)
         if s.keep_all:
             continue
-        window = [j for j in range(s.hit_pages, len(s.swa)) if s.swa[j] >= 0 and j not in s.keep]
-        first = max(s.hit_pages, s.num_computed // P - wp)
+        window = [j for j in range(s.swa_from, len(s.swa)) if s.swa[j] >= 0 and j not in s.keep]
+        first = max(s.swa_from, s.num_computed // P - wp)
         if any(j < first for j in window):
             _fail(f"{where}: SWA page(s) {[j for j in window if j < first]} left the window but were not freed")
         resting = -(-s.num_computed // P) - first
-        bound = len(s.full) - first if s.reserved_upto > s.num_computed else resting
+        bound = -(-s.reserved_upto // P) - first if s.reserved_upto > s.num_computed else resting
         if len(window) > max(bound, 0) or (s.reserved_upto == s.num_computed and len(window) > c.cfg.seq_swa_pages):
             _fail(f"{where}: holds {len(window)} window SWA pages, bound is {min(bound, c.cfg.seq_swa_pages)} "
                   f"(window + page = {c.cfg.seq_swa_pages})")
-        if s.swa_locked and s.lock_node is not None:
+        if s.lock_node is not None:
             chain = [p for n in reversed(path_to_root(s.lock_node)) for p in n.full]  # type: ignore[union-attr]
             if chain != s.full[:s.hit_pages].tolist():
                 _fail(f"{where}: hit pages differ from the locked tree path")
@@ -185,12 +187,32 @@ def _check_sequences(c: KVCache) -> None:
                 _fail(f"{where}: the locked tree path's block hashes are not the hashes of its prompt")
 
 
+def _check_rebuild(c: KVCache, s: Seq, where: str) -> None:
+    """A rebuild sequence (SWA from R below its tree pages [0, E)) reads no tree SWA (no SWA lock), holds no SWA
+    page below R, and keeps none of its scratch pages (below one window before E) past the window."""
+    sf, hp, scratch = s.swa_from, s.hit_pages, s.scratch_end
+    if sf == hp:
+        if scratch != sf:
+            _fail(f"{where}: scratch end {scratch} on a sequence without a rebuild span")
+        return
+    if not sf < scratch <= hp or scratch != max(sf, hp - c.wp) or s.swa_locked:
+        _fail(f"{where}: rebuild span pages {sf}..{hp} with scratch end {scratch}, swa_locked {s.swa_locked}")
+    if any(p >= 0 for p in s.swa[:sf]):
+        _fail(f"{where}: holds SWA pages below its rebuild start page {sf}")
+    kept = [j for j in s.keep | s.lazy if j < scratch]
+    if kept:
+        _fail(f"{where}: retains scratch SWA pages {sorted(kept)} of its rebuild span (below page {scratch})")
+    want = max(hp, -(-s.reserved_upto // c.P))
+    if len(s.full) != want:
+        _fail(f"{where}: {len(s.full)} full pages, want the tree's {hp} then up to the reserved end: {want}")
+
+
 def _check_lazy(c: KVCache, s: object, where: str) -> None:
     """Lazy pages are cold checkpoint pages that left the window, each reclaimable through the lazy queue."""
     lazy: set[int] = s.lazy  # type: ignore[attr-defined]
     first = s.num_computed // c.P - c.wp  # type: ignore[attr-defined]
     for j in lazy:
-        if j not in s.keep or j >= first or j < s.hit_pages or s.swa[j] < 0:  # type: ignore[attr-defined]
+        if j not in s.keep or j >= first or j < s.swa_from or s.swa[j] < 0:  # type: ignore[attr-defined]
             _fail(f"{where}: lazy SWA page index {j} is not a kept checkpoint page below the window {first}")
     queued = {j for _, j, sid in c._lazy_q if sid == s.seq_id}  # type: ignore[attr-defined]
     if not lazy <= queued:

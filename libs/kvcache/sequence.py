@@ -9,6 +9,15 @@ the sequence's own until `finish` hands them to the tree or frees them.
     full            tree (locked)    | private
     swa             -1 ... tree(win) | -1 -1 -1 (freed) ... ckpt ... lazy ... -1 [window + page]
 
+A rebuild hit (full KV cached up to E, no SWA checkpoint near it) starts the sequence at R < E: the tree's full
+pages cover [0, E) (hit_pages = E / page) and the sequence owns SWA pages from `swa_from` = R / page on. The
+SWA KV of its pages below `scratch_end` = E / page - window pages is scratch (inexact: missing context before
+R); it is freed as the window slides and never retained or inserted.
+
+    logical pages   0 .. swa_from-1 | swa_from .. scratch_end-1 | .. hit_pages-1 | hit_pages ..
+    full            tree (locked)                                                | private
+    swa             -1              | scratch (window only)     | exact (window, checkpoints) ...
+
 `lazy` pages are checkpoint pages of cold kinds kept after they left the window: the cache may take them back
 at any time (they count as cached, not in use), so they never add to what the sequence is promised.
 """
@@ -48,6 +57,8 @@ class Seq:
     # sequence's usage (reclaimed in SWA-LRU order with the tree's cold checkpoints; see KVCache._slide_window).
     lazy: set[int] = field(default_factory=set)
     lazy_taken: bool = False  # the cache took back a lazy page (its window may be partial now)
+    swa_from: int = 0  # first logical page whose SWA pages the sequence owns (hit_pages, or R / page: rebuild)
+    scratch_end: int = 0  # rebuild: SWA pages below this are scratch (never kept); else swa_from
 
     @property
     def full_private(self) -> int:

@@ -36,6 +36,11 @@ class PrefixHit:
     [L - window, L). `full_pages[j]` / `swa_pages[j]` are the device page ids of logical page j < L / page_size
     (`swa_pages[j] == -1` where no SWA KV is held). The nodes behind the hit stay locked until `admit` takes them
     over or `release_hit` is called. `load_copies` must be executed before the pages are read.
+
+    A **rebuild hit** (`full_tokens > tokens`, only with `KVCacheConfig.rebuild_tokens` > 0): full KV exists for
+    [0, E = full_tokens) but no SWA checkpoint near E. The engine skips R = `tokens` tokens and recomputes
+    [R, E) (E - R >= rebuild_tokens) reading the cached full KV (never rewriting it) and SWA keys >= R only; the
+    window before E comes out exact. `full_pages` then covers [0, E) and `swa_pages` is -1 throughout.
     """
 
     tokens: int
@@ -45,6 +50,26 @@ class PrefixHit:
     swa_pages: tuple[int, ...] = ()
     load_copies: tuple[PageCopy, ...] = ()
     hit_id: int = 0
+    full_tokens: int = -1
+    """E: full KV is valid for [0, E). Equal to `tokens` for a normal hit (the default -1 means that)."""
+
+    def __post_init__(self) -> None:
+        if self.full_tokens < 0:
+            object.__setattr__(self, "full_tokens", self.tokens)
+
+    @property
+    def is_rebuild(self) -> bool:
+        return self.full_tokens > self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildStats:
+    """SWA window rebuilds: hits `match` returned, of which admitted, and the tokens those admissions recompute
+    (E - R each: prefill work a checkpoint at E would have saved)."""
+
+    matched: int = 0
+    admitted: int = 0
+    rebuilt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
