@@ -29,6 +29,9 @@ class EngineConfig:
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
     """SWA retention policy of the prefix cache ("checkpoints", "none", "all")."""
+    swa_rebuild: bool = True
+    """When the cache holds full KV of a prefix further than its last SWA checkpoint, rebuild the SWA window
+    there by recomputing the (SWA layers + 1) windows before it instead of everything after the checkpoint."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
     max_num_batched_tokens: int = 512

@@ -23,6 +23,10 @@ class ScheduledSeq:
     sample: bool
     full_pages: Sequence[int]  # (lists straight from the cache: never mutated after scheduling)
     swa_pages: Sequence[int]
+    # SWA window rebuild (0, 0 = none): full-attention K/V below full_from is cached, not written, and
+    # SWA layers read no key left of swa_from (see docs/engine.md)
+    full_from: int = 0
+    swa_from: int = 0
 
     @property
     def num_new(self) -> int:

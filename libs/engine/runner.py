@@ -47,9 +47,12 @@ def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Ten
     q_lens = [s.num_new for s in seqs]
     logits_rows = [end - 1 for end, s in zip(accumulate(q_lens), seqs, strict=True) if s.sample]
     pages = torch.tensor([full, swa], dtype=torch.int64).view(2, len(seqs), width).to(device)
+    rebuild = any(s.full_from for s in seqs)
     meta = BatchMeta(
         q_lens=q_lens, kv_lens=[s.start + s.num_new for s in seqs], full_page_table=pages[0],
-        swa_page_table=pages[1], logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device))
+        swa_page_table=pages[1], logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        full_write_from=[s.full_from for s in seqs] if rebuild else None,
+        swa_kv_start=[s.swa_from for s in seqs] if rebuild else None)
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
 
 

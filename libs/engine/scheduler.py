@@ -123,6 +123,9 @@ class Seq:
     num_cached_tokens: int = -1  # prefix-hit tokens at first admission; -1 = not admitted yet
     admit_order: int = -1
     num_preemptions: int = 0
+    # SWA window rebuild of the current admission: full KV cached up to full_from, computed from swa_from
+    full_from: int = 0
+    swa_from: int = 0
     finish_reason: FinishReason | None = None
     # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
     _hashes: list[int] = field(default_factory=list)
@@ -175,6 +178,8 @@ class SchedulerStats:
     admitted: int = 0
     hit_tokens: int = 0
     prompt_tokens: int = 0
+    rebuild_hits: int = 0  # admissions whose SWA window is rebuilt from cached full KV
+    rebuilt_tokens: int = 0  # tokens recomputed for those rebuilds (cached full KV, no SWA checkpoint)
 
 
 @dataclass
@@ -375,6 +380,11 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.bucket = actual_bucket
         seq.num_computed = hit.tokens
+        rebuild = hit.full_tokens > hit.tokens
+        seq.full_from, seq.swa_from = (hit.full_tokens, hit.tokens) if rebuild else (0, 0)
+        if rebuild:
+            self.stats.rebuild_hits += 1
+            self.stats.rebuilt_tokens += hit.full_tokens - hit.tokens
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = hit.tokens
             self.stats.hit_tokens += hit.tokens
@@ -432,9 +442,10 @@ class Scheduler:
         end = start + num_new
         n = len(seq.token_ids)
         # (is_decoding inlined: this runs for every sequence of every step)
+        rebuild = start < seq.full_from
         st.scheduled.append(ScheduledSeq(
             seq.req_id, start, tuple(seq.token_ids[start:end]), not (start == n - 1 and n > seq.num_prompt),
-            end == n, full, swa))
+            end == n, full, swa, seq.full_from if rebuild else 0, seq.swa_from if rebuild else 0))
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
         st.num_tokens += num_new
