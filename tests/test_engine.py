@@ -269,18 +269,28 @@ def test_interrupted_long_steps_leave_outputs_and_pools_unchanged(tiny, fire_at)
     assert_baseline(core)
 
 
-def test_steps_with_short_or_decode_work_are_never_interrupted(tiny):
+def test_only_steps_with_long_prefill_are_interrupted(tiny):
+    model, cfg, _ = tiny
     core = make_core(tiny, bucket_edges=(32,), max_num_batched_tokens=16)
-    core.add_request(Request("short", tokens(42, 6), greedy(40)))
-    core.step()  # the short prefill: now it decodes
+    short = tokens(42, 6)
+    core.add_request(Request("short", short, greedy(12)))
+    got: dict[str, list[int]] = {}
+    for _ in range(3):  # short work only (its prefill, then decodes): never stopped
+        for out in core.step(interrupt=lambda: True):
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+    assert core.num_interrupted == 0 and len(got["short"]) == 3
     core.add_request(Request("long", tokens(43, 80), greedy(2)))
-    for _ in range(4):  # every step carries the short's decode next to the long chunk
-        outs = core.step(interrupt=lambda: True)
-        assert any(o.req_id == "short" and o.new_token_ids for o in outs)
-    assert core.num_interrupted == 0
+    assert core.step(interrupt=lambda: True) == []  # the short's decode next to a long chunk: stopped, redone
+    assert core.num_interrupted == 1
+    for out in core.step():
+        got.setdefault(out.req_id, []).extend(out.new_token_ids)
+    for rid, toks in drain(core).items():
+        got.setdefault(rid, []).extend(toks)
+    assert got["short"] == direct_greedy(model, cfg, short, 12)
     assert core.is_urgent(Request("x", tokens(44, 31), greedy(1)))
     assert not core.is_urgent(Request("y", tokens(44, 32), greedy(1)))
     assert not make_core(tiny).is_urgent(Request("z", tokens(44, 3), greedy(1)))  # no buckets: nothing to jump
+    assert_baseline(core)
 
 
 async def test_async_engine_short_request_during_long_prefill(tiny):

@@ -115,4 +115,7 @@ def test_interruptible_long_only_step_costs_at_most_long_step_cost_fixed_costs()
     assert TRUE.chunk_cost(n, start) <= 2.0 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
     assert plan.interruptible
     s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
-    assert not s.schedule().interruptible  # short work in the step: it runs to the end
+    assert s.schedule().interruptible  # it still carries a long chunk
+    only_short = make_sched(share=0.2)
+    only_short.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
+    assert not only_short.schedule().interruptible  # short work only: it always runs to the end

@@ -50,7 +50,7 @@ class EngineConfig:
     interruptible_steps: bool = True
     """Steps of only long-bucket prefill may be stopped between layers when a short request arrives
     (EngineCore.step(interrupt=...), which AsyncEngine passes); see SchedulerConfig.interruptible_steps."""
-    long_step_cost: float = 4.0
+    long_step_cost: float = 2.0
     """Most predicted cost of an interruptible long-prefill-only step, in fixed step costs."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with

@@ -113,8 +113,8 @@ class EngineCore:
         """One schedule -> execute -> update round; outputs of every request that progressed.
 
         `interrupt` (e.g. "a short request has arrived", see is_urgent) is polled between decoder layers of
-        a step that carries only longer-bucket prefill chunks. When it fires the step stops there and
-        nothing is committed: the chunks are rescheduled by the next step, next to the new short work and
+        a step that carries longer-bucket prefill chunks. When it fires the step stops there and nothing is
+        committed: its work is rescheduled by the next step, next to the new short work, with the long chunks
         capped by long_prefill_share. A short request then waits for one layer, not a whole long step."""
         plan = self.scheduler.schedule()
         t0 = time.perf_counter()

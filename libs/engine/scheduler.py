@@ -65,10 +65,11 @@ class SchedulerConfig:
     the model has seen enough steps."""
     interruptible_steps: bool = True
     """The caller polls for arrivals during a step (EngineCore.step(interrupt=...); AsyncEngine does), so a
-    step of only longer-bucket prefill may be stopped between layers when a short request arrives: plans
-    are marked interruptible and such steps may cost up to long_step_cost x the fixed step cost (a short
-    arrival waits for one layer of it). False: they cost at most (1 + long_prefill_share) x fixed."""
-    long_step_cost: float = 4.0
+    step that carries longer-bucket prefill may be stopped between layers when a short request arrives (its
+    other work, e.g. decodes, is redone by the next step): plans are marked interruptible, and a step of only
+    longer-bucket prefill may cost up to long_step_cost x the fixed step cost (a short arrival waits for one
+    layer of it). False: such a step costs at most (1 + long_prefill_share) x fixed."""
+    long_step_cost: float = 2.0
     """With interruptible_steps: most predicted cost of a step of only longer-bucket prefill, in fixed step
     costs. Larger = fewer, bigger steps for long prompts and a longer layer for a short arrival to wait."""
     admission_decode_tokens: int | None = None
@@ -276,8 +277,7 @@ class Scheduler:
         self._schedule_prefills(st)
         return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted),
                          num_tokens=st.num_tokens, attn_pairs=st.attn_pairs,
-                         interruptible=self.config.interruptible_steps and bool(st.scheduled)
-                         and st.long_seqs == len(st.scheduled))
+                         interruptible=self.config.interruptible_steps and st.long_seqs > 0)
 
     def _schedule_decodes(self, st: _StepState) -> None:
         for seq in list(self.running):
