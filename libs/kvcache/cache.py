@@ -383,29 +383,19 @@ class KVCache:
         if need <= 0:
             seq.reserved_upto = max(seq.reserved_upto, target)
             return True
-        if need - seq.full_outstanding() > self._avail_full() or need - seq.swa_outstanding() > self._avail_swa():
-            return False
-        self._ensure_free(need, need)
-        before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
         # Every new page is inside the window, so it gets both a full page and an SWA page.
-        seq.full += self.full_pool.alloc(need)
-        seq.swa += self.swa_pool.alloc(need)
-        seq.swa_private += need
-        seq.full_cap = max(seq.full_cap, seq.full_private)
-        seq.swa_cap = max(seq.swa_cap, seq.swa_private)
-        self._private_full += need
-        self._private_swa += need
-        self._reserved_full += seq.full_outstanding() - before_f
-        self._reserved_swa += seq.swa_outstanding() - before_s
-        seq.reserved_upto = target
-        return True
+        return self._grant(seq, target, need, ())
 
     def _reserve_span(self, seq: Seq, target: int) -> bool:
         """reserve() inside a rebuild span [R, E): the full pages below E are the tree's (never written); SWA
         pages for every page the chunk writes that has none; both past E."""
         end = -(-target // self.P)
-        new = max(0, end - len(seq.full))
         holes = [j for j in range(seq.num_computed // self.P, min(end, len(seq.swa))) if seq.swa[j] < 0]
+        return self._grant(seq, target, max(0, end - len(seq.full)), holes)
+
+    def _grant(self, seq: Seq, target: int, new: int, holes: Sequence[int]) -> bool:
+        """Give seq `new` pages past its end (full + SWA each) and SWA pages at the logical pages `holes`, or
+        return False (state unchanged) when the pools cannot provide them even after eviction."""
         need_s = len(holes) + new
         if new - seq.full_outstanding() > self._avail_full() or need_s - seq.swa_outstanding() > self._avail_swa():
             return False
