@@ -48,7 +48,7 @@ class EngineConfig:
     adaptive_long_cap: bool = True
     """Bound long-bucket prefill chunks by the measured step cost (see SchedulerConfig.adaptive_long_cap)."""
     interruptible_steps: bool = True
-    """Steps of only long-bucket prefill may be stopped between layers when a short request arrives
+    """Steps carrying long-bucket prefill may be stopped between layers when a short request arrives
     (EngineCore.step(interrupt=...), which AsyncEngine passes); see SchedulerConfig.interruptible_steps."""
     long_step_cost: float = 2.0
     """Most predicted cost of an interruptible long-prefill-only step, in fixed step costs."""
