@@ -227,7 +227,7 @@ def short_ttft(model, cfg) -> dict:
             "fcfs": dict(edges=(), with_long=True)}
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
     longs: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(3):  # three rounds, interleaved
+    for _ in range(5):  # five rounds, interleaved (a p90 over 120 shorts per mode: the tail is noisy)
         for k, kw in runs.items():
             short, long = mixed_ttft(model, cfg, **kw)
             ttfts[k] += short

@@ -330,3 +330,20 @@ def test_swa_window_rebuild_hits_match_cache_disabled(tiny, pressure):
     assert got["c0"] == direct_greedy(model, cfg, rounds[2]["c0"], 6)
     assert_baseline(core)
     assert_baseline(reference)
+
+
+def test_engines_over_one_model_do_not_pile_up_hooks(tiny):
+    """Each engine hooks the shared model's layers (layer-wise loads, step interrupts); a closed or collected
+    engine takes its hooks with it, so later engines' forwards do not slow down and old pools are freed."""
+    import gc
+
+    model = tiny[0]
+    before = len(model.model.layers[0]._forward_pre_hooks)
+    cores = [make_core(tiny) for _ in range(3)]
+    assert len(model.model.layers[0]._forward_pre_hooks) == before + 3
+    cores[0].close()
+    cores[0].close()  # idempotent
+    assert len(model.model.layers[0]._forward_pre_hooks) == before + 2
+    del cores
+    gc.collect()
+    assert len(model.model.layers[0]._forward_pre_hooks) == before

@@ -102,6 +102,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """Detach from the model (its layer hooks) and stop helper threads; also happens on GC."""
+        self.runner.close()
+
     # ------------------------------------------------------------------ step
     def is_urgent(self, req: Request) -> bool:
         """Would `req` be worth interrupting a step for: is it in the shortest length bucket, whatever its

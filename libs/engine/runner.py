@@ -5,6 +5,7 @@ BatchPlan into model inputs (flattened token ids + BatchMeta), runs the forward 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -85,23 +86,27 @@ class ModelRunner:
         self.slots = layer_slots(model_config.layer_is_swa)
         self._load: LayerwiseLoad | None = None
         self._worker: CopyWorker | None = None
-        self._hooks = [layer.register_forward_pre_hook(self._make_hook(i))
-                       for i, layer in enumerate(decoder_layers(model))]
+        # The hooks live on the (possibly shared) model: they hold the runner weakly and are removed when the
+        # runner is closed or collected, so engines built over one model neither pile up hooks nor stay alive.
+        ref = weakref.ref(self)
+        self._copy_workers: list[CopyWorker] = []
+        hooks = [layer.register_forward_pre_hook(_layer_hook(ref, i)) for i, layer in enumerate(decoder_layers(model))]
+        self._finalizer = weakref.finalize(self, _release, hooks, self._copy_workers)
         self._interrupt: Callable[[], bool] | None = None
         self._forward_thread: int | None = None  # the thread inside forward(): the layer hooks act for it only
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = make_generator(seed)
 
+    def close(self) -> None:
+        """Remove the layer hooks from the model and stop the copy thread (idempotent; also done on GC)."""
+        self._finalizer()
+
     # ------------------------------------------------------------------ tiers
-    def _make_hook(self, layer: int):
-        def hook(_module, _args):
-            if threading.get_ident() != self._forward_thread:
-                return  # someone else's forward of the same model (e.g. a reference run in a test)
-            if self._interrupt is not None and self._interrupt():
-                raise StepInterrupted(f"step interrupted before layer {layer}")
-            if self._load is not None:
-                self._load.wait_layer(layer)
-        return hook
+    def _before_layer(self, layer: int) -> None:
+        if self._interrupt is not None and self._interrupt():
+            raise StepInterrupted(f"step interrupted before layer {layer}")
+        if self._load is not None:
+            self._load.wait_layer(layer)
 
     def backup(self, copies: Sequence) -> None:
         """Device -> host, synchronous: the device pages may be reused right after."""
@@ -120,6 +125,7 @@ class ModelRunner:
                 raise RuntimeError("the cache returned host load-backs but the engine has no host tier")
             if self.load_mode is LoadMode.THREAD and self._worker is None:
                 self._worker = CopyWorker(self.device.type == "cuda")  # started once, on the first load
+                self._copy_workers.append(self._worker)
             self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode, self._worker)
 
     def finish_load(self) -> None:
@@ -166,6 +172,22 @@ class ModelRunner:
     def forget(self, req_id: str) -> None:
         """Drop per-request state (its generator) once the request is finished."""
         self._generators.pop(req_id, None)
+
+
+def _layer_hook(ref: weakref.ReferenceType, layer: int):
+    def hook(_module, _args):
+        runner = ref()
+        if runner is None or threading.get_ident() != runner._forward_thread:
+            return  # someone else's forward of the same model (another engine, a reference run in a test)
+        runner._before_layer(layer)
+    return hook
+
+
+def _release(hooks: list, workers: list[CopyWorker]) -> None:
+    for h in hooks:
+        h.remove()
+    for w in workers:
+        w.close()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
