@@ -131,6 +131,10 @@ class Seq:
     # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
     _hashes: list[int] = field(default_factory=list)
     _hashed_len: int = -1
+    num_prompt: int = field(init=False)  # len(req.prompt_token_ids), read several times per step
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.req.prompt_token_ids)
 
     def block_hashes(self, page_size: int, seed: int) -> list[int]:
         if self._hashed_len != len(self.token_ids):
@@ -141,10 +145,6 @@ class Seq:
     @property
     def req_id(self) -> str:
         return self.req.req_id
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.req.prompt_token_ids)
 
     @property
     def output_ids(self) -> list[int]:
