@@ -348,13 +348,14 @@ class Scheduler:
             chunk = min(chunk, self.config.long_prefill_max_tokens - st.long_tokens)
         if bucket > 0 and st.long_budget_s is not None and self.cost.fit is not None:
             fitted = self.cost.fit.max_chunk(st.long_budget_s, prefix, max(chunk, 0))
-            # a step with nothing else in it still moves the long prompt forward
-            chunk = max(fitted, 1) if st.num_tokens == 0 and chunk > 0 else fitted
+            chunk = fitted
         elif bucket > 0 and shorter_waiting and st.long_cap is not None:
             chunk = min(chunk, st.long_cap - st.long_tokens)
         if bucket > 0 and self.config.adaptive_long_cap and self.cost.fit is None:
             # cold start: no step cost measured yet, so keep long chunks small until there is
             chunk = min(chunk, COLD_LONG_CHUNK - st.long_tokens)
+        if bucket > 0 and chunk <= 0 and st.long_tokens == 0 and min(to_compute, st.budget) > 0:
+            chunk = 1  # every step moves one long prefill forward: none starves behind a stream of short work
         return chunk
 
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
