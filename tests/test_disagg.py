@@ -188,6 +188,22 @@ async def test_follow_up_turn_hits_on_decode_and_ships_less(tiny):
     assert bytes2 < bytes1  # longer prompt, fewer bytes: only pages after the decode-side hit travel
 
 
+async def test_branch_far_past_a_checkpoint_rebuilds_on_prefill_not_on_decode(tiny):
+    """Both sides cache a long prompt; a request branching deep inside it (no checkpoint there) gets a window
+    rebuild on prefill, while decode takes only a valid hit (the KV it receives lands in its own pages, never
+    in shared tree pages); the output equals full recompute."""
+    model, cfg, _ = tiny
+    stem = prompt(30, 240)
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        await pipe.generate("a", stem + prompt(31, 9), 4)
+        branch = stem[:200] + prompt(32, 7)
+        out = tokens_of(await pipe.generate("b", branch, 6))
+        assert pipe.prefill_engine.core.scheduler.stats.rebuild_hits == 1
+        assert pipe.decode_engine.core.cache.rebuild_stats().matched == 0
+        await pipe.assert_no_kv_in_use()
+    assert out == direct_greedy(model, cfg, branch, 6, page_size=PAGE)
+
+
 class FailingTransfer:
     """Wraps a real engine; the outgoing transfer dies after `after` layers (sender crash mid-stream)."""
 

@@ -220,7 +220,9 @@ class DisaggEngineCore(EngineCore):
             raise ValueError(f"request {req.req_id!r}: decode engine is full "
                              f"({self.config.max_num_seqs} sequences running or arriving)")
         prompt = req.prompt_token_ids
-        hit = cache.match(prompt)
+        # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
+        # full_tokens are shared tree pages that must not be written
+        hit = cache.match(prompt, rebuild=False)
         self.runner.start_load(hit.load_copies)  # host-tier hits: copy before the pages are read
         self.runner.finish_load()
         growth = req.params.max_tokens

@@ -106,11 +106,14 @@ class KVCache:
 
     # ------------------------------------------------------------------ match / hits
 
-    def match(self, tokens: Sequence[int], block_hashes: Sequence[int] | None = None) -> PrefixHit:
+    def match(self, tokens: Sequence[int], block_hashes: Sequence[int] | None = None, *,
+              rebuild: bool = True) -> PrefixHit:
         """Longest valid page-aligned hit (< len(tokens)); its nodes stay locked until admit or release_hit.
 
         `block_hashes`: the prompt's hash chain if the caller has it (same function and seed as the cache);
-        otherwise the cache hashes the pages the walk reaches (one page when nothing matches)."""
+        otherwise the cache hashes the pages the walk reaches (one page when nothing matches).
+        `rebuild=False`: never a rebuild hit (a caller that receives the KV instead of computing it, e.g. a
+        disaggregated decode worker, must not have its tree's full pages written)."""
         if not self.cfg.enable_prefix_cache or len(tokens) <= self.P or not self.root.children or (
                 block_hashes and block_hashes[0] not in self.root.children):  # no-reuse fast path
             return _NO_HIT
@@ -121,7 +124,7 @@ class KVCache:
         max_pages = (len(tokens) - 1) // self.P
         best_dev, best_any = self._best_valid(path, max_pages)
         self._clock += 1
-        hit = self._rebuild_hit(path, raw, max_pages, best_any) if self.cfg.rebuild_tokens else None
+        hit = self._rebuild_hit(path, raw, max_pages, best_any) if rebuild and self.cfg.rebuild_tokens else None
         if hit is None and best_any > best_dev:
             hit = self._take_hit(path, best_any, raw)
         if hit is None and best_dev:
