@@ -38,12 +38,6 @@ def slots_at(page_table: torch.Tensor, seq: torch.Tensor, positions: torch.Tenso
     return pages * page_size + positions % page_size
 
 
-def flat_slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_size: int, *, what: str) -> torch.Tensor:
-    """Flat pool slot of each position of one sequence; raises if a needed page is unmapped (-1)."""
-    seq = torch.zeros_like(positions)
-    return slots_at(page_table_row.view(1, -1), seq, positions, page_size, what=what)
-
-
 def new_token_index(q_lens: Sequence[int] | torch.Tensor, kv_lens: Sequence[int] | torch.Tensor,
                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence of every new token, its position), flattened sequence by sequence, built with tensor ops."""

@@ -64,7 +64,7 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy without logprobs: the token is the argmax and nothing else is computed."""
-        return self.logprobs is None and (self.temperature == 0.0 or self.top_k == 1)
+        return self.logprobs is None and self.greedy
 
 
 @dataclass

@@ -85,11 +85,10 @@ class ModelRunner:
                     setattr(self.host, name, getattr(self.host, name).pin_memory())
         self.slots = layer_slots(model_config.layer_is_swa)
         self._load: LayerwiseLoad | None = None
-        self._worker: CopyWorker | None = None
         # The hooks live on the (possibly shared) model: they hold the runner weakly and are removed when the
         # runner is closed or collected, so engines built over one model neither pile up hooks nor stay alive.
         ref = weakref.ref(self)
-        self._copy_workers: list[CopyWorker] = []
+        self._copy_workers: list[CopyWorker] = []  # at most one, started on the first threaded load
         hooks = [layer.register_forward_pre_hook(_layer_hook(ref, i)) for i, layer in enumerate(decoder_layers(model))]
         self._finalizer = weakref.finalize(self, _release, hooks, self._copy_workers)
         self._interrupt: Callable[[], bool] | None = None
@@ -123,10 +122,10 @@ class ModelRunner:
         if copies:
             if self.host is None:
                 raise RuntimeError("the cache returned host load-backs but the engine has no host tier")
-            if self.load_mode is LoadMode.THREAD and self._worker is None:
-                self._worker = CopyWorker(self.device.type == "cuda")  # started once, on the first load
-                self._copy_workers.append(self._worker)
-            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode, self._worker)
+            if self.load_mode is LoadMode.THREAD and not self._copy_workers:
+                self._copy_workers.append(CopyWorker(self.device.type == "cuda"))
+            worker = self._copy_workers[0] if self._copy_workers else None
+            self._load = LayerwiseLoad(self.host, self.kv, self.slots, copies, self.load_mode, worker)
 
     def finish_load(self) -> None:
         load, self._load = self._load, None

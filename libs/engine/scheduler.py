@@ -55,14 +55,15 @@ class SchedulerConfig:
     1 / (1 - share) and short first tokens are not pushed back further. 1.0 = no cap."""
     long_prefill_max_tokens: int | None = None
     """Most prefill tokens of longer-bucket (bucket > 0) requests in any step, even with no short request
-    waiting: a step cannot be interrupted, so a short request arriving mid-step waits for it to end;
-    this bounds that wait at the cost of more steps for long prompts. None = only the step budget."""
+    waiting: a short request arriving mid-step waits for the step (or, with interruptible_steps, its
+    current layer) to end; this bounds that wait at the cost of more steps for long prompts. None = only
+    the step budget."""
     adaptive_long_cap: bool = True
     """Size longer-bucket prefill chunks by the measured step cost (StepCostModel) instead of token counts:
     next to shorter work the long tokens may add at most long_prefill_share of the step's predicted time,
-    and a step with no shorter work may cost at most (1 + long_prefill_share) x the fixed step cost, so a
-    short request arriving while it runs waits for little more than any step. Token shares are used until
-    the model has seen enough steps."""
+    and a step with no shorter work may cost at most long_step_cost (interruptible_steps) or else
+    (1 + long_prefill_share) x the fixed step cost. Token shares are used until the model has seen enough
+    steps."""
     interruptible_steps: bool = True
     """The caller polls for arrivals during a step (EngineCore.step(interrupt=...); AsyncEngine does), so a
     step that carries longer-bucket prefill may be stopped between layers when a short request arrives (its
@@ -179,8 +180,6 @@ class SchedulerStats:
     admitted: int = 0
     hit_tokens: int = 0
     prompt_tokens: int = 0
-    rebuild_hits: int = 0  # admissions whose SWA window is rebuilt from cached full KV
-    rebuilt_tokens: int = 0  # tokens recomputed for those rebuilds (cached full KV, no SWA checkpoint)
 
 
 @dataclass
@@ -347,8 +346,7 @@ class Scheduler:
         if bucket > 0 and self.config.long_prefill_max_tokens is not None:
             chunk = min(chunk, self.config.long_prefill_max_tokens - st.long_tokens)
         if bucket > 0 and st.long_budget_s is not None and self.cost.fit is not None:
-            fitted = self.cost.fit.max_chunk(st.long_budget_s, prefix, max(chunk, 0))
-            chunk = fitted
+            chunk = self.cost.fit.max_chunk(st.long_budget_s, prefix, max(chunk, 0))
         elif bucket > 0 and shorter_waiting and st.long_cap is not None:
             chunk = min(chunk, st.long_cap - st.long_tokens)
         if bucket > 0 and self.config.adaptive_long_cap and self.cost.fit is None:
@@ -381,11 +379,8 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.bucket = actual_bucket
         seq.num_computed = hit.tokens
-        rebuild = hit.full_tokens > hit.tokens
-        seq.full_from, seq.swa_from = (hit.full_tokens, hit.tokens) if rebuild else (0, 0)
-        if rebuild:
-            self.stats.rebuild_hits += 1
-            self.stats.rebuilt_tokens += hit.full_tokens - hit.tokens
+        # (rebuild hits and the tokens they recompute are counted by the cache: cache.rebuild_stats())
+        seq.full_from, seq.swa_from = (hit.full_tokens, hit.tokens) if hit.is_rebuild else (0, 0)
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = hit.tokens
             self.stats.hit_tokens += hit.tokens

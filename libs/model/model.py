@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels import plan_paged_attention
+from kernels.kv import new_token_index
 from libs.model.config import ModelConfig
 from libs.model.layers import (
     AttnContext,
@@ -66,8 +67,7 @@ def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: 
     if swa or meta.full_write_from is None:
         return AttnContext(cos, sin, plan, plan.write_slots)
     # window rebuild: the full-attention K/V of the span is cached (and exact); only later positions are written
-    seq = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=positions.device),
-                                  torch.as_tensor(meta.q_lens, device=positions.device))
+    seq, _ = new_token_index(meta.q_lens, meta.kv_lens, positions.device)
     floor = torch.as_tensor(meta.full_write_from, dtype=torch.int64, device=positions.device)
     rows = torch.nonzero(positions >= floor[seq]).flatten()
     return AttnContext(cos, sin, plan, plan.write_slots.index_select(0, rows), rows)

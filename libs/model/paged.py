@@ -7,7 +7,6 @@ cached ones through those tables only; it never allocates KV.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +104,8 @@ class BatchMeta:
         return cls(list(q_lens), list(kv_lens), full, swa, idx)
 
 
-def pad_page_lists(rows: Sequence[Sequence[int]], width: int | None = None) -> list[list[int]]:
-    """Ragged page-id lists padded with -1 to one width (at least 1), ready for a single torch.tensor()."""
-    w = max(max((len(r) for r in rows), default=0), 1) if width is None else width
-    return [[*r, *([-1] * (w - len(r)))] for r in rows]
-
-
 def _pad(rows: list[list[int]], device) -> torch.Tensor:
-    return torch.tensor(pad_page_lists(rows), dtype=torch.int64, device=device).view(len(rows), -1)
+    """Ragged page-id lists padded with -1 to one width (at least 1), as one tensor."""
+    w = max(max((len(r) for r in rows), default=0), 1)
+    return torch.tensor([[*r, *([-1] * (w - len(r)))] for r in rows], dtype=torch.int64,
+                        device=device).view(len(rows), -1)
