@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.kvcache import MIMO_V25_PRO, KVCache, KVCacheConfig, block_hashes, plan_pools
+from libs.kvcache import MIMO_V25_PRO, KVCache, KVCacheConfig, block_hashes, plan_pools, rebuild_span
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -31,8 +31,8 @@ PREFILL_TOK_PER_S = 20_000.0  # timing model: uncached prompt tokens per second 
 DECODE_S_PER_TOK = 0.025  # timing model: seconds per output token
 PREFILL_CHUNK = 2048
 GIB = 1 << 30
-# SWA window rebuild span of the MiMo-V2.5-Pro layout (the engine's formula): (60 SWA layers + 1) windows
-REBUILD_TOKENS = -(-(LAYOUT.swa_layers + 1) * WINDOW // PAGE) * PAGE
+# SWA window rebuild span of the MiMo-V2.5-Pro layout (what the engine sets): (60 SWA layers + 1) windows
+REBUILD_TOKENS = rebuild_span(LAYOUT.swa_layers, WINDOW, PAGE)
 
 
 @dataclass(frozen=True)

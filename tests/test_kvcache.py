@@ -13,6 +13,7 @@ from libs.kvcache import (
     Tier,
     block_hashes,
     plan_pools,
+    rebuild_span,
 )
 from tests.fixtures.kvcache_oracle import Oracle, Running
 
@@ -567,3 +568,11 @@ def test_rebuild_hit_brings_host_full_pages_back() -> None:
     o.running.pop("b")
     o.cache.finish("b")
     o.cache.check_invariants()
+
+
+def test_rebuild_span_is_swa_layers_plus_one_windows_in_whole_pages():
+    assert rebuild_span(60, 128, 64) == 61 * 128  # MiMo-V2.5-Pro: 7808, already page aligned
+    assert rebuild_span(4, 16, 12) == 84  # 80 tokens rounded up to pages of 12
+    assert rebuild_span(4, 16, 32) == 0  # a page longer than the window: no rebuild
+    assert rebuild_span(0, 16, 4) == 0  # no SWA layers: nothing to rebuild
+    KVCacheConfig(page_size=4, window=16, num_full_pages=8, num_swa_pages=8, rebuild_tokens=rebuild_span(4, 16, 4))

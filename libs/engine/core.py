@@ -17,7 +17,7 @@ from libs.engine.config import EngineConfig
 from libs.engine.request import Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
-from libs.kvcache import KVCache, KVCacheConfig
+from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +33,14 @@ class HeldPrefill:
     swa_pages: tuple[int, ...]
 
 
-def rebuild_tokens(model_config, page_size: int) -> int:
-    """Tokens an SWA window rebuild recomputes: one window per SWA layer (the errors of the span's first
-    tokens, which lack their left context, move forward one window per layer) plus the window itself."""
-    if not model_config.swa_layers or page_size > model_config.sliding_window:
-        return 0  # (the cache trusts the rebuilt SWA pages of the last window only when a page fits in it)
-    span = (len(model_config.swa_layers) + 1) * model_config.sliding_window
-    return -(-span // page_size) * page_size
-
-
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
     return KVCacheConfig(
         page_size=config.page_size, window=model_config.sliding_window,
         num_full_pages=config.num_full_pages, num_swa_pages=config.num_swa_pages,
         num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
         enable_prefix_cache=config.enable_prefix_cache, retention=config.retention,
-        rebuild_tokens=rebuild_tokens(model_config, config.page_size) if config.swa_rebuild else 0)
+        rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
+        if config.swa_rebuild else 0)
 
 
 class EngineCore:

@@ -1,7 +1,15 @@
 """SWA-aware KV cache bookkeeping (pure Python: ints, ids, dataclasses; the tensors live in the engine)."""
 
 from libs.kvcache.cache import KVCache
-from libs.kvcache.config import DEFAULT_HASH_SEED, MIMO_V25_PRO, KVCacheConfig, KVLayout, PoolPlan, plan_pools
+from libs.kvcache.config import (
+    DEFAULT_HASH_SEED,
+    MIMO_V25_PRO,
+    KVCacheConfig,
+    KVLayout,
+    PoolPlan,
+    plan_pools,
+    rebuild_span,
+)
 from libs.kvcache.hashing import block_hashes
 from libs.kvcache.retention import POLICIES, RetentionContext, RetentionPlan, register_policy
 from libs.kvcache.types import (
@@ -21,5 +29,6 @@ from libs.kvcache.types import (
 __all__ = [
     "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "Direction", "EventKind", "Group", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
-    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "register_policy",
+    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "rebuild_span",
+    "register_policy",
 ]

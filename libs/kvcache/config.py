@@ -37,7 +37,7 @@ class KVCacheConfig:
     rebuild_tokens: int = 0
     """S, tokens an SWA window rebuild recomputes (0 = off): when full KV is cached up to E but no SWA checkpoint
     is near E, `match` may return a rebuild hit that skips only R = E - S tokens (see `PrefixHit`). The engine
-    sets it to ceil((swa_layers + 1) * window / page) * page. The cache trusts the SWA KV the span writes only
+    sets it to `rebuild_span(swa_layers, window, page)`. The cache trusts the SWA KV the span writes only
     on pages from one window (in pages) before E on (exact when page <= window, see docs/kvcache.md)."""
 
     def __post_init__(self) -> None:
@@ -144,3 +144,13 @@ def plan_pools(budget_bytes: int, layout: KVLayout, page_size: int, window: int,
     swa = running * (wp + 1) + math.floor(cached_seqs * checkpoints_per_seq * wp)
     full = (budget_bytes - swa * spb) // fpb
     return PoolPlan(num_full_pages=int(full), num_swa_pages=int(swa), max_running=int(running))
+
+
+def rebuild_span(swa_layers: int, window: int, page_size: int) -> int:
+    """`KVCacheConfig.rebuild_tokens` for a model: one window per SWA layer (the errors of the span's first
+    tokens, which lack their left context, move forward one window per layer) plus the window itself, in whole
+    pages; 0 (no rebuild) without SWA layers or when a page is longer than the window (the cache trusts the
+    span's last window of SWA pages only when a page fits in it)."""
+    if swa_layers <= 0 or page_size > window:
+        return 0
+    return -(-(swa_layers + 1) * window // page_size) * page_size
