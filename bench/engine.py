@@ -177,8 +177,8 @@ def drain_req(core: EngineCore, req: Request) -> None:
 def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int = 24, gap_s: float = 0.03,
                long_len: int = 3072, long_max: int | None = None, adaptive: bool = True,
                interrupt: bool = True) -> tuple[list[float], list[float]]:
-    """TTFT of each short request and of each long one. Arrivals are checked between steps and, like AsyncEngine does when a
-    request comes in, between the layers of a step of long prefill chunks (`interrupt`)."""
+    """TTFT of each short request and of each long one. Arrivals are checked between steps and, as AsyncEngine
+    does when a request comes in, between the layers of a step that carries long prefill (`interrupt`)."""
     core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges, long_prefill_max_tokens=long_max,
                      adaptive_long_cap=adaptive, interruptible_steps=interrupt)
     arrivals: list[tuple[float, Request]] = []
@@ -239,11 +239,7 @@ def short_ttft(model, cfg) -> dict:
     p = {k: p90(v) for k, v in ttfts.items()}
     out = {f"short_p90_{k}_ms": v * 1e3 for k, v in p.items()}
     out.update({f"long_ttft_median_{k}_ms": statistics.median(v) * 1e3 for k, v in longs.items() if v})
-    out["short_p90_ttft_ratio_buckets"] = p["buckets"] / p["alone"]
-    out["short_p90_ttft_ratio_buckets_no_interrupt"] = p["buckets_no_interrupt"] / p["alone"]
-    out["short_p90_ttft_ratio_buckets_static32"] = p["buckets_static32"] / p["alone"]
-    out["short_p90_ttft_ratio_buckets_uncapped"] = p["buckets_uncapped"] / p["alone"]
-    out["short_p90_ttft_ratio_fcfs"] = p["fcfs"] / p["alone"]
+    out.update({f"short_p90_ttft_ratio_{k}": v / p["alone"] for k, v in p.items() if k != "alone"})
     return out
 
 
