@@ -27,6 +27,9 @@ from libs.kvcache import block_hashes
 
 # Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
 COLD_LONG_CHUNK = 32
+# Steps in a row a pending long prefill may get no token next to short work; the next step schedules it as if
+# no short work were there (aging: bounded waits for long requests without taxing every short step).
+LONG_STARVE_STEPS = 16
 
 
 class SeqStatus(Enum):
@@ -219,6 +222,7 @@ class Scheduler:
         self._pending_outputs: list[RequestOutput] = []
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
         self.cost = StepCostModel()
+        self._long_starved = 0  # steps in a row in which pending long prefill got no token
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -274,6 +278,10 @@ class Scheduler:
         st.load_copies, self._probe_loads = self._probe_loads, []
         self._schedule_decodes(st)
         self._schedule_prefills(st)
+        if st.long_seqs:
+            self._long_starved = 0
+        elif self._long_pending():
+            self._long_starved += 1
         return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted),
                          num_tokens=st.num_tokens, attn_pairs=st.attn_pairs,
                          interruptible=self.config.interruptible_steps and st.long_seqs > 0)
@@ -295,7 +303,8 @@ class Scheduler:
             if not s.is_decoding:
                 prefilling[s.bucket].append(s)
         for bucket in range(self.buckets.num_buckets):
-            shorter_waiting = self._shorter_work_exists(bucket)
+            # a long prefill starved for LONG_STARVE_STEPS steps is scheduled as if no short work were there
+            shorter_waiting = self._shorter_work_exists(bucket) and self._long_starved < LONG_STARVE_STEPS
             st.long_cap = self.config.long_prefill_cap(st.num_tokens) if shorter_waiting else None
             st.long_tokens = 0
             st.long_budget_s = self._long_budget(bucket, shorter_waiting, st)
@@ -317,6 +326,13 @@ class Scheduler:
             while queue and len(self.running) < self.config.max_num_seqs and st.budget > 0:
                 if not self._admit(queue[0], bucket, shorter_waiting, st):
                     break
+
+    def _long_pending(self) -> bool:
+        """Is a longer-bucket request waiting or still prefilling?"""
+        if self.buckets.num_buckets == 1:
+            return False
+        return (any(self.waiting[b] for b in range(1, self.buckets.num_buckets))
+                or any(s.bucket > 0 and not s.is_decoding for s in self.running))
 
     def _shorter_work_exists(self, bucket: int) -> bool:
         """Is a request from a shorter bucket waiting or still prefilling?"""
@@ -352,8 +368,9 @@ class Scheduler:
         if bucket > 0 and self.config.adaptive_long_cap and self.cost.fit is None:
             # cold start: no step cost measured yet, so keep long chunks small until there is
             chunk = min(chunk, COLD_LONG_CHUNK - st.long_tokens)
-        if bucket > 0 and chunk <= 0 and st.long_tokens == 0 and min(to_compute, st.budget) > 0:
-            chunk = 1  # every step moves one long prefill forward: none starves behind a stream of short work
+        if (bucket > 0 and chunk <= 0 and st.long_tokens == 0 and min(to_compute, st.budget) > 0
+                and (st.num_tokens == 0 or self._long_starved >= LONG_STARVE_STEPS)):
+            chunk = 1  # a step with nothing else in it, or a starved long prefill, moves forward whatever the fit
         return chunk
 
     def _admit(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
