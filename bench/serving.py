@@ -102,13 +102,15 @@ class System:
         from libs.bus import Bus, Registry
         from protos import subjects
         from protos.messages import HealthReply, HealthRequest
+        from scripts.run import namespace
 
+        ns = namespace()
         bus = await Bus.connect(self.sup.nats_url, name="bench-serving")
         try:
             out: dict[str, dict[str, str]] = {}
-            for e in await (await Registry.open(bus)).list():
+            for e in await (await Registry.open(bus, subjects.registry_bucket(ns))).list():
                 if e.role.value in ("prefill", "decode"):
-                    reply = await bus.request(subjects.health(e.instance_id), HealthRequest(), HealthReply, 5)
+                    reply = await bus.request(subjects.health(ns, e.instance_id), HealthRequest(), HealthReply, 5)
                     out[e.role.value] = reply.details
             return out
         finally:

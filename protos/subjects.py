@@ -1,7 +1,10 @@
 """Every NATS subject windserve uses, in one place.
 
-Subjects are dot-separated tokens; instance ids and request ids become single tokens, so they
-must not contain dots, spaces or wildcards (checked by `token()`).
+Subjects are dot-separated tokens; namespaces, instance ids and request ids become single tokens, so
+they must not contain dots, spaces or wildcards (checked by `token()`).
+
+Every subject and the registry bucket carry the deployment's namespace (`ns`): deployments sharing one
+NATS server never answer each other's routes, aborts or probes.
 """
 
 from __future__ import annotations
@@ -9,17 +12,12 @@ from __future__ import annotations
 import re
 
 PREFIX = "windserve"
-
-# Fixed subjects (many responders in a queue group, or broadcast).
-ROUTE = f"{PREFIX}.route"
-ABORT = f"{PREFIX}.abort"
-KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
+DEFAULT_NAMESPACE = "default"
 
 # Queue group names: one replica of a role answers each request.
 ROUTER_QUEUE = "router"
 
-# JetStream buckets.
-REGISTRY_BUCKET = "windserve_registry"
+# JetStream bucket of large payloads (keys are unique per message, so it is shared by all namespaces).
 PAYLOAD_BUCKET = "windserve_payloads"
 
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -32,27 +30,46 @@ def token(value: str) -> str:
     return value
 
 
-def health(instance_id: str) -> str:
+def _base(ns: str) -> str:
+    return f"{PREFIX}.{token(ns)}"
+
+
+def registry_bucket(ns: str) -> str:
+    """JetStream KV bucket of the namespace's service registry."""
+    return f"{PREFIX}_registry_{token(ns)}"
+
+
+def route(ns: str) -> str:
+    """Routing requests (request/reply; the routers of the namespace form one queue group)."""
+    return f"{_base(ns)}.route"
+
+
+def abort(ns: str) -> str:
+    """Abort broadcasts: every worker of the namespace frees what it holds for the request."""
+    return f"{_base(ns)}.abort"
+
+
+def health(ns: str, instance_id: str) -> str:
     """Health probe of one service instance (request/reply)."""
-    return f"{PREFIX}.health.{token(instance_id)}"
+    return f"{_base(ns)}.health.{token(instance_id)}"
 
 
-def generate(instance_id: str) -> str:
+def generate(ns: str, instance_id: str) -> str:
     """Generate request addressed to one worker (prefill, decode or combined worker)."""
-    return f"{PREFIX}.worker.{token(instance_id)}.generate"
+    return f"{_base(ns)}.worker.{token(instance_id)}.generate"
 
 
-def stream(request_id: str) -> str:
+def stream(ns: str, request_id: str) -> str:
     """Token chunks of one request flow from the decoding worker to the gateway on this subject."""
-    return f"{PREFIX}.stream.{token(request_id)}"
+    return f"{_base(ns)}.stream.{token(request_id)}"
 
 
-def kv_events(instance_id: str) -> str:
+def kv_events(ns: str, instance_id: str) -> str:
     """KV-cache events (stored / removed block hashes) published by one worker."""
-    return f"{PREFIX}.kv_events.{token(instance_id)}"
+    return f"{_base(ns)}.kv_events.{token(instance_id)}"
 
 
-def kv_prepare(instance_id: str) -> str:
+def kv_prepare(ns: str, instance_id: str) -> str:
     """Disaggregated mode: prefill asks one decode worker to admit a request and expect its KV
     (request/reply, `KVPrepareRequest` -> `KVPrepareReply`)."""
-    return f"{PREFIX}.worker.{token(instance_id)}.kv_prepare"
+    return f"{_base(ns)}.worker.{token(instance_id)}.kv_prepare"

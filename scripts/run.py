@@ -242,15 +242,23 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
+def namespace() -> str:
+    """The children's namespace: they inherit WINDSERVE_NAMESPACE from this environment."""
+    from protos import subjects
+
+    return os.environ.get("WINDSERVE_NAMESPACE", subjects.DEFAULT_NAMESPACE)
+
+
 async def _registry_ids(nats_url: str) -> set[str]:
     from libs.bus import Bus, BusError, Registry
+    from protos import subjects
 
     try:
         bus = await Bus.connect(nats_url, name="run-supervisor", timeout=2)
     except BusError:
         return set()
     try:
-        entries = await (await Registry.open(bus)).list(timeout=2)
+        entries = await (await Registry.open(bus, subjects.registry_bucket(namespace()))).list(timeout=2)
         return {e.instance_id for e in entries}
     except (BusError, TimeoutError):
         return set()

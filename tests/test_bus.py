@@ -113,7 +113,7 @@ async def payload_objects(bus: Bus) -> list[str]:
 
 async def test_4mib_payload_round_trip_through_object_store(bus):
     tokens = list(range(700_000))  # ~4.6 MiB of JSON, well above max_payload (1 MiB)
-    request = GenerateRequest(request_id="big", token_ids=tokens, stream_subject=subjects.stream("big"))
+    request = GenerateRequest(request_id="big", token_ids=tokens, stream_subject=subjects.stream("t", "big"))
     assert len(encode(request)) > 4 * 1024 * 1024
 
     async def echo(req: GenerateRequest) -> GenerateRequest:

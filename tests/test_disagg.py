@@ -57,7 +57,7 @@ class Stream:
             self.final[subject].set()
 
     async def result(self, request_id: str, timeout: float = 60) -> list[TokenChunk]:
-        subject = subjects.stream(request_id)
+        subject = subjects.stream("t", request_id)
         await asyncio.wait_for(self.final[subject].wait(), timeout)
         return self.chunks[subject]
 
@@ -93,7 +93,7 @@ class Pipeline:
         await asyncio.to_thread(self.decode_engine.shutdown)
 
     async def generate(self, request_id: str, tokens: list[int], max_tokens: int) -> list[TokenChunk]:
-        req = GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream(request_id),
+        req = GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream("t", request_id),
                               sampling=WireParams(max_tokens=max_tokens, temperature=0.0), decode_instance="d0")
         await self.prefill.submit(req)
         return await self.stream.result(request_id)

@@ -33,10 +33,10 @@ class System(ServiceGroup):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=timeout)
 
 
-def start_system(nats_url: str, logs: Path, services: dict[str, str], bucket: str, gateway_env: dict[str, str]
+def start_system(nats_url: str, logs: Path, services: dict[str, str], namespace: str, gateway_env: dict[str, str]
                  ) -> System:
     """Start `services` ({instance id: service name}); wait until the gateway's /health lists them all."""
-    system = System(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING"}, bucket=bucket)
+    system = System(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING"}, namespace=namespace)
     per_service = {
         "worker": {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()},
         "gateway": gateway_env,
@@ -55,7 +55,7 @@ def start_system(nats_url: str, logs: Path, services: dict[str, str], bucket: st
 @pytest.fixture(scope="module")
 def system(nats_server, tmp_path_factory) -> Iterator[System]:
     services = {"agg-gw": "gateway", "agg-router": "router", "agg-w1": "worker"}
-    sys_ = start_system(nats_server.url, tmp_path_factory.mktemp("agg-logs"), services, "agg_registry",
+    sys_ = start_system(nats_server.url, tmp_path_factory.mktemp("agg-logs"), services, "agg",
                         {"WINDSERVE_API_KEYS": KEY})
     try:
         yield sys_
@@ -73,11 +73,11 @@ def prompt_ids(n: int, salt: int) -> list[int]:
     return [(salt * 31 + i * 7) % 250 + 3 for i in range(n)]
 
 
-def worker_details(nats_url: str, instance: str) -> dict[str, str]:
+def worker_details(nats_url: str, namespace: str, instance: str) -> dict[str, str]:
     async def ask() -> dict[str, str]:
         bus = await Bus.connect(nats_url, name="e2e-probe")
         try:
-            reply = await bus.request(subjects.health(instance), HealthRequest(), HealthReply, 5)
+            reply = await bus.request(subjects.health(namespace, instance), HealthRequest(), HealthReply, 5)
             return reply.details
         finally:
             await bus.close()
@@ -203,7 +203,7 @@ def _worker_load(system: System, instance: str) -> dict:
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(system):
-    before = worker_details(system.nats_url, "agg-w1")
+    before = worker_details(system.nats_url, system.namespace, "agg-w1")
     stream = system.client().completions.create(model=MODEL, prompt=prompt_ids(50, 8), max_tokens=4000,
                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
     seen = 0
@@ -215,7 +215,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(system):
     stream.close()  # drop the HTTP connection
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        details = worker_details(system.nats_url, "agg-w1")
+        details = worker_details(system.nats_url, system.namespace, "agg-w1")
         if int(details["aborted"]) > int(before["aborted"]) and details["running"] == "0":
             break
         time.sleep(0.2)
@@ -231,7 +231,7 @@ def test_killed_worker_gives_client_an_error_in_bounded_time(tmp_path):
     system = None
     try:
         system = start_system(nats.url, tmp_path / "logs", {"kill-gw": "gateway", "kill-w1": "worker"},
-                              "kill_registry", {})
+                              "kill", {})
         c = openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=30)
         stream = c.completions.create(model=MODEL, prompt=prompt_ids(20, 9), max_tokens=4000, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})

@@ -38,7 +38,7 @@ SAMPLES = [
         request_id="q1",
         token_ids=[1, 2, 3],
         sampling=SamplingParams(max_tokens=4, temperature=0.0, top_k=5, seed=3, stop_token_ids=[9], logprobs=2),
-        stream_subject=subjects.stream("q1"),
+        stream_subject=subjects.stream("default", "q1"),
     ),
     TokenChunk(
         request_id="q1",
@@ -117,16 +117,20 @@ def test_kv_event_ids_must_be_consecutive():
 
 
 def test_subject_builders():
-    assert subjects.health("r-1") == "windserve.health.r-1"
-    assert subjects.generate("w_2") == "windserve.worker.w_2.generate"
-    assert subjects.stream("req9") == "windserve.stream.req9"
-    assert subjects.kv_events("p1") == "windserve.kv_events.p1"
+    assert subjects.health("prod", "r-1") == "windserve.prod.health.r-1"
+    assert subjects.generate("prod", "w_2") == "windserve.prod.worker.w_2.generate"
+    assert subjects.stream("prod", "req9") == "windserve.prod.stream.req9"
+    assert subjects.kv_events("prod", "p1") == "windserve.prod.kv_events.p1"
+    assert subjects.route("a") != subjects.route("b") and subjects.abort("a") != subjects.abort("b")
+    assert subjects.registry_bucket("prod") == "windserve_registry_prod"
 
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", ""])
 def test_subject_tokens_reject_separators_and_wildcards(bad):
     with pytest.raises(ValueError, match="not a valid subject token"):
-        subjects.stream(bad)
+        subjects.stream("default", bad)
+    with pytest.raises(ValueError, match="not a valid subject token"):
+        subjects.route(bad)
 
 
 def test_registry_entry_instance_id_must_be_a_token():

@@ -103,7 +103,7 @@ class EchoService(Service):
 
 
 def svc_config(nats_url: str, **kw) -> ServiceConfig:
-    base = {"nats_url": nats_url, "registry_bucket": "test_service_reg", "registry_ttl_s": 2, "heartbeat_interval_s": 0.3}
+    base = {"nats_url": nats_url, "namespace": "test_service", "registry_ttl_s": 2, "heartbeat_interval_s": 0.3}
     return ServiceConfig(**{**base, **kw})
 
 
@@ -112,9 +112,9 @@ async def test_service_registers_answers_health_and_drains_before_deregistering(
     svc = EchoService(svc_config(nats_url, metrics_port=free_port()))
     await svc.start()
     try:
-        registry = await Registry.open(bus, bucket="test_service_reg")
+        registry = await Registry.open(bus, bucket=subjects.registry_bucket("test_service"))
         assert [e.instance_id for e in await registry.list(Role.ROUTER)] == [svc.config.instance_id]
-        health = await bus.request(subjects.health(svc.config.instance_id), HealthRequest(), HealthReply, 2)
+        health = await bus.request(subjects.health("test_service", svc.config.instance_id), HealthRequest(), HealthReply, 2)
         assert (health.role, health.state, health.in_flight) == (Role.ROUTER, ServiceState.RUNNING, 0)
 
         body = urllib.request.urlopen(svc.metrics_server.url, timeout=5).read().decode()
@@ -135,6 +135,33 @@ async def test_service_registers_answers_health_and_drains_before_deregistering(
     finally:
         svc.release.set()
         await svc.stop()
+
+
+@pytest.mark.integration
+async def test_namespaces_on_one_nats_server_never_answer_each_other(bus, nats_url):
+    """Two deployments share a nats-server: each gateway's route requests reach only its own routers."""
+    from protos.messages import RegistryEntry
+    from services.router.service import RouterService
+
+    routers, registrations = [], []
+    for ns in ("ns_a", "ns_b"):
+        router = RouterService(RouterConfig(nats_url=nats_url, namespace=ns, instance_id=f"router-{ns}"))
+        await router.start()
+        routers.append(router)
+        registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
+        reg = registry.register(RegistryEntry(role=Role.WORKER, instance_id=f"worker-{ns}"), HeartbeatConfig(5, 1))
+        await reg.start()
+        registrations.append(reg)
+    try:
+        for ns in ("ns_a", "ns_b"):
+            picks = {(await bus.request(subjects.route(ns), RouteRequest(request_id=f"r{i}", num_tokens=8),
+                                        RouteReply, 5)).prefill_instance for i in range(12)}
+            assert picks == {f"worker-{ns}"}
+    finally:
+        for reg in registrations:
+            await reg.stop()
+        for router in routers:
+            await router.stop()
 
 
 @pytest.mark.integration
@@ -160,12 +187,12 @@ async def test_failing_critical_background_task_stops_service(nats_url):
 # --- real processes (e2e) -------------------------------------------------------------------
 
 
-def start_router(nats_url: str, instance: str, bucket: str) -> subprocess.Popen[bytes]:
+def start_router(nats_url: str, instance: str, namespace: str) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "WINDSERVE_NATS_URL": nats_url,
         "WINDSERVE_INSTANCE_ID": instance,
-        "WINDSERVE_REGISTRY_BUCKET": bucket,
+        "WINDSERVE_NAMESPACE": namespace,
         "WINDSERVE_REGISTRY_TTL_S": "1",
         "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.25",
     }
@@ -182,14 +209,14 @@ async def wait_listed(registry: Registry, instance: str, present: bool, timeout:
 
 @pytest.mark.e2e
 async def test_sigkilled_service_leaves_registry_within_ttl_and_sigterm_deregisters(bus, nats_url):
-    bucket = "test_service_kill"
-    registry = await Registry.open(bus, bucket=bucket)
-    killed = start_router(nats_url, "doomed", bucket)
-    stopped = start_router(nats_url, "polite", bucket)
+    namespace = "test_service_kill"
+    registry = await Registry.open(bus, bucket=subjects.registry_bucket(namespace))
+    killed = start_router(nats_url, "doomed", namespace)
+    stopped = start_router(nats_url, "polite", namespace)
     try:
         await wait_listed(registry, "doomed", True, 60)  # start-up only; slow on a loaded 2-core machine
         await wait_listed(registry, "polite", True, 60)  # start-up only; slow on a loaded 2-core machine
-        reply = await bus.request(subjects.health("doomed"), HealthRequest(), HealthReply, 2)
+        reply = await bus.request(subjects.health(namespace, "doomed"), HealthRequest(), HealthReply, 2)
         assert reply.instance_id == "doomed" and "bucket_edges" in reply.details
 
         killed.send_signal(signal.SIGKILL)

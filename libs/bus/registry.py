@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -74,7 +75,7 @@ class Registry:
         self.bucket = bucket
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str = subjects.REGISTRY_BUCKET, replicas: int = 1) -> Registry:
+    async def open(cls, bus: Bus, bucket: str = subjects.registry_bucket(subjects.DEFAULT_NAMESPACE), replicas: int = 1) -> Registry:
         """Create the bucket if missing (idempotent), with per-message TTL and leave markers."""
         config = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, limit_marker_ttl=_MARKER_TTL_S)
         try:
@@ -179,10 +180,16 @@ class Registration:
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self.entry.instance_id}")
 
     async def _loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat.interval_s)
             try:
                 await self._registry.put(self.entry, self.heartbeat.ttl_s)
+                now = time.monotonic()
+                if now - last > self.heartbeat.ttl_s:  # a blocked event loop: routers did not see this instance
+                    log.warning("heartbeat late: the entry may have expired meanwhile",
+                                extra={"instance": self.entry.instance_id, "gap_s": round(now - last, 3)})
+                last = now
             except Exception as exc:  # NATS down: keep trying; the entry expires meanwhile
                 log.warning("heartbeat failed", extra={"instance": self.entry.instance_id, "error": repr(exc)})
 

@@ -34,7 +34,12 @@ class ServiceConfig(BaseModel):
         pattern=r"^[A-Za-z0-9_\-]+$",
         description="unique id of this instance (a subject token); random when unset",
     )
-    registry_bucket: str = Field(default=subjects.REGISTRY_BUCKET, description="JetStream KV bucket of the registry")
+    namespace: str = Field(
+        default=subjects.DEFAULT_NAMESPACE,
+        pattern=r"^[A-Za-z0-9_\-]+$",
+        description="deployment name: every subject and the registry bucket carry it, so deployments sharing a "
+                    "NATS server stay apart",
+    )
     registry_ttl_s: int = Field(default=5, ge=1, description="registry entry lifetime without heartbeat, seconds")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="registry refresh period, seconds")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="NATS connect timeout, seconds")

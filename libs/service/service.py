@@ -88,8 +88,8 @@ class Service:
             timeout=cfg.connect_timeout_s,
             config=BusConfig(connect_timeout_s=cfg.connect_timeout_s, drain_timeout_s=cfg.drain_timeout_s),
         )
-        self.registry = await Registry.open(self.bus, bucket=cfg.registry_bucket)
-        await self.bus.serve(subjects.health(cfg.instance_id), HealthRequest, self._health)
+        self.registry = await Registry.open(self.bus, bucket=subjects.registry_bucket(cfg.namespace))
+        await self.bus.serve(subjects.health(cfg.namespace, cfg.instance_id), HealthRequest, self._health)
         await self.setup()
         heartbeat = HeartbeatConfig(ttl_s=cfg.registry_ttl_s, interval_s=cfg.heartbeat_interval_s)
         self._registration = self.registry.register(self.registry_entry(), heartbeat)

@@ -83,6 +83,7 @@ class BackendConfig:
     liveness_misses: int = 2
     idle_timeout_s: float = 300.0
     bucket_edges: tuple[int, ...] = (65536, 262144)
+    namespace: str = subjects.DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         if min(self.route_timeout_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s) <= 0:
@@ -108,7 +109,7 @@ class NatsBackend:
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
                            block_hashes=block_hashes(token_ids, self.config.page_size))
         try:
-            return await self._bus.request(subjects.ROUTE, req, RouteReply, self.config.route_timeout_s)
+            return await self._bus.request(subjects.route(self.config.namespace), req, RouteReply, self.config.route_timeout_s)
         except NoResponders:
             return await self._route_direct(request_id, len(token_ids))  # no router running
         except RemoteError as exc:
@@ -127,7 +128,7 @@ class NatsBackend:
     async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams
                        ) -> AsyncIterator[TokenChunk]:
         route = await self.route(request_id, token_ids)
-        stream = subjects.stream(request_id)
+        stream = subjects.stream(self.config.namespace, request_id)
         sub = await self._bus.subscribe(stream, TokenChunk)
         finished = False
         try:
@@ -152,7 +153,7 @@ class NatsBackend:
                               stream_subject=stream, decode_instance=decode)
         target = route.prefill_instance
         try:
-            ack = await self._bus.request(subjects.generate(target), msg, GenerateAck, self.config.ack_timeout_s)
+            ack = await self._bus.request(subjects.generate(self.config.namespace, target), msg, GenerateAck, self.config.ack_timeout_s)
         except NoResponders as exc:
             raise BackendError(503, f"worker {target} is not reachable (gone?)") from exc
         except BusTimeout as exc:
@@ -185,7 +186,7 @@ class NatsBackend:
     async def _probe(self, instances: set[str], misses: dict[str, int]) -> None:
         for instance in sorted(instances):
             try:
-                await self._bus.request(subjects.health(instance), HealthRequest(), HealthReply,
+                await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
                                         self.config.liveness_interval_s)
                 misses[instance] = 0
             except BusError as exc:
@@ -204,7 +205,7 @@ class NatsBackend:
             await sub.unsubscribe()
         if abort:
             try:
-                await self._bus.publish(subjects.ABORT, AbortRequest(request_id=request_id, reason="client left"))
+                await self._bus.publish(subjects.abort(self.config.namespace), AbortRequest(request_id=request_id, reason="client left"))
             except Exception as exc:
                 log.warning("could not publish abort", extra={"request_id": request_id, "error": repr(exc)})
 

@@ -52,7 +52,7 @@ class GatewayService(Service):
         self.backend = NatsBackend(self.bus, self._list_workers, BackendConfig(
             page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
-            liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s,
+            liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
         ))
         return handlers.Api(
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,

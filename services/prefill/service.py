@@ -69,7 +69,7 @@ class EngineRoleService(Service):
         self.transfer = create_engine()
         self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
         await self.setup_role()
-        aborts = await self.bus.subscribe(subjects.ABORT, AbortRequest)
+        aborts = await self.bus.subscribe(subjects.abort(self.config.namespace), AbortRequest)
         self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
         await self._refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
@@ -162,11 +162,11 @@ class PrefillService(EngineRoleService):
         self.worker = handlers.PrefillWorker(
             self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish,
             prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s)
-        await self.bus.serve(subjects.generate(cfg.instance_id), GenerateRequest, self._generate)
+        await self.bus.serve(subjects.generate(cfg.namespace, cfg.instance_id), GenerateRequest, self._generate)
 
     async def _prepare(self, decode_instance: str, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.bus is not None
-        return await self.bus.request(subjects.kv_prepare(decode_instance), msg, KVPrepareReply,
+        return await self.bus.request(subjects.kv_prepare(self.config.namespace, decode_instance), msg, KVPrepareReply,
                                       timeout=self.config.prepare_timeout_s)
 
     async def _generate(self, req: GenerateRequest) -> GenerateAck:

@@ -56,11 +56,11 @@ class WorkerService(Service):
         self.engine = engine
         vocab = int(engine.core.model_config.vocab_size)
         self.generations = Generations(engine, self._publish, cfg, vocab)
-        aborts = await self.bus.subscribe(subjects.ABORT, AbortRequest)
+        aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
         self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
         await self._refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
-        await self.bus.serve(subjects.generate(cfg.instance_id), GenerateRequest, self._generate)
+        await self.bus.serve(subjects.generate(cfg.namespace, cfg.instance_id), GenerateRequest, self._generate)
 
     async def _publish(self, subject: str, chunk: TokenChunk) -> None:
         assert self.bus is not None
