@@ -27,6 +27,7 @@ from libs.engine.runner import build_inputs
 from libs.model import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROUNDS = 8  # short-TTFT rounds per mode
 GOALS = {"step_overhead_ratio": ("<=", 1.15), "throughput_vs_hf": (">=", 5.0), "l2_hit_ttft_ratio": ("<=", 1.1),
          "short_p90_ttft_ratio_buckets": ("<=", 1.3)}
 
@@ -176,11 +177,12 @@ def drain_req(core: EngineCore, req: Request) -> None:
 # ---------------------------------------------------------------- short-request TTFT in a mix
 def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int = 24, gap_s: float = 0.03,
                long_len: int = 3072, long_max: int | None = None, adaptive: bool = True,
-               interrupt: bool = True) -> tuple[list[float], list[float]]:
-    """TTFT of each short request and of each long one. Arrivals are checked between steps and, as AsyncEngine
-    does when a request comes in, between the layers of a step that carries long prefill (`interrupt`)."""
+               interrupt: bool = True, **opts) -> tuple[list[float], list[float], list[float]]:
+    """TTFT of each short request and of each long one, and each short's mean time per output token after
+    the first. Arrivals are checked between steps and, as AsyncEngine does when a request comes in, between
+    the layers (and before the MLPs) of a step that carries long prefill (`interrupt`)."""
     core = make_core(model, cfg, max_num_batched_tokens=256, bucket_edges=edges, long_prefill_max_tokens=long_max,
-                     adaptive_long_cap=adaptive, interruptible_steps=interrupt)
+                     adaptive_long_cap=adaptive, interruptible_steps=interrupt, **opts)
     arrivals: list[tuple[float, Request]] = []
     if with_long:
         arrivals += [(0.0, Request(f"long{i}", tokens(7000 + i, long_len), greedy(4))) for i in range(2)]
@@ -188,6 +190,7 @@ def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int
     start = time.perf_counter()
     added: dict[str, float] = {}
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
     pending = sorted(arrivals, key=lambda a: a[0])
 
     def arrived() -> bool:  # an urgent (short-bucket) request is due: what AsyncEngine's flag reports
@@ -207,10 +210,13 @@ def mixed_ttft(model, cfg, edges: tuple[int, ...], with_long: bool, n_short: int
                 time.sleep(gap - 1e-3)
             continue
         for o in core.step(interrupt=arrived if interrupt else None):
-            if o.new_token_ids and o.req_id not in first:
-                first[o.req_id] = time.perf_counter() - start
+            if o.new_token_ids:
+                first.setdefault(o.req_id, time.perf_counter() - start)
+                last[o.req_id] = time.perf_counter() - start
     ttft = {r: first[r] - added[r] for r in added}
-    return [v for r, v in ttft.items() if r.startswith("short")], [v for r, v in ttft.items() if r.startswith("long")]
+    tpot = [(last[r] - first[r]) / 3 for r in added if r.startswith("short")]  # greedy(4): 3 tokens after the first
+    return ([v for r, v in ttft.items() if r.startswith("short")], [v for r, v in ttft.items() if r.startswith("long")],
+            tpot)
 
 
 def p90(xs: list[float]) -> float:
@@ -219,26 +225,31 @@ def p90(xs: list[float]) -> float:
 
 def short_ttft(model, cfg) -> dict:
     """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill, in one worker. Run side by
-    side: shorts alone; mix with buckets (edge 512, share 0.2), the default step-cost-adaptive long cap and
-    long-only steps interrupted between layers when a short arrives; the same without interruption; with a
-    static token cap instead (token share + long chunks <= 32 tokens); buckets with neither cap; no buckets
-    (FCFS). The long requests' TTFT is reported too: what interruption costs them."""
+    side: shorts alone; mix with buckets (edge 512) and the defaults (share 0.05, step-cost-adaptive long cap,
+    steps with long prefill interrupted when a short arrives); the same with share 0.2; without interruption;
+    with a static token cap instead (token share + long chunks <= 32 tokens); buckets with neither cap; no
+    buckets (FCFS). The long requests' TTFT and the shorts' time per output token are reported too: what the
+    protection of short first tokens costs the others."""
     edges = (512,)
     runs = {"alone": dict(edges=edges, with_long=False), "buckets": dict(edges=edges, with_long=True),
+            "buckets_share0.2": dict(edges=edges, with_long=True, long_prefill_share=0.2),
             "buckets_no_interrupt": dict(edges=edges, with_long=True, interrupt=False),
             "buckets_static32": dict(edges=edges, with_long=True, long_max=32, adaptive=False),
             "buckets_uncapped": dict(edges=edges, with_long=True, adaptive=False),
             "fcfs": dict(edges=(), with_long=True)}
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
     longs: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(5):  # five rounds, interleaved (a p90 over 120 shorts per mode: the tail is noisy)
+    tpots: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(ROUNDS):  # interleaved rounds (the p90 tail is noisy and the machine's speed drifts)
         for k, kw in runs.items():
-            short, long = mixed_ttft(model, cfg, **kw)
+            short, long, tpot = mixed_ttft(model, cfg, **kw)
             ttfts[k] += short
             longs[k] += long
+            tpots[k] += tpot
     p = {k: p90(v) for k, v in ttfts.items()}
     out = {f"short_p90_{k}_ms": v * 1e3 for k, v in p.items()}
     out.update({f"long_ttft_median_{k}_ms": statistics.median(v) * 1e3 for k, v in longs.items() if v})
+    out.update({f"short_tpot_median_{k}_ms": statistics.median(v) * 1e3 for k, v in tpots.items()})
     out.update({f"short_p90_ttft_ratio_{k}": v / p["alone"] for k, v in p.items() if k != "alone"})
     return out
 
@@ -250,7 +261,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    extra = ["short_p90_ttft_ratio_buckets_static32", "short_p90_ttft_ratio_fcfs"]
+    extra = ["short_p90_ttft_ratio_buckets_share0.2", "short_p90_ttft_ratio_buckets_static32", "short_p90_ttft_ratio_fcfs"]
     names = list(GOALS) + extra
     vals = [results[n] for n in names]
     fig, ax = plt.subplots(figsize=(10, 4))

@@ -229,7 +229,8 @@ async def _consume_all(engine, req):
 
 
 class LayerCountdown:
-    """Interrupt check that fires on its n-th poll (one poll per decoder layer of an interruptible step)."""
+    """Interrupt check that fires on its n-th poll (two per decoder layer of an interruptible step: before the
+    layer and before its MLP)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.polls = n, 0
@@ -239,7 +240,7 @@ class LayerCountdown:
         return self.polls == self.n
 
 
-@pytest.mark.parametrize("fire_at", [1, 4])
+@pytest.mark.parametrize("fire_at", [1, 2, 7])
 def test_interrupted_long_steps_leave_outputs_and_pools_unchanged(tiny, fire_at):
     """A step of long prefill chunks stopped between layers (its K/V partly written, nothing committed) is
     redone by the next step; the outputs equal full recompute and the pools return to their baseline."""

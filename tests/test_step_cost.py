@@ -12,26 +12,36 @@ pytestmark = pytest.mark.unit
 TRUE = CostFit(fixed=4e-3, per_token=1.5e-4, per_pair=2e-7)
 
 
-def synthetic(n: int = 60) -> list[tuple[int, int, float]]:
+def synthetic(n: int = 60, true: CostFit = TRUE) -> list[tuple[int, int, float, int]]:
     out = []
     for i in range(n):
         tokens = 1 + (i * 37) % 200
         pairs = tokens * (tokens + (i * 101) % 3000)
+        seqs = (i * 13) % 4
         wobble = 1.0 + 0.02 * ((i * 7) % 5 - 2) / 2  # deterministic +-2% "noise"
-        out.append((tokens, pairs, TRUE.predict(tokens, pairs) * wobble))
+        out.append((tokens, pairs, true.predict(tokens, pairs, seqs) * wobble, seqs))
     return out
 
 
-def test_fit_recovers_known_coefficients():
-    fit = fit_step_cost(synthetic())
+@pytest.mark.parametrize("true", [TRUE, CostFit(fixed=4e-3, per_token=1.5e-4, per_pair=2e-7, per_seq=1.2e-3)])
+def test_fit_recovers_known_coefficients(true):
+    fit = fit_step_cost(synthetic(true=true))
     assert fit is not None
-    assert fit.fixed == pytest.approx(TRUE.fixed, rel=0.1)
-    assert fit.per_token == pytest.approx(TRUE.per_token, rel=0.1)
-    assert fit.per_pair == pytest.approx(TRUE.per_pair, rel=0.1)
+    assert fit.fixed == pytest.approx(true.fixed, rel=0.1)
+    assert fit.per_token == pytest.approx(true.per_token, rel=0.1)
+    assert fit.per_pair == pytest.approx(true.per_pair, rel=0.1)
+    assert fit.per_seq == pytest.approx(true.per_seq, rel=0.1, abs=1e-4)
+
+
+def test_per_sequence_cost_is_not_fitted_when_every_step_has_the_same_count():
+    """Always one prefill chunk per step: the per-sequence term cannot be told from the fixed cost."""
+    samples = [(t, p, s, 1) for t, p, s, _ in synthetic(true=CostFit(fixed=5e-3, per_token=1.5e-4, per_pair=2e-7))]
+    fit = fit_step_cost(samples)
+    assert fit is not None and fit.per_seq == 0.0 and fit.fixed == pytest.approx(5e-3, rel=0.1)
 
 
 def test_fit_needs_more_than_one_token_count():
-    assert fit_step_cost([(32, 32 * 40, 0.005)] * 20) is None
+    assert fit_step_cost([(32, 32 * 40, 0.005, 1)] * 20) is None
 
 
 def test_model_fits_only_after_enough_samples():
@@ -76,9 +86,28 @@ def test_long_chunk_next_to_short_work_adds_at_most_share_of_predicted_step():
     s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
     plan = s.schedule()
     n, start = long_chunk(plan)
-    base = TRUE.predict(20, 20 * 20)  # the short prefill alone
-    assert 1 <= n
-    assert TRUE.chunk_cost(n, start) <= 0.2 * base < TRUE.chunk_cost(n + 1, start)
+    base = TRUE.predict(20, 20 * 20, 1)  # the short prefill alone
+    by_time = TRUE.max_chunk(0.2 * base, start, 200)
+    assert 1 <= n == min(by_time, 5)  # and at most 0.2 of the step's tokens: 20 * 0.2 / 0.8
+    assert TRUE.chunk_cost(n, start) <= 0.2 * base
+
+
+def test_per_sequence_cost_keeps_long_chunks_out_of_a_short_prefill_step_it_would_overrun():
+    """Adding any long chunk costs per_seq on its own: when that alone exceeds the share, the short's step
+    stays pure; with a budget above per_seq the chunk fills what is left."""
+    steep = CostFit(fixed=4e-3, per_token=1.5e-4, per_pair=2e-7, per_seq=1.2e-3)
+    for share, expect_long in ((0.1, False), (0.6, True)):
+        s = make_sched(share=share)
+        s.cost.fit = steep
+        s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+        s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
+        plan = s.schedule()
+        longs = [x for x in plan.seqs if x.req_id == "long"]
+        assert bool(longs) is expect_long and plan.num_prefill_seqs == 1 + len(longs)
+        if longs:
+            n, start = longs[0].num_new, longs[0].start
+            budget = share * steep.predict(20, 20 * 20, 1)
+            assert steep.chunk_cost(n, start) <= budget < steep.chunk_cost(n + 1, start)
 
 
 def test_long_only_step_costs_at_most_share_over_the_fixed_cost_when_not_interruptible():

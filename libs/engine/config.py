@@ -40,7 +40,7 @@ class EngineConfig:
     """Length bucket edges over uncached tokens; () = a single bucket."""
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker serves (None = all)."""
-    long_prefill_share: float = 0.2
+    long_prefill_share: float = 0.05
     """Share of a step's tokens longer-bucket prefills may take while shorter requests wait (1.0 = no cap)."""
     long_prefill_max_tokens: int | None = None
     """Most long-bucket prefill tokens in any step (bounds how long a short arrival waits for the step in

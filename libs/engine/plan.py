@@ -53,6 +53,7 @@ class BatchPlan:
     preempted: tuple[str, ...] = field(default=())
     num_tokens: int = -1  # new tokens over `seqs` (filled in when omitted)
     attn_pairs: int = 0  # sum of num_new * kv_len over `seqs` (the step cost model's input)
+    num_prefill_seqs: int = 0  # chunks of more than one token among `seqs` (the step cost model's input)
     interruptible: bool = False  # carries longer-bucket prefill: may stop at a layer boundary (see EngineCore)
 
     def __post_init__(self) -> None:

@@ -90,6 +90,11 @@ class ModelRunner:
         ref = weakref.ref(self)
         self._copy_workers: list[CopyWorker] = []  # at most one, started on the first threaded load
         hooks = [layer.register_forward_pre_hook(_layer_hook(ref, i)) for i, layer in enumerate(decoder_layers(model))]
+        # a second interrupt poll inside each layer, before its MLP/MoE: halves how long an arrival waits
+        for i, layer in enumerate(decoder_layers(model)):
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, torch.nn.Module):
+                hooks.append(mlp.register_forward_pre_hook(_mlp_hook(ref, i)))
         self._finalizer = weakref.finalize(self, _release, hooks, self._copy_workers)
         self._interrupt: Callable[[], bool] | None = None
         self._forward_thread: int | None = None  # the thread inside forward(): the layer hooks act for it only
@@ -102,10 +107,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ tiers
     def _before_layer(self, layer: int) -> None:
-        if self._interrupt is not None and self._interrupt():
-            raise StepInterrupted(f"step interrupted before layer {layer}")
+        self._poll(f"layer {layer}")
         if self._load is not None:
             self._load.wait_layer(layer)
+
+    def _poll(self, where: str) -> None:
+        if self._interrupt is not None and self._interrupt():
+            raise StepInterrupted(f"step interrupted before {where}")
 
     def backup(self, copies: Sequence) -> None:
         """Device -> host, synchronous: the device pages may be reused right after."""
@@ -137,10 +145,10 @@ class ModelRunner:
     def forward(self, plan: BatchPlan, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         """Execute the plan's copies and forward; logits [num sampling seqs, vocab] in plan order.
 
-        With `interrupt`, it is polled before every decoder layer and the forward raises StepInterrupted
-        as soon as it returns True. The copies still complete (the cache's books already moved those
-        pages); the K/V the forward wrote so far sits at positions no sequence has committed, so it is
-        simply written again when the chunk is rescheduled."""
+        With `interrupt`, it is polled before every decoder layer and before each layer's MLP, and the
+        forward raises StepInterrupted as soon as it returns True. The copies still complete (the cache's
+        books already moved those pages); the K/V the forward wrote so far sits at positions no sequence
+        has committed, so it is simply written again when the chunk is rescheduled."""
         self.backup(plan.backup_copies)
         self.start_load(plan.load_copies)
         self._interrupt = interrupt
@@ -179,6 +187,14 @@ def _layer_hook(ref: weakref.ReferenceType, layer: int):
         if runner is None or threading.get_ident() != runner._forward_thread:
             return  # someone else's forward of the same model (another engine, a reference run in a test)
         runner._before_layer(layer)
+    return hook
+
+
+def _mlp_hook(ref: weakref.ReferenceType, layer: int):
+    def hook(_module, _args):
+        runner = ref()
+        if runner is not None and threading.get_ident() == runner._forward_thread:
+            runner._poll(f"the MLP of layer {layer}")
     return hook
 
 

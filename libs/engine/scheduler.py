@@ -52,10 +52,12 @@ class SchedulerConfig:
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker is meant for (advertised to the router); None = all. Requests from other
     buckets are still served (the router's prediction can be off) and counted as misrouted."""
-    long_prefill_share: float = 0.2
+    long_prefill_share: float = 0.05
     """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks may take at most
-    this share of the step's tokens, so a step that carries short work grows by at most
-    1 / (1 - share) and short first tokens are not pushed back further. 1.0 = no cap."""
+    this share of the step's tokens (and, with adaptive_long_cap, of its predicted time), so a step that
+    carries a short request's first token grows by at most 1 / (1 - share). 1.0 = no cap. Long prompts
+    move mostly in steps without a waiting short request (decode or long-only steps), so a small share
+    costs them little."""
     long_prefill_max_tokens: int | None = None
     """Most prefill tokens of longer-bucket (bucket > 0) requests in any step, even with no short request
     waiting: a short request arriving mid-step waits for the step (or, with interruptible_steps, its
@@ -63,8 +65,9 @@ class SchedulerConfig:
     the step budget."""
     adaptive_long_cap: bool = True
     """Size longer-bucket prefill chunks by the measured step cost (StepCostModel) instead of token counts:
-    next to shorter work the long tokens may add at most long_prefill_share of the step's predicted time,
-    and a step with no shorter work may cost at most long_step_cost (interruptible_steps) or else
+    next to shorter work the long tokens may add at most long_prefill_share of the step's predicted time
+    (the model counts each prefill chunk's own cost, so a tiny long chunk may not fit at all) and at most
+    long_prefill_share of its tokens, and a step with no shorter work may cost at most long_step_cost (interruptible_steps) or else
     (1 + long_prefill_share) x the fixed step cost. Token shares are used until the model has seen enough
     steps."""
     interruptible_steps: bool = True
@@ -198,6 +201,7 @@ class _StepState:
     attn_pairs: int = 0  # sum of q_len * kv_len over the scheduled sequences (step cost model input)
     long_budget_s: float | None = None  # predicted seconds this bucket's prefill chunks may still add
     long_seqs: int = 0  # scheduled sequences that are longer-bucket prefill chunks
+    prefill_seqs: int = 0  # scheduled prefill chunks (step cost model input)
 
 
 class Scheduler:
@@ -283,7 +287,7 @@ class Scheduler:
         elif self._long_pending():
             self._long_starved += 1
         return BatchPlan(tuple(st.scheduled), tuple(st.load_copies), tuple(backups), tuple(st.preempted),
-                         num_tokens=st.num_tokens, attn_pairs=st.attn_pairs,
+                         num_tokens=st.num_tokens, attn_pairs=st.attn_pairs, num_prefill_seqs=st.prefill_seqs,
                          interruptible=self.config.interruptible_steps and st.long_seqs > 0)
 
     def _schedule_decodes(self, st: _StepState) -> None:
@@ -351,9 +355,10 @@ class Scheduler:
         if share >= 1.0:
             return None
         if shorter_waiting and st.num_tokens > 0:
-            return share * fit.predict(st.num_tokens, st.attn_pairs)
-        if st.num_tokens == 0 and self.config.interruptible_steps:
-            return (self.config.long_step_cost - 1.0) * fit.fixed  # a short arrival stops it between layers
+            return share * fit.predict(st.num_tokens, st.attn_pairs, st.prefill_seqs)
+        if self.config.interruptible_steps:
+            # no first token is waiting (at most decodes are in the step): a short arrival stops it between layers
+            return (self.config.long_step_cost - 1.0) * fit.fixed
         return share * fit.fixed
 
     def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState,
@@ -363,7 +368,9 @@ class Scheduler:
             chunk = min(chunk, self.config.long_prefill_max_tokens - st.long_tokens)
         if bucket > 0 and st.long_budget_s is not None and self.cost.fit is not None:
             chunk = self.cost.fit.max_chunk(st.long_budget_s, prefix, max(chunk, 0))
-        elif bucket > 0 and shorter_waiting and st.long_cap is not None:
+        if bucket > 0 and shorter_waiting and st.long_cap is not None:
+            # the token share also bounds the time-based chunk: a poor early fit cannot put a big long chunk
+            # next to a short request's prefill
             chunk = min(chunk, st.long_cap - st.long_tokens)
         if bucket > 0 and self.config.adaptive_long_cap and self.cost.fit is None:
             # cold start: no step cost measured yet, so keep long chunks small until there is
@@ -456,9 +463,11 @@ class Scheduler:
         n = len(seq.token_ids)
         # (is_decoding inlined: this runs for every sequence of every step)
         rebuild = start < seq.full_from
+        is_prefill = not (start == n - 1 and n > seq.num_prompt)
         st.scheduled.append(ScheduledSeq(
-            seq.req_id, start, tuple(seq.token_ids[start:end]), not (start == n - 1 and n > seq.num_prompt),
+            seq.req_id, start, tuple(seq.token_ids[start:end]), is_prefill,
             end == n, full, swa, seq.full_from if rebuild else 0, seq.swa_from if rebuild else 0))
+        st.prefill_seqs += num_new > 1  # (a 1-token chunk shares the decode rows' attention block)
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
         st.num_tokens += num_new
@@ -498,7 +507,7 @@ class Scheduler:
     def observe_step(self, plan: BatchPlan, seconds: float) -> None:
         """Feed the measured execute time of a plan to the step cost model (see adaptive_long_cap)."""
         if plan.seqs:
-            self.cost.observe(plan.num_tokens, plan.attn_pairs, seconds)
+            self.cost.observe(plan.num_tokens, plan.attn_pairs, seconds, plan.num_prefill_seqs)
 
     # ----------------------------------------------------------------- update
     def update(self, plan: BatchPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:

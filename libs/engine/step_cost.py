@@ -1,8 +1,10 @@
 """Online step-cost model (pure): predicts how long a step takes from what it computes.
 
-    seconds ~= fixed + per_token * new_tokens + per_pair * attention_pairs
+    seconds ~= fixed + per_token * new_tokens + per_pair * attention_pairs + per_seq * prefill_sequences
 
-where attention_pairs = sum over sequences of q_len * kv_len (the query/key pairs attention visits). The
+where attention_pairs = sum over sequences of q_len * kv_len (the query/key pairs attention visits) and
+prefill_sequences counts the step's prefill chunks: each brings its own attention block and planning, a cost
+independent of its length (on the CPU reference a 7-token chunk next to a 48-token prefill adds ~25%). The
 engine reports every step's measured time; the model refits by least squares over a sliding window.
 The scheduler uses it to size long-bucket prefill chunks in *time*, not tokens: on small models or CPUs a
 step has a large fixed cost, and a long chunk's tokens cost more than short ones (they attend a long
@@ -24,13 +26,16 @@ class CostFit:
     fixed: float
     per_token: float
     per_pair: float
+    per_seq: float = 0.0
 
-    def predict(self, tokens: int, pairs: int) -> float:
-        return self.fixed + self.per_token * tokens + self.per_pair * pairs
+    def predict(self, tokens: int, pairs: int, seqs: int = 0) -> float:
+        return self.fixed + self.per_token * tokens + self.per_pair * pairs + self.per_seq * seqs
 
     def chunk_cost(self, n: int, prefix: int) -> float:
-        """Extra time of adding n new tokens of a sequence with `prefix` tokens already computed."""
-        return self.per_token * n + self.per_pair * n * (prefix + n)
+        """Extra time of adding a prefill chunk of n tokens, `prefix` tokens already computed (0 for n = 0)."""
+        if n <= 0:
+            return 0.0
+        return self.per_seq + self.per_token * n + self.per_pair * n * (prefix + n)
 
     def max_chunk(self, budget_s: float, prefix: int, limit: int) -> int:
         """Largest n <= limit whose chunk_cost fits budget_s (cost grows with n: binary search)."""
@@ -45,41 +50,55 @@ class CostFit:
 
 
 class StepCostModel:
-    """Sliding-window least-squares fit of step time on (new tokens, attention pairs)."""
+    """Sliding-window least-squares fit of step time on (new tokens, attention pairs, prefill sequences)."""
 
     def __init__(self, window: int = 256) -> None:
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[int, int, float, int]] = deque(maxlen=window)
         self._since_fit = 0
         self.fit: CostFit | None = None
 
-    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+    def observe(self, tokens: int, pairs: int, seconds: float, seqs: int = 0) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        self._samples.append((tokens, pairs, seconds))
+        self._samples.append((tokens, pairs, seconds, seqs))
         self._since_fit += 1
         if len(self._samples) >= MIN_SAMPLES and (self.fit is None or self._since_fit >= REFIT_EVERY):
             self._since_fit = 0
             self.fit = fit_step_cost(list(self._samples)) or self.fit
 
 
-def fit_step_cost(samples: list[tuple[int, int, float]]) -> CostFit | None:
+def fit_step_cost(samples: list[tuple[int, int, float, int]]) -> CostFit | None:
     """Least squares with non-negative slopes (a tiny ridge keeps collinear samples solvable).
 
-    Returns None when the samples cannot separate a fixed cost from a per-token cost."""
+    Samples are (tokens, pairs, seconds, prefill sequences). Active set: while a slope comes out negative,
+    the most negative one (by its contribution to the mean step) is fixed at 0 and the rest refit. The
+    per-sequence term is fitted only when the samples vary in it (else it would share the fixed cost).
+    Returns None when the samples cannot separate a fixed cost from a positive per-token cost."""
     if len({s[0] for s in samples}) < 2:
         return None
-    fit = _solve(samples, use_pairs=True)
-    if fit is None or fit.per_pair < 0 or fit.per_token < 0:
-        fit = _solve(samples, use_pairs=False)
-    if fit is None or fit.fixed < 0 or fit.per_token < 0:
-        return None
-    return fit
+    slopes = [1, 2] + ([3] if len({s[3] for s in samples}) >= 2 else [])
+    means = [1.0] + [sum(float(s[c]) for s in samples) / len(samples) for c in (0, 1, 3)]
+    while True:
+        fit = _solve(samples, slopes)
+        if fit is None:
+            return None
+        coef = (fit.fixed, fit.per_token, fit.per_pair, fit.per_seq)
+        negative = [c for c in slopes if coef[c] < 0]
+        if not negative:
+            break
+        worst = min(negative, key=lambda c: coef[c] * means[c])
+        if worst == 1:
+            return None  # tokens that make a step cheaper: the samples are noise
+        slopes.remove(worst)
+    return fit if fit.fixed >= 0 else None
 
 
-def _solve(samples: list[tuple[int, int, float]], use_pairs: bool) -> CostFit | None:
-    rows = [(1.0, float(t), float(p) if use_pairs else 0.0) for t, p, _ in samples]
-    ys = [s for _, _, s in samples]
-    k = 3 if use_pairs else 2
+def _solve(samples: list[tuple[int, int, float, int]], slopes: list[int]) -> CostFit | None:
+    """Least squares over the intercept and the given slope columns (1 tokens, 2 pairs, 3 sequences)."""
+    cols = [0, *slopes]
+    rows = [[(1.0, float(t), float(p), float(q))[j] for j in cols] for t, p, _, q in samples]
+    ys = [s for _, _, s, _ in samples]
+    k = len(cols)
     # scale columns so the ridge term means the same for every coefficient
     scale = [max(max(abs(r[j]) for r in rows), 1e-12) for j in range(k)]
     a = [[sum(r[i] * r[j] for r in rows) / (scale[i] * scale[j]) for j in range(k)] for i in range(k)]
@@ -89,8 +108,10 @@ def _solve(samples: list[tuple[int, int, float]], use_pairs: bool) -> CostFit | 
     x = _gauss(a, b)
     if x is None:
         return None
-    coef = [x[j] / scale[j] for j in range(k)] + [0.0] * (3 - k)
-    return CostFit(coef[0], coef[1], coef[2])
+    coef = [0.0] * 4
+    for j, col in enumerate(cols):
+        coef[col] = x[j] / scale[j]
+    return CostFit(coef[0], coef[1], coef[2], coef[3])
 
 
 def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
