@@ -110,13 +110,13 @@ def test_per_sequence_cost_keeps_long_chunks_out_of_a_short_prefill_step_it_woul
             assert steep.chunk_cost(n, start) <= budget < steep.chunk_cost(n + 1, start)
 
 
-def test_long_only_step_costs_at_most_share_over_the_fixed_cost_when_not_interruptible():
-    s = make_sched(share=0.2, interruptible_steps=False)
+def test_long_only_step_costs_at_most_long_step_cost_fixed_costs_when_not_interruptible():
+    s = make_sched(share=0.2, interruptible_steps=False, long_step_cost=1.5)
     s.cost.fit = TRUE
     s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
     plan = s.schedule()
     n, start = long_chunk(plan)
-    assert TRUE.chunk_cost(n, start) <= 0.2 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
+    assert TRUE.chunk_cost(n, start) <= 0.5 * TRUE.fixed < TRUE.chunk_cost(n + 1, start)
     assert not plan.interruptible
     # a fit so steep that not one token fits still moves a long-only step by one token
     s2 = make_sched(share=0.2, interruptible_steps=False)
@@ -145,6 +145,21 @@ def test_interruptible_long_only_step_costs_at_most_long_step_cost_fixed_costs()
     assert plan.interruptible
     s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
     assert s.schedule().interruptible  # it still carries a long chunk
+
+
+def test_decodes_next_to_a_long_prefill_get_the_long_step_budget_not_the_share():
+    """Only a shorter request's first token is protected by the share: once it decodes, the long chunk next
+    to it may fill the step up to long_step_cost fixed costs."""
+    s = make_sched(share=0.05, long_step_cost=2.0)
+    s.cost.fit = TRUE
+    s.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=4)))
+    first = s.schedule()
+    s.update(first, {"short": SampledToken(7)})
+    s.add_request(Request("long", list(range(3, 203)), SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    n, start = long_chunk(plan)
+    assert [x.num_new for x in plan.seqs if x.req_id == "short"] == [1]
+    assert TRUE.chunk_cost(n, start) <= TRUE.fixed < TRUE.chunk_cost(n + 1, start)
     only_short = make_sched(share=0.2)
     only_short.add_request(Request("short", list(range(5, 25)), SamplingParams(max_tokens=1)))
     assert not only_short.schedule().interruptible  # short work only: it always runs to the end

@@ -65,20 +65,20 @@ class SchedulerConfig:
     the step budget."""
     adaptive_long_cap: bool = True
     """Size longer-bucket prefill chunks by the measured step cost (StepCostModel) instead of token counts:
-    next to shorter work the long tokens may add at most long_prefill_share of the step's predicted time
-    (the model counts each prefill chunk's own cost, so a tiny long chunk may not fit at all) and at most
-    long_prefill_share of its tokens, and a step with no shorter work may cost at most long_step_cost (interruptible_steps) or else
-    (1 + long_prefill_share) x the fixed step cost. Token shares are used until the model has seen enough
-    steps."""
+    next to a shorter request's prefill the long tokens may add at most long_prefill_share of the step's
+    predicted time (the model counts each prefill chunk's own cost, so a tiny long chunk may not fit at all)
+    and at most long_prefill_share of its tokens; a step without one may cost at most long_step_cost x the
+    fixed step cost. Token shares are used until the model has seen enough steps."""
     interruptible_steps: bool = True
     """The caller polls for arrivals during a step (EngineCore.step(interrupt=...); AsyncEngine does), so a
     step that carries longer-bucket prefill may be stopped between layers when a short request arrives (its
-    other work, e.g. decodes, is redone by the next step): plans are marked interruptible, and a step of only
-    longer-bucket prefill may cost up to long_step_cost x the fixed step cost (a short arrival waits for one
-    layer of it). False: such a step costs at most (1 + long_prefill_share) x fixed."""
+    other work, e.g. decodes, is redone by the next step): plans are marked interruptible. A short arrival
+    then waits for half a layer of such a step instead of all of it."""
     long_step_cost: float = 2.0
-    """With interruptible_steps: most predicted cost of a step of only longer-bucket prefill, in fixed step
-    costs. Larger = fewer, bigger steps for long prompts and a longer layer for a short arrival to wait."""
+    """Most predicted cost of a step that carries longer-bucket prefill but no shorter request's first token
+    (a long-only step, or decodes plus a long chunk), in fixed step costs. Larger = long prompts move faster;
+    the cost: decodes in those steps get slower (time per output token up to this factor) and, without
+    interruptible_steps, a short arrival waits for the whole step."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -356,10 +356,9 @@ class Scheduler:
             return None
         if shorter_waiting and st.num_tokens > 0:
             return share * fit.predict(st.num_tokens, st.attn_pairs, st.prefill_seqs)
-        if self.config.interruptible_steps:
-            # no first token is waiting (at most decodes are in the step): a short arrival stops it between layers
-            return (self.config.long_step_cost - 1.0) * fit.fixed
-        return share * fit.fixed
+        # no first token waits in this step (at most decodes are in it): a short request arriving meanwhile
+        # waits for one layer of it (interruptible steps) or for all of it
+        return (self.config.long_step_cost - 1.0) * fit.fixed
 
     def _chunk_size(self, to_compute: int, bucket: int, shorter_waiting: bool, st: _StepState,
                     prefix: int) -> int:
