@@ -248,6 +248,7 @@ def short_ttft(model, cfg) -> dict:
             tpots[k] += tpot
     p = {k: p90(v) for k, v in ttfts.items()}
     out = {f"short_p90_{k}_ms": v * 1e3 for k, v in p.items()}
+    out.update({f"short_median_{k}_ms": statistics.median(v) * 1e3 for k, v in ttfts.items()})
     out.update({f"long_ttft_median_{k}_ms": statistics.median(v) * 1e3 for k, v in longs.items() if v})
     out.update({f"short_tpot_median_{k}_ms": statistics.median(v) * 1e3 for k, v in tpots.items()})
     out.update({f"short_p90_ttft_ratio_{k}": v / p["alone"] for k, v in p.items() if k != "alone"})
