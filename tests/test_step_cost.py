@@ -4,7 +4,7 @@ import pytest
 
 from libs.engine.request import Request, SamplingParams
 from libs.engine.scheduler import COLD_LONG_CHUNK, LONG_STARVE_STEPS, SampledToken, Scheduler, SchedulerConfig
-from libs.engine.step_cost import MIN_SAMPLES, CostFit, StepCostModel, fit_step_cost
+from libs.engine.step_cost import MIN_SAMPLES, CostFit, StepCostModel, _fit, fit_step_cost
 from libs.kvcache import KVCache, KVCacheConfig
 
 pytestmark = pytest.mark.unit
@@ -52,6 +52,19 @@ def test_model_fits_only_after_enough_samples():
     assert m.fit is None
     m.observe(*samples[-1])
     assert m.fit is not None
+
+
+def test_sliding_window_sums_match_a_fit_over_the_window():
+    """The running sums (evicted samples subtracted, rebuilt every window) give the fit of the window's samples."""
+    true = CostFit(fixed=4e-3, per_token=1.5e-4, per_pair=2e-7, per_seq=1.2e-3)
+    m = StepCostModel(window=64)
+    for i, (t, p, sec, q) in enumerate(synthetic(500, true=true)):
+        m.observe(t, p, sec, q)
+        if i % 97 == 0 and i >= 64:
+            got, want = _fit(m._sums), fit_step_cost(list(m._samples))
+            assert got is not None and want is not None
+            assert [got.fixed, got.per_token, got.per_pair, got.per_seq] == pytest.approx(
+                [want.fixed, want.per_token, want.per_pair, want.per_seq], rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("budget,prefix", [(0.0, 0), (1e-3, 100), (5e-3, 3000), (1.0, 10)])

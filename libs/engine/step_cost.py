@@ -13,7 +13,7 @@ context), so a token-proportional cap misjudges both.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 # Too few or too uniform samples give a meaningless fit; callers then fall back to token shares.
@@ -50,21 +50,67 @@ class CostFit:
 
 
 class StepCostModel:
-    """Sliding-window least-squares fit of step time on (new tokens, attention pairs, prefill sequences)."""
+    """Sliding-window least-squares fit of step time on (new tokens, attention pairs, prefill sequences).
+
+    The normal equations are kept as running sums (the evicted sample is subtracted), so a refit solves a
+    4x4 system instead of summing over the window; the sums are rebuilt from the window every `window`
+    observations so rounding cannot drift."""
 
     def __init__(self, window: int = 256) -> None:
         self._samples: deque[tuple[int, int, float, int]] = deque(maxlen=window)
+        self._sums = _Sums()
         self._since_fit = 0
+        self._since_rebuild = 0
         self.fit: CostFit | None = None
 
     def observe(self, tokens: int, pairs: int, seconds: float, seqs: int = 0) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        self._samples.append((tokens, pairs, seconds, seqs))
+        sample = (tokens, pairs, seconds, seqs)
+        if len(self._samples) == self._samples.maxlen:
+            self._sums.add(self._samples[0], -1)
+        self._samples.append(sample)
+        self._sums.add(sample, 1)
+        self._since_rebuild += 1
+        if self._since_rebuild >= (self._samples.maxlen or 1):
+            self._since_rebuild = 0
+            self._sums = _Sums.of(self._samples)
         self._since_fit += 1
         if len(self._samples) >= MIN_SAMPLES and (self.fit is None or self._since_fit >= REFIT_EVERY):
             self._since_fit = 0
-            self.fit = fit_step_cost(list(self._samples)) or self.fit
+            self.fit = _fit(self._sums) or self.fit
+
+
+class _Sums:
+    """Sums of x x^T and x y over samples, x = (1, tokens, pairs, seqs), y = seconds; distinct values seen."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.xx = [[0.0] * 4 for _ in range(4)]
+        self.xy = [0.0] * 4
+        self.tokens: Counter[int] = Counter()
+        self.seqs: Counter[int] = Counter()
+
+    @classmethod
+    def of(cls, samples) -> _Sums:
+        sums = cls()
+        for sample in samples:
+            sums.add(sample, 1)
+        return sums
+
+    def add(self, sample: tuple[int, int, float, int], sign: int) -> None:
+        t, p, y, q = sample
+        x = (1.0, float(t), float(p), float(q))
+        for i in range(4):
+            self.xy[i] += sign * x[i] * y
+            row = self.xx[i]
+            for j in range(4):
+                row[j] += sign * x[i] * x[j]
+        self.n += sign
+        for counter, key in ((self.tokens, t), (self.seqs, q)):
+            counter[key] += sign
+            if counter[key] <= 0:
+                del counter[key]
 
 
 def fit_step_cost(samples: list[tuple[int, int, float, int]]) -> CostFit | None:
@@ -74,12 +120,16 @@ def fit_step_cost(samples: list[tuple[int, int, float, int]]) -> CostFit | None:
     the most negative one (by its contribution to the mean step) is fixed at 0 and the rest refit. The
     per-sequence term is fitted only when the samples vary in it (else it would share the fixed cost).
     Returns None when the samples cannot separate a fixed cost from a positive per-token cost."""
-    if len({s[0] for s in samples}) < 2:
+    return _fit(_Sums.of(samples))
+
+
+def _fit(sums: _Sums) -> CostFit | None:
+    if len(sums.tokens) < 2:
         return None
-    slopes = [1, 2] + ([3] if len({s[3] for s in samples}) >= 2 else [])
-    means = [1.0] + [sum(float(s[c]) for s in samples) / len(samples) for c in (0, 1, 3)]
+    slopes = [1, 2] + ([3] if len(sums.seqs) >= 2 else [])
+    means = [sums.xx[0][c] / sums.n for c in range(4)]
     while True:
-        fit = _solve(samples, slopes)
+        fit = _solve(sums, slopes)
         if fit is None:
             return None
         coef = (fit.fixed, fit.per_token, fit.per_pair, fit.per_seq)
@@ -93,18 +143,16 @@ def fit_step_cost(samples: list[tuple[int, int, float, int]]) -> CostFit | None:
     return fit if fit.fixed >= 0 else None
 
 
-def _solve(samples: list[tuple[int, int, float, int]], slopes: list[int]) -> CostFit | None:
+def _solve(sums: _Sums, slopes: list[int]) -> CostFit | None:
     """Least squares over the intercept and the given slope columns (1 tokens, 2 pairs, 3 sequences)."""
     cols = [0, *slopes]
-    rows = [[(1.0, float(t), float(p), float(q))[j] for j in cols] for t, p, _, q in samples]
-    ys = [s for _, _, s, _ in samples]
-    k = len(cols)
-    # scale columns so the ridge term means the same for every coefficient
-    scale = [max(max(abs(r[j]) for r in rows), 1e-12) for j in range(k)]
-    a = [[sum(r[i] * r[j] for r in rows) / (scale[i] * scale[j]) for j in range(k)] for i in range(k)]
-    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) / scale[i] for i in range(k)]
-    for i in range(k):
-        a[i][i] += 1e-9 * len(rows)
+    # scale columns (by their root mean square) so the ridge term means the same for every coefficient
+    scale = [max(sums.xx[c][c] / sums.n, 1e-24) ** 0.5 for c in cols]
+    a = [[sums.xx[ci][cj] / (si * sj) for cj, sj in zip(cols, scale, strict=True)]
+         for ci, si in zip(cols, scale, strict=True)]
+    b = [sums.xy[c] / sc for c, sc in zip(cols, scale, strict=True)]
+    for i in range(len(cols)):
+        a[i][i] += 1e-9 * sums.n
     x = _gauss(a, b)
     if x is None:
         return None
