@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """One sequence's share of a step.
 
     token_ids are the `num_new` tokens whose KV this step writes, at positions
     [start, start + num_new). `sample` is True when this chunk completes the sequence, so the
     step produces its next token. Page tables are the cache's, after reserve() for this step.
+    (A NamedTuple: immutable like a frozen dataclass, and ~5x cheaper to build, once per sequence per step.)
     """
 
     req_id: str

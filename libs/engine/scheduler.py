@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from libs.engine.buckets import LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
@@ -171,8 +172,7 @@ class Seq:
         return max(1, self.req.params.max_tokens - len(self.output_ids))
 
 
-@dataclass(frozen=True)
-class SampledToken:
+class SampledToken(NamedTuple):
     token_id: int
     logprob: TokenLogprob | None = None
 
