@@ -135,27 +135,34 @@ def _bytes_decode(ids):
 
 def test_stop_token_eos_and_ignore_eos():
     p = SamplingParams(max_tokens=10, stop_token_ids=[5])
-    assert check_stop([1, 5], p, eos_token_ids=[9], decode=None) is FinishReason.STOP
-    assert check_stop([1, 9], p, eos_token_ids=[9], decode=None) is FinishReason.STOP
+    assert check_stop([1, 5], 0, p, eos_token_ids=[9], decode=None) is FinishReason.STOP
+    assert check_stop([1, 9], 0, p, eos_token_ids=[9], decode=None) is FinishReason.STOP
     ignore = SamplingParams(max_tokens=10, ignore_eos=True)
-    assert check_stop([1, 9], ignore, eos_token_ids=[9], decode=None) is None
-    assert check_stop([1, 2], p, eos_token_ids=[9], decode=None) is None
+    assert check_stop([1, 9], 0, ignore, eos_token_ids=[9], decode=None) is None
+    assert check_stop([1, 2], 0, p, eos_token_ids=[9], decode=None) is None
 
 
 def test_max_tokens_gives_length():
     p = SamplingParams(max_tokens=3)
-    assert check_stop([1, 2], p, (), None) is None
-    assert check_stop([1, 2, 3], p, (), None) is FinishReason.LENGTH
+    assert check_stop([1, 2], 0, p, (), None) is None
+    assert check_stop([1, 2, 3], 0, p, (), None) is FinishReason.LENGTH
 
 
 def test_stop_string_across_tokens_and_long_outputs():
     p = SamplingParams(max_tokens=1000, stop=["END"])
     out = [ord(c) for c in "x" * 300 + "EN"]
-    assert check_stop(out, p, (), _bytes_decode) is None
+    assert check_stop(out, 0, p, (), _bytes_decode) is None
     out.append(ord("D"))
-    assert check_stop(out, p, (), _bytes_decode) is FinishReason.STOP
+    assert check_stop(out, 0, p, (), _bytes_decode) is FinishReason.STOP
+
+
+def test_prompt_tokens_count_neither_for_max_tokens_nor_for_stop_strings():
+    prompt = [ord(c) for c in "say END"]
+    p = SamplingParams(max_tokens=2, stop=["END"])
+    assert check_stop([*prompt, ord("x")], len(prompt), p, (), _bytes_decode) is None  # "END" is the prompt's
+    assert check_stop([*prompt, ord("x"), ord("y")], len(prompt), p, (), _bytes_decode) is FinishReason.LENGTH
 
 
 def test_stop_string_needs_decoder():
     with pytest.raises(ValueError, match="tokenizer"):
-        check_stop([65], SamplingParams(stop=["A"]), (), None)
+        check_stop([65], 0, SamplingParams(stop=["A"]), (), None)

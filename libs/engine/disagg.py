@@ -157,7 +157,7 @@ def full_transfer_bytes(kv: KVPools, layer_is_swa: Sequence[bool], num_tokens: i
 def first_token_finishes(core: EngineCore, params: SamplingParams, first_token: int) -> FinishReason | None:
     """Does the token prefill sampled already end the request (EOS, stop token/string, max_tokens=1)?"""
     sch = core.scheduler
-    return check_stop([first_token], params, sch.eos_token_ids, sch.decode)
+    return check_stop([first_token], 0, params, sch.eos_token_ids, sch.decode)
 
 
 # ---------------------------------------------------------------------------------------------- decode side

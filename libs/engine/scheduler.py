@@ -169,7 +169,7 @@ class Seq:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(1, self.req.params.max_tokens - len(self.output_ids))
+        return max(1, self.req.params.max_tokens - (len(self.token_ids) - self.num_prompt))
 
 
 class SampledToken(NamedTuple):
@@ -532,7 +532,7 @@ class Scheduler:
             seq.status = SeqStatus.HELD
             seq.finish_reason = FinishReason.PREFILLED
             return self._output(seq, (tok.token_id,), logprobs)
-        reason = check_stop(seq.output_ids, seq.req.params, self.eos_token_ids, self.decode)
+        reason = check_stop(seq.token_ids, seq.num_prompt, seq.req.params, self.eos_token_ids, self.decode)
         if reason is not None:
             self.running.remove(seq)
             self.cache.finish(seq.req_id, cache=True)

@@ -12,22 +12,24 @@ from libs.engine.request import FinishReason, SamplingParams
 _TAIL_SLACK_TOKENS = 8
 
 
-def check_stop(output_ids: Sequence[int], params: SamplingParams, eos_token_ids: Sequence[int],
+def check_stop(token_ids: Sequence[int], num_prompt: int, params: SamplingParams, eos_token_ids: Sequence[int],
                decode: Callable[[list[int]], str] | None) -> FinishReason | None:
-    """Decide whether the newest token (output_ids[-1]) finishes the request.
+    """Decide whether the newest token (token_ids[-1]) finishes the request; token_ids = prompt (the first
+    num_prompt) + output.
 
-    Called after every appended token, so only stops completed by the newest token can be new.
+    Called after every appended token, so only stops completed by the newest token can be new. It reads
+    only the tail: a call costs the same at output token 10 and at 100K.
     """
-    last = output_ids[-1]
+    last = token_ids[-1]
     if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
         return FinishReason.STOP
     if params.stop:
         if decode is None:
             raise ValueError("stop strings need a tokenizer (EngineCore was built without one)")
         tail_len = max(len(s) for s in params.stop) + _TAIL_SLACK_TOKENS
-        text = decode(list(output_ids[-tail_len:]))
+        text = decode(list(token_ids[max(num_prompt, len(token_ids) - tail_len):]))
         if any(s in text for s in params.stop):
             return FinishReason.STOP
-    if len(output_ids) >= params.max_tokens:
+    if len(token_ids) - num_prompt >= params.max_tokens:
         return FinishReason.LENGTH
     return None
