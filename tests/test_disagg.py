@@ -292,3 +292,9 @@ def test_pick_pair_needs_both_roles_and_an_address():
     recent.add("a", 10.0)
     recent.add("a", 11.5)
     assert recent.counts(11.9) == {"a": 2} and recent.counts(13.0) == {"a": 1} and recent.counts(20) == {}
+    # picks older than the instance's load snapshot are in that load already: not counted twice
+    recent.add("a", 30.0)
+    recent.add("a", 30.4)
+    recent.add("b", 30.1)
+    assert recent.counts(30.5, {"a": 30.2, "b": 29.0}) == {"a": 1, "b": 1}
+    assert recent.counts(30.5, {"a": 30.45}) == {"b": 1}

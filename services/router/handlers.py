@@ -46,12 +46,14 @@ def pick_worker(workers: Sequence[RegistryEntry], num_tokens: int, bucket_edges:
 
 
 class RecentPicks:
-    """Picks this router made in the last `window_s` seconds, per instance.
+    """Picks this router made in the last `window_s` seconds, per instance (unix time).
 
     Registry load is refreshed every heartbeat, so a burst of requests between two refreshes would all see
     the same "least loaded" worker; counting our own recent picks on top of the advertised load spreads
     the burst (the pitfall of several routers choosing the same best worker from stale load is reduced,
-    not removed: each router only knows its own picks)."""
+    not removed: each router only knows its own picks). A pick made before the instance's load snapshot
+    is already in that load and is not counted again: counting it twice made a worker whose load had just
+    been refreshed look busier than one whose load had not, and sent a burst to the stale one."""
 
     def __init__(self, window_s: float = 2.0) -> None:
         if window_s <= 0:
@@ -62,15 +64,19 @@ class RecentPicks:
     def add(self, instance_id: str, now: float) -> None:
         self._picks.setdefault(instance_id, []).append(now)
 
-    def counts(self, now: float) -> dict[str, int]:
+    def counts(self, now: float, reflected: Mapping[str, float] | None = None) -> dict[str, int]:
+        """Picks per instance in the last window_s seconds, leaving out those made before `reflected[id]`
+        (the time of the instance's load snapshot, which already counts them)."""
         cutoff = now - self.window_s
+        reflected = reflected or {}
         for iid in list(self._picks):
             kept = [t for t in self._picks[iid] if t > cutoff]
             if kept:
                 self._picks[iid] = kept
             else:
                 del self._picks[iid]
-        return {iid: len(ts) for iid, ts in self._picks.items()}
+        return {iid: n for iid, ts in self._picks.items()
+                if (n := sum(1 for t in ts if t > reflected.get(iid, cutoff)))}
 
 
 def _pair_cost(entry: RegistryEntry, recent: Mapping[str, int]) -> tuple[int, float]:

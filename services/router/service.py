@@ -30,9 +30,11 @@ class RouterService(Service):
         entries = await self.registry.list(timeout=self.config.registry_timeout_s)
         by_role = {role: [e for e in entries if e.role is role] for role in (Role.PREFILL, Role.DECODE, Role.WORKER)}
         if by_role[Role.PREFILL] and by_role[Role.DECODE]:
-            now = time.monotonic()
+            now = time.time()  # the workers stamp their load snapshots with unix time
+            reflected = {e.instance_id: e.load.updated_at for e in entries if e.load is not None}
             prefill, decode = handlers.pick_pair(by_role[Role.PREFILL], by_role[Role.DECODE], req.num_tokens,
-                                                 self.config.bucket_edges, req.request_id, self.recent.counts(now))
+                                                 self.config.bucket_edges, req.request_id,
+                                                 self.recent.counts(now, reflected))
             self.recent.add(prefill.instance_id, now)
             self.recent.add(decode.instance_id, now)
             return RouteReply(prefill_instance=prefill.instance_id, decode_instance=decode.instance_id)
