@@ -262,7 +262,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    extra = ["short_p90_ttft_ratio_buckets_share0.2", "short_p90_ttft_ratio_buckets_static32", "short_p90_ttft_ratio_fcfs"]
+    extra = ["short_p90_ttft_ratio_buckets_share0.2", "short_p90_ttft_ratio_buckets_static32",
+             "short_p90_ttft_ratio_fcfs"]
     names = list(GOALS) + extra
     vals = [results[n] for n in names]
     fig, ax = plt.subplots(figsize=(10, 4))

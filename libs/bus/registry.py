@@ -75,7 +75,8 @@ class Registry:
         self.bucket = bucket
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str = subjects.registry_bucket(subjects.DEFAULT_NAMESPACE), replicas: int = 1) -> Registry:
+    async def open(cls, bus: Bus, bucket: str = subjects.registry_bucket(subjects.DEFAULT_NAMESPACE),
+                   replicas: int = 1) -> Registry:
         """Create the bucket if missing (idempotent), with per-message TTL and leave markers."""
         config = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, limit_marker_ttl=_MARKER_TTL_S)
         try:

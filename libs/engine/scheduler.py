@@ -155,10 +155,6 @@ class Seq:
         return self.req.req_id
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
-
-    @property
     def num_to_compute(self) -> int:
         return len(self.token_ids) - self.num_computed
 
@@ -201,7 +197,7 @@ class _StepState:
     attn_pairs: int = 0  # sum of q_len * kv_len over the scheduled sequences (step cost model input)
     long_budget_s: float | None = None  # predicted seconds this bucket's prefill chunks may still add
     long_seqs: int = 0  # scheduled sequences that are longer-bucket prefill chunks
-    prefill_seqs: int = 0  # scheduled prefill chunks (step cost model input)
+    prefill_seqs: int = 0  # scheduled chunks of more than one token (step cost model input)
 
 
 class Scheduler:

@@ -24,7 +24,8 @@ class DecodeService(EngineRoleService):
         self.worker = handlers.DecodeWorker(self.engine, self.transfer, self.config.instance_id, self.publish,
                                             transfer_timeout_s=self.config.transfer_timeout_s,
                                             admit_timeout_s=self.config.prepare_timeout_s)
-        await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest, self._prepare)
+        await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
+                             self._prepare)
 
     async def _prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.worker is not None

@@ -109,7 +109,8 @@ class NatsBackend:
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
                            block_hashes=block_hashes(token_ids, self.config.page_size))
         try:
-            return await self._bus.request(subjects.route(self.config.namespace), req, RouteReply, self.config.route_timeout_s)
+            return await self._bus.request(subjects.route(self.config.namespace), req, RouteReply,
+                                           self.config.route_timeout_s)
         except NoResponders:
             return await self._route_direct(request_id, len(token_ids))  # no router running
         except RemoteError as exc:
@@ -153,7 +154,8 @@ class NatsBackend:
                               stream_subject=stream, decode_instance=decode)
         target = route.prefill_instance
         try:
-            ack = await self._bus.request(subjects.generate(self.config.namespace, target), msg, GenerateAck, self.config.ack_timeout_s)
+            ack = await self._bus.request(subjects.generate(self.config.namespace, target), msg, GenerateAck,
+                                          self.config.ack_timeout_s)
         except NoResponders as exc:
             raise BackendError(503, f"worker {target} is not reachable (gone?)") from exc
         except BusTimeout as exc:
@@ -186,8 +188,8 @@ class NatsBackend:
     async def _probe(self, instances: set[str], misses: dict[str, int]) -> None:
         for instance in sorted(instances):
             try:
-                await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
-                                        self.config.liveness_interval_s)
+                await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(),
+                                        HealthReply, self.config.liveness_interval_s)
                 misses[instance] = 0
             except BusError as exc:
                 misses[instance] = misses.get(instance, 0) + 1
@@ -205,7 +207,8 @@ class NatsBackend:
             await sub.unsubscribe()
         if abort:
             try:
-                await self._bus.publish(subjects.abort(self.config.namespace), AbortRequest(request_id=request_id, reason="client left"))
+                await self._bus.publish(subjects.abort(self.config.namespace),
+                                        AbortRequest(request_id=request_id, reason="client left"))
             except Exception as exc:
                 log.warning("could not publish abort", extra={"request_id": request_id, "error": repr(exc)})
 

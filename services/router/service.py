@@ -23,7 +23,8 @@ class RouterService(Service):
 
     async def setup(self) -> None:
         assert self.bus is not None
-        await self.bus.serve(subjects.route(self.config.namespace), RouteRequest, self._route, queue=subjects.ROUTER_QUEUE)
+        await self.bus.serve(subjects.route(self.config.namespace), RouteRequest, self._route,
+                             queue=subjects.ROUTER_QUEUE)
 
     async def _route(self, req: RouteRequest) -> RouteReply:
         assert self.registry is not None
