@@ -97,6 +97,8 @@ class RouteRequest(WireModel):
     num_tokens: int = Field(ge=0)
     block_hashes: list[int] = Field(default_factory=list, description="chained xxhash64 per full page")
     mm_hashes: list[int] = Field(default_factory=list)
+    exclude_decodes: list[str] = Field(default_factory=list,
+                                       description="decode workers that already refused this request (full)")
 
 
 class RouteReply(WireModel):

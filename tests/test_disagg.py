@@ -288,6 +288,11 @@ def test_pick_pair_needs_both_roles_and_an_address():
         pick_pair([], [_entry(Role.DECODE, "d")], 1, [], "q")
     with pytest.raises(LookupError, match="transfer address"):
         pick_pair([_entry(Role.PREFILL, "p")], [_entry(Role.DECODE, "d", address="")], 1, [], "q")
+    # decode workers that refused the request (full) are not offered again
+    two = [_entry(Role.DECODE, "d0"), _entry(Role.DECODE, "d1")]
+    assert pick_pair([_entry(Role.PREFILL, "p")], two, 1, [], "q", exclude_decodes=["d0"])[1].instance_id == "d1"
+    with pytest.raises(LookupError, match="besides"):
+        pick_pair([_entry(Role.PREFILL, "p")], two, 1, [], "q", exclude_decodes=["d0", "d1"])
     recent = RecentPicks(window_s=2.0)
     recent.add("a", 10.0)
     recent.add("a", 11.5)

@@ -15,7 +15,10 @@ import openai
 import pytest
 import torch
 
+from libs.bus import Bus
 from libs.engine import LLM, SamplingParams
+from protos import subjects
+from protos.messages import HealthReply, HealthRequest
 from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -196,6 +199,47 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         assert [d["instance_id"] for d in decodes] == [survivor] and decodes[0]["load"]["kv_full_used"] == 0
         after = await complete_ids(client, prompts[0], 6)
         assert after == expected[0][:6]
+        await client.close()
+    finally:
+        topo.stop()
+
+
+async def _details(nats_url: str, namespace: str, instance: str) -> dict[str, str]:
+    bus = await Bus.connect(nats_url, name="e2e-probe")
+    try:
+        return (await bus.request(subjects.health(namespace, instance), HealthRequest(), HealthReply, 5)).details
+    finally:
+        await bus.close()
+
+
+async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_path, offline):
+    """decode-0 is too small for any request here: when the router picks it (it is the idle one while decode-1
+    streams), it answers "full" and the prefill asks the router for another decode worker; the client sees
+    only a correct answer."""
+    topo = topology(nats_server.url, tmp_path)
+    try:
+        topo.start("gateway-0", "gateway")
+        topo.start("router-0", "router")
+        topo.start("prefill-0", "prefill")
+        topo.start("decode-0", "decode", {"WINDSERVE_NUM_FULL_PAGES": "8"})  # 32 tokens: nothing below fits
+        topo.start("decode-1", "decode")
+        topo.wait_ready(90)
+        client = topo.client()
+        progress: dict[int, int] = {}
+        busy = asyncio.create_task(_stream_tokens(client, prompt(300, 20), 400, progress, 0))
+        await _until(lambda: progress.get(0, 0) >= 3, 30, lambda: f"stream did not start: {progress}", [busy])
+
+        def decode1_running() -> bool:
+            loads = {i["instance_id"]: i["load"] for i in topo.health()["instances"] if i["role"] == "decode"}
+            return (loads.get("decode-1") or {}).get("running", 0) == 1
+        await _until(decode1_running, 10, lambda: "decode-1 never reported the stream", [busy])
+        ids = prompt(301, 20)
+        got = await complete_ids(client, ids, 16)  # the router prefers idle decode-0, which is full
+        assert got == list(offline.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids)
+        assert int((await _details(topo.nats_url, topo.namespace, "decode-0"))["kv_refused"]) >= 1
+        assert int((await _details(topo.nats_url, topo.namespace, "prefill-0"))["kv_rerouted"]) >= 1
+        result, toks, _ = await busy
+        assert result == "ok" and len(toks) == 400
         await client.close()
     finally:
         topo.stop()

@@ -1,7 +1,7 @@
 """NATS bus: typed request/reply and pub/sub, large payloads, and the JetStream KV registry."""
 
 from libs.bus.bus import Bus, BusConfig, TypedSubscription
-from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError
+from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError, Unavailable
 from libs.bus.registry import EventKind, HeartbeatConfig, Registration, Registry, RegistryEvent
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "RegistryEvent",
     "RemoteError",
     "TypedSubscription",
+    "Unavailable",
 ]

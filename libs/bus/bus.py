@@ -32,7 +32,7 @@ from nats.nuid import NUID
 from pydantic import BaseModel
 
 from libs.bus import metrics
-from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError
+from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError, Unavailable
 from protos import subjects
 from protos.base import ProtocolError, decode, encode
 from protos.messages import ErrorCode, ErrorReply
@@ -302,6 +302,11 @@ class Bus:
                 return
             try:
                 reply = await handler(request)
+            except Unavailable as exc:
+                log.info("request refused", extra={"subject": raw.subject, "error": str(exc)})
+                metrics.HANDLED.labels(family, "unavailable").inc()
+                await self._reply_error(raw, ErrorCode.UNAVAILABLE, str(exc))
+                return
             except Exception as exc:
                 log.exception("handler failed", extra={"subject": raw.subject})
                 metrics.HANDLED.labels(family, "internal").inc()

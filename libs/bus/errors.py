@@ -17,6 +17,11 @@ class NoResponders(BusError):
     """Nobody listens on the subject (fails fast instead of waiting for the timeout)."""
 
 
+class Unavailable(Exception):
+    """Raised by a handler that cannot take this request now (full, draining) although another instance of its
+    role might: the caller gets ErrorCode.UNAVAILABLE and may try elsewhere."""
+
+
 class RemoteError(BusError):
     """The remote side answered with an ErrorReply."""
 

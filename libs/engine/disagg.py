@@ -161,6 +161,10 @@ def first_token_finishes(core: EngineCore, params: SamplingParams, first_token: 
 
 
 # ---------------------------------------------------------------------------------------------- decode side
+class DecodeFull(ValueError):
+    """This decode engine has no room for the request now (sequences or KV pages); another one may."""
+
+
 @dataclass(frozen=True)
 class RemoteSlot:
     """Pages the decode engine reserved for a remote prompt; `*_table` map logical -> physical page."""
@@ -217,7 +221,7 @@ class DisaggEngineCore(EngineCore):
         if req.req_id in sch.seqs or req.req_id in self.pending:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
         if len(sch.running) + len(self.pending) >= self.config.max_num_seqs:
-            raise ValueError(f"request {req.req_id!r}: decode engine is full "
+            raise DecodeFull(f"request {req.req_id!r}: decode engine is full "
                              f"({self.config.max_num_seqs} sequences running or arriving)")
         prompt = req.prompt_token_ids
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
@@ -230,10 +234,10 @@ class DisaggEngineCore(EngineCore):
             growth = min(growth, self.config.admission_decode_tokens)
         result = cache.admit(req.req_id, prompt, hit, growth)
         if not result.ok:
-            raise ValueError(f"request {req.req_id!r}: no KV room on this decode worker: {result.reason}")
+            raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker: {result.reason}")
         if not cache.reserve(req.req_id, len(prompt) - hit.tokens):
             cache.abort(req.req_id)
-            raise ValueError(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
+            raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
         self.pending[req.req_id] = _Pending(req, hit.tokens)
         full, swa = cache.page_tables(req.req_id)
         return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))

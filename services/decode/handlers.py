@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
 from libs.transfer import IncomingTransfer
@@ -46,10 +47,12 @@ class ReceiveStats:
     bytes_received: int = 0
     hit_tokens: int = 0
     failures: int = 0
+    refused: int = 0  # kv_prepare answered "full" (the prefill tries another decode worker)
 
     def as_details(self) -> dict[str, str]:
         return {"kv_requests": str(self.requests), "kv_bytes_received": str(self.bytes_received),
-                "kv_hit_tokens": str(self.hit_tokens), "kv_failures": str(self.failures)}
+                "kv_hit_tokens": str(self.hit_tokens), "kv_failures": str(self.failures),
+                "kv_refused": str(self.refused)}
 
 
 class DecodeWorker:
@@ -85,7 +88,10 @@ class DecodeWorker:
         waiters: set[asyncio.Future] = {ready, task}
         await asyncio.wait(waiters, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
-            return ready.result()  # raises the refusal (no room, bad layout) as the bus error reply
+            try:
+                return ready.result()  # raises the refusal (no room, bad layout) as the bus error reply
+            except dg.DecodeFull as exc:
+                raise Unavailable(str(exc)) from exc  # the prefill may try another decode worker
         task.cancel()
         raise PrepareRefused(f"request {msg.request_id!r} was not admitted within {self.admit_timeout_s}s")
 
@@ -136,8 +142,12 @@ class DecodeWorker:
             await self._final_error(msg, None)
             raise
         except Exception as exc:
-            self.stats.failures += 1
-            log.warning("decode failed", extra={"request": msg.request_id, "error": str(exc)})
+            if isinstance(exc, dg.DecodeFull):
+                self.stats.refused += 1
+                log.info("decode refused: full", extra={"request": msg.request_id, "error": str(exc)})
+            else:
+                self.stats.failures += 1
+                log.warning("decode failed", extra={"request": msg.request_id, "error": str(exc)})
             if not ready.done():
                 ready.set_exception(exc)
             else:

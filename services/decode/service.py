@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from libs.bus import Unavailable
 from libs.engine.disagg import DisaggEngineCore
 from protos import subjects
 from protos.messages import KVPrepareReply, KVPrepareRequest, Role, ServiceState
@@ -30,5 +31,5 @@ class DecodeService(EngineRoleService):
     async def _prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.worker is not None
         if self.state is ServiceState.DRAINING:
-            raise handlers.PrepareRefused("decode worker is draining")
+            raise Unavailable("decode worker is draining")
         return await self.worker.prepare(msg)

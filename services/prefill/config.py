@@ -55,3 +55,6 @@ class EngineServiceConfig(ServiceConfig):
 
 class PrefillConfig(EngineServiceConfig):
     """Prefill role: prefill-only engine + KV sender."""
+
+    decode_attempts: int = Field(
+        default=3, ge=1, description="decode workers tried per request when they answer full (1 = no retry)")

@@ -22,12 +22,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from libs.bus import RemoteError
 from libs.engine import AsyncEngine, Request
 from libs.engine import disagg as dg
 from libs.engine.core import HeldPrefill
 from libs.transfer import TransferStats
 from protos.messages import (
     AckStatus,
+    ErrorCode,
     FinishReason,
     GenerateRequest,
     KVPrepareReply,
@@ -40,6 +42,8 @@ log = logging.getLogger("windserve.prefill")
 
 Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
+# (request id, prompt tokens, decode workers that refused it) -> another decode worker's instance id
+Reroute = Callable[[str, int, list[str]], Awaitable[str]]
 
 
 def refusal(req: GenerateRequest, vocab_size: int, max_request_tokens: int) -> tuple[AckStatus, str] | None:
@@ -58,11 +62,13 @@ class HandoffStats:
     full_equivalent_bytes: int = 0
     transfer_seconds: float = 0.0
     failures: int = 0
+    rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full"
 
     def as_details(self) -> dict[str, str]:
         return {"kv_requests": str(self.requests), "kv_bytes_sent": str(self.bytes_sent),
                 "kv_full_equivalent_bytes": str(self.full_equivalent_bytes),
-                "kv_transfer_seconds": f"{self.transfer_seconds:.6f}", "kv_failures": str(self.failures)}
+                "kv_transfer_seconds": f"{self.transfer_seconds:.6f}", "kv_failures": str(self.failures),
+                "kv_rerouted": str(self.rerouted)}
 
 
 class HandoffError(RuntimeError):
@@ -73,7 +79,8 @@ class PrefillWorker:
     """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
 
     def __init__(self, engine: AsyncEngine, transfer, instance_id: str, prepare: Prepare, publish: Publish, *,
-                 prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0) -> None:
+                 prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0, reroute: Reroute | None = None,
+                 decode_attempts: int = 3) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
@@ -81,6 +88,8 @@ class PrefillWorker:
         self.publish = publish
         self.prepare_timeout_s = prepare_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.reroute = reroute
+        self.decode_attempts = decode_attempts
         self.stats = HandoffStats()
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -160,19 +169,39 @@ class PrefillWorker:
             first_logprob=None if logprob is None else dg.wire_logprob(logprob), sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
             prefill_instance=self.instance_id, prefill_cached_tokens=cached)
-        try:
-            reply = await asyncio.wait_for(self.prepare(req.decode_instance, prep), self.prepare_timeout_s)
-        except TimeoutError:
-            raise HandoffError(f"decode {req.decode_instance} did not answer kv_prepare within "
-                               f"{self.prepare_timeout_s}s") from None
-        except Exception as exc:
-            raise HandoffError(f"decode {req.decode_instance} refused the request: {exc}") from exc
+        reply = await self._prepare_decode(req, prep)
         stats = await self._send(req.request_id, held, reply)
         self.stats.requests += 1
         self.stats.bytes_sent += stats.nbytes
         self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
             core.runner.kv, core.model_config.layer_is_swa, held.num_computed)
         self.stats.transfer_seconds += stats.seconds
+
+    async def _prepare_decode(self, req: GenerateRequest, prep: KVPrepareRequest) -> KVPrepareReply:
+        """kv_prepare on the routed decode worker; when it answers "full" (UNAVAILABLE), ask the router for
+        another one, up to decode_attempts workers in all."""
+        decode, refused = req.decode_instance, []
+        while True:
+            try:
+                return await asyncio.wait_for(self.prepare(decode, prep), self.prepare_timeout_s)
+            except TimeoutError:
+                raise HandoffError(f"decode {decode} did not answer kv_prepare within "
+                                   f"{self.prepare_timeout_s}s") from None
+            except RemoteError as exc:
+                if exc.code is not ErrorCode.UNAVAILABLE or self.reroute is None:
+                    raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
+                refused.append(decode)
+                if len(refused) >= self.decode_attempts:
+                    raise HandoffError(f"decode workers {refused} refused the request: {exc.message}") from exc
+                try:
+                    decode = await self.reroute(req.request_id, len(req.token_ids), refused)
+                except Exception as route_exc:
+                    raise HandoffError(f"decode {refused[-1]} refused the request ({exc.message}) and no other "
+                                       f"decode worker was found: {route_exc}") from route_exc
+                self.stats.rerouted += 1
+                log.info("hand-off rerouted", extra={"request": req.request_id, "refused": refused, "to": decode})
+            except Exception as exc:
+                raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
 
     async def _send(self, request_id: str, held: HeldPrefill, reply: KVPrepareReply) -> TransferStats:
         core = self.engine.core

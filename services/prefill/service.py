@@ -26,6 +26,8 @@ from protos.messages import (
     KVPrepareRequest,
     RegistryEntry,
     Role,
+    RouteReply,
+    RouteRequest,
     ServiceState,
     TokenChunk,
     WorkerLoad,
@@ -161,13 +163,25 @@ class PrefillService(EngineRoleService):
         cfg = self.config
         self.worker = handlers.PrefillWorker(
             self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish,
-            prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s)
+            prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s,
+            reroute=self._reroute, decode_attempts=cfg.decode_attempts)
         await self.bus.serve(subjects.generate(cfg.namespace, cfg.instance_id), GenerateRequest, self._generate)
 
     async def _prepare(self, decode_instance: str, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.bus is not None
         return await self.bus.request(subjects.kv_prepare(self.config.namespace, decode_instance), msg, KVPrepareReply,
                                       timeout=self.config.prepare_timeout_s)
+
+    async def _reroute(self, request_id: str, num_tokens: int, refused: list[str]) -> str:
+        """Ask the router for another decode worker than those that refused the request."""
+        assert self.bus is not None
+        reply = await self.bus.request(subjects.route(self.config.namespace),
+                                       RouteRequest(request_id=request_id, num_tokens=num_tokens,
+                                                    exclude_decodes=refused),
+                                       RouteReply, timeout=self.config.prepare_timeout_s)
+        if reply.decode_instance in refused or not reply.decode_instance:
+            raise LookupError(f"the router offered no decode worker besides {refused}")
+        return reply.decode_instance
 
     async def _generate(self, req: GenerateRequest) -> GenerateAck:
         assert self.worker is not None and self.engine is not None

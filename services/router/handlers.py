@@ -86,21 +86,24 @@ def _pair_cost(entry: RegistryEntry, recent: Mapping[str, int]) -> tuple[int, fl
 
 def pick_pair(prefills: Sequence[RegistryEntry], decodes: Sequence[RegistryEntry], num_tokens: int,
               bucket_edges: Sequence[int], request_id: str,
-              recent: Mapping[str, int] | None = None) -> tuple[RegistryEntry, RegistryEntry]:
+              recent: Mapping[str, int] | None = None, exclude_decodes: Sequence[str] = ()
+              ) -> tuple[RegistryEntry, RegistryEntry]:
     """Disaggregated mode: (prefill, decode) for one request, by length bucket and load.
 
     Prefill: among workers serving the request's length bucket (all when none does), the lowest queue
     (running + waiting + this router's recent picks), then the lowest KV share. Decode: the same cost over
     every decode worker (decode work per token does not depend on the prompt's bucket; its KV does, which
-    the KV share term covers). Decode workers without a transfer address cannot receive KV and are skipped.
+    the KV share term covers). Decode workers without a transfer address cannot receive KV and are skipped,
+    and so are `exclude_decodes` (they refused this request as full: a prefill asks again for another).
     Ties are broken by xxhash of (request id, instance id): deterministic, yet spread over equals.
     """
     recent = recent or {}
     if not prefills:
         raise LookupError("no live prefill worker in the registry")
-    receivers = [d for d in decodes if d.address]
+    receivers = [d for d in decodes if d.address and d.instance_id not in exclude_decodes]
     if not receivers:
-        raise LookupError("no live decode worker with a KV transfer address in the registry")
+        raise LookupError("no live decode worker with a KV transfer address in the registry"
+                          + (f" besides {sorted(exclude_decodes)}" if exclude_decodes else ""))
     bucket = LengthBuckets(tuple(bucket_edges)).classify(num_tokens)
     serving = [p for p in prefills if not p.buckets or bucket in p.buckets] or list(prefills)
 

@@ -35,8 +35,9 @@ class RouterService(Service):
             reflected = {e.instance_id: e.load.updated_at for e in entries if e.load is not None}
             prefill, decode = handlers.pick_pair(by_role[Role.PREFILL], by_role[Role.DECODE], req.num_tokens,
                                                  self.config.bucket_edges, req.request_id,
-                                                 self.recent.counts(now, reflected))
-            self.recent.add(prefill.instance_id, now)
+                                                 self.recent.counts(now, reflected), req.exclude_decodes)
+            if not req.exclude_decodes:  # (a prefill asking again for a decode worker: its own pick stands)
+                self.recent.add(prefill.instance_id, now)
             self.recent.add(decode.instance_id, now)
             return RouteReply(prefill_instance=prefill.instance_id, decode_instance=decode.instance_id)
         if not by_role[Role.WORKER] and (by_role[Role.PREFILL] or by_role[Role.DECODE]):
