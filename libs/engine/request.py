@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class FinishReason(StrEnum):
@@ -98,13 +99,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """What one engine step produced for one request.
 
     new_token_ids: tokens produced in this step (one per step today; a list so speculative
     decoding can add more). num_cached_tokens: prompt tokens served from the prefix cache at the
-    request's (first) admission.
+    request's (first) admission. (A NamedTuple: immutable, and cheap to build once per sequence per step.)
     """
 
     req_id: str

@@ -140,19 +140,17 @@ class Seq:
     _hashes: list[int] = field(default_factory=list)
     _hashed_len: int = -1
     num_prompt: int = field(init=False)  # len(req.prompt_token_ids), read several times per step
+    req_id: str = field(init=False)  # req.req_id (a plain attribute: read several times per sequence per step)
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.req.prompt_token_ids)
+        self.req_id = self.req.req_id
 
     def block_hashes(self, page_size: int, seed: int) -> list[int]:
         if self._hashed_len != len(self.token_ids):
             self._hashes = block_hashes(self.token_ids, page_size, seed)
             self._hashed_len = len(self.token_ids)
         return self._hashes
-
-    @property
-    def req_id(self) -> str:
-        return self.req.req_id
 
     @property
     def num_to_compute(self) -> int:
