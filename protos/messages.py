@@ -182,6 +182,7 @@ class TokenChunk(WireModel):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    retryable: bool = Field(default=False, description="with error: out of capacity now, the client may retry")
     instance_id: str = Field(default="", description="the worker that sent this chunk (liveness probes)")
 
     @model_validator(mode="after")

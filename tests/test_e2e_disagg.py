@@ -215,7 +215,7 @@ async def _details(nats_url: str, namespace: str, instance: str) -> dict[str, st
 async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_path, offline):
     """decode-0 is too small for any request here: when the router picks it (it is the idle one while decode-1
     streams), it answers "full" and the prefill asks the router for another decode worker; the client sees
-    only a correct answer."""
+    only a correct answer. A request no decode worker can take gets 503 with Retry-After."""
     topo = topology(nats_server.url, tmp_path)
     try:
         topo.start("gateway-0", "gateway")
@@ -238,6 +238,11 @@ async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_
         assert got == list(offline.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids)
         assert int((await _details(topo.nats_url, topo.namespace, "decode-0"))["kv_refused"]) >= 1
         assert int((await _details(topo.nats_url, topo.namespace, "prefill-0"))["kv_rerouted"]) >= 1
+        # too big for both decoders while decode-1 streams: a retryable 503, not a worker failure
+        with pytest.raises(openai.APIStatusError) as err:
+            await complete_ids(client, prompt(302, 20), 3700)
+        assert err.value.status_code == 503 and err.value.response.headers.get("retry-after") == "1"
+        assert "capacity" in err.value.message
         result, toks, _ = await busy
         assert result == "ok" and len(toks) == 400
         await client.close()

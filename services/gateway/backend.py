@@ -52,11 +52,13 @@ log = logging.getLogger("windserve.gateway")
 class BackendError(Exception):
     """The request cannot be served or failed downstream; `status` is the HTTP status to answer."""
 
-    def __init__(self, status: int, message: str, code: str = "service_unavailable") -> None:
+    def __init__(self, status: int, message: str, code: str = "service_unavailable",
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (capacity refusals)
 
 
 class Backend(Protocol):
@@ -138,6 +140,9 @@ class NatsBackend:
             async for chunk in self._chunks(sub, request_id, watch):
                 if chunk.finish_reason is not None:
                     finished = True
+                if chunk.finish_reason == FinishReason.ERROR and chunk.retryable:
+                    raise BackendError(503, f"server is at capacity: {chunk.error}", code="server_busy",
+                                       retry_after_s=1)
                 if chunk.finish_reason == FinishReason.ERROR:
                     raise BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
                 yield chunk

@@ -269,7 +269,8 @@ class Fanout:
 
 def _error_to_api(exc: BackendError) -> ApiError:
     type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-    return ApiError(exc.status, exc.message, type_=type_, code=exc.code)
+    headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return ApiError(exc.status, exc.message, type_=type_, code=exc.code, headers=headers)
 
 
 def _record(plan: Plan, states: dict[int, ChoiceState], started: float, usage: dict[str, Any]) -> None:

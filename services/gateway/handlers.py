@@ -4,7 +4,8 @@ The registry and the downstream are reached through injected objects (`ListServi
 so the app runs in tests without NATS. Status codes: 400 bad request (well-formed JSON that cannot be
 served as asked, or malformed JSON), 401 missing/wrong API key, 404 unknown model or route, 413 prompt
 (+ max_tokens) longer than the context, 422 schema validation, 429 queue full (Retry-After), 500 a
-worker failed, 503 no worker / worker gone / router down. Bodies use OpenAI's error object.
+worker failed, 503 no worker / worker gone / router down / every decode worker full (Retry-After).
+Bodies use OpenAI's error object.
 """
 
 from __future__ import annotations

@@ -75,6 +75,10 @@ class HandoffError(RuntimeError):
     """The KV hand-off to decode failed; the message says at which step."""
 
 
+class DecodesFull(HandoffError):
+    """Every decode worker tried had no room for the request (or none other was found): retry later."""
+
+
 class PrefillWorker:
     """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
 
@@ -141,7 +145,8 @@ class PrefillWorker:
             self.stats.failures += 1
             log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
             error = f"prefill {self.instance_id}: {exc}"
-            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error))
+            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error,
+                                                      retryable=isinstance(exc, DecodesFull)))
         finally:
             if held is not None:
                 await self._release(req.request_id)
@@ -192,12 +197,12 @@ class PrefillWorker:
                     raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
                 refused.append(decode)
                 if len(refused) >= self.decode_attempts:
-                    raise HandoffError(f"decode workers {refused} refused the request: {exc.message}") from exc
+                    raise DecodesFull(f"decode workers {refused} refused the request: {exc.message}") from exc
                 try:
                     decode = await self.reroute(req.request_id, len(req.token_ids), refused)
                 except Exception as route_exc:
-                    raise HandoffError(f"decode {refused[-1]} refused the request ({exc.message}) and no other "
-                                       f"decode worker was found: {route_exc}") from route_exc
+                    raise DecodesFull(f"decode {refused[-1]} refused the request ({exc.message}) and no other "
+                                      f"decode worker was found: {route_exc}") from route_exc
                 self.stats.rerouted += 1
                 log.info("hand-off rerouted", extra={"request": req.request_id, "refused": refused, "to": decode})
             except Exception as exc:
