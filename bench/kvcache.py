@@ -201,13 +201,13 @@ def capacity(budget: int = 80 * GIB, seq_tokens: int = 32 * 1024) -> dict[str, f
             "num_full_pages": plan.num_full_pages, "num_swa_pages": plan.num_swa_pages}
 
 
-def no_reuse_overhead(reqs: list[Request], repeats: int = 15) -> dict[str, object]:
+def no_reuse_overhead(reqs: list[Request], repeats: int = 31) -> dict[str, object]:
     """Same requests with unique tokens (nothing to reuse), served one at a time with the prefix cache on vs
     off, side by side; the cache fills up and evicts. "on" gets the prompt's block hashes from the caller (the
     gateway computes the chain for routing anyway); "on_hashing" makes the cache hash every page itself.
 
     The box is shared, so each repeat runs the three modes back to back (order rotated) and measures process
-    CPU time; the ratio is the median of the per-repeat ratios (15 repeats: a busy neighbour skews a few pairs,
+    CPU time; the ratio is the median of the per-repeat ratios (31 repeats: a busy neighbour skews a few pairs,
     not the median)."""
     uniq = []
     for i, r in enumerate(reqs):
