@@ -8,6 +8,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -89,12 +90,15 @@ class ModelRunner:
         # runner is closed or collected, so engines built over one model neither pile up hooks nor stay alive.
         ref = weakref.ref(self)
         self._copy_workers: list[CopyWorker] = []  # at most one, started on the first threaded load
-        hooks = [layer.register_forward_pre_hook(_layer_hook(ref, i)) for i, layer in enumerate(decoder_layers(model))]
-        # a second interrupt poll inside each layer, before its MLP/MoE: halves how long an arrival waits
+        hooks = []
         for i, layer in enumerate(decoder_layers(model)):
+            hooks.append(layer.register_forward_pre_hook(
+                _own_forward_hook(ref, partial(ModelRunner._before_layer, layer=i))))
+            # a second interrupt poll inside each layer, before its MLP/MoE: halves how long an arrival waits
             mlp = getattr(layer, "mlp", None)
             if isinstance(mlp, torch.nn.Module):
-                hooks.append(mlp.register_forward_pre_hook(_mlp_hook(ref, i)))
+                hooks.append(mlp.register_forward_pre_hook(
+                    _own_forward_hook(ref, partial(ModelRunner._poll, where=f"the MLP of layer {i}"))))
         self._finalizer = weakref.finalize(self, _release, hooks, self._copy_workers)
         self._interrupt: Callable[[], bool] | None = None
         self._forward_thread: int | None = None  # the thread inside forward(): the layer hooks act for it only
@@ -181,20 +185,13 @@ class ModelRunner:
         self._generators.pop(req_id, None)
 
 
-def _layer_hook(ref: weakref.ReferenceType, layer: int):
-    def hook(_module, _args):
-        runner = ref()
-        if runner is None or threading.get_ident() != runner._forward_thread:
-            return  # someone else's forward of the same model (another engine, a reference run in a test)
-        runner._before_layer(layer)
-    return hook
-
-
-def _mlp_hook(ref: weakref.ReferenceType, layer: int):
+def _own_forward_hook(ref: weakref.ReferenceType, act: Callable[[ModelRunner], None]):
+    """A forward pre-hook that runs act(runner) only inside the runner's own forward: not for someone else's
+    forward of the same model (another engine, a reference run in a test), nor once the runner is gone."""
     def hook(_module, _args):
         runner = ref()
         if runner is not None and threading.get_ident() == runner._forward_thread:
-            runner._poll(f"the MLP of layer {layer}")
+            act(runner)
     return hook
 
 
