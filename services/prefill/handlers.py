@@ -192,8 +192,9 @@ class PrefillWorker:
             except TimeoutError:
                 raise HandoffError(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
-            except RemoteError as exc:
-                if exc.code is not ErrorCode.UNAVAILABLE or self.reroute is None:
+            except Exception as exc:
+                # only "full" (UNAVAILABLE) is worth another decode worker
+                if not isinstance(exc, RemoteError) or exc.code is not ErrorCode.UNAVAILABLE or self.reroute is None:
                     raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
                 refused.append(decode)
                 if len(refused) >= self.decode_attempts:
@@ -205,8 +206,6 @@ class PrefillWorker:
                                       f"decode worker was found: {route_exc}") from route_exc
                 self.stats.rerouted += 1
                 log.info("hand-off rerouted", extra={"request": req.request_id, "refused": refused, "to": decode})
-            except Exception as exc:
-                raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
 
     async def _send(self, request_id: str, held: HeldPrefill, reply: KVPrepareReply) -> TransferStats:
         core = self.engine.core
