@@ -41,7 +41,8 @@ class EngineConfig:
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker serves (None = all)."""
     long_prefill_share: float = 0.05
-    """Share of a step's tokens longer-bucket prefills may take while shorter requests wait (1.0 = no cap)."""
+    """Share of a step's tokens (and, with adaptive_long_cap, of its predicted time) longer-bucket prefills may take
+    while a shorter request waits for its first token (1.0 = no cap)."""
     long_prefill_max_tokens: int | None = None
     """Most long-bucket prefill tokens in any step (bounds how long a short arrival waits for the step in
     flight); None = only the step budget."""
@@ -51,7 +52,8 @@ class EngineConfig:
     """Steps carrying long-bucket prefill may be stopped between layers when a short request arrives
     (EngineCore.step(interrupt=...), which AsyncEngine passes); see SchedulerConfig.interruptible_steps."""
     long_step_cost: float = 2.0
-    """Most predicted cost of an interruptible long-prefill-only step, in fixed step costs."""
+    """Most predicted cost of a step carrying longer-bucket prefill but no shorter request's first token, in fixed
+    step costs (see SchedulerConfig.long_step_cost)."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
     preemption by recompute when the pools fill up)."""

@@ -108,10 +108,10 @@ class EngineCore:
     def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """One schedule -> execute -> update round; outputs of every request that progressed.
 
-        `interrupt` (e.g. "a short request has arrived", see is_urgent) is polled between decoder layers of
-        a step that carries longer-bucket prefill chunks. When it fires the step stops there and nothing is
-        committed: its work is rescheduled by the next step, next to the new short work, with the long chunks
-        capped by long_prefill_share. A short request then waits for one layer, not a whole long step."""
+        `interrupt` (e.g. "a short request has arrived", see is_urgent) is polled before each decoder layer and
+        each layer's MLP of a step that carries longer-bucket prefill chunks. When it fires the step stops there
+        and nothing is committed: its work is rescheduled by the next step, next to the new short work, with the
+        long chunks capped by long_prefill_share. A short request then waits for half a layer, not a whole step."""
         plan = self.scheduler.schedule()
         t0 = time.perf_counter()
         try:
