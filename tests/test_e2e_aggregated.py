@@ -12,11 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from libs.bus import Bus
 from libs.engine import LLM, SamplingParams
 from libs.model.tokenizer import ByteTokenizer
-from protos import subjects
-from protos.messages import HealthReply, HealthRequest
 from tests.fixtures.nats import start_nats_server
 from tests.fixtures.services import ServiceGroup
 
@@ -71,17 +68,6 @@ def llm() -> LLM:
 def prompt_ids(n: int, salt: int) -> list[int]:
     """Deterministic byte-range prompt of n tokens."""
     return [(salt * 31 + i * 7) % 250 + 3 for i in range(n)]
-
-
-def worker_details(nats_url: str, namespace: str, instance: str) -> dict[str, str]:
-    async def ask() -> dict[str, str]:
-        bus = await Bus.connect(nats_url, name="e2e-probe")
-        try:
-            reply = await bus.request(subjects.health(namespace, instance), HealthRequest(), HealthReply, 5)
-            return reply.details
-        finally:
-            await bus.close()
-    return asyncio.run(ask())
 
 
 # --- correctness against the offline engine -------------------------------------------------------
@@ -203,7 +189,7 @@ def _worker_load(system: System, instance: str) -> dict:
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(system):
-    before = worker_details(system.nats_url, system.namespace, "agg-w1")
+    before = asyncio.run(system.details("agg-w1"))
     stream = system.client().completions.create(model=MODEL, prompt=prompt_ids(50, 8), max_tokens=4000,
                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
     seen = 0
@@ -215,7 +201,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(system):
     stream.close()  # drop the HTTP connection
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        details = worker_details(system.nats_url, system.namespace, "agg-w1")
+        details = asyncio.run(system.details("agg-w1"))
         if int(details["aborted"]) > int(before["aborted"]) and details["running"] == "0":
             break
         time.sleep(0.2)

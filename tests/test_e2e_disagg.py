@@ -15,10 +15,7 @@ import openai
 import pytest
 import torch
 
-from libs.bus import Bus
 from libs.engine import LLM, SamplingParams
-from protos import subjects
-from protos.messages import HealthReply, HealthRequest
 from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -204,14 +201,6 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         topo.stop()
 
 
-async def _details(nats_url: str, namespace: str, instance: str) -> dict[str, str]:
-    bus = await Bus.connect(nats_url, name="e2e-probe")
-    try:
-        return (await bus.request(subjects.health(namespace, instance), HealthRequest(), HealthReply, 5)).details
-    finally:
-        await bus.close()
-
-
 async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_path, offline):
     """decode-0 is too small for any request here: when the router picks it (it is the idle one while decode-1
     streams), it answers "full" and the prefill asks the router for another decode worker; the client sees
@@ -236,8 +225,8 @@ async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_
         ids = prompt(301, 20)
         got = await complete_ids(client, ids, 16)  # the router prefers idle decode-0, which is full
         assert got == list(offline.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids)
-        assert int((await _details(topo.nats_url, topo.namespace, "decode-0"))["kv_refused"]) >= 1
-        assert int((await _details(topo.nats_url, topo.namespace, "prefill-0"))["kv_rerouted"]) >= 1
+        assert int((await topo.details("decode-0"))["kv_refused"]) >= 1
+        assert int((await topo.details("prefill-0"))["kv_rerouted"]) >= 1
         # too big for both decoders while decode-1 streams: a retryable 503, not a worker failure
         with pytest.raises(openai.APIStatusError) as err:
             await complete_ids(client, prompt(302, 20), 3700)
