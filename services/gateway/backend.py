@@ -86,6 +86,7 @@ class BackendConfig:
     idle_timeout_s: float = 300.0
     bucket_edges: tuple[int, ...] = (65536, 262144)
     namespace: str = subjects.DEFAULT_NAMESPACE
+    retry_after_s: int = 1  # Retry-After of a capacity refusal (every decode worker full)
 
     def __post_init__(self) -> None:
         if min(self.route_timeout_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s) <= 0:
@@ -142,7 +143,7 @@ class NatsBackend:
                     finished = True
                 if chunk.finish_reason == FinishReason.ERROR and chunk.retryable:
                     raise BackendError(503, f"server is at capacity: {chunk.error}", code="server_busy",
-                                       retry_after_s=1)
+                                       retry_after_s=self.config.retry_after_s)
                 if chunk.finish_reason == FinishReason.ERROR:
                     raise BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
                 yield chunk

@@ -53,6 +53,7 @@ class GatewayService(Service):
             page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
             liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
+            retry_after_s=cfg.retry_after_s,
         ))
         return handlers.Api(
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
