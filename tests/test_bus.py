@@ -3,6 +3,7 @@
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import pytest
 
@@ -204,3 +205,61 @@ async def test_close_drains_in_flight_handler(nats_url):
     finally:
         await server_bus.close()
         await client.close()
+
+
+async def _cancel_mid_flow(reader: asyncio.Task, rounds_done: Callable[[], int]) -> bool:
+    """Cancel `reader` once it is under way; True if the cancel took effect (not swallowed)."""
+    start = rounds_done()
+    while rounds_done() < start + 3:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)  # cancel while replies or messages keep arriving
+    reader.cancel()
+    done, _ = await asyncio.wait({reader}, timeout=2)
+    if not done:
+        reader.cancel()
+        await asyncio.wait({reader}, timeout=2)
+    return bool(done) and reader.cancelled()
+
+
+async def test_cancel_is_never_swallowed_while_messages_flow(bus, nats_url):
+    """nats-py's waits (asyncio.wait_for on Python 3.11) drop a cancel that lands as a message
+    arrives; next() must still end in CancelledError, or a gateway whose client left keeps streaming."""
+    publisher = await Bus.connect(nats_url, name="pytest-flood", timeout=5.0)
+    sub = await bus.subscribe("t.flood", AbortRequest)
+    received = 0
+    flooding = True
+
+    async def flood() -> None:
+        while flooding:
+            await publisher.publish("t.flood", AbortRequest(request_id="x"))
+            await asyncio.sleep(0)
+
+    async def read() -> None:
+        nonlocal received
+        while True:
+            await sub.next(10)
+            received += 1
+
+    feeder = asyncio.ensure_future(flood())
+    try:
+        results = [await _cancel_mid_flow(asyncio.ensure_future(read()), lambda: received) for _ in range(40)]
+    finally:
+        flooding = False
+        await feeder
+        await sub.unsubscribe()
+        await publisher.close()
+    assert all(results), f"{results.count(False)} of {len(results)} cancels were swallowed"
+
+
+async def test_cancel_of_a_request_is_never_swallowed(bus):
+    await bus.serve("t.route.fast", RouteRequest, route_handler)
+    replies = 0
+
+    async def ask() -> None:
+        nonlocal replies
+        while True:
+            await bus.request("t.route.fast", RouteRequest(request_id="a", num_tokens=1), RouteReply, timeout=5)
+            replies += 1
+
+    results = [await _cancel_mid_flow(asyncio.ensure_future(ask()), lambda: replies) for _ in range(100)]
+    assert all(results), f"{results.count(False)} of {len(results)} cancels were swallowed"

@@ -47,6 +47,22 @@ _HEADER_ROOM = 16 * 1024  # headers + protocol overhead kept free below max_payl
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 Handler = Callable[[Req], Awaitable[BaseModel]]
+T = TypeVar("T")
+
+
+async def _keep_cancel(aw: Awaitable[T]) -> T:
+    """Await `aw`, then re-raise a cancellation of this task that `aw` swallowed.
+
+    nats-py waits for replies and messages with `asyncio.wait_for`, which on Python 3.11 returns the
+    result when a cancel lands just as the result arrives. The cancelled caller would then go on as
+    if nothing happened: a gateway whose client left kept streaming instead of aborting.
+    `Task.cancelling()` still counts the swallowed request, so it can be raised here."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await aw
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result
 
 
 @dataclass(frozen=True)
@@ -121,8 +137,8 @@ class Bus:
             log.info("nats connection closed", extra={"bus": name})
 
         try:
-            await asyncio.wait_for(
-                nc.connect(
+            async with asyncio.timeout(timeout):
+                await nc.connect(
                     servers=[u.strip() for u in url.split(",") if u.strip()],  # a cluster: several URLs
                     name=name,
                     connect_timeout=max(1, int(timeout)),
@@ -133,9 +149,7 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     closed_cb=on_closed,
-                ),
-                timeout,
-            )
+                )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -189,7 +203,8 @@ class Bus:
         await self.stop_serving()
         await self.drain_handlers(self.config.drain_timeout_s)
         try:
-            await asyncio.wait_for(self._nc.drain(), self.config.drain_timeout_s)
+            async with asyncio.timeout(self.config.drain_timeout_s):
+                await self._nc.drain()
         except Exception as exc:  # a dead server must not block shutdown
             log.warning("nats drain failed, closing", extra={"error": repr(exc)})
         if not self._nc.is_closed:
@@ -251,7 +266,7 @@ class Bus:
         try:
             async with asyncio.timeout(timeout):
                 data, hdrs = await self._pack(encode(msg))
-                reply = await self._nc.request(subject, data, timeout=timeout, headers=hdrs or None)
+                reply = await _keep_cancel(self._nc.request(subject, data, timeout=timeout, headers=hdrs or None))
                 body = await self._unpack(reply, consume=True)
             if _is_error(reply):
                 err = decode(body, ErrorReply)
@@ -361,7 +376,7 @@ class TypedSubscription(AsyncIterator[Req]):
             if remaining <= 0:
                 raise BusTimeout(f"no message on {self._sub.subject} within {timeout}s")
             try:
-                raw = await self._sub.next_msg(timeout=remaining)
+                raw = await _keep_cancel(self._sub.next_msg(timeout=remaining))
             except nats.errors.TimeoutError as exc:
                 raise BusTimeout(f"no message on {self._sub.subject} within {timeout}s") from exc
             decoded = await self._decode(raw)
@@ -381,7 +396,7 @@ class TypedSubscription(AsyncIterator[Req]):
     async def __anext__(self) -> Req:
         while True:
             try:
-                raw = await self._sub.next_msg(timeout=None)  # type: ignore[arg-type]
+                raw = await _keep_cancel(self._sub.next_msg(timeout=None))  # type: ignore[arg-type]
             except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError) as exc:
                 raise StopAsyncIteration from exc
             decoded = await self._decode(raw)

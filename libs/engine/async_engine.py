@@ -82,7 +82,8 @@ class AsyncEngine:
         self._commands.put((lambda: fn(self.core), fut))
         if urgent:
             self._urgent.set()
-        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s or self.output_timeout_s)
+        async with asyncio.timeout(timeout_s or self.output_timeout_s):
+            return await asyncio.wrap_future(fut)
 
     async def abort(self, req_id: str) -> bool:
         return await self.call(lambda core: core.abort(req_id))

@@ -175,7 +175,8 @@ class Service:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(task, 5)
+                async with asyncio.timeout(5):
+                    await task
 
 
 S = TypeVar("S", bound=Service)

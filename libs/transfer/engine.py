@@ -85,7 +85,8 @@ class _Connection:
             raise PeerDisconnected(f"connection to {self.peer} is closed")
         self.writer.write(frame)
         try:
-            await asyncio.wait_for(self.writer.drain(), self.engine.config.layer_timeout_s)
+            async with asyncio.timeout(self.engine.config.layer_timeout_s):
+                await self.writer.drain()
         except (ConnectionError, TimeoutError) as exc:
             err = PeerDisconnected(f"control connection to {self.peer} broke: {exc!r}")
             await self.drop(err)
@@ -378,7 +379,8 @@ class _EngineBase:
         self._outgoing[request_id] = tx
         try:
             await conn.send_control(FrameType.HEADER, header.to_wire(seq))
-            await asyncio.wait_for(asyncio.shield(tx.accept_fut), self.config.accept_timeout_s)
+            async with asyncio.timeout(self.config.accept_timeout_s):
+                await asyncio.shield(tx.accept_fut)
         except TimeoutError:
             await tx.abort("receiver did not answer the header")
             raise TransferTimeout(f"request {request_id}: receiver {address} did not accept within "
@@ -429,12 +431,14 @@ class _EngineBase:
             raise TransferError(f"{self.backend.value} engine cannot reach {address!r} (scheme {scheme})")
         timeout = self.config.connect_timeout_s
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
             nonce = int.from_bytes(os.urandom(8), "little")
             writer.write(encode_control(FrameType.HELLO, {
                 "version": PROTOCOL_VERSION, "backend": self.backend.value, "engine": self.engine_id,
                 "nonce": nonce, "data": self._data_address()}))
-            ftype, body = await asyncio.wait_for(_read_frame(reader, self.config.max_control_bytes), timeout)
+            async with asyncio.timeout(timeout):
+                ftype, body = await _read_frame(reader, self.config.max_control_bytes)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             raise PeerDisconnected(f"cannot connect to transfer engine at {address}: {exc!r}") from exc
         reply = decode_control(ftype, body)
@@ -450,8 +454,8 @@ class _EngineBase:
     async def _on_accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
         try:
-            ftype, body = await asyncio.wait_for(_read_frame(reader, self.config.max_control_bytes),
-                                                 self.config.connect_timeout_s)
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                ftype, body = await _read_frame(reader, self.config.max_control_bytes)
             hello = decode_control(ftype, body)
             error = self._check_hello(ftype, hello)
             if error:
@@ -488,8 +492,8 @@ class _EngineBase:
         assert self._registered is not None
         async with self._registered:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._registered.wait_for(lambda: request_id in self._expected),
-                                       self.config.register_grace_s)
+                async with asyncio.timeout(self.config.register_grace_s):
+                    await self._registered.wait_for(lambda: request_id in self._expected)
         tr = self._expected.pop(request_id, None)
         if tr is not None:
             self._active_in[request_id] = tr

@@ -39,7 +39,8 @@ class StreamLink:
         if data.numel():
             self._writer.write(host_bytes(data.cpu()))
         try:
-            await asyncio.wait_for(self._writer.drain(), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await self._writer.drain()
         except TimeoutError:
             raise TransferTimeout(f"layer {position} of transfer {seq}: socket did not drain in "
                                   f"{self._timeout:.3g}s") from None
@@ -76,7 +77,8 @@ class UcxLink:
             return
         tag = payload_tag(self._nonce, seq, position)
         try:
-            await asyncio.wait_for(self._ep.send(ucx_buffer(data), tag=tag, force_tag=True), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await self._ep.send(ucx_buffer(data), tag=tag, force_tag=True)
         except TimeoutError:
             raise TransferTimeout(f"layer {position} of transfer {seq}: UCX send did not complete in "
                                   f"{self._timeout:.3g}s") from None

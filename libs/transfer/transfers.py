@@ -66,7 +66,8 @@ def _settle(fut: asyncio.Future, exc: BaseException) -> None:
 
 async def _bounded(fut: Awaitable, timeout: float, what: str) -> object:
     try:
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(fut)
     except TimeoutError:
         raise TransferTimeout(f"{what} did not happen within {timeout:.3g}s") from None
 
@@ -247,7 +248,8 @@ class OutgoingTransfer:
             return
         self.fail(TransferAborted(f"request {self.request_id}: {reason}"))
         try:  # an in-flight payload must finish (or be cancelled) before ABORT goes out
-            await asyncio.wait_for(self._lock.acquire(), self._drain_timeout_s)
+            async with asyncio.timeout(self._drain_timeout_s):
+                await self._lock.acquire()
         except TimeoutError:
             await self.conn.drop(TransferAborted(f"request {self.request_id}: send did not drain on abort"))
             return

@@ -101,7 +101,8 @@ class DecodeWorker:
             return False
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(task), 10)
+            async with asyncio.timeout(10):
+                await asyncio.shield(task)
         return True
 
     def _check_layout(self, msg: KVPrepareRequest) -> None:
@@ -156,7 +157,8 @@ class DecodeWorker:
             if not finished:
                 pump.cancel()  # leaving engine.generate() aborts the request: its pages are freed
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(pump, 10)
+                    async with asyncio.timeout(10):
+                        await pump
                 if incoming is not None:
                     with contextlib.suppress(Exception):
                         await incoming.cancel("decode request ended")
@@ -219,6 +221,7 @@ class DecodeWorker:
         chunk = (self._chunk(msg.request_id, finish_reason=FinishReason.ABORT) if error is None else
                  self._chunk(msg.request_id, finish_reason=FinishReason.ERROR, error=error))
         try:
-            await asyncio.wait_for(self.publish(msg.stream_subject, chunk), 5)
+            async with asyncio.timeout(5):
+                await self.publish(msg.stream_subject, chunk)
         except Exception as exc:
             log.warning("could not publish final chunk", extra={"request": msg.request_id, "error": repr(exc)})

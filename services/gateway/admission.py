@@ -49,7 +49,8 @@ class Admission:
             raise Overloaded(f"{self.in_flight} requests running and {self.queued} queued (the limit)")
         self.queued += 1
         try:
-            await asyncio.wait_for(self._sem.acquire(), self.config.queue_timeout_s)
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                await self._sem.acquire()
         except TimeoutError:
             raise Overloaded(f"no free slot within {self.config.queue_timeout_s}s") from None
         finally:

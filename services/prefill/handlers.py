@@ -119,7 +119,8 @@ class PrefillWorker:
             return False
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(asyncio.shield(task), 10)
+            async with asyncio.timeout(10):
+                await asyncio.shield(task)
         return True
 
     async def run(self, req: GenerateRequest) -> None:
@@ -188,7 +189,8 @@ class PrefillWorker:
         decode, refused = req.decode_instance, []
         while True:
             try:
-                return await asyncio.wait_for(self.prepare(decode, prep), self.prepare_timeout_s)
+                async with asyncio.timeout(self.prepare_timeout_s):
+                    return await self.prepare(decode, prep)
             except TimeoutError:
                 raise HandoffError(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
@@ -245,6 +247,7 @@ class PrefillWorker:
 
     async def _safe_publish(self, req: GenerateRequest, chunk: TokenChunk) -> None:
         try:
-            await asyncio.wait_for(self.publish(req.stream_subject, chunk), 5)
+            async with asyncio.timeout(5):
+                await self.publish(req.stream_subject, chunk)
         except Exception as exc:  # NATS gone: the gateway's own bound reports the failure
             log.warning("could not publish final chunk", extra={"request": req.request_id, "error": repr(exc)})
