@@ -970,8 +970,37 @@ class KVCache:
     def _flags_spec(self, node: Node) -> int | tuple[bool, ...]:
         """`_checkpoint_flags` compactly: an int k means pages k.. are valid and the ones before are not.
         Only pages holding SWA can end a checkpoint, so the scan visits those (few, under retention)."""
+        swa = node.swa if node.full is not None else node.host_swa
+        n = node.npages
+        if swa is None:
+            return n
+        c = node.n_swa if node.full is not None else node.host_swa_count()
+        if c == 0:
+            return n
         wp = self.wp
-        run = 0  # consecutive SWA pages just before the node, capped at wp
+        # Retention leaves SWA mostly at a node's end (nodes are cut at checkpoint ends): check that in C. Along
+        # a contiguous SWA run the run length grows by one per page and the bar min(page + 1, wp) by at most
+        # one, so the valid pages of the tail are a suffix: the first one is the answer. The run before the node
+        # matters only when the node's SWA pages start at its first page.
+        if swa[n - c:].count(-1) == 0:
+            run = self._run_before(node) if c == n else 0
+            for i in range(n - c, n):
+                run += 1
+                if run >= min(node.start + i + 1, wp):
+                    return i
+            return n
+        out = [False] * n
+        run, prev = self._run_before(node), -1
+        for i in (i for i, s in enumerate(swa) if s >= 0):
+            run = run + 1 if i == prev + 1 else 1
+            prev = i
+            out[i] = run >= min(node.start + i + 1, wp)
+        return tuple(out)
+
+    def _run_before(self, node: Node) -> int:
+        """Consecutive pages holding SWA KV just before `node`, counted up to the window's pages."""
+        wp = self.wp
+        run = 0
         anc = node.parent
         while anc is not None and anc.parent is not None and run < wp:
             k = 0
@@ -981,31 +1010,7 @@ class KVCache:
             if k < anc.npages:
                 break
             anc = anc.parent
-        swa = node.swa if node.full is not None else node.host_swa
-        n = node.npages
-        if swa is None:
-            return n
-        c = node.n_swa if node.full is not None else node.host_swa_count()
-        if c == 0:
-            return n
-        # Retention leaves SWA mostly at a node's end (nodes are cut at checkpoint ends): check that in C. Along
-        # a contiguous SWA run the run length grows by one per page and the bar min(page + 1, wp) by at most
-        # one, so the valid pages of the tail are a suffix: the first one is the answer.
-        if swa[n - c:].count(-1) == 0:
-            if c < n:  # the run restarts at the first SWA page
-                run = 0
-            for i in range(n - c, n):
-                run += 1
-                if run >= min(node.start + i + 1, wp):
-                    return i
-            return n
-        out = [False] * n
-        prev = -1
-        for i in (i for i, s in enumerate(swa) if s >= 0):
-            run = run + 1 if i == prev + 1 else 1
-            prev = i
-            out[i] = run >= min(node.start + i + 1, wp)
-        return tuple(out)
+        return run
 
     # ------------------------------------------------------------------ usage and invariants
 

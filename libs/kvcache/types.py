@@ -1,9 +1,10 @@
-"""Result and event types of the KV cache: plain frozen dataclasses and enums, no behaviour."""
+"""Result and event types of the KV cache: plain frozen dataclasses, named tuples and enums, no behaviour."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Direction(enum.StrEnum):
@@ -91,12 +92,12 @@ class Tier(enum.StrEnum):
     HOST = "host"
 
 
-@dataclass(frozen=True, slots=True)
-class KVEvent:
+class KVEvent(NamedTuple):
     """A numbered change of the cached block set, for the router / GCache.
 
     Event ids increase by one; a gap means events were dropped (the consumer should ask for a full resend).
     `swa_checkpoint[i]` says whether a hit ending after block i was valid when the event was made.
+    A named tuple: every inserted or evicted node makes one, so it is built on a hot path.
     """
 
     event_id: int
@@ -104,7 +105,7 @@ class KVEvent:
     tier: Tier
     block_hashes: tuple[int, ...]
     parent_hash: int | None
-    swa_checkpoint: tuple[bool, ...] = field(default=())
+    swa_checkpoint: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
