@@ -215,7 +215,7 @@ def no_reuse_overhead(reqs: list[Request], repeats: int = 15) -> dict[str, objec
     for i, r in enumerate(reqs):
         base = 100_000_000 + i * 262_144
         uniq.append(Request(0.0, tuple(range(base, base + len(r.prompt))), r.output))
-    hashes = [block_hashes(r.prompt, PAGE) for r in uniq]
+    hashes = [tuple(block_hashes(r.prompt, PAGE)) for r in uniq]  # tuples, as the prompts: untracked by the GC
     budget = 256 * GIB
     cfg = windserve_cfg(budget, "checkpoints", 14_000, 64, 2.0, rebuild=True)
     res: dict[str, list[float]] = {"on": [], "on_hashing": [], "off": [], "off_hashing": []}

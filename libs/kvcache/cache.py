@@ -326,7 +326,7 @@ class KVCache:
             self._rebuild_admitted += 1
             self._rebuilt_tokens += hit.full_tokens - hit.tokens
         if block_hashes is not None:
-            seq.hashes = list(block_hashes[:len(tokens) // self.P])
+            seq.hashes = block_hashes[:len(tokens) // self.P]  # a slice is a copy: the caller may reuse its list
         elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
             seq.hashes = [h for n in reversed(path_to_root(entry[0])) for h in n.hashes]  # type: ignore[misc]
         self._seqs[seq_id] = seq

@@ -25,6 +25,7 @@ at any time (they count as cached, not in use), so they never add to what the se
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from libs.kvcache.tree import Node
@@ -52,7 +53,7 @@ class Seq:
     ckpt_ends: tuple[int, ...] = ()  # page indices where checkpoints end (new tree nodes are cut there)
     ckpt_kinds: dict[int, int] = field(default_factory=dict)  # checkpoint end page -> CheckpointKind bits
     keep_kinds: dict[int, int] = field(default_factory=dict)  # kept page -> bits of the checkpoints it serves
-    hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, when the caller gave them
+    hashes: Sequence[int] = ()  # the prompt's block hashes (a slice of what the caller gave, or the hit path's)
     # Kept pages of cold checkpoints that left the window: still in `swa`, but evictable cache, not the
     # sequence's usage (reclaimed in SWA-LRU order with the tree's cold checkpoints; see KVCache._slide_window).
     lazy: set[int] = field(default_factory=set)
