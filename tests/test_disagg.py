@@ -7,6 +7,7 @@ Byte counts are checked against an independent formula from the model's dimensio
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
 
 import pytest
@@ -250,6 +251,33 @@ async def test_decode_engine_full_is_refused_and_prefill_frees(tiny):
         chunks = await pipe.generate("refused", prompt(31, 20), 4)
         assert chunks[-1].finish_reason is FinishReason.ERROR and "full" in chunks[-1].error
         pipe.decode_engine.core.pending.clear()
+        await pipe.assert_no_kv_in_use()
+
+
+async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
+    """The client leaves while the prefill worker asks the engine about the first token (the prompt's KV is
+    held by then): the request ends with an abort and the held KV is released, not leaked."""
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        loop = asyncio.get_running_loop()
+        reached, go = asyncio.Event(), threading.Event()
+        check = dg.first_token_finishes
+
+        def gated(core, params, token):  # runs on the engine thread
+            loop.call_soon_threadsafe(reached.set)
+            go.wait(10)
+            return check(core, params, token)
+
+        monkeypatch.setattr(dg, "first_token_finishes", gated)
+        req = GenerateRequest(request_id="gone", token_ids=prompt(41, 40), stream_subject=subjects.stream("t", "gone"),
+                              sampling=WireParams(max_tokens=4, temperature=0.0), decode_instance="d0")
+        pipe.prefill.submit(req)
+        await asyncio.wait_for(reached.wait(), 30)
+        abort = asyncio.ensure_future(pipe.prefill.abort("gone"))
+        await asyncio.sleep(0.05)  # the cancel lands while the engine call is in flight
+        go.set()
+        assert await asyncio.wait_for(abort, 10)
+        chunks = await pipe.stream.result("gone")
+        assert chunks[-1].finish_reason is FinishReason.ABORT
         await pipe.assert_no_kv_in_use()
 
 

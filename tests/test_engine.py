@@ -6,6 +6,7 @@ forward over the whole sequence per token, no KV kept between tokens).
 """
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -222,6 +223,33 @@ async def test_async_engine_streams_and_cancel_aborts(tiny):
                 break
             await asyncio.sleep(0.05)
         await engine.call(lambda c: assert_baseline(c))
+
+
+async def test_async_engine_survives_a_caller_that_stops_waiting_for_its_command(tiny):
+    """A call whose caller is cancelled while the command runs (a client left) still runs to its end; the
+    loop must not die setting the result on the cancelled future."""
+    async with AsyncEngine(make_core(tiny), output_timeout_s=60) as engine:
+        started, go, ran = asyncio.Event(), threading.Event(), []
+        loop = asyncio.get_running_loop()
+
+        def slow(core):
+            loop.call_soon_threadsafe(started.set)
+            go.wait(10)
+            ran.append(True)
+            return 1
+
+        waiting = asyncio.ensure_future(engine.call(slow))
+        queued = asyncio.ensure_future(engine.call(lambda core: ran.append("queued")))
+        await asyncio.wait_for(started.wait(), 10)
+        waiting.cancel()
+        queued.cancel()  # gave up before its command started: it runs anyway (an abort must not be lost)
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await engine.call(lambda core: 7) == 7 and engine.is_running
+        assert ran == [True, "queued"]
+        out = [o async for o in engine.generate(Request("after", tokens(24, 8), greedy(2)))]
+        assert out[-1].finished
 
 
 async def _consume_all(engine, req):

@@ -150,10 +150,18 @@ class AsyncEngine:
             return
         while True:
             fn, fut = item
+            # A caller that stopped waiting (cancelled, timed out) has cancelled its future. The command runs
+            # anyway, since callers rely on queued effects (an abort, a release), but its result goes nowhere;
+            # setting it on the cancelled future would raise and kill this loop.
+            waited_for = fut.set_running_or_notify_cancel()
             try:
-                fut.set_result(fn())
+                result = fn()
             except Exception as exc:  # reported to the caller, the loop goes on
-                fut.set_exception(exc)
+                if waited_for:
+                    fut.set_exception(exc)
+            else:
+                if waited_for:
+                    fut.set_result(result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -178,5 +186,5 @@ class AsyncEngine:
                 _, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if not fut.done():
+            if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError("engine stopped before running the command"))

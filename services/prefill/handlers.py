@@ -125,17 +125,17 @@ class PrefillWorker:
 
     async def run(self, req: GenerateRequest) -> None:
         """The whole lifecycle of one request; never raises (errors go to the stream)."""
-        held: HeldPrefill | None = None
+        prefilled = False
         try:
             first = await self._prefill(req)
             if first is None:
                 return
+            prefilled = True  # the engine holds the prompt's KV from here on, until released below
             token, logprob, cached = first
             params = dg.engine_params(req.sampling)
             reason = await self.engine.call(lambda core: dg.first_token_finishes(core, params, token))
             if reason is not None:
                 await self._publish_final(req, token, logprob, reason, cached)
-                await self._release(req.request_id)
                 return
             held = await self.engine.call(lambda core: core.held_prefill(req.request_id))
             await self._hand_off(req, held, token, logprob, cached)
@@ -149,7 +149,7 @@ class PrefillWorker:
             await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error,
                                                       retryable=isinstance(exc, DecodesFull)))
         finally:
-            if held is not None:
+            if prefilled:  # also when an abort lands between the prefill and the hand-off
                 await self._release(req.request_id)
 
     # ------------------------------------------------------------------ steps
