@@ -144,6 +144,7 @@ async def _until(cond, timeout_s: float, why, tasks=()) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.timeout(300)  # ~30 s on a quiet 2-core box; past 150 s when two busy loops share the cores
 async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_server, tmp_path, offline):
     topo = topology(nats_server.url, tmp_path)
     try:
@@ -176,16 +177,17 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         topo.procs[victim].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         results = await asyncio.gather(*tasks)
-        expected = [list(o.token_ids) for o in offline.generate(prompts, SamplingParams(max_tokens=max_tokens,
-                                                                                        ignore_eos=True))]
         errored = [(r, t) for r, _, t in results if r != "ok"]
-        finished = [(toks, want) for (r, toks, _), want in zip(results, expected, strict=True) if r == "ok"]
         assert len(errored) == placement[victim], (
             f"the killed decoder held {placement[victim]} streams: {[r for r, _, _ in results]}")
         for reason, at in errored:
             assert at - killed_at < KILL_BOUND_S, f"error after {at - killed_at:.1f}s: {reason}"
-        for toks, want in finished:
-            assert toks == want
+        # the offline reference only for the streams that finished (it is the slow part on a loaded box)
+        done = [i for i, (r, _, _) in enumerate(results) if r == "ok"]
+        expected = [list(o.token_ids) for o in offline.generate([prompts[i] for i in done], SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True))]
+        for i, want in zip(done, expected, strict=True):
+            assert results[i][1] == want
         # the survivor freed the KV of the finished requests, and routing drops the dead decoder (registry TTL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -194,7 +196,7 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
                 break
             await asyncio.sleep(0.2)
         assert [d["instance_id"] for d in decodes] == [survivor] and decodes[0]["load"]["kv_full_used"] == 0
-        after = await complete_ids(client, prompts[0], 6)
+        after = await complete_ids(client, prompts[done[0]], 6)
         assert after == expected[0][:6]
         await client.close()
     finally:
