@@ -27,6 +27,7 @@ from libs.engine import disagg as dg
 from libs.engine.request import FinishReason as EngineFinish
 from libs.engine.request import RequestOutput, TokenLogprob
 from libs.model import load_model
+from libs.worker.metrics import Outcomes
 from libs.worker.tasks import DuplicateRequest, RequestTasks
 from libs.worker.wire import LOGPROB_FLOOR, chunk_from_output, load_from, wire_logprob
 from protos import subjects
@@ -148,6 +149,15 @@ def test_chunks_carry_usage_only_when_final_and_logprobs_stay_finite():
     end = chunk_from_output(RequestOutput("r", (6,), None, True, EngineFinish.LENGTH, 4), "w0", 10, 2)
     assert end.finish_reason is FinishReason.LENGTH
     assert (end.usage.prompt_tokens, end.usage.completion_tokens, end.usage.cached_tokens) == (10, 2, 4)
+
+
+@pytest.mark.unit
+def test_outcomes_count_final_chunks_only():
+    outcomes = Outcomes()
+    for reason in (None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.ERROR, None):
+        outcomes.observe(TokenChunk(request_id="r", finish_reason=reason,
+                                    error="x" if reason is FinishReason.ERROR else None))
+    assert outcomes.as_dict() == {"accepted": 0, "refused": 0, "finished": 2, "aborted": 1, "failed": 1}
 
 
 # ------------------------------------------------------------------------------------------ engine load
