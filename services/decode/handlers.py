@@ -101,7 +101,8 @@ class DecodeWorker:
         return await self.tasks.abort(request_id)
 
     def _spawn(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply]) -> asyncio.Task[None]:
-        """The request's task (`_run`); PrepareRefused when the id is already here."""
+        """The request's task: `_run`, or `_aborted` when its abort came first; PrepareRefused when the id is
+        already here."""
         try:
             return self.tasks.spawn(msg.request_id, self._run(msg, ready), aborted=self._aborted(msg, ready),
                                     name=f"decode-{msg.request_id}")
