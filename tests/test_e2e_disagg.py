@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from libs.engine import LLM, SamplingParams
+from tests.fixtures.nats import free_port
 from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -31,6 +34,18 @@ class Topology(ServiceGroup):
 
     def iid(self, role: str, index: int) -> str:
         return f"{role}-{index}"
+
+    def start(self, instance: str, service: str, env: dict[str, str] | None = None) -> None:
+        # every process serves /metrics on a port of its own (listed in its registry entry)
+        super().start(instance, service, {"WINDSERVE_METRICS_PORT": str(free_port()), **(env or {})})
+
+    def metrics(self, instance: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The instance's Prometheus samples: (name, sorted labels) -> value."""
+        entry = next(e for e in self.health()["instances"] if e["instance_id"] == instance)
+        with urllib.request.urlopen(entry["metrics_url"], timeout=5) as resp:
+            text = resp.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
     def start_topology(self, spec: dict[str, int], role_env: dict[str, dict[str, str]] | None = None) -> None:
         for role, count in spec.items():
@@ -118,6 +133,49 @@ async def test_follow_up_turn_is_cached_and_still_exact(pair2, offline):
                                            extra_body={"return_token_ids": True, "ignore_eos": True})
     want = offline.generate([second], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert list(resp.choices[0].token_ids) == list(want.token_ids)
+
+
+async def test_prefill_and_decode_export_the_worker_metrics(pair2):
+    """The disaggregated roles export the same engine-worker metrics as the combined worker: KV pages per
+    pool, tier and state, requests in the engine, prefix hits, preemptions and outcomes."""
+    client = pair2.client()
+    await complete_ids(client, prompt(200, 30), 4)
+    await client.close()
+    roles = {"prefill": [pair2.iid("prefill", i) for i in range(2)], "decode": [pair2.iid("decode", i) for i in range(2)]}
+
+    def value(samples, name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    def totals() -> dict[str, float]:
+        scraped = {iid: pair2.metrics(iid) for ids in roles.values() for iid in ids}
+        for samples in scraped.values():
+            for pool in ("full", "swa"):
+                device = [value(samples, "windserve_worker_kv_pages", pool=pool, tier="device", state=state)
+                          for state in ("free", "cached", "in_use")]
+                assert sum(device) == int(ENGINE["NUM_FULL_PAGES" if pool == "full" else "NUM_SWA_PAGES"])
+                for state in ("free", "cached", "in_use", "reserved"):
+                    value(samples, "windserve_worker_kv_pages", pool=pool, tier="host", state=state)
+            for state in ("running", "waiting"):
+                value(samples, "windserve_worker_requests", state=state)
+            for name in ("windserve_worker_prompt_tokens", "windserve_worker_prefix_hit_tokens",
+                         "windserve_worker_preemptions"):
+                value(samples, name)
+
+        def total(role: str, name: str, **labels: str) -> float:
+            return sum(value(scraped[iid], name, **labels) for iid in roles[role])
+        return {"prefill_prompt": total("prefill", "windserve_worker_prompt_tokens"),
+                "prefill_handed_off": total("prefill", "windserve_worker_requests_done", outcome="handed_off"),
+                "decode_finished": total("decode", "windserve_worker_requests_done", outcome="finished"),
+                "decode_accepted": total("decode", "windserve_worker_requests_done", outcome="accepted")}
+
+    # the gauges follow the load refresh (0.2 s here): poll until this request shows on both sides
+    deadline = time.monotonic() + 20
+    while True:
+        seen = totals()
+        if all(v >= 1 for v in seen.values()) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert seen["prefill_prompt"] >= 30 and all(v >= 1 for v in seen.values()), seen
 
 
 async def _stream_tokens(client, ids, max_tokens, progress: dict, key: int) -> tuple[str, list[int], float]:

@@ -25,8 +25,6 @@ _LAZY = {
     "LLM": "libs.engine.llm",
     "Output": "libs.engine.llm",
     "ModelRunner": "libs.engine.runner",
-    "build_engine": "libs.engine.worker",
-    "build_async_engine": "libs.engine.worker",
 }
 
 __all__ = [

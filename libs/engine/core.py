@@ -18,6 +18,7 @@ from libs.engine.request import Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
+from libs.kvcache.types import PoolUsage
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,18 @@ class HeldPrefill:
     num_computed: int
     full_pages: tuple[int, ...]
     swa_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of what the engine holds, for the worker's registry load, health and metrics."""
+
+    running: int  # sequences holding KV (on decode also remote ones whose KV is still arriving)
+    waiting: int  # queued, holding no KV yet
+    usage: PoolUsage  # pages per pool (device and host tier)
+    prompt_tokens: int  # prompt tokens admitted since start
+    hit_tokens: int  # of which served from the prefix cache
+    preemptions: int  # sequences preempted (recomputed later) since start
 
 
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
@@ -143,8 +156,15 @@ class EngineCore:
     def drain_kv_events(self) -> list:
         return self.cache.drain_events()
 
-    def usage(self):
+    def usage(self) -> PoolUsage:
         return self.cache.usage()
+
+    def load(self) -> EngineLoad:
+        """What this engine holds now (call on the engine thread, e.g. through AsyncEngine.call)."""
+        sch = self.scheduler
+        return EngineLoad(running=len(sch.running), waiting=sch.num_waiting, usage=self.cache.usage(),
+                          prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
+                          preemptions=sch.stats.preemptions)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

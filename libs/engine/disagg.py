@@ -21,25 +21,22 @@ no page the decode cache believes live is left unwritten (a later prefix hit wou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from libs.engine.core import EngineCore
+from libs.engine.core import EngineCore, EngineLoad
 from libs.engine.host_tier import LayerSlot, layer_slots
-from libs.engine.request import FinishReason, Request, SamplingParams, TokenLogprob
+from libs.engine.request import FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
 from libs.engine.stopping import check_stop
 from libs.model.paged import KVPools
 from libs.transfer import LayerSpec
-from protos import messages as wire
 
 log = logging.getLogger(__name__)
-
-LOGPROB_FLOOR = -9999.0
 
 
 # ---------------------------------------------------------------------------------------------- plan (pure)
@@ -268,47 +265,7 @@ class DisaggEngineCore(EngineCore):
         self.runner.forget(req_id)
         return True
 
-
-
-# ---------------------------------------------------------------------------------------------- wire <-> engine
-def engine_params(p: wire.SamplingParams) -> SamplingParams:
-    """Wire sampling params -> engine params (raises ValueError on values the engine refuses)."""
-    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                          seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
-                          logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos)
-
-
-def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int
-                    ) -> tuple[wire.AckStatus, str] | None:
-    """Why a worker of this model can never serve `req` (ack status + message), or None when it can (pure)."""
-    if not req.token_ids:
-        return wire.AckStatus.INVALID, "the prompt has no tokens"
-    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return wire.AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
-    total = len(req.token_ids) + req.sampling.max_tokens
-    if total > max_request_tokens:
-        return wire.AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens "
-                                          f"({req.sampling.max_tokens}) = {total} tokens exceeds this worker's "
-                                          f"limit of {max_request_tokens}")
-    try:
-        engine_params(req.sampling)
-    except ValueError as exc:
-        return wire.AckStatus.INVALID, str(exc)
-    return None
-
-
-def wire_logprob(lp: TokenLogprob) -> wire.TokenLogprob:
-    # JSON has no -inf: "impossible" alternatives get a floor value, as on the combined worker.
-    def finite(x: float) -> float:
-        return x if math.isfinite(x) else LOGPROB_FLOOR
-
-    return wire.TokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
-                             top={t: finite(v) for t, v in lp.top})
-
-
-def wire_finish(reason: FinishReason | None) -> wire.FinishReason | None:
-    if reason is None:
-        return None
-    return {FinishReason.STOP: wire.FinishReason.STOP, FinishReason.LENGTH: wire.FinishReason.LENGTH,
-            FinishReason.ABORT: wire.FinishReason.ABORT}.get(reason, wire.FinishReason.ERROR)
+    def load(self) -> EngineLoad:
+        """Remote requests whose KV is still arriving hold pages: they count as running."""
+        load = super().load()
+        return dataclasses.replace(load, running=load.running + len(self.pending))

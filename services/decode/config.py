@@ -1,7 +1,7 @@
-"""Decode settings (env prefix WINDSERVE_): the engine knobs shared with prefill."""
+"""Decode settings (env prefix WINDSERVE_): the disaggregated engine-service settings of libs/worker."""
 
-from services.prefill.config import EngineServiceConfig
+from libs.worker.config import DisaggServiceConfig
 
 
-class DecodeConfig(EngineServiceConfig):
+class DecodeConfig(DisaggServiceConfig):
     """Decode role: admits shipped KV, decodes with continuous batching, streams tokens."""

@@ -11,6 +11,9 @@ One request (`prepare()` answers the prefill worker after step 2; the rest runs 
      so a follow-up turn sent here hits and needs fewer pages shipped.
 Any failure before the end -> the engine request is aborted (frees its pages), the incoming transfer is
 cancelled (the sender stops), an error chunk is published.
+Each request is one task of the engine-worker base's registry (libs/worker/tasks.py): an abort cancels it,
+an abort that arrived before kv_prepare means nothing is admitted (the stream gets the abort chunk and
+kv_prepare is refused), and a draining service cancels what is left after its bound.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
 from libs.transfer import IncomingTransfer
+from libs.worker.tasks import DuplicateRequest, RequestTasks
+from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import FinishReason, KVPrepareReply, KVPrepareRequest, TokenChunk, Usage
 
 log = logging.getLogger("windserve.decode")
@@ -59,7 +64,8 @@ class DecodeWorker:
     """Serves kv_prepare. `engine` wraps a started DisaggEngineCore; `transfer` is a started engine."""
 
     def __init__(self, engine: AsyncEngine, transfer, instance_id: str, publish: Publish, *,
-                 transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0) -> None:
+                 transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0,
+                 tasks: RequestTasks | None = None) -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):
             raise TypeError("DecodeWorker needs an AsyncEngine over a DisaggEngineCore")
         self.engine = engine
@@ -70,7 +76,7 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.admit_timeout_s = admit_timeout_s
         self.stats = ReceiveStats()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
 
     def _chunk(self, request_id: str, **fields) -> TokenChunk:
         return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
@@ -79,12 +85,8 @@ class DecodeWorker:
     async def prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         """Admit the request and expect its KV; returns once the transfer may start."""
         self._check_layout(msg)
-        if msg.request_id in self.tasks:
-            raise PrepareRefused(f"request {msg.request_id!r} is already on this decode worker")
         ready: asyncio.Future[KVPrepareReply] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._run(msg, ready), name=f"decode-{msg.request_id}")
-        self.tasks[msg.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(msg.request_id, None))
+        task = self._spawn(msg, ready)
         waiters: set[asyncio.Future] = {ready, task}
         await asyncio.wait(waiters, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
@@ -96,14 +98,24 @@ class DecodeWorker:
         raise PrepareRefused(f"request {msg.request_id!r} was not admitted within {self.admit_timeout_s}s")
 
     async def abort(self, request_id: str) -> bool:
-        task = self.tasks.get(request_id)
-        if task is None:
-            return False
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            async with asyncio.timeout(10):
-                await asyncio.shield(task)
-        return True
+        return await self.tasks.abort(request_id)
+
+    def _spawn(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply]) -> asyncio.Task[None]:
+        """The request's task: `_run`, or `_aborted` when its abort came first; PrepareRefused when the id is
+        already here."""
+        try:
+            return self.tasks.spawn(msg.request_id, self._run(msg, ready), aborted=self._aborted(msg, ready),
+                                    name=f"decode-{msg.request_id}")
+        except DuplicateRequest:
+            raise PrepareRefused(f"request {msg.request_id!r} is already on this decode worker") from None
+
+    async def _aborted(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply]) -> None:
+        """The task of a request whose abort arrived first: nothing is admitted; the stream gets the abort
+        chunk before kv_prepare is refused (so it is the client's first final chunk)."""
+        await self._final_error(msg, None)
+        if not ready.done():
+            ready.set_exception(PrepareRefused(f"request {msg.request_id!r} was aborted before it reached "
+                                               f"decode {self.instance_id}"))
 
     def _check_layout(self, msg: KVPrepareRequest) -> None:
         cfg = self.core.config
@@ -119,7 +131,7 @@ class DecodeWorker:
         def on_admitted(slot: dg.RemoteSlot) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, admitted, slot)
 
-        req = dg.RemoteRequest(msg.request_id, list(msg.token_ids), dg.engine_params(msg.sampling),
+        req = dg.RemoteRequest(msg.request_id, list(msg.token_ids), engine_params(msg.sampling),
                                first_token=msg.first_token_id, on_admitted=on_admitted)
         outputs: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(req, outputs), name=f"decode-pump-{msg.request_id}")
@@ -212,8 +224,8 @@ class DecodeWorker:
                               cached_tokens=msg.prefill_cached_tokens)
             await self.publish(msg.stream_subject, self._chunk(
                 msg.request_id, token_ids=list(out.new_token_ids),
-                logprobs=[dg.wire_logprob(lp) for lp in out.logprobs or ()],
-                finish_reason=dg.wire_finish(out.finish_reason), usage=usage))
+                logprobs=[wire_logprob(lp) for lp in out.logprobs or ()],
+                finish_reason=wire_finish(out.finish_reason), usage=usage))
             if out.finished:
                 return out.finish_reason is not dg.FinishReason.ABORT
 

@@ -1,17 +1,18 @@
-"""Wiring of the decode service: serves `windserve.worker.<id>.kv_prepare`, receives KV, streams tokens."""
+"""Wiring of the decode service: the disaggregated engine-worker base (libs/worker) over a DisaggEngineCore,
+serving `windserve.worker.<id>.kv_prepare`; the admitted request receives its KV and streams tokens."""
 
 from __future__ import annotations
 
 from libs.bus import Unavailable
 from libs.engine.disagg import DisaggEngineCore
+from libs.worker.service import DisaggWorkerService
 from protos import subjects
-from protos.messages import KVPrepareReply, KVPrepareRequest, Role, ServiceState
+from protos.messages import KVPrepareReply, KVPrepareRequest, Role
 from services.decode import handlers
 from services.decode.config import DecodeConfig
-from services.prefill.service import EngineRoleService
 
 
-class DecodeService(EngineRoleService):
+class DecodeService(DisaggWorkerService):
     role = Role.DECODE
     config: DecodeConfig
     core_class = DisaggEngineCore
@@ -24,12 +25,21 @@ class DecodeService(EngineRoleService):
         assert self.bus is not None and self.engine is not None
         self.worker = handlers.DecodeWorker(self.engine, self.transfer, self.config.instance_id, self.publish,
                                             transfer_timeout_s=self.config.transfer_timeout_s,
-                                            admit_timeout_s=self.config.prepare_timeout_s)
+                                            admit_timeout_s=self.config.prepare_timeout_s, tasks=self.tasks)
         await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
                              self._prepare)
 
+    def role_details(self) -> dict[str, str]:
+        return self.worker.stats.as_details() if self.worker is not None else {}
+
     async def _prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.worker is not None
-        if self.state is ServiceState.DRAINING:
-            raise Unavailable("decode worker is draining")
-        return await self.worker.prepare(msg)
+        try:
+            if not self.accepting:
+                raise Unavailable("decode worker is draining")
+            reply = await self.worker.prepare(msg)
+        except Exception:
+            self.outcomes.refused += 1
+            raise
+        self.outcomes.accepted += 1
+        return reply

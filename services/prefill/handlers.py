@@ -11,6 +11,9 @@ Lifecycle of one request (each wait bounded):
   5. always: release the held KV into the prefix cache (it is valid whatever happened downstream).
 A failure in 3-4 is published on the stream as an error chunk (the decode side, when alive, publishes
 its own; the gateway keeps the first final chunk).
+Each request is one task of the engine-worker base's registry (libs/worker/tasks.py): an abort cancels it
+(cleanup in run()'s `finally`), an abort that arrived before the request means it never runs and its stream
+gets the abort chunk, and a draining service cancels what is left after its bound.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from libs.engine import AsyncEngine, Request
 from libs.engine import disagg as dg
 from libs.engine.core import HeldPrefill
 from libs.transfer import TransferStats
+from libs.worker.tasks import RequestTasks
+from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
     AckStatus,
     ErrorCode,
@@ -46,11 +51,12 @@ Publish = Callable[[str, TokenChunk], Awaitable[None]]
 Reroute = Callable[[str, int, list[str]], Awaitable[str]]
 
 
-def refusal(req: GenerateRequest, vocab_size: int, max_request_tokens: int) -> tuple[AckStatus, str] | None:
-    """Why this worker can never serve `req` (ack status + message), or None when it can (pure)."""
+def refusal(req: GenerateRequest) -> tuple[AckStatus, str] | None:
+    """Why a prefill worker cannot serve `req` whatever its model (pure); the engine-worker base checks the
+    rest (tokens, size, draining, duplicate ids)."""
     if req.token_ids and not req.decode_instance:
         return AckStatus.INVALID, "a prefill worker needs decode_instance (route through the router)"
-    return dg.request_refusal(req, vocab_size, max_request_tokens)
+    return None
 
 
 @dataclass
@@ -84,7 +90,7 @@ class PrefillWorker:
 
     def __init__(self, engine: AsyncEngine, transfer, instance_id: str, prepare: Prepare, publish: Publish, *,
                  prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0, reroute: Reroute | None = None,
-                 decode_attempts: int = 3) -> None:
+                 decode_attempts: int = 3, tasks: RequestTasks | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
@@ -95,33 +101,25 @@ class PrefillWorker:
         self.reroute = reroute
         self.decode_attempts = decode_attempts
         self.stats = HandoffStats()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
 
     def _chunk(self, request_id: str, **fields) -> TokenChunk:
         return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
 
     # ------------------------------------------------------------------ entry points
     def submit(self, req: GenerateRequest) -> asyncio.Task[None]:
-        """Start the request in the background (the bus handler answers GenerateAccepted at once)."""
-        if req.request_id in self.tasks:
-            raise ValueError(f"request {req.request_id!r} is already running on prefill {self.instance_id}")
+        """Start the request in the background (the bus handler answers GenerateAccepted at once). Raises
+        DuplicateRequest (a ValueError) when the id is running; when its abort came first it never runs and
+        its stream gets the abort chunk."""
         if not req.decode_instance:
             raise ValueError(f"request {req.request_id!r}: a prefill worker needs decode_instance")
-        task = asyncio.create_task(self.run(req), name=f"prefill-{req.request_id}")
-        self.tasks[req.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(req.request_id, None))
-        return task
+        abort_chunk = self._chunk(req.request_id, finish_reason=FinishReason.ABORT)
+        return self.tasks.spawn(req.request_id, self.run(req), aborted=self._safe_publish(req, abort_chunk),
+                                name=f"prefill-{req.request_id}")
 
     async def abort(self, request_id: str) -> bool:
         """Client went away: stop computing / sending; the held KV is released by run()'s cleanup."""
-        task = self.tasks.get(request_id)
-        if task is None:
-            return False
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            async with asyncio.timeout(10):
-                await asyncio.shield(task)
-        return True
+        return await self.tasks.abort(request_id)
 
     async def run(self, req: GenerateRequest) -> None:
         """The whole lifecycle of one request; never raises (errors go to the stream)."""
@@ -132,7 +130,7 @@ class PrefillWorker:
                 return
             prefilled = True  # the engine holds the prompt's KV from here on, until released below
             token, logprob, cached = first
-            params = dg.engine_params(req.sampling)
+            params = engine_params(req.sampling)
             reason = await self.engine.call(lambda core: dg.first_token_finishes(core, params, token))
             if reason is not None:
                 await self._publish_final(req, token, logprob, reason, cached)
@@ -155,14 +153,14 @@ class PrefillWorker:
     # ------------------------------------------------------------------ steps
     async def _prefill(self, req: GenerateRequest):
         """(first token, its logprob, cached tokens), or None when the engine aborted the request."""
-        ereq = Request(req.request_id, list(req.token_ids), dg.engine_params(req.sampling), prefill_only=True)
+        ereq = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), prefill_only=True)
         outs = [o async for o in self.engine.generate(ereq)]  # one output: the first token (or a failure)
         out = outs[-1]
         if out.finish_reason is not dg.FinishReason.PREFILLED:
             # Aborted, or too long for this engine's pools (finished as length with no token).
             await self.publish(req.stream_subject, self._chunk(
                 req.request_id, token_ids=list(out.new_token_ids),
-                finish_reason=dg.wire_finish(out.finish_reason),
+                finish_reason=wire_finish(out.finish_reason),
                 usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
             return None
         lp = out.logprobs[0] if out.logprobs else None
@@ -172,7 +170,7 @@ class PrefillWorker:
         core = self.engine.core
         prep = KVPrepareRequest(
             request_id=req.request_id, token_ids=list(req.token_ids), first_token_id=token,
-            first_logprob=None if logprob is None else dg.wire_logprob(logprob), sampling=req.sampling,
+            first_logprob=None if logprob is None else wire_logprob(logprob), sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
             prefill_instance=self.instance_id, prefill_cached_tokens=cached)
         reply = await self._prepare_decode(req, prep)
@@ -241,8 +239,8 @@ class PrefillWorker:
     async def _publish_final(self, req: GenerateRequest, token: int, logprob, reason, cached: int) -> None:
         await self.publish(req.stream_subject, self._chunk(
             req.request_id, token_ids=[token],
-            logprobs=[] if logprob is None else [dg.wire_logprob(logprob)],
-            finish_reason=dg.wire_finish(reason),
+            logprobs=[] if logprob is None else [wire_logprob(logprob)],
+            finish_reason=wire_finish(reason),
             usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached)))
 
     async def _safe_publish(self, req: GenerateRequest, chunk: TokenChunk) -> None:

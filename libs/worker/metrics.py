@@ -1,0 +1,64 @@
+"""What every engine worker reports: request outcomes, and the Prometheus gauges of its engine.
+
+Served on WINDSERVE_METRICS_PORT by the service base; the same families on every engine role (combined
+worker, prefill, decode), refreshed with the load snapshot every `load_interval_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import Gauge
+
+from libs.engine.core import EngineLoad
+from protos.messages import FinishReason, TokenChunk
+
+KV_PAGES = Gauge("windserve_worker_kv_pages", "KV pages by pool, tier and state", ["pool", "tier", "state"])
+REQUESTS = Gauge("windserve_worker_requests", "Requests in the engine by state", ["state"])
+OUTCOMES = Gauge("windserve_worker_requests_done", "Requests since start by outcome", ["outcome"])
+PROMPT_TOKENS = Gauge("windserve_worker_prompt_tokens", "Prompt tokens admitted by the engine since start")
+HIT_TOKENS = Gauge("windserve_worker_prefix_hit_tokens", "Prompt tokens served from the prefix cache since start")
+PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
+
+_PAGE_STATES = ("free", "cached", "in_use", "reserved")
+_FINAL = {FinishReason.STOP: "finished", FinishReason.LENGTH: "finished", FinishReason.ABORT: "aborted",
+          FinishReason.ERROR: "failed"}
+
+
+@dataclass
+class Outcomes:
+    """What became of this worker's requests since start. `accepted` / `refused`: how the entry point
+    (generate ack, kv_prepare reply) answered; the others count the final chunks this worker published."""
+
+    accepted: int = 0
+    refused: int = 0
+    finished: int = 0  # stop or length
+    aborted: int = 0
+    failed: int = 0
+
+    def observe(self, chunk: TokenChunk) -> None:
+        """Count `chunk` if it is a final one (call before publishing it)."""
+        if chunk.finish_reason is not None:
+            field = _FINAL[chunk.finish_reason]
+            setattr(self, field, getattr(self, field) + 1)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def export(load: EngineLoad, outcomes: Mapping[str, int]) -> None:
+    """Set every gauge from one load snapshot and the outcome counts."""
+    usage = load.usage
+    for pool, tier, stats in (("full", "device", usage.full), ("swa", "device", usage.swa),
+                              ("full", "host", usage.host_full), ("swa", "host", usage.host_swa)):
+        for state in _PAGE_STATES:
+            KV_PAGES.labels(pool, tier, state).set(getattr(stats, state))
+    REQUESTS.labels("running").set(load.running)
+    REQUESTS.labels("waiting").set(load.waiting)
+    for outcome, n in outcomes.items():
+        OUTCOMES.labels(outcome).set(n)
+    PROMPT_TOKENS.set(load.prompt_tokens)
+    HIT_TOKENS.set(load.hit_tokens)
+    PREEMPTIONS.set(load.preemptions)

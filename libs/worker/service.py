@@ -1,0 +1,231 @@
+"""The engine-worker service base: what the combined worker, prefill and decode services share.
+
+`EngineWorkerService` (one engine, no KV transfer: the combined worker) and `DisaggWorkerService` (plus a KV
+transfer engine whose address goes into the registry entry: prefill and decode). A role subclass sets
+`role` (and `core_class`), builds its handler object in `setup_role()` with the injected IO below, and
+serves its subject; everything else is here:
+
+- setup: the engine is built on a thread (keeps health answering while a checkpoint loads) and started;
+  the abort broadcast is subscribed before the role serves anything; the load snapshot is taken;
+- aborts: `windserve.<ns>.abort` cancels the request's task in `self.tasks` (or remembers the id: see
+  libs/worker/tasks.py);
+- load: every `load_interval_s`, `EngineCore.load()` on the engine thread -> registry entry (`load`),
+  health details and the Prometheus gauges (libs/worker/metrics.py);
+- `publish(subject, chunk)`: the role's stream output, counting final chunks as outcomes;
+- teardown: drain `self.tasks` (`drain_timeout_s`, then cancel the rest), let the engine run the aborts /
+  releases the cancelled tasks queued, then stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from libs.engine.async_engine import AsyncEngine
+from libs.engine.core import EngineCore
+from libs.service import Service
+from libs.transfer import create_engine, parse_address
+from libs.worker import metrics
+from libs.worker.config import DisaggServiceConfig, EngineServiceConfig
+from libs.worker.engine import build_async_engine
+from libs.worker.metrics import Outcomes
+from libs.worker.tasks import RequestTasks
+from libs.worker.wire import load_from, request_refusal
+from protos import subjects
+from protos.messages import (
+    AbortRequest,
+    AckStatus,
+    GenerateAck,
+    GenerateRequest,
+    RegistryEntry,
+    ServiceState,
+    TokenChunk,
+    WorkerLoad,
+)
+
+Refusal = tuple[AckStatus, str]
+
+_LOAD_TIMEOUT_S = 10.0  # one load snapshot (waits for the current engine step)
+_FLUSH_TIMEOUT_S = 5.0  # the engine running the commands queued by cancelled requests, at teardown
+
+
+class EngineWorkerService(Service):
+    """Base of every engine-hosting service (module docstring)."""
+
+    config: EngineServiceConfig
+    core_class: ClassVar[type[EngineCore]] = EngineCore
+
+    def __init__(self, config: EngineServiceConfig) -> None:
+        super().__init__(config)
+        self.engine: AsyncEngine | None = None
+        self.tasks = RequestTasks(remember=config.recent_aborts)
+        self.outcomes = Outcomes()
+        self.load = WorkerLoad()
+        self.address = config.data_address
+
+    # --- hooks for the roles ----------------------------------------------------------------------
+
+    async def setup_role(self) -> None:
+        """Build the role's handler object and serve the role's subject (engine and aborts are ready)."""
+
+    def role_refusal(self, req: GenerateRequest) -> Refusal | None:
+        """A role-specific reason to refuse a GenerateRequest (checked before the generic ones)."""
+        return None
+
+    def role_details(self) -> dict[str, str]:
+        """Role-specific health details."""
+        return {}
+
+    def role_outcomes(self) -> dict[str, int]:
+        """Role-specific outcome counts (health details and `windserve_worker_requests_done`)."""
+        return {}
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        return self.state in (ServiceState.STARTING, ServiceState.RUNNING)
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        cfg = self.config
+        engine = await asyncio.to_thread(build_async_engine, cfg.model or None, cfg.engine_config(),
+                                         core_class=self.core_class, output_timeout_s=cfg.output_timeout_s)
+        engine.start()
+        self.engine = engine
+        aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
+        self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
+        await self.refresh_load()
+        self.spawn(self._load_loop(), name="load", critical=True)
+        await self.setup_role()
+
+    async def teardown(self) -> None:
+        await self.tasks.drain(self.config.drain_timeout_s)
+        if self.engine is None:
+            return
+        # Cancelled requests queued their engine aborts / releases; commands run in order, so once this
+        # no-op has run they have too, and the engine stops with its pools back at baseline.
+        with contextlib.suppress(Exception):
+            await self.engine.call(_noop, timeout_s=_FLUSH_TIMEOUT_S)
+        await asyncio.to_thread(self.engine.shutdown)
+
+    async def _abort_loop(self, aborts) -> None:
+        async for msg in aborts:
+            self.tasks.cancel(msg.request_id)
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    async def serve_generate(self, start: Callable[[GenerateRequest], object]) -> None:
+        """Serve `windserve.<ns>.worker.<id>.generate`: answer a GenerateAck at once, and `start(req)`
+        (which spawns the request's task into self.tasks) when the request is accepted."""
+        assert self.bus is not None
+
+        async def generate(req: GenerateRequest) -> GenerateAck:
+            return self.accept(req, start)
+
+        await self.bus.serve(subjects.generate(self.config.namespace, self.config.instance_id), GenerateRequest,
+                             generate)
+
+    def accept(self, req: GenerateRequest, start: Callable[[GenerateRequest], object]) -> GenerateAck:
+        """The GenerateAck for `req`; starts it unless refused. Never blocks on the engine."""
+        refusal = self.refusal(req)
+        if refusal is not None:
+            self.outcomes.refused += 1
+            return GenerateAck(request_id=req.request_id, instance_id=self.config.instance_id,
+                               status=refusal[0], message=refusal[1])
+        start(req)
+        self.outcomes.accepted += 1
+        return GenerateAck(request_id=req.request_id, instance_id=self.config.instance_id)
+
+    def refusal(self, req: GenerateRequest) -> Refusal | None:
+        """Why this worker does not take `req` now (draining, duplicate id, role, size, tokens) or None."""
+        if not self.accepting:
+            return AckStatus.BUSY, f"{self.role.value} {self.config.instance_id} is draining"
+        if req.request_id in self.tasks:
+            return AckStatus.INVALID, f"request id {req.request_id!r} is already running"
+        assert self.engine is not None
+        vocab = int(self.engine.core.model_config.vocab_size)
+        return self.role_refusal(req) or request_refusal(req, vocab, self.config.max_request_tokens)
+
+    async def publish(self, subject: str, chunk: TokenChunk) -> None:
+        """Publish a TokenChunk on a request's stream (the roles' injected `publish`)."""
+        assert self.bus is not None
+        self.outcomes.observe(chunk)
+        await self.bus.publish(subject, chunk)
+
+    # --- load, registry, health, metrics --------------------------------------------------------------
+
+    async def refresh_load(self) -> None:
+        assert self.engine is not None
+        load = await self.engine.call(lambda core: core.load(), timeout_s=_LOAD_TIMEOUT_S)
+        self.load = load_from(load, time.time())
+        metrics.export(load, self.outcome_counts())
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_interval_s)
+            await self.refresh_load()
+            self.refresh_registration()
+
+    def outcome_counts(self) -> dict[str, int]:
+        return {**self.outcomes.as_dict(), **self.role_outcomes()}
+
+    def registry_entry(self) -> RegistryEntry:
+        base = super().registry_entry()
+        return base.model_copy(update={
+            "address": self.address,
+            "capacity": self.config.capacity or self.config.max_request_tokens,
+            "buckets": list(self.config.served_buckets),
+            "max_tokens": self.config.max_request_tokens,
+            "load": self.load,
+        })
+
+    def health_details(self) -> dict[str, str]:
+        details = {"model": self.config.model or "tiny", "address": self.address,
+                   "serving": "yes" if self.engine else "not yet"}
+        details.update({k: str(v) for k, v in self.load.model_dump(exclude={"schema_version"}).items()})
+        details.update({k: str(v) for k, v in self.outcome_counts().items()})
+        details["in_flight_requests"] = str(len(self.tasks))
+        details.update(self.role_details())
+        return details
+
+
+class DisaggWorkerService(EngineWorkerService):
+    """An engine worker with a KV transfer engine (prefill, decode): started before the engine, closed after."""
+
+    config: DisaggServiceConfig
+
+    def __init__(self, config: DisaggServiceConfig) -> None:
+        super().__init__(config)
+        self.transfer: Any = None  # a started libs.transfer engine (UCX or the TCP fallback)
+
+    async def setup(self) -> None:
+        self.transfer = create_engine()
+        self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
+        await super().setup()
+
+    async def teardown(self) -> None:
+        try:
+            await super().teardown()
+        finally:
+            if self.transfer is not None:
+                await self.transfer.close()
+
+
+def advertised_address(bound: str, config: DisaggServiceConfig) -> str:
+    """The transfer address peers dial: the bound one, with the advertised host when binding all interfaces
+    (this host's IP: under compose every replica has the same service name but its own IP)."""
+    scheme, host, port = parse_address(bound)
+    if config.advertise_host:
+        host = config.advertise_host
+    elif host in ("0.0.0.0", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{scheme}://{host}:{port}"
+
+
+def _noop(core: EngineCore) -> None:
+    return None

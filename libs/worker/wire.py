@@ -1,0 +1,79 @@
+"""Wire (protos) <-> engine conversions of the engine roles (pure). The engine itself never imports protos."""
+
+from __future__ import annotations
+
+import math
+
+from libs.engine.core import EngineLoad
+from libs.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from protos import messages as wire
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: "impossible" alternatives get this value
+
+
+def engine_params(p: wire.SamplingParams) -> SamplingParams:
+    """Wire sampling params -> engine params (raises ValueError on values the engine refuses)."""
+    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                          seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
+                          logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos)
+
+
+def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int
+                    ) -> tuple[wire.AckStatus, str] | None:
+    """Why a worker of this model can never serve `req` (ack status + message), or None when it can."""
+    if not req.token_ids:
+        return wire.AckStatus.INVALID, "the prompt has no tokens"
+    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return wire.AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+    total = len(req.token_ids) + req.sampling.max_tokens
+    if total > max_request_tokens:
+        return wire.AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens "
+                                          f"({req.sampling.max_tokens}) = {total} tokens exceeds this worker's "
+                                          f"limit of {max_request_tokens}")
+    try:
+        engine_params(req.sampling)
+    except ValueError as exc:
+        return wire.AckStatus.INVALID, str(exc)
+    return None
+
+
+def wire_logprob(lp: TokenLogprob) -> wire.TokenLogprob:
+    def finite(x: float) -> float:
+        return x if math.isfinite(x) else LOGPROB_FLOOR
+
+    return wire.TokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
+                             top={t: finite(v) for t, v in lp.top})
+
+
+def wire_finish(reason: FinishReason | None) -> wire.FinishReason | None:
+    if reason is None:
+        return None
+    return {FinishReason.STOP: wire.FinishReason.STOP, FinishReason.LENGTH: wire.FinishReason.LENGTH,
+            FinishReason.ABORT: wire.FinishReason.ABORT}.get(reason, wire.FinishReason.ERROR)
+
+
+def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int,
+                      completion_tokens: int) -> wire.TokenChunk:
+    """One engine output -> one TokenChunk; `completion_tokens` counts every token produced so far."""
+    finished = out.finished and out.finish_reason is not None
+    return wire.TokenChunk(
+        request_id=out.req_id,
+        token_ids=list(out.new_token_ids),
+        logprobs=[wire_logprob(lp) for lp in out.logprobs or ()],
+        finish_reason=wire_finish(out.finish_reason) if finished else None,
+        usage=wire.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         cached_tokens=out.num_cached_tokens) if finished else None,
+        instance_id=instance_id,
+    )
+
+
+def load_from(load: EngineLoad, now: float) -> wire.WorkerLoad:
+    """Registry load snapshot from the engine's load (pool usage and queue lengths)."""
+    usage = load.usage
+    return wire.WorkerLoad(
+        running=load.running, waiting=load.waiting,
+        kv_full_used=usage.full.in_use, kv_full_total=usage.full.capacity,
+        kv_swa_used=usage.swa.in_use, kv_swa_total=usage.swa.capacity,
+        updated_at=now,
+    )
