@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
-from libs.transfer import IncomingTransfer
+from libs.transfer import IncomingTransfer, KVTransferEngine
 from protos.messages import FinishReason, KVPrepareReply, KVPrepareRequest, TokenChunk, Usage
 
 log = logging.getLogger("windserve.decode")
@@ -58,7 +58,7 @@ class ReceiveStats:
 class DecodeWorker:
     """Serves kv_prepare. `engine` wraps a started DisaggEngineCore; `transfer` is a started engine."""
 
-    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, publish: Publish, *,
+    def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, publish: Publish, *,
                  transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0) -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):
             raise TypeError("DecodeWorker needs an AsyncEngine over a DisaggEngineCore")

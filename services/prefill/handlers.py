@@ -26,7 +26,7 @@ from libs.bus import RemoteError
 from libs.engine import AsyncEngine, Request
 from libs.engine import disagg as dg
 from libs.engine.core import HeldPrefill
-from libs.transfer import TransferStats
+from libs.transfer import KVTransferEngine, TransferStats
 from protos.messages import (
     AckStatus,
     ErrorCode,
@@ -82,7 +82,8 @@ class DecodesFull(HandoffError):
 class PrefillWorker:
     """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
 
-    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, prepare: Prepare, publish: Publish, *,
+    def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, prepare: Prepare,
+                 publish: Publish, *,
                  prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0, reroute: Reroute | None = None,
                  decode_attempts: int = 3) -> None:
         self.engine = engine

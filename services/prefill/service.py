@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from libs.engine import AsyncEngine
 from libs.engine.core import EngineCore
 from libs.service import Service
-from libs.transfer import create_engine, parse_address
+from libs.transfer import KVTransferEngine, create_engine, parse_address
 from protos import subjects
 from protos.messages import (
     AbortRequest,
@@ -56,7 +56,7 @@ class EngineRoleService(Service):
     def __init__(self, config: EngineServiceConfig) -> None:
         super().__init__(config)
         self.engine: AsyncEngine | None = None
-        self.transfer: Any = None  # a started libs.transfer engine (UCX or the TCP fallback)
+        self.transfer: KVTransferEngine = create_engine()  # UCX or the TCP fallback; started in setup()
         self.address = ""
         self.load = WorkerLoad()
         # The role's handler object (PrefillWorker / DecodeWorker): abort(id), stats, tasks.
@@ -68,7 +68,6 @@ class EngineRoleService(Service):
         engine: AsyncEngine = await asyncio.to_thread(self._build_engine)
         engine.start()
         self.engine = engine
-        self.transfer = create_engine()
         self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
         await self.setup_role()
         aborts = await self.bus.subscribe(subjects.abort(self.config.namespace), AbortRequest)
