@@ -1,4 +1,4 @@
-"""KV transfer throughput: TransferEngine vs a raw ucxx tagged send of the same bytes.
+"""KV transfer throughput: the transfer engine vs a raw ucxx tagged send of the same bytes.
 
     python -m bench.transfer [--mib 64] [--layers 16] [--iters 5]
 
@@ -6,7 +6,7 @@ The receiver runs in this process, the sender in a child process (two UCX worker
 processes, like prefill -> decode). For each UCX transport (tcp over loopback, shared
 memory) the two methods alternate round by round in one run, on the same workers:
 
-* engine: ``TransferEngine.send`` (header/accept, one LAYER per layer, END, DONE);
+* engine: ``engine.send`` (header/accept, one LAYER per layer, END, DONE);
 * raw:    the receiver pre-posts one tagged recv per layer, the sender sends the layers
           one after another, the receiver acks when all landed.
 

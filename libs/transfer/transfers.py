@@ -116,7 +116,6 @@ class IncomingTransfer:
         self._done_fut = _quiet_future(loop)
         self._started = time.perf_counter()
         # Engine-side bookkeeping (driven by the control connection).
-        self.bound = False  # a header arrived on a connection (which then owns cancellation)
         self.seq = -1
         self.announced = 0
         self.landed = 0
@@ -168,7 +167,7 @@ class IncomingTransfer:
             check_payload(spec, dest, f"request {self.request_id} destination")
         loop = asyncio.get_running_loop()
         self.header, self._dests, self.seq, self.peer = header, dests, seq, peer
-        self._canceller, self.bound = canceller, True
+        self._canceller = canceller
         self._layer_futs = [_quiet_future(loop) for _ in header.layers]
         self.state = TransferState.ACTIVE
         self._started = time.perf_counter()
