@@ -24,7 +24,7 @@ from .buffers import Payload
 from .config import TransferBackend, TransferConfig, select_backend
 from .connection import Connection, ConnectionSide, read_frame
 from .errors import PeerDisconnected, TransferError, TransferTimeout
-from .frames import FrameError, Header, Hello, HelloAck, encode_frame
+from .frames import Frame, FrameError, Header, Hello, HelloAck, encode_frame
 from .protocol import PROTOCOL_VERSION, LayerSpec, TransferHeader, parse_address
 from .registry import TransferRegistry
 from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState, TransferStats
@@ -206,9 +206,9 @@ class BaseTransferEngine(KVTransferEngine):
         self._accepted.add(conn)
         conn.start()
 
-    def _check_hello(self, hello: object) -> str:
+    def _check_hello(self, hello: Frame) -> str:
         if not isinstance(hello, Hello):
-            return f"expected HELLO, got {type(hello).__name__}"
+            return f"expected HELLO, got {hello.TYPE.name}"
         if hello.version != PROTOCOL_VERSION:
             return f"protocol version {hello.version} != {PROTOCOL_VERSION}"
         if hello.backend != self.backend.value:

@@ -25,6 +25,8 @@ from .buffers import Payload, check_payload, landing_buffer, payload_nbytes, sca
 from .errors import TransferAborted, TransferError, TransferTimeout
 from .protocol import TransferHeader
 
+# Fails an incoming transfer with an error: the registry's until a header binds the transfer to a
+# connection (nothing in flight yet), then the connection's (which first drains in-flight payloads).
 Canceller = Callable[["IncomingTransfer", TransferError], Awaitable[None]]
 
 
