@@ -1,4 +1,4 @@
-"""KV transfer throughput: TransferEngine vs a raw ucxx tagged send of the same bytes.
+"""KV transfer throughput: the transfer engine vs a raw ucxx tagged send of the same bytes.
 
     python -m bench.transfer [--mib 64] [--layers 16] [--iters 5]
 
@@ -6,7 +6,7 @@ The receiver runs in this process, the sender in a child process (two UCX worker
 processes, like prefill -> decode). For each UCX transport (tcp over loopback, shared
 memory) the two methods alternate round by round in one run, on the same workers:
 
-* engine: ``TransferEngine.send`` (header/accept, one LAYER per layer, END, DONE);
+* engine: ``engine.send`` (header/accept, one LAYER per layer, END, DONE);
 * raw:    the receiver pre-posts one tagged recv per layer, the sender sends the layers
           one after another, the receiver acks when all landed.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from libs.transfer import Backend, LayerSpec, TransferConfig, create_engine
+from libs.transfer import LayerSpec, TransferBackend, TransferConfig, create_engine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_SHAPE = (16, 8, 320)  # page of 16 tokens, 8 KV heads, k 192 + v 128 dims (bf16)
@@ -59,11 +59,12 @@ async def sender(args: argparse.Namespace) -> None:
 
     specs = layer_specs(args.mib, args.layers)
     src = make_layers(specs)
-    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(args.transport, ())), Backend(args.backend))
+    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(args.transport, ())),
+                           TransferBackend(args.backend))
     await engine.start()
     ep = None
     if args.backend == "ucx":
-        ctx = engine._ctx  # the raw path uses the very same UCX worker as the engine
+        ctx = engine.ucx_context  # the raw path uses the very same UCX worker as the engine
         print("ADDR", base64.b64encode(bytes(ctx.worker_address)).decode(), flush=True)
         peer = ucxx.get_ucx_address_from_buffer(base64.b64decode(args.peer))
         ep = await ctx.create_endpoint_from_worker_address(
@@ -80,7 +81,7 @@ async def sender(args: argparse.Namespace) -> None:
             for i, t in enumerate(src):
                 await ep.send(t.view(torch.uint8).numpy().reshape(-1), tag=raw_tag(iteration, i), force_tag=True)
             ack = torch.zeros(1, dtype=torch.uint8)
-            await engine._ctx.recv(ack.numpy(), tag=ACK_TAG + iteration)
+            await engine.ucx_context.recv(ack.numpy(), tag=ACK_TAG + iteration)
         print("T", method, iteration, time.perf_counter() - start, flush=True)
     await engine.close()
 
@@ -90,9 +91,9 @@ async def measure(backend: str, transport: str, mib: int, layers: int, iters: in
     import ucxx
 
     specs = layer_specs(mib, layers)
-    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(transport, ())), Backend(backend))
+    engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(transport, ())), TransferBackend(backend))
     await engine.start()
-    peer = base64.b64encode(bytes(engine._ctx.worker_address)).decode() if backend == "ucx" else "-"
+    peer = base64.b64encode(bytes(engine.ucx_context.worker_address)).decode() if backend == "ucx" else "-"
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.transfer", "--role", "sender", "--backend", backend, "--transport", transport,
@@ -111,7 +112,7 @@ async def measure(backend: str, transport: str, mib: int, layers: int, iters: in
         _, child_addr = await read()
         ep = None
         if backend == "ucx":
-            ep = await engine._ctx.create_endpoint_from_worker_address(
+            ep = await engine.ucx_context.create_endpoint_from_worker_address(
                 ucxx.get_ucx_address_from_buffer(base64.b64decode(child_addr)),
                 endpoint_error_handling=engine.config.endpoint_error_handling())
         dests = [torch.empty(s.shape, dtype=torch.bfloat16) for s in specs]
@@ -122,8 +123,8 @@ async def measure(backend: str, transport: str, mib: int, layers: int, iters: in
             times["engine"].append(float((await read())[3]))
             if ep is None:
                 continue
-            recvs = [asyncio.ensure_future(engine._ctx.recv(d.view(torch.uint8).numpy().reshape(-1),
-                                                            tag=raw_tag(it, i))) for i, d in enumerate(dests)]
+            recvs = [asyncio.ensure_future(engine.ucx_context.recv(d.view(torch.uint8).numpy().reshape(-1),
+                                                                   tag=raw_tag(it, i))) for i, d in enumerate(dests)]
             order("raw", it)
             await asyncio.wait_for(asyncio.gather(*recvs), 60)
             await ep.send(torch.ones(1, dtype=torch.uint8).numpy(), tag=ACK_TAG + it, force_tag=True)

@@ -4,7 +4,8 @@ grouped MoE and FP8 block dequantization.
 Every GPU path has a torch reference here that runs on CPU; GPU-marked tests compare the two.
 """
 
-from kernels.attention import AttnPlan, paged_attention, plan_paged_attention
+from kernels.attention import paged_attention
+from kernels.attn_plan import AttnPlan, plan_paged_attention
 from kernels.fp8 import dequant_fp8_block
 from kernels.kv import gather_kv, kv_slot_mapping, scatter_kv
 from kernels.moe import grouped_moe, sigmoid_topk_route

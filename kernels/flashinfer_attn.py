@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kernels.attention import AttnPlan
+from kernels.attn_plan import AttnPlan
 
 _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 

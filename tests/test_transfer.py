@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from libs.transfer import (
-    Backend,
     LayerSpec,
     PeerDisconnected,
     TransferAborted,
+    TransferBackend,
     TransferConfig,
     TransferError,
     TransferHeader,
@@ -31,7 +31,26 @@ from libs.transfer import (
     parse_address,
     select_backend,
 )
-from libs.transfer.protocol import ProtocolError, decode_prefix, payload_tag
+from libs.transfer.frames import (
+    FRAME_PREFIX,
+    Abort,
+    Accept,
+    Cancel,
+    Done,
+    End,
+    FrameError,
+    FrameType,
+    Header,
+    Hello,
+    HelloAck,
+    Layer,
+    Reject,
+    decode_frame,
+    decode_prefix,
+    encode_frame,
+)
+from libs.transfer.protocol import payload_tag
+from libs.transfer.transfers import OutgoingTransfer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +59,7 @@ SM = (("TLS", "sm,self"),)
 # Generous waits: a test that relies on them instead of an explicit signal fails its bound.
 SLOW = dict(layer_timeout_s=30.0, accept_timeout_s=30.0, header_timeout_s=30.0)
 BOUND_S = 5.0
-BACKENDS = [Backend.UCX, Backend.TCP]
+BACKENDS = [TransferBackend.UCX, TransferBackend.TCP]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,7 +70,7 @@ def _config(**kw) -> TransferConfig:
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.value)
-def backend(request) -> Backend:
+def backend(request) -> TransferBackend:
     return request.param
 
 
@@ -114,21 +133,64 @@ def test_tags_are_deterministic_and_distinct():
 
 @pytest.mark.unit
 def test_frame_limits_addresses_and_backend_choice():
-    with pytest.raises(ProtocolError, match="exceeds"):
+    with pytest.raises(FrameError, match="exceeds"):
         decode_prefix(bytes([3]) + (10**9).to_bytes(8, "big"), max_body=1024)
-    with pytest.raises(ProtocolError, match="unknown frame type"):
+    with pytest.raises(FrameError, match="unknown frame type"):
         decode_prefix(bytes([99]) + (1).to_bytes(8, "big"), max_body=1024)
     assert parse_address("ucx://10.0.0.2:4000") == ("ucx", "10.0.0.2", 4000)
     with pytest.raises(ValueError, match="host:port"):
         parse_address("10.0.0.2:4000")
-    assert select_backend("tcp") is Backend.TCP
-    assert select_backend("ucx") is Backend.UCX
+    assert select_backend("tcp") is TransferBackend.TCP
+    assert select_backend("ucx") is TransferBackend.UCX
     with pytest.raises(ValueError, match="WINDSERVE_TRANSFER"):
         select_backend("rdma")
     assert TransferConfig(ucx_options=SM).endpoint_error_handling() is False
     assert TransferConfig(ucx_options=TCP_LO).endpoint_error_handling() is True
     with pytest.raises(ValueError, match="layer_timeout_s"):
         TransferConfig(layer_timeout_s=0)
+
+
+@pytest.mark.unit
+def test_every_frame_round_trips_through_its_codec():
+    header = TransferHeader("r", (LayerSpec("full", 0, 2, "int8", (2, 4)),))
+    frames = [Hello(1, "ucx", "e1", 2**64 - 1, "d2FybQ=="), HelloAck(engine="e2"), HelloAck(error="nope"),
+              Header(3, header), Accept(3), Reject(3, "why"), Layer(3, 0, 8), End(3), Done(3, 8), Abort(3, "stop"),
+              Cancel(3, "gone")]
+    for frame in frames:
+        raw = encode_frame(frame)
+        ftype, length = decode_prefix(raw[:FRAME_PREFIX.size], max_body=1 << 20)
+        assert (ftype, length) == (frame.TYPE, len(raw) - FRAME_PREFIX.size)
+        assert decode_frame(ftype, raw[FRAME_PREFIX.size:]) == frame
+    assert encode_frame(Done(3, 8)).endswith(b'{"seq":3,"bytes":8}')  # protocol v1 wire names kept
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("ftype", "body", "message"), [
+    (FrameType.ACCEPT, b"{}", "ACCEPT frame has no 'seq' field"),
+    (FrameType.DONE, b'{"seq": 1, "bytes": "8"}', "DONE frame field 'bytes' must be int, got '8'"),
+    (FrameType.END, b'{"seq": true}', "END frame field 'seq' must be int"),
+    (FrameType.REJECT, b'{"seq": 1}', "REJECT frame has no 'reason' field"),
+    (FrameType.HELLO, b'{"version": 1, "backend": "tcp", "engine": "e", "nonce": 1, "data": 5}',
+     "HELLO frame field 'data' must be str | None"),
+    (FrameType.CANCEL, b"[1, 2]", "CANCEL frame body must be an object, got list"),
+    (FrameType.ABORT, b"{oops", "ABORT frame body is not JSON"),
+    (FrameType.LAYER, b"short", "LAYER frame body must be 16 bytes, got 5"),
+])
+def test_malformed_frames_raise_a_clear_error(ftype, body, message):
+    with pytest.raises(FrameError, match=message.replace("|", r"\|")) as info:
+        decode_frame(ftype, body)
+    assert info.value.ftype is ftype
+
+
+@pytest.mark.unit
+def test_malformed_header_error_keeps_the_seq_so_one_transfer_can_be_rejected():
+    body = b'{"seq": 9, "request_id": "r", "layers": [["full", 0, 1, "complex64", [1]]]}'
+    with pytest.raises(FrameError, match="HEADER frame of transfer 9: .*dtype") as info:
+        decode_frame(FrameType.HEADER, body)
+    assert (info.value.ftype, info.value.seq) == (FrameType.HEADER, 9)
+    with pytest.raises(FrameError, match="HEADER frame has no 'seq'") as info:
+        decode_frame(FrameType.HEADER, b'{"request_id": "r", "layers": []}')
+    assert info.value.seq is None
 
 
 # -- transfers on both engines -------------------------------------------------------------
@@ -194,6 +256,75 @@ async def test_layers_arrive_one_by_one_while_sender_still_computing(pair):
         arrived[position].set()
     await task
     assert order == [0, 1, 2, 3]
+
+
+@pytest.mark.integration
+async def test_long_open_transfers_with_pauses_between_layers(backend):
+    """Prefill streams each chunk's pages as the chunk finishes: begin_send once, then send_layer spread
+    over time. Pauses longer than every per-call bound (layer, accept) must not kill the transfer, and
+    two such transfers interleave on one connection."""
+    bound = 0.2
+    short = dict(layer_timeout_s=bound, accept_timeout_s=BOUND_S, header_timeout_s=BOUND_S)
+    rx, tx = create_engine(_config(**short), backend), create_engine(_config(**short), backend)
+    await rx.start()
+    await tx.start()
+    try:
+        jobs = {}
+        for n, rid in enumerate(("s1", "s2")):
+            src, specs = _kv(20 + n, [("full", 0, "bfloat16"), ("swa", 1, "float16"), ("swa", 2, "int8")])
+            dst = [torch.empty_like(t) for t in src]
+            jobs[rid] = (src, dst, rx.expect(rid, dst))
+        outs = {rid: await tx.begin_send(rx.address, rid, specs) for rid in jobs}
+        await asyncio.sleep(2 * bound)  # the first chunk is still computing
+        for position in range(3):
+            for rid, (src, _, inc) in jobs.items():
+                await outs[rid].send_layer(src[position])
+                assert _same_bytes(src[position], await inc.layer(position, timeout=BOUND_S))
+                await asyncio.sleep(1.5 * bound)
+            assert all(o.state is TransferState.ACTIVE for o in outs.values())
+        await asyncio.sleep(2 * bound)
+        for rid, (src, dst, inc) in jobs.items():
+            stats = await outs[rid].finish(timeout=BOUND_S)
+            await inc.wait(BOUND_S)
+            assert all(_same_bytes(s, d) for s, d in zip(src, dst, strict=True))
+            assert stats.nbytes == sum(t.numel() * t.element_size() for t in src)
+        assert len(tx._connections) == 1
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+@pytest.mark.integration
+async def test_malformed_header_rejects_that_transfer_and_keeps_the_connection(pair):
+    rx, tx = pair
+    conn = await tx.connect(rx.address)
+    header = TransferHeader("broken", (LayerSpec("full", 0, 1, "int8", (1, 4)),))
+    seq = conn.next_seq()
+    out = OutgoingTransfer(header, conn, seq, layer_timeout_s=BOUND_S, drain_timeout_s=1.0)
+    conn.outgoing[seq] = out
+    body = b'{"seq": %d, "request_id": "broken", "layers": [["full", 0, 1, "complex64", [1]]]}' % seq
+    conn.writer.write(FRAME_PREFIX.pack(FrameType.HEADER, len(body)) + body)  # a buggy peer's header
+    with pytest.raises(TransferRejected, match="malformed header.*dtype"):
+        await asyncio.wait_for(asyncio.shield(out.accept_fut), BOUND_S)
+    src, specs = _kv(8, [("full", 0, "bfloat16")])
+    inc = rx.expect("fine", [torch.empty_like(t) for t in src])
+    await tx.send(rx.address, "fine", specs, src)
+    await inc.wait(BOUND_S)
+    assert not conn.closed and await tx.connect(rx.address) is conn
+
+
+@pytest.mark.integration
+async def test_malformed_control_frame_drops_the_connection_and_fails_its_transfers(pair):
+    rx, tx = pair
+    src, specs = _kv(9, [("full", 0, "bfloat16"), ("full", 1, "bfloat16")])
+    inc = rx.expect("doomed", [torch.empty_like(t) for t in src])
+    out = await tx.begin_send(rx.address, "doomed", specs)
+    conn = await tx.connect(rx.address)
+    conn.writer.write(FRAME_PREFIX.pack(FrameType.END, 2) + b"{}")  # END without a seq
+    with pytest.raises(TransferError, match="protocol error.*END frame has no 'seq'"):
+        await asyncio.wait_for(inc.wait(), BOUND_S)
+    with pytest.raises(TransferError):
+        await asyncio.wait_for(out.finish(), BOUND_S)
 
 
 @pytest.mark.integration
@@ -286,11 +417,11 @@ async def test_receiver_engine_closing_fails_the_sender(pair):
 SENDER = textwrap.dedent("""
     import asyncio, sys, torch
     sys.path.insert(0, {root!r})
-    from libs.transfer import Backend, LayerSpec, TransferConfig, create_engine
+    from libs.transfer import LayerSpec, TransferBackend, TransferConfig, create_engine
 
     async def main(backend, tls, address, rid, stall):
         opts = (("TLS", tls),) + ((("NET_DEVICES", "lo"),) if "tcp" in tls else ())
-        engine = create_engine(TransferConfig(ucx_options=opts), Backend(backend))
+        engine = create_engine(TransferConfig(ucx_options=opts), TransferBackend(backend))
         await engine.start()
         torch.manual_seed(1234)
         src = [torch.randn(3, 4, 2, 8).to(torch.bfloat16) for _ in range(3)]
@@ -315,7 +446,7 @@ def _reference_layers() -> list[torch.Tensor]:
     return [torch.randn(3, 4, 2, 8).to(torch.bfloat16) for _ in range(3)]
 
 
-def _spawn_sender(backend: Backend, tls: str, address: str, rid: str, stall: str) -> subprocess.Popen:
+def _spawn_sender(backend: TransferBackend, tls: str, address: str, rid: str, stall: str) -> subprocess.Popen:
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     return subprocess.Popen([sys.executable, "-c", SENDER, backend.value, tls, address, rid, stall],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -325,7 +456,7 @@ async def _read_line(proc: subprocess.Popen) -> str:
     return (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)).strip()
 
 
-CROSS = [(Backend.TCP, "tcp"), (Backend.UCX, "tcp,self"), (Backend.UCX, "sm,self")]
+CROSS = [(TransferBackend.TCP, "tcp"), (TransferBackend.UCX, "tcp,self"), (TransferBackend.UCX, "sm,self")]
 
 
 @pytest.mark.integration

@@ -1,18 +1,24 @@
 """KV page transfer between serving processes: UCX (`ucxx`) engine with a plain-TCP fallback.
 
-See docs/transfer.md for the protocol, failure semantics and UCX settings.
+Type an engine as `KVTransferEngine`; `create_engine()` builds one. See docs/transfer.md for the
+module layout, the protocol, failure semantics and UCX settings.
 """
 
+from .api import KVTransferEngine
 from .buffers import Payload
-from .config import Backend, TransferConfig, select_backend, ucx_available
-from .engine import TcpTransferEngine, TransferEngine, create_engine, parse_address
+from .config import TransferBackend, TransferConfig, select_backend, ucx_available
+from .engine import TcpTransferEngine, UcxTransferEngine, create_engine
 from .errors import PeerDisconnected, TransferAborted, TransferError, TransferRejected, TransferTimeout
-from .protocol import LayerSpec, TransferHeader
+from .protocol import LayerSpec, TransferHeader, parse_address
 from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState, TransferStats
 
+# Old name of TransferBackend, kept only while other #10 branches still import it
+# (tests/test_disagg.py); remove once they are merged and moved over.
+Backend = TransferBackend
+
 __all__ = [
-    "Backend", "Destinations", "IncomingTransfer", "LayerSpec", "OutgoingTransfer", "Payload",
-    "PeerDisconnected", "TcpTransferEngine", "TransferAborted", "TransferConfig", "TransferEngine",
-    "TransferError", "TransferHeader", "TransferRejected", "TransferState", "TransferStats",
-    "TransferTimeout", "create_engine", "parse_address", "select_backend", "ucx_available",
+    "Backend", "Destinations", "IncomingTransfer", "KVTransferEngine", "LayerSpec", "OutgoingTransfer", "Payload",
+    "PeerDisconnected", "TcpTransferEngine", "TransferAborted", "TransferBackend", "TransferConfig", "TransferError",
+    "TransferHeader", "TransferRejected", "TransferState", "TransferStats", "TransferTimeout", "UcxTransferEngine",
+    "create_engine", "parse_address", "select_backend", "ucx_available",
 ]

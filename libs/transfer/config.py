@@ -13,7 +13,7 @@ from dataclasses import dataclass
 _SHARED_MEMORY_TLS = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self"}
 
 
-class Backend(enum.Enum):
+class TransferBackend(enum.Enum):
     UCX = "ucx"
     TCP = "tcp"
 
@@ -67,15 +67,15 @@ def ucx_available() -> bool:
     return importlib.util.find_spec("ucxx") is not None
 
 
-def select_backend(env: str | None = None) -> Backend:
+def select_backend(env: str | None = None) -> TransferBackend:
     """``WINDSERVE_TRANSFER`` = ucx | tcp picks the engine; unset means UCX when ucxx is installed."""
     choice = (env if env is not None else os.environ.get("WINDSERVE_TRANSFER", "")).strip().lower()
     if choice == "tcp":
-        return Backend.TCP
+        return TransferBackend.TCP
     if choice == "ucx":
         if not ucx_available():
             raise RuntimeError("WINDSERVE_TRANSFER=ucx but the ucxx package is not installed")
-        return Backend.UCX
+        return TransferBackend.UCX
     if choice:
         raise ValueError(f"WINDSERVE_TRANSFER must be 'ucx' or 'tcp', got {choice!r}")
-    return Backend.UCX if ucx_available() else Backend.TCP
+    return TransferBackend.UCX if ucx_available() else TransferBackend.TCP

@@ -1,4 +1,4 @@
-"""The KV-transfer wire protocol: pure data types and frame codecs (no IO, no torch).
+"""The KV-transfer wire protocol: its vocabulary (layer specs, headers, addresses, tags). Pure: no IO, no torch.
 
 One control connection (a TCP stream) per (sender engine, receiver engine) pair carries
 length-prefixed frames. Payload bytes travel either inline on that stream (TCP engine) or
@@ -14,17 +14,17 @@ position) (UCX engine). Sequence of one transfer::
                                       ◀──────  DONE {seq, bytes}
     ABORT {seq, reason} (any time)    ──────▶  fail transfer (after in-flight payloads land)
                                       ◀──────  CANCEL {seq, reason} (receiver gives up)
+
+The frames themselves (one typed dataclass per frame, their codecs) are in ``frames.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import xxhash
 
 PROTOCOL_VERSION = 1
@@ -36,26 +36,6 @@ DTYPE_SIZES: dict[str, int] = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-
-FRAME_PREFIX = struct.Struct("!BQ")  # frame type, body length
-LAYER_BODY = struct.Struct("!IIQ")  # transfer seq, layer position, payload bytes
-
-
-class FrameType(enum.IntEnum):
-    HELLO = 1
-    HELLO_ACK = 2
-    HEADER = 3
-    ACCEPT = 4
-    REJECT = 5
-    LAYER = 6
-    END = 7
-    DONE = 8
-    ABORT = 9
-    CANCEL = 10
-
-
-class ProtocolError(ValueError):
-    """A frame that does not follow the protocol (corrupt stream or version skew)."""
 
 
 @dataclass(frozen=True)
@@ -120,44 +100,15 @@ class TransferHeader:
         return cls(str(body["request_id"]), tuple(LayerSpec.from_wire(x) for x in body["layers"]))
 
 
-def encode_control(ftype: FrameType, body: dict[str, Any]) -> bytes:
-    payload = orjson.dumps(body)
-    return FRAME_PREFIX.pack(ftype, len(payload)) + payload
-
-
-def decode_control(ftype: FrameType, body: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"{ftype.name} frame body is not JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{ftype.name} frame body must be an object, got {type(obj).__name__}")
-    return obj
-
-
-def encode_layer(seq: int, position: int, nbytes: int) -> bytes:
-    """LAYER frame prefix; on the TCP engine ``nbytes`` payload bytes follow it on the stream."""
-    return FRAME_PREFIX.pack(FrameType.LAYER, LAYER_BODY.size) + LAYER_BODY.pack(seq, position, nbytes)
-
-
-def decode_layer(body: bytes) -> tuple[int, int, int]:
-    if len(body) != LAYER_BODY.size:
-        raise ProtocolError(f"LAYER frame body must be {LAYER_BODY.size} bytes, got {len(body)}")
-    seq, position, nbytes = LAYER_BODY.unpack(body)
-    return seq, position, nbytes
-
-
-def decode_prefix(prefix: bytes, max_body: int) -> tuple[FrameType, int]:
-    raw_type, length = FRAME_PREFIX.unpack(prefix)
-    try:
-        ftype = FrameType(raw_type)
-    except ValueError as exc:
-        raise ProtocolError(f"unknown frame type {raw_type}") from exc
-    if length > max_body:
-        raise ProtocolError(f"{ftype.name} frame of {length} bytes exceeds the {max_body}-byte limit")
-    return ftype, length
-
-
 def payload_tag(nonce: int, seq: int, position: int) -> int:
     """64-bit UCX tag of one layer payload; unique per connection, transfer and layer."""
     return xxhash.xxh64_intdigest(struct.pack("!QII", nonce, seq, position), seed=TAG_SEED)
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """'ucx://host:port' -> ('ucx', host, port), with an error naming the bad address."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if not sep or not colon or not host or not port.isdigit():
+        raise ValueError(f"transfer address must look like 'ucx://host:port' or 'tcp://host:port', got {address!r}")
+    return scheme, host, int(port)

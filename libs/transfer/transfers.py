@@ -1,7 +1,13 @@
 """Per-transfer state: the receiver's IncomingTransfer and the sender's OutgoingTransfer.
 
 Both hold futures the caller awaits (always with a bound) and are driven by the engine's
-control connection. Once a transfer reaches a terminal state it never changes again.
+control connection, which they see only through the narrow ``SendChannel`` / canceller seams
+(so this module imports no connection code). Once a transfer reaches a terminal state it never
+changes again.
+
+An outgoing transfer has no idle timeout: between ``send_layer`` calls it may stay open for as
+long as the sender computes (prefill streams each chunk's pages as the chunk finishes). Each
+call's own wait is bounded (``layer_timeout_s``), and the receiver bounds its waits itself.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -19,8 +25,27 @@ from .buffers import Payload, check_payload, landing_buffer, payload_nbytes, sca
 from .errors import TransferAborted, TransferError, TransferTimeout
 from .protocol import TransferHeader
 
-if TYPE_CHECKING:
-    from .engine import _Connection
+# Fails an incoming transfer with an error: the registry's until a header binds the transfer to a
+# connection (nothing in flight yet), then the connection's (which first drains in-flight payloads).
+Canceller = Callable[["IncomingTransfer", TransferError], Awaitable[None]]
+
+
+class SendChannel(Protocol):
+    """What an outgoing transfer needs from its control connection."""
+
+    peer: str
+
+    async def send_payload(self, seq: int, position: int, payload: Payload) -> None: ...
+
+    async def send_end(self, seq: int) -> None: ...
+
+    async def send_abort(self, seq: int, reason: str) -> None: ...
+
+    async def drop(self, err: TransferError) -> None: ...
+
+    def forget_outgoing(self, tx: OutgoingTransfer) -> None:
+        """The transfer ended (COMPLETE or FAILED); a COMPLETE one counts into the engine's bytes_sent."""
+
 
 # Receiver destinations: one Payload per layer in header order, or a callback that
 # allocates them from the header (so decode can take pages from its pools on arrival).
@@ -76,7 +101,7 @@ class IncomingTransfer:
     """Receiver side of one request's KV transfer, created by ``engine.expect()``."""
 
     def __init__(self, request_id: str, destinations: Destinations, *, layer_timeout_s: float,
-                 canceller: Callable[[IncomingTransfer, TransferError], Awaitable[None]]) -> None:
+                 canceller: Canceller) -> None:
         loop = asyncio.get_running_loop()
         self.request_id = request_id
         self.state = TransferState.EXPECTED
@@ -93,7 +118,6 @@ class IncomingTransfer:
         self._done_fut = _quiet_future(loop)
         self._started = time.perf_counter()
         # Engine-side bookkeeping (driven by the control connection).
-        self.conn: _Connection | None = None
         self.seq = -1
         self.announced = 0
         self.landed = 0
@@ -132,8 +156,10 @@ class IncomingTransfer:
             raise
 
     # -- engine side --------------------------------------------------------------------
-    def bind(self, header: TransferHeader, conn: _Connection, seq: int) -> None:
-        """Attach the arriving header: allocate/validate destinations (ValueError = reject)."""
+    def bind(self, header: TransferHeader, *, peer: str, seq: int, canceller: Canceller) -> None:
+        """Attach the arriving header: allocate/validate destinations (ValueError = reject).
+
+        From here on ``canceller`` (the connection's) cancels it: payloads may be in flight."""
         dests = self._destinations(header) if callable(self._destinations) else self._destinations
         dests = list(dests)
         if len(dests) != len(header.layers):
@@ -142,8 +168,8 @@ class IncomingTransfer:
         for spec, dest in zip(header.layers, dests, strict=True):
             check_payload(spec, dest, f"request {self.request_id} destination")
         loop = asyncio.get_running_loop()
-        self.header, self._dests, self.conn, self.seq = header, dests, conn, seq
-        self.peer = conn.peer
+        self.header, self._dests, self.seq, self.peer = header, dests, seq, peer
+        self._canceller = canceller
         self._layer_futs = [_quiet_future(loop) for _ in header.layers]
         self.state = TransferState.ACTIVE
         self._started = time.perf_counter()
@@ -184,12 +210,12 @@ class IncomingTransfer:
 class OutgoingTransfer:
     """Sender side of one request's KV transfer, created by ``engine.begin_send()``."""
 
-    def __init__(self, header: TransferHeader, conn: _Connection, seq: int, *, layer_timeout_s: float,
+    def __init__(self, header: TransferHeader, channel: SendChannel, seq: int, *, layer_timeout_s: float,
                  drain_timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         self.header = header
         self.request_id = header.request_id
-        self.conn = conn
+        self.channel = channel
         self.seq = seq
         self.state = TransferState.NEGOTIATING
         self.bytes_sent = 0
@@ -212,7 +238,7 @@ class OutgoingTransfer:
             spec = self.header.layers[self.next_position]
             check_payload(spec, payload, f"request {self.request_id} payload")
             try:
-                await self.conn.send_payload(self.seq, self.next_position, payload)
+                await self.channel.send_payload(self.seq, self.next_position, payload)
             except TransferError as exc:
                 self.fail(exc)
                 raise self._failure or exc from None
@@ -226,10 +252,10 @@ class OutgoingTransfer:
         if self.next_position != len(self.header.layers):
             raise ValueError(f"request {self.request_id}: finish() after {self.next_position} of "
                              f"{len(self.header.layers)} layers")
-        await self.conn.send_end(self.seq)
+        await self.channel.send_end(self.seq)
         limit = self._layer_timeout_s if timeout is None else timeout
         try:
-            await _bounded(self.done_fut, limit, f"request {self.request_id}: DONE from {self.conn.peer}")
+            await _bounded(self.done_fut, limit, f"request {self.request_id}: DONE from {self.channel.peer}")
         except TransferTimeout as exc:
             await self.abort(str(exc))
             raise
@@ -237,8 +263,7 @@ class OutgoingTransfer:
             self.fail(exc)
             raise self._failure or exc from None
         self.state = TransferState.COMPLETE
-        self.conn.forget_outgoing(self)
-        self.conn.engine.bytes_sent += self.bytes_sent
+        self.channel.forget_outgoing(self)
         return TransferStats(self.request_id, len(self.header.layers), self.bytes_sent,
                              time.perf_counter() - self._started)
 
@@ -251,10 +276,10 @@ class OutgoingTransfer:
             async with asyncio.timeout(self._drain_timeout_s):
                 await self._lock.acquire()
         except TimeoutError:
-            await self.conn.drop(TransferAborted(f"request {self.request_id}: send did not drain on abort"))
+            await self.channel.drop(TransferAborted(f"request {self.request_id}: send did not drain on abort"))
             return
         try:
-            await self.conn.send_abort(self.seq, reason)
+            await self.channel.send_abort(self.seq, reason)
         finally:
             self._lock.release()
 
@@ -265,7 +290,7 @@ class OutgoingTransfer:
         self.state = TransferState.FAILED
         _settle(self.accept_fut, exc)
         _settle(self.done_fut, exc)
-        self.conn.forget_outgoing(self)
+        self.channel.forget_outgoing(self)
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

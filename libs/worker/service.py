@@ -23,12 +23,12 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
 from libs.service import Service
-from libs.transfer import create_engine, parse_address
+from libs.transfer import KVTransferEngine, create_engine, parse_address
 from libs.worker import metrics
 from libs.worker.config import DisaggServiceConfig, EngineServiceConfig
 from libs.worker.engine import build_async_engine
@@ -201,10 +201,10 @@ class DisaggWorkerService(EngineWorkerService):
 
     def __init__(self, config: DisaggServiceConfig) -> None:
         super().__init__(config)
-        self.transfer: Any = None  # a started libs.transfer engine (UCX or the TCP fallback)
+        # UCX or the TCP fallback (a bad WINDSERVE_TRANSFER fails here, before any IO); started in setup()
+        self.transfer: KVTransferEngine = create_engine()
 
     async def setup(self) -> None:
-        self.transfer = create_engine()
         self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
         await super().setup()
 
@@ -212,8 +212,7 @@ class DisaggWorkerService(EngineWorkerService):
         try:
             await super().teardown()
         finally:
-            if self.transfer is not None:
-                await self.transfer.close()
+            await self.transfer.close()
 
 
 def advertised_address(bound: str, config: DisaggServiceConfig) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
-from libs.transfer import IncomingTransfer
+from libs.transfer import IncomingTransfer, KVTransferEngine
 from libs.worker.tasks import DuplicateRequest, RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import FinishReason, KVPrepareReply, KVPrepareRequest, TokenChunk, Usage
@@ -63,7 +63,7 @@ class ReceiveStats:
 class DecodeWorker:
     """Serves kv_prepare. `engine` wraps a started DisaggEngineCore; `transfer` is a started engine."""
 
-    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, publish: Publish, *,
+    def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, publish: Publish, *,
                  transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0,
                  tasks: RequestTasks | None = None) -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):

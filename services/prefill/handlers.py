@@ -29,7 +29,7 @@ from libs.bus import RemoteError
 from libs.engine import AsyncEngine, Request
 from libs.engine import disagg as dg
 from libs.engine.core import HeldPrefill
-from libs.transfer import TransferStats
+from libs.transfer import KVTransferEngine, TransferStats
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
@@ -88,7 +88,8 @@ class DecodesFull(HandoffError):
 class PrefillWorker:
     """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
 
-    def __init__(self, engine: AsyncEngine, transfer, instance_id: str, prepare: Prepare, publish: Publish, *,
+    def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, prepare: Prepare,
+                 publish: Publish, *,
                  prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0, reroute: Reroute | None = None,
                  decode_attempts: int = 3, tasks: RequestTasks | None = None) -> None:
         self.engine = engine

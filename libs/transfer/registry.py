@@ -1,0 +1,123 @@
+"""What every control connection of one engine shares: its transfers by request id and its tasks.
+
+Receiver side: ``expect()`` registers an ``IncomingTransfer`` (EXPECTED) under its request id; a
+HEADER claims it (-> active) after waiting up to ``register_grace_s`` for a late ``expect()``; it
+leaves the registry when it completes or fails, and a COMPLETE one adds to ``bytes_received``.
+Sender side: ``begin_send`` adds the ``OutgoingTransfer``; a COMPLETE one adds to ``bytes_sent``.
+A request id is in at most one of these maps per side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any
+
+from .config import TransferConfig
+from .errors import TransferError, TransferTimeout
+from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState
+
+
+class TaskSet:
+    """Background tasks of one engine, kept referenced until done; ``close()`` cancels the rest."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class TransferRegistry:
+    """The transfers of one engine by request id, its byte totals and its background tasks."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self.label = ""  # the engine's address, for messages (set by start())
+        self.tasks = TaskSet()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._expected: dict[str, IncomingTransfer] = {}
+        self._active_in: dict[str, IncomingTransfer] = {}
+        self._outgoing: dict[str, OutgoingTransfer] = {}
+        self._registered = asyncio.Condition()
+
+    # -- receiver side ---------------------------------------------------------------------
+    def expect(self, request_id: str, destinations: Destinations) -> IncomingTransfer:
+        if self.incoming(request_id) is not None:
+            raise ValueError(f"request {request_id!r} is already expected on {self.label}")
+        tr = IncomingTransfer(request_id, destinations, layer_timeout_s=self.config.layer_timeout_s,
+                              canceller=self._cancel_unbound)
+        self._expected[request_id] = tr
+        asyncio.get_running_loop().call_later(self.config.header_timeout_s, self._expire, tr)
+        self.tasks.spawn(self._notify_registered())
+        return tr
+
+    def incoming(self, request_id: str) -> IncomingTransfer | None:
+        return self._expected.get(request_id) or self._active_in.get(request_id)
+
+    async def claim(self, request_id: str) -> IncomingTransfer | None:
+        """Move an expected transfer to active, waiting up to the grace for a late expect()."""
+        async with self._registered:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.register_grace_s):
+                    await self._registered.wait_for(lambda: request_id in self._expected)
+        tr = self._expected.pop(request_id, None)
+        if tr is not None:
+            self._active_in[request_id] = tr
+        return tr
+
+    def incoming_finished(self, tr: IncomingTransfer) -> None:
+        if self._active_in.get(tr.request_id) is tr:
+            del self._active_in[tr.request_id]
+            if tr.state is TransferState.COMPLETE:
+                self.bytes_received += tr.bytes_received
+        if self._expected.get(tr.request_id) is tr:
+            del self._expected[tr.request_id]
+
+    # -- sender side -------------------------------------------------------------------------
+    def add_outgoing(self, tx: OutgoingTransfer) -> None:
+        if tx.request_id in self._outgoing:
+            raise ValueError(f"request {tx.request_id!r} is already being sent from {self.label}")
+        self._outgoing[tx.request_id] = tx
+
+    def outgoing(self, request_id: str) -> OutgoingTransfer | None:
+        return self._outgoing.get(request_id)
+
+    def outgoing_finished(self, tx: OutgoingTransfer) -> None:
+        if self._outgoing.get(tx.request_id) is tx:
+            del self._outgoing[tx.request_id]
+            if tx.state is TransferState.COMPLETE:
+                self.bytes_sent += tx.bytes_sent
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def close(self, err: TransferError) -> None:
+        """Fail every incoming transfer not yet failed by its connection; cancel background tasks."""
+        for tr in [*self._expected.values(), *self._active_in.values()]:
+            tr.fail(err)
+        self._expected.clear()
+        self._active_in.clear()
+        await self.tasks.close()
+
+    async def _notify_registered(self) -> None:
+        async with self._registered:
+            self._registered.notify_all()
+
+    def _expire(self, tr: IncomingTransfer) -> None:
+        if tr.state is TransferState.EXPECTED:
+            tr.fail(TransferTimeout(f"request {tr.request_id}: no header within {self.config.header_timeout_s:.3g}s"))
+            self.incoming_finished(tr)
+
+    async def _cancel_unbound(self, tr: IncomingTransfer, err: TransferError) -> None:
+        # No header bound it to a connection yet, so nothing can be in flight into its buffers.
+        tr.fail(err)
+        self.incoming_finished(tr)
