@@ -23,7 +23,25 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted: printable stand-in character -> the byte it encodes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class _TemplateMixin:
@@ -74,6 +92,12 @@ class ByteTokenizer(_TemplateMixin):
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes: one byte for ids < 256 (also 128-255, which are not text on their own)."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self._by_id.get(token_id, "").encode()
+
 
 class HFTokenizer(_TemplateMixin):
     def __init__(self, path: Path, template: str | None, eos: tuple[int, ...]) -> None:
@@ -86,12 +110,28 @@ class HFTokenizer(_TemplateMixin):
         self.eos_token_ids = eos
         self.template = template
         self.vocab_size = self._tok.get_vocab_size()
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes: byte-level BPE pieces mapped back to bytes, `<0xNN>` byte-fallback
+        pieces as that byte, sentencepiece's '▁' as a space; added tokens as their text."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 def _template_from(path: Path) -> str | None:
