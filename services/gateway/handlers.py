@@ -97,6 +97,7 @@ _ERROR_WHEN = {
     413: "body above the size limit, or prompt (+ max_tokens) longer than the context",
     422: "schema validation failed (wrong type, missing field, out-of-range number)",
     429: "admission queue full (`Retry-After`)",
+    431: "request headers larger than max_header_bytes",
     500: "a worker failed",
     503: "no worker available, worker gone, router down, or every decode worker full (`Retry-After`)",
 }
@@ -253,7 +254,7 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
         check_model(model)
         return _model_card(api)
 
-    generate_errors = _errors(400, 401, 404, 405, 413, 422, 429, 500, 503)
+    generate_errors = _errors(400, 401, 404, 405, 413, 422, 429, 431, 500, 503)
 
     @app.post("/v1/completions", dependencies=guarded, responses=generate_errors,
               openapi_extra=_request_body(CompletionRequest))
@@ -330,11 +331,32 @@ def get_openapi_schema(app: FastAPI) -> dict[str, Any]:
     return get_openapi(title=app.title, version=app.version, routes=app.routes)
 
 
-def build_app(list_services: ListServices, instance_id: str, api: Api | None = None) -> FastAPI:
+class HeaderLimit:
+    """ASGI middleware answering 431 (OpenAI error body) when the request's headers exceed `limit`
+    bytes. The HTTP layer refuses far larger ones itself (see service.JsonErrorH11Protocol)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # "k: v\r\n"
+            if size > self.limit:
+                response = _json_error(431, f"request headers of {size} bytes; the limit is {self.limit} bytes",
+                                       "invalid_request_error", code="headers_too_large")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(list_services: ListServices, instance_id: str, api: Api | None = None,
+              max_header_bytes: int = 16384) -> FastAPI:
     """The gateway app; without `api` only /health, /metrics and the docs exist."""
     app = FastAPI(title="windserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
+    app.add_middleware(HeaderLimit, limit=max_header_bytes)
     app.add_middleware(CountRequests)
     _add_docs(app, api)
 

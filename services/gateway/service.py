@@ -31,14 +31,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class JsonErrorH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol answering an unparsable request (request line or headers above
-    `max_header_bytes`, or not HTTP) with OpenAI's error body instead of plain text."""
+    """uvicorn's h11 protocol answering an unparsable request (not HTTP, or a request line and headers
+    too large to buffer) with OpenAI's error body instead of plain text."""
 
     def send_400_response(self, msg: str) -> None:
         body = orjson.dumps(error_body(
             "invalid HTTP request: malformed, or its request line and headers are above the server's size limit",
             "invalid_request_error", code="invalid_http_request"))
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
@@ -46,8 +47,11 @@ class JsonErrorH11Protocol(H11Protocol):
 
 
 def http_config(app: FastAPI, host: str, port: int, max_header_bytes: int) -> uvicorn.Config:
+    """h11 buffers up to 8x the header limit (at least 64 KB): headers in between reach the app,
+    whose HeaderLimit answers 431; beyond that h11 gives up and JsonErrorH11Protocol answers 400.
+    (h11 checks its limit only while a request is incomplete, so it alone would be timing-dependent.)"""
     return uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off", http=JsonErrorH11Protocol,
-                          h11_max_incomplete_event_size=max_header_bytes)
+                          h11_max_incomplete_event_size=max(65536, 8 * max_header_bytes))
 
 
 class GatewayService(Service):
@@ -90,7 +94,8 @@ class GatewayService(Service):
         )
 
     async def setup(self) -> None:
-        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api())
+        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api(),
+                                 self.config.max_header_bytes)
         uv_config = http_config(app, self.config.http_host, self.config.http_port, self.config.max_header_bytes)
         self._http = _EmbeddedServer(uv_config)
         self._http_task = task = self.spawn(self._http.serve(), name="http", critical=True)
