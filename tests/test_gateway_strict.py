@@ -449,3 +449,31 @@ async def test_models_reports_the_context_and_prompts_are_checked_against_it():
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 64})
     assert card["max_model_len"] == 64
     assert_error(r, 413, "context is 64")
+
+
+# --- raw token bytes from a tokenizer.json --------------------------------------------------------
+
+
+def _byte_level_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
+    t.save(str(path / "tokenizer.json"))
+
+
+def test_hf_token_bytes_are_raw_bytes(tmp_path):
+    from libs.model.tokenizer import load_tokenizer
+
+    _byte_level_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    text = "<|im_start|>héllo wörld → the fox"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    halves = [tok.token_bytes(t) for t in tok.encode("→")]  # an untrained character: one token per byte
+    assert halves == [b"\xe2", b"\x86", b"\x92"]
+    assert tok.token_bytes(tok.special_tokens["<|im_end|>"]) == b"<|im_end|>"

@@ -16,7 +16,7 @@ import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -111,7 +111,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _json_error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                headers: dict[str, str] | None = None) -> JSONResponse:
+                headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
