@@ -477,3 +477,22 @@ def test_hf_token_bytes_are_raw_bytes(tmp_path):
     halves = [tok.token_bytes(t) for t in tok.encode("→")]  # an untrained character: one token per byte
     assert halves == [b"\xe2", b"\x86", b"\x92"]
     assert tok.token_bytes(tok.special_tokens["<|im_end|>"]) == b"<|im_end|>"
+
+
+def test_tokens_the_tokenizer_config_calls_special_are_skipped(tmp_path):
+    """A tokenizer.json with <|im_start|> as a plain added token, called special in tokenizer_config.json:
+    skipped from skip_special_tokens text like the tokens tokenizer.json itself flags."""
+    from tokenizers import Tokenizer
+
+    from libs.model.tokenizer import load_tokenizer
+
+    _byte_level_tokenizer(tmp_path)
+    raw = json.loads(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).to_str())
+    for t in raw["added_tokens"]:
+        t["special"] = t["content"] != "<|im_start|>"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"additional_special_tokens": ["<|im_start|>"]}))
+    tok = load_tokenizer(str(tmp_path))
+    ids = tok.encode("<|im_start|>the fox<|im_end|>")
+    assert tok.decode(ids, skip_special_tokens=True) == "the fox"
+    assert tok.decode(ids) == "<|im_start|>the fox<|im_end|>"

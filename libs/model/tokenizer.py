@@ -104,7 +104,13 @@ class HFTokenizer(_TemplateMixin):
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path / "tokenizer.json"))
-        self.special_tokens = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+        # Checkpoints whose tokenizer.json lists e.g. <|im_start|> as a plain added token but whose
+        # tokenizer_config.json calls it special: `tokenizers` would keep it in skip_special_tokens text.
+        configured = _configured_specials(path)
+        self._extra_special = {i for i, t in added.items() if not t.special and t.content in configured}
+        self.special_tokens |= {added[i].content: i for i in self._extra_special}
         if not eos:
             eos = tuple(self.special_tokens[t] for t in ("<|im_end|>", "<|endoftext|>") if t in self.special_tokens)
         self.eos_token_ids = eos
@@ -117,6 +123,8 @@ class HFTokenizer(_TemplateMixin):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens and self._extra_special:
+            ids = [i for i in ids if i not in self._extra_special]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -144,6 +152,23 @@ def _template_from(path: Path) -> str | None:
         if isinstance(tpl, str):
             return tpl
     return None
+
+
+def _configured_specials(path: Path) -> set[str]:
+    """Tokens tokenizer_config.json calls special (added_tokens_decoder, additional_special_tokens,
+    bos/eos/pad/unk), as strings."""
+    f = path / "tokenizer_config.json"
+    if not f.is_file():
+        return set()
+    cfg = json.loads(f.read_text())
+
+    def content(t: Any) -> str | None:
+        return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
+
+    names = [content(t) for t in cfg.get("added_tokens_decoder", {}).values() if isinstance(t, dict) and t.get("special")]
+    names += [content(t) for t in cfg.get("additional_special_tokens") or []]
+    names += [content(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")]
+    return {n for n in names if n}
 
 
 def _eos_from(path: Path) -> tuple[int, ...]:
