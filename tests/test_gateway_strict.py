@@ -19,6 +19,7 @@ from services.gateway.backend import BackendError
 from services.gateway.generation import Limits
 from services.gateway.handlers import Api, build_app
 from services.gateway.render import parse_sse
+from tests.fixtures.tokenizers import write_byte_level_tokenizer
 from tests.test_gateway import MODEL, TOK, FakeBackend, client_for, make_api
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -454,22 +455,10 @@ async def test_models_reports_the_context_and_prompts_are_checked_against_it():
 # --- raw token bytes from a tokenizer.json --------------------------------------------------------
 
 
-def _byte_level_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
-    t.save(str(path / "tokenizer.json"))
-
-
 def test_hf_token_bytes_are_raw_bytes(tmp_path):
     from libs.model.tokenizer import load_tokenizer
 
-    _byte_level_tokenizer(tmp_path)
+    write_byte_level_tokenizer(tmp_path)
     tok = load_tokenizer(str(tmp_path))
     text = "<|im_start|>héllo wörld → the fox"
     ids = tok.encode(text)
@@ -486,7 +475,7 @@ def test_tokens_the_tokenizer_config_calls_special_are_skipped(tmp_path):
 
     from libs.model.tokenizer import load_tokenizer
 
-    _byte_level_tokenizer(tmp_path)
+    write_byte_level_tokenizer(tmp_path)
     raw = json.loads(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).to_str())
     for t in raw["added_tokens"]:
         t["special"] = t["content"] != "<|im_start|>"
