@@ -3,7 +3,7 @@
     from libs.engine import LLM, SamplingParams
     outs = LLM().generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 
-The pure parts (request types, buckets, scheduler) import no torch; the torch parts are loaded
+The pure parts (request types, scheduler) import no torch; the torch parts are loaded
 lazily on first attribute access so `import libs.engine.scheduler` stays torch-free.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from libs.engine.buckets import LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprob
 from libs.engine.scheduler import Scheduler, SchedulerConfig, SeqStatus
@@ -31,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "BatchPlan", "FinishReason", "LengthBuckets", "Request", "RequestOutput", "SamplingParams", "ScheduledSeq",
+    "BatchPlan", "FinishReason", "Request", "RequestOutput", "SamplingParams", "ScheduledSeq",
     "Scheduler", "SchedulerConfig", "SeqStatus", "TokenLogprob", *_LAZY,
 ]
 

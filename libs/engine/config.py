@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from libs.engine.scheduler import SchedulerConfig
+from libs.routing.buckets import DEFAULT_BUCKET_EDGES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +37,7 @@ class EngineConfig:
     """Most sequences running at once."""
     max_num_batched_tokens: int = 512
     """Token budget per step (decode tokens + prefill chunks)."""
-    bucket_edges: tuple[int, ...] = (65536, 262144)
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     """Length bucket edges over uncached tokens; () = a single bucket."""
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker serves (None = all)."""

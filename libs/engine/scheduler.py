@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from libs.engine.buckets import LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
 from libs.kvcache import block_hashes
+from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 
 # Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
 COLD_LONG_CHUNK = 32
@@ -48,7 +48,7 @@ class SchedulerConfig:
     """Most sequences running (holding KV) at once."""
     max_num_batched_tokens: int = 512
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
-    bucket_edges: tuple[int, ...] = (65536, 262144)
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     """Length bucket edges over uncached (to-compute) tokens; () = one bucket (plain FCFS)."""
     served_buckets: tuple[int, ...] | None = None
     """Buckets this worker is meant for (advertised to the router); None = all. Requests from other

@@ -3,7 +3,8 @@
 Contract with any worker that streams (combined worker, or prefill + decode in disaggregated mode):
 1. the gateway subscribes to `windserve.stream.<request_id>` first, so no chunk can be missed;
 2. it asks the router (`windserve.route`) for (prefill, decode); if no router answers (none is
-   running) it picks the least-loaded live combined worker from the registry itself;
+   running) it picks the least-loaded live combined worker from the registry itself, with the router's
+   own choice function (`libs.routing.pick_worker`);
 3. it sends `GenerateRequest` to `windserve.worker.<prefill>.generate` (with `decode_instance` set
    when decode runs elsewhere) and waits, bounded, for a `GenerateAck` (a reply with only request
    and instance id is an acceptance);
@@ -28,6 +29,7 @@ from typing import Protocol
 
 from libs.bus import Bus, BusError, BusTimeout, NoResponders, RemoteError
 from libs.kvcache.hashing import block_hashes
+from libs.routing import DEFAULT_BUCKET_EDGES, LengthBuckets, instance_of, pick_worker
 from protos import subjects
 from protos.messages import (
     AbortRequest,
@@ -44,7 +46,6 @@ from protos.messages import (
     SamplingParams,
     TokenChunk,
 )
-from services.router.handlers import pick_worker
 
 log = logging.getLogger("windserve.gateway")
 
@@ -84,7 +85,7 @@ class BackendConfig:
     liveness_interval_s: float = 1.0
     liveness_misses: int = 2
     idle_timeout_s: float = 300.0
-    bucket_edges: tuple[int, ...] = (65536, 262144)
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     namespace: str = subjects.DEFAULT_NAMESPACE
     retry_after_s: int = 1  # Retry-After of a capacity refusal (every decode worker full)
 
@@ -106,6 +107,7 @@ class NatsBackend:
         self._bus = bus
         self._list_workers = list_workers
         self.config = config
+        self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
 
     async def route(self, request_id: str, token_ids: list[int]) -> RouteReply:
@@ -124,7 +126,7 @@ class NatsBackend:
     async def _route_direct(self, request_id: str, num_tokens: int) -> RouteReply:
         try:
             workers = await self._list_workers()
-            worker = pick_worker(workers, num_tokens, self.config.bucket_edges, request_id)
+            worker = pick_worker([instance_of(w) for w in workers], num_tokens, self._buckets, request_id)
         except (LookupError, TimeoutError, BusError) as exc:
             raise BackendError(503, f"no router is running and no worker is available: {exc}") from exc
         return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)

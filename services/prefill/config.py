@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from libs.engine import EngineConfig
+from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
 
 
@@ -22,7 +23,7 @@ class EngineServiceConfig(ServiceConfig):
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one engine step")
     enable_prefix_cache: bool = Field(default=True, description="reuse KV across requests")
     bucket_edges: list[int] = Field(
-        default_factory=lambda: [65536, 262144], description="length bucket edges (uncached tokens), JSON list")
+        default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (uncached tokens), JSON list")
     served_buckets: list[int] = Field(
         default_factory=list, description="length buckets this worker is meant for (JSON list); empty = all")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="KV/activation dtype")

@@ -1,11 +1,13 @@
 """Wiring of the router service: answers `windserve.route` (queue group `router`) from the registry.
 
-Disaggregated mode (prefill and decode workers live): a (prefill, decode) pair by length bucket and load.
-Aggregated mode (only combined workers): the least-loaded worker prefills and decodes.
+The choice itself is pure and lives in `libs.routing` (docs/routing.md): disaggregated mode (prefill and
+decode workers live) answers a (prefill, decode) pair by length bucket and load; aggregated mode (only
+combined workers) answers the least-loaded worker for both.
 """
 
 import time
 
+from libs.routing import Router
 from libs.service import Service
 from protos import subjects
 from protos.messages import Role, RouteReply, RouteRequest
@@ -19,7 +21,7 @@ class RouterService(Service):
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
-        self.recent = handlers.RecentPicks()
+        self.router = Router(config.bucket_edges)
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -29,23 +31,10 @@ class RouterService(Service):
     async def _route(self, req: RouteRequest) -> RouteReply:
         assert self.registry is not None
         entries = await self.registry.list(timeout=self.config.registry_timeout_s)
-        by_role = {role: [e for e in entries if e.role is role] for role in (Role.PREFILL, Role.DECODE, Role.WORKER)}
-        if by_role[Role.PREFILL] and by_role[Role.DECODE]:
-            now = time.time()  # the workers stamp their load snapshots with unix time
-            reflected = {e.instance_id: e.load.updated_at for e in entries if e.load is not None}
-            prefill, decode = handlers.pick_pair(by_role[Role.PREFILL], by_role[Role.DECODE], req.num_tokens,
-                                                 self.config.bucket_edges, req.request_id,
-                                                 self.recent.counts(now, reflected), req.exclude_decodes)
-            if not req.exclude_decodes:  # (a prefill asking again for a decode worker: its own pick stands)
-                self.recent.add(prefill.instance_id, now)
-            self.recent.add(decode.instance_id, now)
-            return RouteReply(prefill_instance=prefill.instance_id, decode_instance=decode.instance_id)
-        if not by_role[Role.WORKER] and (by_role[Role.PREFILL] or by_role[Role.DECODE]):
-            raise LookupError(f"disaggregated mode needs prefill and decode workers; live: "
-                              f"{len(by_role[Role.PREFILL])} prefill, {len(by_role[Role.DECODE])} decode")
-        worker = handlers.pick_worker(by_role[Role.WORKER], req.num_tokens, self.config.bucket_edges, req.request_id)
-        # Aggregated: the same instance prefills and decodes.
-        return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)
+        route = self.router.route(handlers.fleet_of(entries), req.request_id, req.num_tokens,
+                                  now=time.time(),  # the workers stamp their load snapshots with unix time
+                                  exclude_decodes=req.exclude_decodes)
+        return RouteReply(prefill_instance=route.prefill, decode_instance=route.decode)
 
     def health_details(self) -> dict[str, str]:
         return handlers.health_details(self.config)

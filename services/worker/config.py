@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
 
 
@@ -19,7 +20,7 @@ class WorkerConfig(ServiceConfig):
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one engine step")
     enable_prefix_cache: bool = Field(default=True, description="reuse KV across requests")
     bucket_edges: list[int] = Field(
-        default_factory=lambda: [65536, 262144], description="length bucket edges (uncached tokens), JSON list"
+        default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (uncached tokens), JSON list"
     )
     served_buckets: list[int] = Field(
         default_factory=list, description="length buckets this worker is meant for (JSON list); empty = all"

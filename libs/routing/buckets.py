@@ -4,6 +4,10 @@ Raw prompt length is the wrong key: a 200K-token conversation whose first 199K t
 prefix cache is a short request. Buckets therefore use *uncached* tokens (after the prefix hit).
 Edges (e.g. 64K, 256K) split [0, inf) into len(edges) + 1 buckets: bucket i holds counts in
 [edges[i-1], edges[i]).
+
+The engine's scheduler (which knows the hit) and the router (which does not yet: it classifies the raw
+prompt length until the KV-affinity index predicts the hit) classify with the same edges, so each
+service's `bucket_edges` setting defaults to `DEFAULT_BUCKET_EDGES` here and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+DEFAULT_BUCKET_EDGES: tuple[int, ...] = (65536, 262144)
+"""The one default of every `bucket_edges` setting (engine, scheduler, worker, prefill, router, gateway)."""
+
 
 @dataclass(frozen=True)
 class LengthBuckets:
-    edges: tuple[int, ...] = (65536, 262144)
+    edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edges", tuple(int(e) for e in self.edges))

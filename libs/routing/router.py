@@ -1,0 +1,67 @@
+"""One router's decision (pure): which topology the live fleet forms, the pick for it, and the bookkeeping
+of its own recent picks. The router service lists the registry, builds a `Fleet` and asks `Router.route`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
+from libs.routing.choice import pick_pair, pick_worker
+from libs.routing.instance import Instance
+from libs.routing.recent import RecentPicks
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The live instances a request can be routed to, by role."""
+
+    prefills: tuple[Instance, ...] = ()
+    decodes: tuple[Instance, ...] = ()
+    workers: tuple[Instance, ...] = ()
+    """Combined (prefill + decode) workers."""
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode workers are both live: requests go to a pair (combined workers are unused)."""
+        return bool(self.prefills and self.decodes)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request runs; prefill == decode in aggregated mode (one worker does both)."""
+
+    prefill: str
+    decode: str
+
+
+class Router:
+    """The routing state of one router process: its bucket edges and its recent picks."""
+
+    def __init__(self, bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, recent_window_s: float = 2.0) -> None:
+        self.buckets = LengthBuckets(tuple(bucket_edges))
+        self.recent = RecentPicks(recent_window_s)
+
+    def route(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
+              exclude_decodes: Sequence[str] = ()) -> Route:
+        """Disaggregated when prefill and decode workers are live, else aggregated over combined workers.
+        `now` is unix time: the workers stamp their load snapshots with it. Raises LookupError when the
+        fleet cannot serve the request."""
+        if fleet.disaggregated:
+            return self._route_pair(fleet, request_id, num_tokens, now, exclude_decodes)
+        if not fleet.workers and (fleet.prefills or fleet.decodes):
+            raise LookupError(f"disaggregated mode needs prefill and decode workers; live: "
+                              f"{len(fleet.prefills)} prefill, {len(fleet.decodes)} decode")
+        worker = pick_worker(fleet.workers, num_tokens, self.buckets, request_id)
+        return Route(prefill=worker.instance_id, decode=worker.instance_id)
+
+    def _route_pair(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
+                    exclude_decodes: Sequence[str]) -> Route:
+        reflected = {i.instance_id: i.updated_at for i in (*fleet.prefills, *fleet.decodes, *fleet.workers)
+                     if i.updated_at is not None}
+        prefill, decode = pick_pair(fleet.prefills, fleet.decodes, num_tokens, self.buckets, request_id,
+                                    self.recent.counts(now, reflected), exclude_decodes)
+        if not exclude_decodes:  # (a prefill asking again for a decode worker: its own pick stands)
+            self.recent.add(prefill.instance_id, now)
+        self.recent.add(decode.instance_id, now)
+        return Route(prefill=prefill.instance_id, decode=decode.instance_id)

@@ -1,0 +1,202 @@
+"""libs/routing (pure): length buckets, worker and pair choice, recent picks, tie-breaks, the router's decision."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from libs.routing import (
+    DEFAULT_BUCKET_EDGES,
+    Fleet,
+    Instance,
+    LengthBuckets,
+    RecentPicks,
+    Route,
+    Router,
+    instance_of,
+    pick_pair,
+    pick_worker,
+    tie_break,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _inst(iid, running=0, waiting=0, buckets=(), address="ucx://h:1", used=0, updated_at=None):
+    return Instance(iid, address=address, buckets=tuple(buckets), running=running, waiting=waiting,
+                    kv_full_used=used, kv_full_total=100, updated_at=updated_at)
+
+
+# ------------------------------------------------------------------------------------------ length buckets
+def test_length_buckets_classify_at_the_edges_and_bound_each_bucket():
+    b = LengthBuckets((10, 100))
+    assert [b.classify(n) for n in (0, 9, 10, 99, 100, 10**9)] == [0, 0, 1, 1, 2, 2]
+    assert [b.bounds(i) for i in range(b.num_buckets)] == [(0, 10), (10, 100), (100, None)]
+    assert LengthBuckets(()).num_buckets == 1 and LengthBuckets(()).classify(10**9) == 0
+    assert LengthBuckets([5, 7]).edges == (5, 7)  # any sequence of ints, stored as a tuple
+    for bad in ((0,), (10, 10), (10, 5)):
+        with pytest.raises(ValueError, match="edges"):
+            LengthBuckets(bad)
+    with pytest.raises(ValueError, match="uncached_tokens"):
+        b.classify(-1)
+    with pytest.raises(ValueError, match="out of range"):
+        b.bounds(3)
+
+
+def test_every_bucket_edges_default_is_the_one_in_libs_routing():
+    from libs.engine.scheduler import SchedulerConfig
+    from services.gateway.backend import BackendConfig
+    from services.router.config import RouterConfig
+    assert LengthBuckets().edges == SchedulerConfig().bucket_edges == BackendConfig().bucket_edges == DEFAULT_BUCKET_EDGES
+    assert tuple(RouterConfig().bucket_edges) == DEFAULT_BUCKET_EDGES
+    # the literal is written once: every other default refers to DEFAULT_BUCKET_EDGES
+    literal = re.compile(r"\b65536,\s*262144\b")
+    hits = [str(p.relative_to(ROOT)) for d in ("libs", "services") for p in (ROOT / d).rglob("*.py")
+            if literal.search(p.read_text())]
+    assert hits == ["libs/routing/buckets.py"]
+
+
+def test_router_config_rejects_bad_edges():
+    from services.router.config import RouterConfig
+    with pytest.raises(ValueError, match="strictly increasing"):
+        RouterConfig(bucket_edges=[100, 10])
+
+
+# ------------------------------------------------------------------------------------------ registry view
+def test_instance_of_a_registry_entry():
+    from protos.messages import RegistryEntry, Role, WorkerLoad
+    idle = instance_of(RegistryEntry(role=Role.DECODE, instance_id="d0", address="ucx://a", buckets=[1],
+                                     max_tokens=4096))
+    assert idle == Instance("d0", address="ucx://a", buckets=(1,), max_tokens=4096)
+    assert (idle.queue, idle.kv_share, idle.updated_at) == (0, 0.0, None)  # no load reported: idle
+    busy = instance_of(RegistryEntry(role=Role.WORKER, instance_id="w0", load=WorkerLoad(
+        running=2, waiting=3, kv_full_used=25, kv_full_total=100, kv_swa_used=7, updated_at=12.5)))
+    assert (busy.queue, busy.kv_share, busy.updated_at, busy.address) == (5, 0.25, 12.5, "")
+
+
+# ------------------------------------------------------------------------------------------ tie-breaks
+def test_tie_break_is_xxhash_of_request_and_instance_stable_across_processes():
+    # pinned values: a change of hash function or key format changes every pick of a live deployment
+    assert tie_break("r1", "d0") == 18369812017609520416
+    assert tie_break("r1", "d1") == 9601750407501237508
+    code = "from libs.routing import tie_break; print(tie_break('q', 'p-short'))"
+    out = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip() for seed in ("1", "2")}
+    assert out == {str(tie_break("q", "p-short"))}  # hash() would differ between these two processes
+
+
+def test_equal_workers_split_by_tie_break_deterministically():
+    same = [_inst(f"w{i}") for i in range(4)]
+    b = LengthBuckets((100,))
+    picks = [pick_worker(same, 10, b, f"r{i}").instance_id for i in range(40)]
+    assert len(set(picks)) > 1  # a burst spreads over equally idle workers
+    assert picks == [pick_worker(list(reversed(same)), 10, b, f"r{i}").instance_id for i in range(40)]  # order-free
+    assert pick_worker(same, 10, b, "r1").instance_id == min(same, key=lambda w: tie_break("r1", w.instance_id)).instance_id
+
+
+# ------------------------------------------------------------------------------------------ worker choice
+def test_pick_worker_by_bucket_then_queue_then_kv_share():
+    b = LengthBuckets((100,))
+    workers = [_inst("short", buckets=[0], running=2), _inst("long", buckets=[1], waiting=1),
+               _inst("any", running=2, used=10)]
+    assert pick_worker(workers, 10, b, "q").instance_id == "short"  # same queue as "any", lower KV share
+    assert pick_worker(workers, 500, b, "q").instance_id == "long"  # "short" does not serve bucket 1
+    # nobody serves the bucket: everyone is a candidate (a misrouted request still gets served)
+    assert pick_worker([_inst("a", buckets=[0], running=1), _inst("b", buckets=[0])], 500, b, "q").instance_id == "b"
+    with pytest.raises(LookupError, match="no live worker"):
+        pick_worker([], 1, b, "q")
+
+
+# ------------------------------------------------------------------------------------------ router pairs
+def test_pick_pair_by_bucket_and_load():
+    prefills = [_inst("p-short", buckets=[0]), _inst("p-long", buckets=[1], waiting=5), _inst("p-any", running=7)]
+    decodes = [_inst("d-busy", running=3), _inst("d-idle", used=50), _inst("d-noaddr", address="")]
+    edges = LengthBuckets((100,))
+    assert [e.instance_id for e in pick_pair(prefills, decodes, 10, edges, "q")] == ["p-short", "d-idle"]
+    # long prompt: only p-long and the catch-all p-any serve bucket 1; p-long has the shorter queue
+    assert pick_pair(prefills, decodes, 500, edges, "q")[0].instance_id == "p-long"
+    # this router's own recent picks count as load (a burst between two registry refreshes spreads)
+    assert pick_pair(prefills, decodes, 10, edges, "q", {"p-short": 9, "d-idle": 9})[1].instance_id == "d-busy"
+    # equal load: ties broken by the KV share, then by a deterministic hash
+    same = [_inst(f"d{i}") for i in range(4)]
+    picks = {pick_pair(prefills, same, 10, edges, f"r{i}")[1].instance_id for i in range(40)}
+    assert len(picks) > 1 and pick_pair(prefills, same, 10, edges, "r1") == pick_pair(prefills, same, 10, edges, "r1")
+
+
+def test_pick_pair_needs_both_roles_and_an_address():
+    none = LengthBuckets(())
+    with pytest.raises(LookupError, match="prefill"):
+        pick_pair([], [_inst("d")], 1, none, "q")
+    with pytest.raises(LookupError, match="transfer address"):
+        pick_pair([_inst("p")], [_inst("d", address="")], 1, none, "q")
+    # decode workers that refused the request (full) are not offered again
+    two = [_inst("d0"), _inst("d1")]
+    assert pick_pair([_inst("p")], two, 1, none, "q", exclude_decodes=["d0"])[1].instance_id == "d1"
+    with pytest.raises(LookupError, match="besides"):
+        pick_pair([_inst("p")], two, 1, none, "q", exclude_decodes=["d0", "d1"])
+
+
+# ------------------------------------------------------------------------------------------ recent picks
+def test_recent_picks_count_the_window_and_skip_picks_already_in_the_load():
+    recent = RecentPicks(window_s=2.0)
+    recent.add("a", 10.0)
+    recent.add("a", 11.5)
+    assert recent.counts(11.9) == {"a": 2} and recent.counts(13.0) == {"a": 1} and recent.counts(20) == {}
+    # picks older than the instance's load snapshot are in that load already: not counted twice
+    recent.add("a", 30.0)
+    recent.add("a", 30.4)
+    recent.add("b", 30.1)
+    assert recent.counts(30.5, {"a": 30.2, "b": 29.0}) == {"a": 1, "b": 1}
+    assert recent.counts(30.5, {"a": 30.45}) == {"b": 1}
+    with pytest.raises(ValueError, match="window_s"):
+        RecentPicks(window_s=0)
+
+
+def test_recent_picks_forget_what_left_the_window():
+    recent = RecentPicks(window_s=1.0)
+    for t in (0.0, 0.5, 1.2):
+        recent.add("a", t)
+    recent.add("b", 0.1)
+    assert recent.counts(1.3) == {"a": 2}
+    assert recent.counts(1.3, {"a": 1.3}) == {}  # a snapshot newer than every pick reflects them all
+    assert recent.counts(1.3, {"a": 0.0}) == {"a": 2}  # and one older than the window changes nothing
+    assert recent.counts(0.3) == {"a": 2}  # forgotten picks stay forgotten, even asked about an earlier time
+
+
+# ------------------------------------------------------------------------------------------ the router
+def test_router_spreads_a_burst_over_equal_decodes_until_the_load_catches_up():
+    router = Router((100,))
+    fleet = Fleet(prefills=(_inst("p", updated_at=0.0),), decodes=(_inst("d0", updated_at=0.0),
+                                                                   _inst("d1", updated_at=0.0)))
+    routes = [router.route(fleet, f"r{i}", 10, now=1.0 + i / 100) for i in range(4)]
+    assert sorted(r.decode for r in routes) == ["d0", "d0", "d1", "d1"]  # recent picks balance the burst
+    assert router.recent.counts(1.1) == {"p": 4, "d0": 2, "d1": 2}
+    # d0's load snapshot now holds its two requests (d1's is stale): d0's picks are not counted twice, so both
+    # queues are 2 and the tie-break decides ("r2" prefers d0; counting twice would send it to d1)
+    fresh = Fleet(prefills=fleet.prefills, decodes=(_inst("d0", running=2, updated_at=1.05), fleet.decodes[1]))
+    assert router.recent.counts(1.1, {"d0": 1.05, "d1": 0.0}) == {"p": 4, "d1": 2}
+    assert tie_break("r2", "d0") < tie_break("r2", "d1")
+    assert router.route(fresh, "r2", 10, now=1.1).decode == "d0"
+
+
+def test_router_modes_and_the_retry_that_keeps_its_prefill_pick():
+    router = Router(())
+    pair = Fleet(prefills=(_inst("p"),), decodes=(_inst("d0"), _inst("d1")), workers=(_inst("w"),))
+    first = router.route(pair, "a", 5, now=1.0)
+    assert pair.disaggregated and first.prefill == "p"  # combined workers are unused then
+    assert router.recent.counts(1.0) == {"p": 1, first.decode: 1}
+    # a prefill asking again (its decode refused): the new decode pick counts, the prefill's stands as it was
+    retry = router.route(pair, "a", 5, now=1.0, exclude_decodes=[first.decode])
+    assert retry.prefill == "p" and retry.decode != first.decode
+    assert router.recent.counts(1.0) == {"p": 1, "d0": 1, "d1": 1}
+    assert router.route(Fleet(workers=(_inst("w0", running=1), _inst("w1"))), "c", 5, now=2.0) == Route("w1", "w1")
+    with pytest.raises(LookupError, match="needs prefill and decode"):
+        router.route(Fleet(prefills=(_inst("p"),)), "c", 5, now=2.0)
+    with pytest.raises(LookupError, match="no live worker"):
+        router.route(Fleet(), "c", 5, now=2.0)
