@@ -107,7 +107,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: ERRORS[status] for status in statuses}
+    """The documented errors of one path: `statuses` plus those any path can answer (405, 431)."""
+    return {status: ERRORS[status] for status in sorted({*statuses, 405, 431})}
 
 
 def _json_error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -245,16 +246,16 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
 
     guarded = [Depends(auth)]  # auth runs before the body is read: a keyless malformed body gets 401
 
-    @app.get("/v1/models", dependencies=guarded, responses=_errors(401, 405))
+    @app.get("/v1/models", dependencies=guarded, responses=_errors(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(api)]}
 
-    @app.get("/v1/models/{model}", dependencies=guarded, responses=_errors(401, 404, 405, 422))
+    @app.get("/v1/models/{model}", dependencies=guarded, responses=_errors(401, 404, 422))
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return _model_card(api)
 
-    generate_errors = _errors(400, 401, 404, 405, 413, 422, 429, 431, 500, 503)
+    generate_errors = _errors(400, 401, 404, 413, 422, 429, 500, 503)
 
     @app.post("/v1/completions", dependencies=guarded, responses=generate_errors,
               openapi_extra=_request_body(CompletionRequest))
@@ -363,7 +364,7 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
     health_responses: dict[int | str, dict[str, Any]] = {
         503: {"description": "the registry is unreachable", "content": {"application/json": {"schema": {
             "type": "object", "properties": {"status": {"type": "string"}, "error": {"type": "string"}}}}}},
-        **_errors(405),
+        **_errors(),
     }
 
     @app.get("/health", responses=health_responses)
@@ -385,7 +386,7 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
 
     metrics_doc: dict[int | str, dict[str, Any]] = {
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        **_errors(405),
+        **_errors(),
     }
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=metrics_doc)
