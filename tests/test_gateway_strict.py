@@ -427,6 +427,16 @@ async def test_openapi_documents_every_status_with_the_body_sent():
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "application/json" not in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
+    assert not _non_json_schema_keys(doc)  # bounds as minimum/maximum, not pydantic's ge/le
+
+
+def _non_json_schema_keys(node) -> set[str]:
+    if isinstance(node, list):
+        return set().union(*map(_non_json_schema_keys, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    own = {k for k in node if k in ("ge", "le", "gt", "lt")}
+    return own.union(*(_non_json_schema_keys(v) for v in node.values()))
 
 
 # --- context length from the checkpoint ---------------------------------------------------------------

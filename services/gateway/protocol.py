@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 OUT_OF_RANGE = "int_out_of_range"  # pydantic error type answered with 400 (not 422)
 
@@ -57,17 +58,19 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def _in_range(lo: int, hi: int) -> AfterValidator:
-    def check(v: int) -> int:
-        if not lo <= v <= hi:
-            raise PydanticCustomError(OUT_OF_RANGE, "integer out of range: must be in [{lo}, {hi}]", {"lo": lo, "hi": hi})
-        return v
-    return AfterValidator(check)
+def _seed_in_range(v: int) -> int:
+    if not 0 <= v <= UINT64_MAX:
+        raise PydanticCustomError(OUT_OF_RANGE, "integer out of range: a seed is in [0, 2**64 - 1]")
+    return v
 
 
-# Every integer goes to the workers as msgpack (64-bit at most); larger ones are refused with 400.
-Int = Annotated[int, _in_range(-INT64_MAX - 1, INT64_MAX), Field(json_schema_extra={"maximum": INT64_MAX})]
-Seed = Annotated[int, _in_range(0, UINT64_MAX), Field(json_schema_extra={"minimum": 0, "maximum": UINT64_MAX})]
+# Every integer goes to the workers as msgpack (64 bits at most): the int64 bounds of these types are
+# answered with 400 (see validation_status), any tighter bound with 422. Seeds take the uint64 range.
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Seed = Annotated[int, AfterValidator(_seed_in_range), Field(json_schema_extra={"minimum": 0, "maximum": UINT64_MAX})]
 
 
 class _Strict(BaseModel):
@@ -86,12 +89,12 @@ class _Common(_Strict):
     """Fields shared by completions and chat completions (OpenAI names, vLLM extensions marked)."""
 
     model: str = Field(min_length=1)
-    max_tokens: Int | None = Field(default=None, ge=1, description="None or omitted: up to the context, "
+    max_tokens: PositiveInt | None = Field(default=None, description="None or omitted: up to the context, "
                                    "capped by the server's default_max_tokens")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(default=0, ge=0, description="vLLM extension; 0 = off")
-    n: Int = Field(default=1, ge=1)
+    top_k: NonNegativeInt = Field(default=0, description="vLLM extension; 0 = off")
+    n: PositiveInt = Field(default=1)
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] = Field(default_factory=list, description="vLLM extension")
@@ -136,7 +139,7 @@ PromptType = str | list[str] | list[Int] | list[list[Int]]
 
 class CompletionRequest(_Common):
     prompt: PromptType
-    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: LogprobCount | None = None
     echo: bool = Field(default=False, description="only false is supported")
     best_of: Int | None = Field(default=None, description="only equal to n is supported")
     suffix: str | None = Field(default=None, description="only empty is supported")
@@ -178,8 +181,8 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    top_logprobs: LogprobCount | None = None
+    max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
 
     def check_unsupported(self) -> None:
@@ -190,6 +193,13 @@ class ChatCompletionRequest(_Common):
 
 def _loc(error: Any) -> list[str]:
     return [str(x) for x in error.get("loc", ()) if x != "body"]
+
+
+def _beyond_64_bits(error: Any) -> bool:
+    if error.get("type") == OUT_OF_RANGE:
+        return True
+    bound = (error.get("ctx") or {}).get({"less_than_equal": "le", "greater_than_equal": "ge"}.get(error.get("type"), ""))
+    return bound in (INT64_MAX, INT64_MIN)
 
 
 def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | None]:
@@ -205,6 +215,8 @@ def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | No
                 names[0], "unsupported_parameter")
     first_param = next((loc[0] for loc in map(_loc, errors) if loc), None)
     message = "; ".join(f"{'.'.join(_loc(e)) or 'body'}: {e.get('msg')}" for e in errors)
-    if any(e.get("type") == OUT_OF_RANGE for e in errors):
-        return 400, message, first_param, "integer_out_of_range"
+    too_big = [e for e in errors if _beyond_64_bits(e)]
+    if too_big:
+        where = ".".join(_loc(too_big[0])) or "body"
+        return 400, f"{where}: integer out of range (beyond 64 bits); {message}", first_param, "integer_out_of_range"
     return 422, message, first_param, "invalid_value"
