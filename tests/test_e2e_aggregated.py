@@ -53,7 +53,7 @@ def start_system(nats_url: str, logs: Path, services: dict[str, str], namespace:
 def system(nats_server, tmp_path_factory) -> Iterator[System]:
     services = {"agg-gw": "gateway", "agg-router": "router", "agg-w1": "worker"}
     sys_ = start_system(nats_server.url, tmp_path_factory.mktemp("agg-logs"), services, "agg",
-                        {"WINDSERVE_API_KEYS": KEY})
+                        {"WINDSERVE_API_KEYS": KEY, "WINDSERVE_MAX_MODEL_LEN": "32768"})  # above the pool
     try:
         yield sys_
     finally:

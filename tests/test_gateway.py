@@ -19,11 +19,13 @@ from services.gateway.protocol import CompletionRequest
 from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
+    TokenNames,
     chat_logprobs,
     completion_logprobs,
     held_back,
     parse_sse,
     sse_event,
+    text_offsets,
 )
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -151,14 +153,15 @@ def test_held_back_keeps_possible_stop_prefix_and_partial_utf8():
 def test_logprob_rendering_completion_and_chat():
     lps = [TokenLogprob(token_id=104, logprob=-0.5, top={104: -0.5, 105: -1.0}),
            TokenLogprob(token_id=33, logprob=-2.0, top={105: -0.1, 106: -0.7})]
-    comp = completion_logprobs(lps, TOK.decode, as_ids=False, offset=10)
+    before = list(b"0123456789")  # 10 characters of text before these two tokens
+    comp = completion_logprobs(lps, TokenNames(TOK.decode), text_offsets(TOK.decode, before + [104, 33], 10))
     assert comp["tokens"] == ["h", "!"] and comp["token_logprobs"] == [-0.5, -2.0]
     assert comp["top_logprobs"][1] == {"i": -0.1, "j": -0.7, "!": -2.0}  # alternatives + the sampled token
     assert comp["text_offset"] == [10, 11]
-    as_ids = completion_logprobs(lps, TOK.decode, as_ids=True, offset=0)
+    as_ids = completion_logprobs(lps, TokenNames(TOK.decode, as_ids=True), [0, 1])
     assert as_ids["tokens"] == ["token_id:104", "token_id:33"]
     assert as_ids["top_logprobs"][0] == {"token_id:104": -0.5, "token_id:105": -1.0}
-    chat = chat_logprobs(lps, TOK.decode, as_ids=False, top_k=1)
+    chat = chat_logprobs(lps, TokenNames(TOK.decode), top_k=1)
     assert chat["content"][1]["token"] == "!" and chat["content"][1]["bytes"] == [33]
     assert chat["content"][1]["top_logprobs"] == [{"token": "i", "logprob": -0.1, "bytes": [105]}]
 

@@ -357,17 +357,9 @@ def test_byte_tokenizer_roundtrip_and_chatml():
 
 @pytest.mark.unit
 def test_tokenizer_json_and_template_from_model_dir(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tests.fixtures.tokenizers import write_byte_level_tokenizer
 
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    from tokenizers import decoders
-
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
-    t.save(str(tmp_path / "tokenizer.json"))
+    write_byte_level_tokenizer(tmp_path)
     tpl = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
     tok = load_tokenizer(str(tmp_path))

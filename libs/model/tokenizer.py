@@ -23,7 +23,25 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted: printable stand-in character -> the byte it encodes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class _TemplateMixin:
@@ -74,24 +92,54 @@ class ByteTokenizer(_TemplateMixin):
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes: one byte for ids < 256 (also 128-255, which are not text on their own)."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self._by_id.get(token_id, "").encode()
+
 
 class HFTokenizer(_TemplateMixin):
     def __init__(self, path: Path, template: str | None, eos: tuple[int, ...]) -> None:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path / "tokenizer.json"))
-        self.special_tokens = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+        # Checkpoints whose tokenizer.json lists e.g. <|im_start|> as a plain added token but whose
+        # tokenizer_config.json calls it special: `tokenizers` would keep it in skip_special_tokens text.
+        configured = _configured_specials(path)
+        self._extra_special = {i for i, t in added.items() if not t.special and t.content in configured}
+        self.special_tokens |= {added[i].content: i for i in self._extra_special}
         if not eos:
             eos = tuple(self.special_tokens[t] for t in ("<|im_end|>", "<|endoftext|>") if t in self.special_tokens)
         self.eos_token_ids = eos
         self.template = template
         self.vocab_size = self._tok.get_vocab_size()
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens and self._extra_special:
+            ids = [i for i in ids if i not in self._extra_special]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes: byte-level BPE pieces mapped back to bytes, `<0xNN>` byte-fallback
+        pieces as that byte, sentencepiece's '▁' as a space; added tokens as their text."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 def _template_from(path: Path) -> str | None:
@@ -104,6 +152,23 @@ def _template_from(path: Path) -> str | None:
         if isinstance(tpl, str):
             return tpl
     return None
+
+
+def _configured_specials(path: Path) -> set[str]:
+    """Tokens tokenizer_config.json calls special (added_tokens_decoder, additional_special_tokens,
+    bos/eos/pad/unk), as strings."""
+    f = path / "tokenizer_config.json"
+    if not f.is_file():
+        return set()
+    cfg = json.loads(f.read_text())
+
+    def content(t: Any) -> str | None:
+        return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
+
+    names = [content(t) for t in cfg.get("added_tokens_decoder", {}).values() if isinstance(t, dict) and t.get("special")]
+    names += [content(t) for t in cfg.get("additional_special_tokens") or []]
+    names += [content(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")]
+    return {n for n in names if n}
 
 
 def _eos_from(path: Path) -> tuple[int, ...]:

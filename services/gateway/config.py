@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -17,10 +18,25 @@ class GatewayConfig(ServiceConfig):
     served_model_name: str = Field(
         default="", description="model id clients must send; empty = the model directory's name or 'windserve-tiny'"
     )
-    max_model_len: int = Field(default=32768, ge=1, description="most prompt + output tokens of one request (413)")
-    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens of chat requests that omit it")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="most prompt + output tokens of one request (413); unset = the "
+        "checkpoint's max_position_embeddings (the built-in tiny model's without a model directory)")
+    default_max_tokens: int = Field(
+        default=256, ge=0, description="cap of max_tokens when a request sends null or omits it (both mean "
+        "'up to the context'); 0 = no cap")
     max_n: int = Field(default=16, ge=1, description="largest n (choices per prompt)")
     max_batch: int = Field(default=64, ge=1, description="most prompts in one completions request")
+    max_fanout: int = Field(
+        default=32, ge=1, description="choices of one request running downstream at once (the rest wait their "
+        "turn): a fan-out of max_n x max_batch is served, not refused as busy")
+    max_stop_strings: int = Field(default=16, ge=1, description="most stop strings of one request (400)")
+    max_stop_length: int = Field(default=256, ge=1, description="longest stop string in characters (400)")
+    max_messages: int = Field(default=1024, ge=1, description="most messages of one chat request (400)")
+    max_body_bytes: int = Field(
+        default=8 << 20, ge=1024, description="largest request body (413, checked before it is parsed)")
+    max_header_bytes: int = Field(
+        default=16384, ge=1024, description="largest request line + headers (400 with an OpenAI error body)")
+    docs_auth: bool = Field(default=True, description="with API keys: /docs and /openapi.json need a key too")
     max_in_flight: int = Field(default=64, ge=1, description="HTTP requests running downstream at once")
     max_queued: int = Field(default=256, ge=0, description="requests waiting for a slot; beyond that: 429")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait for a slot before 429")
@@ -47,7 +63,30 @@ class GatewayConfig(ServiceConfig):
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
 
     @property
+    def context_length(self) -> int:
+        """max_model_len if set, else the checkpoint's max_position_embeddings."""
+        return self.max_model_len or checkpoint_context(self.model)
+
+    @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).name if self.model else "windserve-tiny"
+
+
+FALLBACK_CONTEXT = 32768  # a model directory whose config.json names no max_position_embeddings
+
+
+def checkpoint_context(model: str) -> int:
+    """The model's context length: `max_position_embeddings` of `<model>/config.json` (also inside a
+    multimodal checkpoint's `text_config`); the built-in tiny model's without a model directory."""
+    if not model:
+        from libs.model.config import ModelConfig  # torch-free
+
+        return ModelConfig.tiny().max_position_embeddings
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return FALLBACK_CONTEXT
+    cfg = json.loads(path.read_text())
+    value = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return int(value) if value else FALLBACK_CONTEXT

@@ -18,13 +18,21 @@ from typing import Any, Protocol, cast
 from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from services.gateway import metrics
 from services.gateway.backend import Backend, BackendError
-from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from services.gateway.protocol import (
+    UINT64_MAX,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
+    TokenNames,
     chat_logprobs,
     completion_logprobs,
     sse_event,
+    text_offsets,
     usage_dict,
 )
 
@@ -36,10 +44,16 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True)
 class Limits:
+    """Per-request limits (all answered with 400, except the context: 413)."""
+
     max_model_len: int = 32768
-    default_max_tokens: int = 256
+    default_max_tokens: int = 256  # max_tokens null or omitted: up to the context, capped here (0 = no cap)
     max_n: int = 16
     max_batch: int = 64
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters of one stop string (the gateway holds back up to this many)
+    max_messages: int = 1024
+    max_fanout: int = 32  # sub-requests of one HTTP request running downstream at once (the rest wait)
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class Plan:
     as_token_ids: bool = False
     include_usage: bool = False
     stream: bool = False
+    skip_special_tokens: bool = True
+    max_fanout: int = 32  # sub-requests running downstream at once
 
 
 class Tokenizer(Protocol):
@@ -71,6 +87,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
 
 
@@ -99,8 +116,9 @@ def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, index: i
     if prompt_len >= limits.max_model_len:
         raise ApiError(413, f"prompt {index} has {prompt_len} tokens; this model's context is "
                             f"{limits.max_model_len} tokens", param="prompt", code="context_length_exceeded")
-    if requested is None:
-        return min(limits.default_max_tokens, limits.max_model_len - prompt_len)
+    if requested is None:  # OpenAI: "up to the context"; the server's default cap keeps answers bounded
+        left = limits.max_model_len - prompt_len
+        return min(limits.default_max_tokens, left) if limits.default_max_tokens else left
     if prompt_len + requested > limits.max_model_len:
         raise ApiError(413, f"prompt {index} ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
                             f"model's context of {limits.max_model_len} tokens", param="max_tokens",
@@ -114,7 +132,24 @@ def _common_checks(body: CompletionRequest | ChatCompletionRequest, num_prompts:
         raise ApiError(400, f"n={body.n} is above this server's limit of {limits.max_n}", param="n")
     if num_prompts > limits.max_batch:
         raise ApiError(400, f"{num_prompts} prompts in one request; the limit is {limits.max_batch}", param="prompt")
-    return tuple(body.stop_list())
+    return _checked_stops(body.stop_list(), limits)
+
+
+def _checked_stops(stops: list[str], limits: Limits) -> tuple[str, ...]:
+    if len(stops) > limits.max_stop_strings:
+        raise ApiError(400, f"{len(stops)} stop strings; the limit is {limits.max_stop_strings}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_length:
+        raise ApiError(400, f"a stop string of {longest} characters; the limit is {limits.max_stop_length}",
+                       param="stop")
+    return tuple(stops)
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i samples with seed + i, wrapped to the 64 bits the engine's generator takes."""
+    return None if seed is None else (seed + i) & UINT64_MAX
 
 
 def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prompts: list[list[int]],
@@ -125,7 +160,7 @@ def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prom
         for i in range(body.n):
             sampling = SamplingParams(
                 max_tokens=budget, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=None if body.seed is None else body.seed + i, stop_token_ids=list(body.stop_token_ids),
+                seed=choice_seed(body.seed, i), stop_token_ids=list(body.stop_token_ids),
                 logprobs=logprobs or 0, sampled_logprob=logprobs is not None, stop=list(stops),
                 ignore_eos=body.ignore_eos,
             )
@@ -139,11 +174,14 @@ def plan_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits, req
     stops = _common_checks(body, len(prompts), limits)
     subs = _subs(body, request_id, prompts, body.max_tokens, limits, stops, body.logprobs)
     return Plan(Kind.COMPLETION, request_id, int(time.time()), model, prompts, subs, stops, body.logprobs,
-                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream)
+                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
+                body.skip_special_tokens, limits.max_fanout)
 
 
 def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, request_id: str, model: str) -> Plan:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    if len(body.messages) > limits.max_messages:
+        raise ApiError(400, f"{len(body.messages)} messages; the limit is {limits.max_messages}", param="messages")
+    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
     if not ids:
         raise ApiError(400, "the chat template produced an empty prompt", param="messages")
@@ -151,7 +189,8 @@ def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, reque
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs)
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
-                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream)
+                body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
+                body.skip_special_tokens, limits.max_fanout)
 
 
 # --- per-choice state -------------------------------------------------------------------------
@@ -166,18 +205,28 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None  # set on the delta that completes the choice
-    offset: int  # text length before this delta (completions text_offset)
+    offsets: list[int] = field(default_factory=list)  # completions text_offset of each token (when tracked)
+
+    def after(self, held: Delta | None) -> Delta:
+        """This delta carrying the tokens of an earlier one that was held back (it had no text)."""
+        if held is None:
+            return self
+        return Delta(held.text + self.text, held.token_ids + self.token_ids, held.logprobs + self.logprobs,
+                     self.finish_reason, held.offsets + self.offsets)
 
 
 @dataclass
 class ChoiceState:
     sub: SubRequest
     assembler: TextAssembler
+    track_offsets: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     first_token_at: float | None = None
+    held: Delta | None = None  # streaming: tokens whose text is still empty wait here for the next delta
 
     @property
     def done(self) -> bool:
@@ -185,10 +234,10 @@ class ChoiceState:
 
     def apply(self, chunk: TokenChunk) -> Delta:
         if self.done:
-            return Delta("", [], [], None, len(self.assembler.text))
-        offset = len(self.assembler.text)
+            return Delta("", [], [], None)
         if chunk.token_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        start = len(self.token_ids)
         text = self.assembler.add(chunk.token_ids)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
@@ -199,11 +248,21 @@ class ChoiceState:
             self.finish_reason = "stop" if self.assembler.stopped else _FINISH_NAMES.get(chunk.finish_reason, "stop")
         elif self.assembler.stopped:  # the gateway saw the stop string first; the caller aborts the rest
             self.finish_reason = "stop"
-        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offset)
+        offsets = self._offsets(start)
+        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets)
+
+    def _offsets(self, start: int) -> list[int]:
+        if not self.track_offsets:
+            return []
+        limit = len(self.assembler.text) if self.assembler.stopped else None  # text cut at a stop string
+        new = text_offsets(self.assembler.decode, self.token_ids, start, limit)
+        self.offsets.extend(new)
+        return new
 
 
 def new_states(plan: Plan, decode_text: Callable[[list[int]], str]) -> dict[int, ChoiceState]:
-    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops)) for s in plan.subs}
+    track = plan.kind == Kind.COMPLETION and plan.logprobs is not None
+    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track) for s in plan.subs}
 
 
 def usage_of(plan: Plan, states: dict[int, ChoiceState]) -> dict[str, Any]:
@@ -233,13 +292,18 @@ class Fanout:
 
     def __init__(self, backend: Backend, plan: Plan) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        # A large fan-out (up to max_n x max_batch choices) runs max_fanout at a time, in choice order:
+        # all at once it would fill every decode worker (503 server_busy on an idle server) or flood the
+        # router past its timeout. Semaphore waiters wake FIFO, so lower choice indexes start first.
+        self._active = asyncio.Semaphore(plan.max_fanout)
         self._tasks = {s.index: asyncio.ensure_future(self._pump(backend, s, plan.prompts[s.prompt_index]))
                        for s in plan.subs}
 
     async def _pump(self, backend: Backend, sub: SubRequest, prompt: list[int]) -> None:
         try:
-            async for chunk in backend.generate(sub.request_id, prompt, sub.sampling):
-                self._queue.put_nowait((sub.index, chunk))
+            async with self._active:
+                async for chunk in backend.generate(sub.request_id, prompt, sub.sampling):
+                    self._queue.put_nowait((sub.index, chunk))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
@@ -290,13 +354,18 @@ def _record(plan: Plan, states: dict[int, ChoiceState], started: float, usage: d
 class Renderer:
     plan: Plan
     decode_token: Callable[[list[int]], str]  # keeps special tokens (logprob names)
+    token_bytes: Callable[[int], bytes] | None = None  # raw bytes of one token; None: its decoded text's
 
-    def logprobs(self, lps: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+    @property
+    def names(self) -> TokenNames:
+        return TokenNames(self.decode_token, self.plan.as_token_ids, self.token_bytes)
+
+    def logprobs(self, lps: Sequence[TokenLogprob], offsets: list[int]) -> dict[str, Any] | None:
         if self.plan.logprobs is None:
             return None
         if self.plan.kind == Kind.CHAT:
-            return chat_logprobs(lps, self.decode_token, self.plan.as_token_ids, self.plan.logprobs)
-        return completion_logprobs(lps, self.decode_token, self.plan.as_token_ids, offset)
+            return chat_logprobs(lps, self.names, self.plan.logprobs)
+        return completion_logprobs(lps, self.names, offsets)
 
     def header(self) -> dict[str, Any]:
         obj = {Kind.COMPLETION: "text_completion", Kind.CHAT: "chat.completion"}[self.plan.kind]
@@ -312,7 +381,7 @@ class Renderer:
         return choice
 
     def full_choice(self, st: ChoiceState) -> dict[str, Any]:
-        lps = self.logprobs(st.logprobs, 0)
+        lps = self.logprobs(st.logprobs, st.offsets)
         if self.plan.kind == Kind.CHAT:
             choice = {"index": st.sub.index, "message": {"role": "assistant", "content": st.assembler.text},
                       "logprobs": lps, "finish_reason": st.finish_reason}
@@ -322,7 +391,7 @@ class Renderer:
         return self._ids(choice, st, st.token_ids, first=True)
 
     def delta_choice(self, st: ChoiceState, d: Delta, first: bool) -> dict[str, Any]:
-        lps = self.logprobs(d.logprobs, d.offset) if d.logprobs else None
+        lps = self.logprobs(d.logprobs, d.offsets) if d.logprobs else None
         if self.plan.kind == Kind.CHAT:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if d.text or first:
@@ -373,9 +442,11 @@ async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
             delta = st.apply(chunk)
             if st.done and chunk.finish_reason is None:
                 fanout.cancel(index)
-            if not (delta.text or delta.token_ids or delta.finish_reason or index not in seen):
-                continue
             first = index not in seen
+            if not (delta.text or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
+                st.held = delta.after(st.held)  # no text: its tokens go out with the next delta (no empty chunk)
+                continue
+            delta, st.held = delta.after(st.held), None
             seen.add(index)
             yield sse_event({**renderer.header(), "choices": [renderer.delta_choice(st, delta, first)]})
         usage = usage_of(plan, states)

@@ -1,11 +1,13 @@
 """Gateway HTTP app: OpenAI-compatible API, /health, /metrics.
 
 The registry and the downstream are reached through injected objects (`ListServices`, `Api.backend`)
-so the app runs in tests without NATS. Status codes: 400 bad request (well-formed JSON that cannot be
-served as asked, or malformed JSON), 401 missing/wrong API key, 404 unknown model or route, 413 prompt
-(+ max_tokens) longer than the context, 422 schema validation, 429 queue full (Retry-After), 500 a
-worker failed, 503 no worker / worker gone / router down / every decode worker full (Retry-After).
-Bodies use OpenAI's error object.
+so the app runs in tests without NATS. Status codes: 400 bad request (malformed JSON, an unsupported
+field, an integer out of range, or well-formed JSON that cannot be served as asked), 401 missing/wrong
+API key (checked before the body is read), 404 unknown model or route, 405 wrong method (`Allow`), 413
+body above `max_body_bytes` (checked before parsing) or prompt (+ max_tokens) longer than the context,
+422 schema validation, 429 queue full (Retry-After), 500 a worker failed, 503 no worker / worker gone /
+router down / every decode worker full (Retry-After). Bodies use OpenAI's error object (`ERRORS`
+documents each in the OpenAPI document).
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,7 +44,14 @@ from services.gateway.generation import (
     plan_completion,
     stream_events,
 )
-from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from services.gateway.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+    validation_status,
+)
 
 ListServices = Callable[[], Awaitable[list[RegistryEntry]]]
 
@@ -57,6 +68,8 @@ class Api:
     api_keys: frozenset[str] = frozenset()
     retry_after_s: int = 1
     created: int = 0
+    max_body_bytes: int = 8 << 20
+    docs_auth: bool = True  # with api_keys: /docs and /openapi.json need a key too
 
 
 def group_by_role(entries: list[RegistryEntry]) -> dict[str, list[str]]:
@@ -76,22 +89,30 @@ def bearer_ok(header: str, keys: frozenset[str]) -> bool:
     return scheme.lower() == "bearer" and any(matches)
 
 
-def validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
-    """(status, message, param) of a request that failed schema validation: 400 for unparsable JSON,
-    422 for a schema mismatch, with every problem listed as `field: reason`."""
-    errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return 400, "request body is not valid JSON", None
-    parts, param = [], None
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-    return 422, "; ".join(parts), param
+_ERROR_WHEN = {
+    400: "malformed JSON, an unsupported field, an integer out of range, or a request that cannot be served as asked",
+    401: "missing or wrong API key (`WWW-Authenticate: Bearer`)",
+    404: "unknown model or route",
+    405: "method not allowed (`Allow` lists the allowed ones)",
+    413: "body above the size limit, or prompt (+ max_tokens) longer than the context",
+    422: "schema validation failed (wrong type, missing field, out-of-range number)",
+    429: "admission queue full (`Retry-After`)",
+    431: "request headers larger than max_header_bytes",
+    500: "a worker failed",
+    503: "no worker available, worker gone, router down, or every decode worker full (`Retry-After`)",
+}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": when} for status, when in _ERROR_WHEN.items()
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The documented errors of one path: `statuses` plus those any path can answer (405, 431)."""
+    return {status: ERRORS[status] for status in sorted({*statuses, 405, 431})}
 
 
 def _json_error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                headers: dict[str, str] | None = None) -> JSONResponse:
+                headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
@@ -102,13 +123,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        status, message, param = validation_message(exc)
-        return _json_error(status, message, "invalid_request_error", param, "invalid_value" if status == 422 else None)
+        status, message, param, code = validation_status(list(exc.errors()))
+        return _json_error(status, message, "invalid_request_error", param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json_error(exc.status_code, str(exc.detail), type_)
+        return _json_error(exc.status_code, str(exc.detail), type_, headers=exc.headers)  # 405 keeps Allow
 
     @app.exception_handler(Exception)
     async def crashed(_: Request, exc: Exception) -> Response:
@@ -139,11 +160,63 @@ async def until_disconnect(work: Coroutine[Any, Any, Any], request: Request) -> 
         task.cancel()
 
 
-def _add_v1_routes(app: FastAPI, api: Api) -> None:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes: from
+    Content-Length before anything is read, else while it streams in (chunked uploads)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"request body of {size}+ bytes; the limit is {limit} bytes", code="request_too_large")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """Strict validation straight from the JSON bytes (one parse; lone surrogates are invalid JSON)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        status, message, param, code = validation_status(list(exc.errors()))
+        raise ApiError(status, message, param=param, code=code) from None
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI requestBody of an endpoint that reads its body itself (after auth and the size check)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _with_body_schemas(schema: dict[str, Any], models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+    return schema
+
+
+def _auth_dependency(keys: frozenset[str]) -> Callable[[Request], Awaitable[None]]:
     async def auth(request: Request) -> None:
-        if api.api_keys and not bearer_ok(request.headers.get("authorization", ""), api.api_keys):
+        if keys and not bearer_ok(request.headers.get("authorization", ""), keys):
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           type_="authentication_error", code="invalid_api_key")
+                           type_="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return auth
+
+
+def _add_v1_routes(app: FastAPI, api: Api) -> None:
+    auth = _auth_dependency(api.api_keys)
 
     def check_model(name: str) -> None:
         if name != api.model_name:
@@ -157,8 +230,8 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             metrics.REJECTED.inc()
             raise ApiError(429, f"server is busy: {exc}; retry after {api.retry_after_s}s", type_="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(api.retry_after_s)}) from exc
-        decode_text = lambda ids: api.tokenizer.decode(ids, skip_special_tokens=True)
-        renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids))
+        decode_text = lambda ids: api.tokenizer.decode(ids, skip_special_tokens=plan.skip_special_tokens)
+        renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids), api.tokenizer.token_bytes)
         if plan.stream:
             events = stream_events(plan, api.backend, renderer, decode_text, slot.release)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(slot.release),
@@ -171,23 +244,31 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             slot.release()
         return JSONResponse(body, headers={"X-Request-Id": plan.id})
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    guarded = [Depends(auth)]  # auth runs before the body is read: a keyless malformed body gets 401
+
+    @app.get("/v1/models", dependencies=guarded, responses=_errors(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(api)]}
 
-    @app.get("/v1/models/{model}", dependencies=[Depends(auth)])
+    @app.get("/v1/models/{model}", dependencies=guarded, responses=_errors(401, 404, 422))
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return _model_card(api)
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    generate_errors = _errors(400, 401, 404, 413, 422, 429, 500, 503)
+
+    @app.post("/v1/completions", dependencies=guarded, responses=generate_errors,
+              openapi_extra=_request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = parse_body(CompletionRequest, await read_body(request, api.max_body_bytes))
         check_model(body.model)
         plan = plan_completion(body, api.tokenizer, api.limits, f"cmpl-{secrets.token_hex(12)}", api.model_name)
         return await serve(plan, request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=generate_errors,
+              openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat(request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await read_body(request, api.max_body_bytes))
         check_model(body.model)
         plan = plan_chat(body, api.tokenizer, api.limits, f"chatcmpl-{secrets.token_hex(12)}", api.model_name)
         return await serve(plan, request)
@@ -223,14 +304,70 @@ class CountRequests:
             metrics.REQUESTS.labels(getattr(scope.get("route"), "path", "other"), str(status)).inc()
 
 
-def build_app(list_services: ListServices, instance_id: str, api: Api | None = None) -> FastAPI:
-    """The gateway app; without `api` only /health and /metrics exist."""
-    app = FastAPI(title="windserve gateway")
+def _add_docs(app: FastAPI, api: Api | None) -> None:
+    """/openapi.json and /docs, behind the API key when keys are set (unless `docs_auth` is off)."""
+    keys = api.api_keys if api is not None and api.docs_auth else frozenset()
+    guarded = [Depends(_auth_dependency(keys))]
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _with_body_schemas(
+                get_openapi_schema(app), (CompletionRequest, ChatCompletionRequest))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=guarded)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=guarded)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+
+def get_openapi_schema(app: FastAPI) -> dict[str, Any]:
+    from fastapi.openapi.utils import get_openapi
+
+    return get_openapi(title=app.title, version=app.version, routes=app.routes)
+
+
+class HeaderLimit:
+    """ASGI middleware answering 431 (OpenAI error body) when the request's headers exceed `limit`
+    bytes. The HTTP layer refuses far larger ones itself (see service.JsonErrorH11Protocol)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # "k: v\r\n"
+            if size > self.limit:
+                response = _json_error(431, f"request headers of {size} bytes; the limit is {self.limit} bytes",
+                                       "invalid_request_error", code="headers_too_large")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(list_services: ListServices, instance_id: str, api: Api | None = None,
+              max_header_bytes: int = 16384) -> FastAPI:
+    """The gateway app; without `api` only /health, /metrics and the docs exist."""
+    app = FastAPI(title="windserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
+    app.add_middleware(HeaderLimit, limit=max_header_bytes)
     app.add_middleware(CountRequests)
+    _add_docs(app, api)
 
-    @app.get("/health")
+    health_responses: dict[int | str, dict[str, Any]] = {
+        503: {"description": "the registry is unreachable", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"type": "string"}, "error": {"type": "string"}}}}}},
+        **_errors(),
+    }
+
+    @app.get("/health", responses=health_responses)
     async def health() -> Response:
         try:
             entries = await list_services()
@@ -247,7 +384,12 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
             body["queue"] = {"in_flight": api.admission.in_flight, "queued": api.admission.queued}
         return JSONResponse(body)
 
-    @app.get("/metrics")
+    metrics_doc: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(),
+    }
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=metrics_doc)
     async def prometheus() -> Response:
         if api is not None:
             metrics.IN_FLIGHT.set(api.admission.in_flight)

@@ -1,18 +1,27 @@
 """OpenAI-compatible request bodies and the OpenAI error format.
 
-Schema problems (wrong type, missing field, out-of-range number) are caught by pydantic and answered
-with 422; requests that are well-formed but cannot be served as asked raise `ApiError` (400 and
-others) from the handlers. Unknown fields are ignored, as OpenAI does; known-but-unsupported options
-are refused with 400 when set to a non-default value, so nothing is silently dropped.
+Bodies are validated strictly (pydantic strict mode on the raw JSON): no bool-as-int, no
+string-as-bool, no bool-as-token. Errors map to statuses as follows (see `validation_status`):
+- 400: the body is not valid JSON (also a lone surrogate such as "\\ud800": not valid UTF-8), an
+  integer outside the 64-bit range the workers can carry, or a field this server does not implement
+  (every unknown field is refused: nothing is silently ignored);
+- 422: a schema mismatch (wrong type, missing field, out-of-range number).
+Requests that are well-formed but cannot be served as asked raise `ApiError` (400 and others) from
+the planning code.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+UINT64_MAX = 2**64 - 1
+OUT_OF_RANGE = "int_out_of_range"  # pydantic error type answered with 400 (not 422)
 
 
 class ApiError(Exception):
@@ -36,25 +45,59 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the gateway answers (OpenAI's error object)."""
+
+    error: ErrorDetail
+
+
+def _seed_in_range(v: int) -> int:
+    if not 0 <= v <= UINT64_MAX:
+        raise PydanticCustomError(OUT_OF_RANGE, "integer out of range: a seed is in [0, 2**64 - 1]")
+    return v
+
+
+# Every integer goes to the workers as msgpack (64 bits at most): the int64 bounds of these types are
+# answered with 400 (see validation_status), any tighter bound with 422. Seeds take the uint64 range.
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Seed = Annotated[int, AfterValidator(_seed_in_range), Field(json_schema_extra={"minimum": 0, "maximum": UINT64_MAX})]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+# Fields accepted only at their neutral value (sent by many clients; any other value is refused).
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+class _Common(_Strict):
     """Fields shared by completions and chat completions (OpenAI names, vLLM extensions marked)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt | None = Field(default=None, description="None or omitted: up to the context, "
+                                   "capped by the server's default_max_tokens")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="vLLM extension; 0 = off")
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    top_k: NonNegativeInt = Field(default=0, description="vLLM extension; 0 = off")
+    n: PositiveInt = Field(default=1)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list, description="vLLM extension")
+    stop_token_ids: list[Int] = Field(default_factory=list, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(default=False, description="vLLM extension")
@@ -62,28 +105,27 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = Field(
         default=False, description="vLLM extension: logprob tokens rendered as 'token_id:N'"
     )
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = Field(default=True, description="vLLM extension: drop special tokens from the text")
+    presence_penalty: float = Field(default=0.0, description="only 0 is supported")
+    frequency_penalty: float = Field(default=0.0, description="only 0 is supported")
+    min_p: float = Field(default=0.0, description="only 0 is supported")
+    repetition_penalty: float = Field(default=1.0, description="only 1 is supported")
+    logit_bias: dict[str, float] | None = Field(default=None, description="only empty is supported")
     user: str | None = None
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _non_negative(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
-        return v
+    @model_validator(mode="after")
+    def _token_ids_non_negative(self) -> _Common:
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be >= 0")
+        return self
 
     def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise ApiError(400, "stop strings must not be empty", param="stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ApiError(400, f"{name} is not supported by this server (use 0)", param=name)
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                raise ApiError(400, f"{name} is not supported by this server (use {neutral:g})", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
 
@@ -92,13 +134,15 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+PromptType = str | list[str] | list[Int] | list[list[Int]]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: PromptType
+    logprobs: LogprobCount | None = None
+    echo: bool = Field(default=False, description="only false is supported")
+    best_of: Int | None = Field(default=None, description="only equal to n is supported")
+    suffix: str | None = Field(default=None, description="only empty is supported")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -110,20 +154,26 @@ class CompletionRequest(_Common):
             raise ApiError(400, "best_of other than n is not supported by this server", param="best_of")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
+    """A message with text content (a string or text parts). Every role needs `content` (400 when
+    missing or null): tool calls, the only reason OpenAI lets an assistant message omit it, are not
+    supported by this server."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
         """Message content as text; content parts must all be text (no images on this path)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+        param = f"messages.{index}.content"
+        if self.content is None:
+            raise ApiError(400, f"{param}: a {self.role} message needs content", param=param)
+        if isinstance(self.content, str):
+            return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"content part of type {part.get('type')!r} is not supported (text only)",
-                               param="messages")
+            if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ApiError(400, f"{param}: content part of type {part.get('type')!r} is not supported "
+                                    "(text parts {type, text} only)", param=param)
             parts.append(part["text"])
         return "".join(parts)
 
@@ -131,11 +181,42 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: LogprobCount | None = None
+    max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def _loc(error: Any) -> list[str]:
+    return [str(x) for x in error.get("loc", ()) if x != "body"]
+
+
+def _beyond_64_bits(error: Any) -> bool:
+    if error.get("type") == OUT_OF_RANGE:
+        return True
+    bound = (error.get("ctx") or {}).get({"less_than_equal": "le", "greater_than_equal": "ge"}.get(error.get("type"), ""))
+    return bound in (INT64_MAX, INT64_MIN)
+
+
+def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | None]:
+    """(status, message, param, code) of a body that failed validation, every problem listed as
+    `field: reason`. 400 for invalid JSON, an unsupported field or an integer out of range; 422 otherwise."""
+    invalid_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if invalid_json:
+        return 400, f"request body is not valid JSON: {invalid_json[0].get('msg')}", None, None
+    unsupported = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unsupported:
+        names = sorted({".".join(_loc(e)) for e in unsupported})
+        return (400, f"unsupported parameter(s), not implemented by this server: {', '.join(names)}",
+                names[0], "unsupported_parameter")
+    first_param = next((loc[0] for loc in map(_loc, errors) if loc), None)
+    message = "; ".join(f"{'.'.join(_loc(e)) or 'body'}: {e.get('msg')}" for e in errors)
+    too_big = [e for e in errors if _beyond_64_bits(e)]
+    if too_big:
+        where = ".".join(_loc(too_big[0])) or "body"
+        return 400, f"{where}: integer out of range (beyond 64 bits); {message}", first_param, "integer_out_of_range"
+    return 422, message, first_param, "invalid_value"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -63,7 +64,7 @@ class TextAssembler:
     """
 
     def __init__(self, decode: Decode, stops: Sequence[str] = ()) -> None:
-        self._decode = decode
+        self.decode = decode
         self._stops = tuple(stops)
         self._ids: list[int] = []
         self.text = ""  # everything emitted so far
@@ -73,7 +74,7 @@ class TextAssembler:
         if self.stopped:
             return ""
         self._ids.extend(ids)
-        full = self._decode(self._ids)
+        full = self.decode(self._ids)
         # A stop that ends inside held-back text starts at most max(len(stop)) chars before it.
         start = max(0, len(self.text) - max((len(s) for s in self._stops), default=0))
         cut = first_stop(full, self._stops, start)
@@ -86,7 +87,7 @@ class TextAssembler:
         """The stream ended without a stop string: release what was held back."""
         if self.stopped:
             return ""
-        return self._emit(self._decode(self._ids), None)
+        return self._emit(self.decode(self._ids), None)
 
     def _emit(self, full: str, end: int | None) -> str:
         end = len(full) if end is None else end
@@ -100,38 +101,90 @@ class TextAssembler:
 # --- logprobs ---------------------------------------------------------------------------------
 
 
-def token_text(token_id: int, decode: Decode, as_ids: bool) -> str:
-    """How a token is named in logprobs: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
-    return f"token_id:{token_id}" if as_ids else decode([token_id])
+def text_offsets(decode: Decode, ids: Sequence[int], start: int, limit: int | None = None) -> list[int]:
+    """Completions `text_offset` of ids[start:]: where each token's text begins in the returned text,
+    i.e. the length of the decoded text before it (without a trailing half character; at most `limit`,
+    the length of a text cut at a stop string)."""
+    out = []
+    for i in range(start, len(ids)):
+        offset = len(decode(list(ids[:i])).rstrip(_REPLACEMENT))
+        out.append(offset if limit is None else min(offset, limit))
+    return out
 
 
-def completion_logprobs(lps: Sequence[TokenLogprob], decode: Decode, as_ids: bool, offset: int) -> dict[str, Any]:
+def bytes_name(raw: bytes) -> str:
+    """OpenAI's name of a token that is not valid UTF-8 on its own, e.g. `bytes:\\xe2\\x80`."""
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+@dataclass(frozen=True)
+class TokenNames:
+    """How tokens are named in logprobs. A token whose bytes are valid UTF-8 is named by its text;
+    otherwise (half a character, a lone byte 128-255) `bytes:\\x..` of its raw bytes, as OpenAI does;
+    `token_id:N` with vLLM's return_tokens_as_token_ids. `bytes` is always the token's raw bytes."""
+
+    decode: Decode
+    as_ids: bool = False
+    token_bytes: Callable[[int], bytes] | None = None
+
+    def raw(self, token_id: int) -> bytes:
+        if self.token_bytes is not None:
+            return self.token_bytes(token_id)
+        return self.decode([token_id]).encode("utf-8", errors="surrogatepass")
+
+    def name(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        raw = self.raw(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return bytes_name(raw)
+
+    def unique(self, token_ids: Sequence[int]) -> dict[int, str]:
+        """Names of distinct tokens that never collide (a `top_logprobs` dict keeps every entry): the
+        first token to claim a name keeps it, a later one with the same text is named `token_id:N`."""
+        names: dict[int, str] = {}
+        taken: set[str] = set()
+        for t in token_ids:
+            if t in names:
+                continue
+            name = self.name(t)
+            names[t] = name if name not in taken else f"token_id:{t}"
+            taken.add(names[t])
+        return names
+
+
+def _ranked(lp: TokenLogprob) -> list[tuple[int, float]]:
+    return sorted(lp.top.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], names: TokenNames, offsets: Sequence[int]) -> dict[str, Any]:
     """Legacy completions format. top_logprobs holds the requested alternatives plus the sampled
-    token (as OpenAI documents: up to logprobs + 1 entries). `offset`: text length before these tokens."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    token (as OpenAI documents: up to logprobs + 1 entries), keyed without collisions (the sampled
+    token keeps its name). `offsets`: each token's text_offset (see `text_offsets`)."""
+    tokens, token_logprobs, tops = [], [], []
     for lp in lps:
-        name = token_text(lp.token_id, decode, as_ids)
-        top = {token_text(t, decode, as_ids): v for t, v in lp.top.items()}
-        top.setdefault(name, lp.logprob)
-        tokens.append(name)
+        ranked = _ranked(lp)
+        unique = names.unique([lp.token_id] + [t for t, _ in ranked])
+        top = {unique[t]: v for t, v in ranked}
+        top[unique[lp.token_id]] = lp.logprob
+        tokens.append(unique[lp.token_id])
         token_logprobs.append(lp.logprob)
         tops.append(top)
-        offsets.append(offset)
-        offset += len(name)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": list(offsets)}
 
 
-def _chat_entry(name: str, logprob: float) -> dict[str, Any]:
-    return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+def _chat_entry(names: TokenNames, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": names.name(token_id), "logprob": logprob, "bytes": list(names.raw(token_id))}
 
 
-def chat_logprobs(lps: Sequence[TokenLogprob], decode: Decode, as_ids: bool, top_k: int) -> dict[str, Any]:
+def chat_logprobs(lps: Sequence[TokenLogprob], names: TokenNames, top_k: int) -> dict[str, Any]:
     """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     content = []
     for lp in lps:
-        entry = _chat_entry(token_text(lp.token_id, decode, as_ids), lp.logprob)
-        ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_k]
-        entry["top_logprobs"] = [_chat_entry(token_text(t, decode, as_ids), v) for t, v in ranked]
+        entry = _chat_entry(names, lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [_chat_entry(names, t, v) for t, v in _ranked(lp)[:top_k]]
         content.append(entry)
     return {"content": content}
 

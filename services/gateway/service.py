@@ -6,7 +6,11 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import h11
+import orjson
 import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from libs.service import Service
 from protos.messages import RegistryEntry, Role
@@ -15,6 +19,7 @@ from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.backend import BackendConfig, NatsBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Limits
+from services.gateway.protocol import error_body
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -23,6 +28,30 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class JsonErrorH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol answering an unparsable request (not HTTP, or a request line and headers
+    too large to buffer) with OpenAI's error body instead of plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = orjson.dumps(error_body(
+            "invalid HTTP request: malformed, or its request line and headers are above the server's size limit",
+            "invalid_request_error", code="invalid_http_request"))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def http_config(app: FastAPI, host: str, port: int, max_header_bytes: int) -> uvicorn.Config:
+    """h11 buffers up to 8x the header limit (at least 64 KB): headers in between reach the app,
+    whose HeaderLimit answers 431; beyond that h11 gives up and JsonErrorH11Protocol answers 400.
+    (h11 checks its limit only while a request is incomplete, so it alone would be timing-dependent.)"""
+    return uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off", http=JsonErrorH11Protocol,
+                          h11_max_incomplete_event_size=max(65536, 8 * max_header_bytes))
 
 
 class GatewayService(Service):
@@ -57,16 +86,17 @@ class GatewayService(Service):
         ))
         return handlers.Api(
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
-            limits=Limits(cfg.max_model_len, cfg.default_max_tokens, cfg.max_n, cfg.max_batch),
+            limits=Limits(cfg.context_length, cfg.default_max_tokens, cfg.max_n, cfg.max_batch, cfg.max_stop_strings,
+                          cfg.max_stop_length, cfg.max_messages, cfg.max_fanout),
             admission=Admission(AdmissionConfig(cfg.max_in_flight, cfg.max_queued, cfg.queue_timeout_s)),
-            api_keys=cfg.keys, retry_after_s=cfg.retry_after_s,
+            api_keys=cfg.keys, retry_after_s=cfg.retry_after_s, max_body_bytes=cfg.max_body_bytes,
+            docs_auth=cfg.docs_auth,
         )
 
     async def setup(self) -> None:
-        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api())
-        uv_config = uvicorn.Config(
-            app, host=self.config.http_host, port=self.config.http_port, log_config=None, lifespan="off"
-        )
+        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api(),
+                                 self.config.max_header_bytes)
+        uv_config = http_config(app, self.config.http_host, self.config.http_port, self.config.max_header_bytes)
         self._http = _EmbeddedServer(uv_config)
         self._http_task = task = self.spawn(self._http.serve(), name="http", critical=True)
         # Bounded wait for the socket: the gateway is registered only once it can answer.
