@@ -400,3 +400,14 @@ def test_swa_window_rebuild_from_cached_full_kv(ours, span_windows):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     else:
         assert (out - ref).abs().max() > 1e-3  # far outside the tolerance the full span meets
+
+
+@pytest.mark.unit
+def test_moe_gates_stay_float32_in_a_bf16_model():
+    from libs.model.layers import MoEGate
+
+    model, _ = load_model(None, dtype=torch.bfloat16)
+    gates = [m for m in model.modules() if isinstance(m, MoEGate)]
+    assert gates, "the tiny model has MoE layers"
+    assert all(g.weight.dtype is torch.float32 and g.e_score_correction_bias.dtype is torch.float32 for g in gates)
+    assert any(p.dtype is torch.bfloat16 for p in model.parameters())

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from libs.bus import EventKind, HeartbeatConfig, Registry
+from libs.bus import HeartbeatConfig, Registry, RegistryEventKind
 from libs.bus.registry import _to_event, entry_key
 from protos import encode
 from protos.messages import RegistryEntry, Role
@@ -42,11 +42,11 @@ def test_event_translation_reports_join_once_and_leave_only_for_known():
     known: set[str] = set()
     raw = encode(entry(Role.ROUTER, "r1"))
     join = _to_event("router.r1", raw, None, known)
-    assert join is not None and join.kind == EventKind.JOIN and join.entry.instance_id == "r1"
+    assert join is not None and join.kind == RegistryEventKind.JOIN and join.entry.instance_id == "r1"
     assert _to_event("router.r1", raw, None, known) is None  # heartbeat refresh
     assert _to_event("router.r9", b"", "PURGE", known) is None  # never seen
     leave = _to_event("router.r1", b"", "PURGE", known)
-    assert leave is not None and leave.kind == EventKind.LEAVE and known == set()
+    assert leave is not None and leave.kind == RegistryEventKind.LEAVE and known == set()
     assert _to_event("router.bad", b"{}", None, known) is None  # malformed entry ignored
 
 
@@ -97,16 +97,16 @@ async def test_watch_sees_existing_joins_and_leaves(bus):
     try:
         async with asyncio.timeout(10):
             ev = await anext(events)
-            assert (ev.kind, ev.key) == (EventKind.JOIN, "router.w1")  # existing entry reported first
+            assert (ev.kind, ev.key) == (RegistryEventKind.JOIN, "router.w1")  # existing entry reported first
             second = reg.register(entry(Role.DECODE, "w2"), hb)
             await second.start()
             ev = await anext(events)
-            assert (ev.kind, ev.key, ev.entry.role) == (EventKind.JOIN, "decode.w2", Role.DECODE)
+            assert (ev.kind, ev.key, ev.entry.role) == (RegistryEventKind.JOIN, "decode.w2", Role.DECODE)
             await first.stop()  # explicit deregistration
             ev = await anext(events)
-            assert (ev.kind, ev.key) == (EventKind.LEAVE, "router.w1")
+            assert (ev.kind, ev.key) == (RegistryEventKind.LEAVE, "router.w1")
             await second.stop(deregister=False)  # stops heartbeating: expiry must be reported
             ev = await anext(events)
-            assert (ev.kind, ev.key) == (EventKind.LEAVE, entry_key(Role.DECODE, "w2"))
+            assert (ev.kind, ev.key) == (RegistryEventKind.LEAVE, entry_key(Role.DECODE, "w2"))
     finally:
         await events.aclose()

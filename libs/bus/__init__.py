@@ -2,14 +2,14 @@
 
 from libs.bus.bus import Bus, BusConfig, TypedSubscription
 from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError, Unavailable
-from libs.bus.registry import EventKind, HeartbeatConfig, Registration, Registry, RegistryEvent
+from libs.bus.registry import HeartbeatConfig, Registration, Registry, RegistryEvent, RegistryEventKind
 
 __all__ = [
     "Bus",
     "BusConfig",
     "BusError",
     "BusTimeout",
-    "EventKind",
+    "RegistryEventKind",
     "HeartbeatConfig",
     "NoResponders",
     "Registration",

@@ -50,14 +50,14 @@ class HeartbeatConfig:
             )
 
 
-class EventKind(StrEnum):
+class RegistryEventKind(StrEnum):
     JOIN = "join"
     LEAVE = "leave"
 
 
 @dataclass(frozen=True)
 class RegistryEvent:
-    kind: EventKind
+    kind: RegistryEventKind
     key: str
     entry: RegistryEntry | None  # None for a leave
 
@@ -156,14 +156,14 @@ def _to_event(key: str, value: bytes | None, operation: str | None, known: set[s
         if key not in known:
             return None
         known.discard(key)
-        return RegistryEvent(EventKind.LEAVE, key, None)
+        return RegistryEvent(RegistryEventKind.LEAVE, key, None)
     if key in known:
         return None  # heartbeat refresh
     entry = _decode_entry(key, value)
     if entry is None:
         return None
     known.add(key)
-    return RegistryEvent(EventKind.JOIN, key, entry)
+    return RegistryEvent(RegistryEventKind.JOIN, key, entry)
 
 
 class Registration:

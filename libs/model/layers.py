@@ -158,7 +158,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
 
-class Router(nn.Module):
+class MoEGate(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # kept in float32 like the checkpoint: routing decisions are sensitive to rounding
@@ -179,7 +179,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.gate = Router(cfg)
+        self.gate = MoEGate(cfg)
         self.experts = Experts(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kernels.fp8 import FP8_DTYPE, dequant_fp8_block
 from libs.model.config import ModelConfig
-from libs.model.layers import rope_inv_freq
+from libs.model.layers import MoEGate, rope_inv_freq
 from libs.model.model import MiMoV2Model, init_random_
 from libs.model.weights import dequant_fused_qkv_fp8, split_fused_qkv
 
@@ -188,8 +188,8 @@ def _set_dtype(model: MiMoV2Model, dtype: torch.dtype) -> MiMoV2Model:
     model.to(dtype)
     model.inv_freq_full = model.inv_freq_full.float()
     model.inv_freq_swa = model.inv_freq_swa.float()
-    for mod in model.modules():  # routers stay float32 (see layers.Router)
-        if mod.__class__.__name__ == "Router":
+    for mod in model.modules():  # MoE gates stay float32 (see layers.MoEGate)
+        if isinstance(mod, MoEGate):
             mod.weight.data = mod.weight.data.float()
             mod.e_score_correction_bias = mod.e_score_correction_bias.float()
     return model

@@ -82,7 +82,7 @@ class Plan:
     max_fanout: int = 32  # sub-requests running downstream at once
 
 
-class Tokenizer(Protocol):
+class TextCodec(Protocol):
     """What the gateway needs from a tokenizer (libs.model.tokenizer satisfies it)."""
 
     def encode(self, text: str) -> list[int]: ...
@@ -94,7 +94,7 @@ class Tokenizer(Protocol):
 # --- planning (pure) --------------------------------------------------------------------------
 
 
-def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tok: Tokenizer) -> list[list[int]]:
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tok: TextCodec) -> list[list[int]]:
     """Normalise the four OpenAI prompt shapes to token id lists."""
     if isinstance(prompt, str):
         prompts = [tok.encode(prompt)]
@@ -169,7 +169,7 @@ def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prom
     return subs
 
 
-def plan_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits, request_id: str, model: str) -> Plan:
+def plan_completion(body: CompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str) -> Plan:
     prompts = completion_prompts(body.prompt, tok)
     stops = _common_checks(body, len(prompts), limits)
     subs = _subs(body, request_id, prompts, body.max_tokens, limits, stops, body.logprobs)
@@ -178,7 +178,7 @@ def plan_completion(body: CompletionRequest, tok: Tokenizer, limits: Limits, req
                 body.skip_special_tokens, limits.max_fanout)
 
 
-def plan_chat(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, request_id: str, model: str) -> Plan:
+def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str) -> Plan:
     if len(body.messages) > limits.max_messages:
         raise ApiError(400, f"{len(body.messages)} messages; the limit is {limits.max_messages}", param="messages")
     messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]

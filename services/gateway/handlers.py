@@ -38,7 +38,7 @@ from services.gateway.generation import (
     Limits,
     Plan,
     Renderer,
-    Tokenizer,
+    TextCodec,
     collect,
     plan_chat,
     plan_completion,
@@ -61,7 +61,7 @@ class Api:
     """Everything the /v1 endpoints need."""
 
     backend: Backend
-    tokenizer: Tokenizer
+    tokenizer: TextCodec
     model_name: str
     limits: Limits
     admission: Admission
