@@ -29,7 +29,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy libs protos
+	$(VENV)/bin/mypy libs protos services
 
 clean:
 	rm -rf .run .pytest_cache .ruff_cache .mypy_cache
