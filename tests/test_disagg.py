@@ -80,12 +80,16 @@ class Pipeline:
         await self.rx.start()
         self.decode = DecodeWorker(self.decode_engine, self.rx, "d0", self.stream.publish, transfer_timeout_s=30)
         self.prefill = PrefillWorker(self.prefill_engine, self.tx, "p0", self._prepare, self.stream.publish,
-                                     transfer_timeout_s=30)
+                                     commit=self._commit, transfer_timeout_s=30)
         return self
 
     async def _prepare(self, decode_instance: str, msg):
         assert decode_instance == "d0"
         return await self.decode.prepare(msg)
+
+    async def _commit(self, decode_instance: str, msg):
+        assert decode_instance == "d0"
+        return await self.decode.commit(msg)
 
     async def __aexit__(self, *exc) -> None:
         await self.tx.close()

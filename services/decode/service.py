@@ -1,11 +1,19 @@
-"""Wiring of the decode service: serves `windserve.worker.<id>.kv_prepare`, receives KV, streams tokens."""
+"""Wiring of the decode service: serves `windserve.worker.<id>.kv_prepare` and `.kv_commit`, receives KV,
+streams tokens."""
 
 from __future__ import annotations
 
 from libs.bus import Unavailable
 from libs.engine.disagg import DisaggEngineCore
 from protos import subjects
-from protos.messages import KVPrepareReply, KVPrepareRequest, Role, ServiceState
+from protos.messages import (
+    KVCommitReply,
+    KVCommitRequest,
+    KVPrepareReply,
+    KVPrepareRequest,
+    Role,
+    ServiceState,
+)
 from services.decode import handlers
 from services.decode.config import DecodeConfig
 from services.prefill.service import EngineRoleService
@@ -27,9 +35,15 @@ class DecodeService(EngineRoleService):
                                             admit_timeout_s=self.config.prepare_timeout_s)
         await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
                              self._prepare)
+        await self.bus.serve(subjects.kv_commit(self.config.namespace, self.config.instance_id), KVCommitRequest,
+                             self._commit)
 
     async def _prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.worker is not None
         if self.state is ServiceState.DRAINING:
             raise Unavailable("decode worker is draining")
         return await self.worker.prepare(msg)
+
+    async def _commit(self, msg: KVCommitRequest) -> KVCommitReply:
+        assert self.worker is not None
+        return await self.worker.commit(msg)  # also while draining: it ends a hand-off already in flight

@@ -22,6 +22,8 @@ from protos.messages import (
     AckStatus,
     GenerateAck,
     GenerateRequest,
+    KVCommitReply,
+    KVCommitRequest,
     KVPrepareReply,
     KVPrepareRequest,
     RegistryEntry,
@@ -162,14 +164,19 @@ class PrefillService(EngineRoleService):
         assert self.bus is not None and self.engine is not None
         cfg = self.config
         self.worker = handlers.PrefillWorker(
-            self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish,
+            self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish, commit=self._commit,
             prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s,
-            reroute=self._reroute, decode_attempts=cfg.decode_attempts)
+            reroute=self._reroute, decode_attempts=cfg.decode_attempts, segment_pages=cfg.kv_segment_pages)
         await self.bus.serve(subjects.generate(cfg.namespace, cfg.instance_id), GenerateRequest, self._generate)
 
     async def _prepare(self, decode_instance: str, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.bus is not None
         return await self.bus.request(subjects.kv_prepare(self.config.namespace, decode_instance), msg, KVPrepareReply,
+                                      timeout=self.config.prepare_timeout_s)
+
+    async def _commit(self, decode_instance: str, msg: KVCommitRequest) -> KVCommitReply:
+        assert self.bus is not None
+        return await self.bus.request(subjects.kv_commit(self.config.namespace, decode_instance), msg, KVCommitReply,
                                       timeout=self.config.prepare_timeout_s)
 
     async def _reroute(self, request_id: str, num_tokens: int, refused: list[str]) -> str:

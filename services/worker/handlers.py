@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from libs.engine.disagg import engine_params, request_refusal, wire_finish, wire_logprob
+from libs.engine.disagg._wire import engine_params, request_refusal, wire_finish, wire_logprob
 from libs.engine.request import Request, RequestOutput
 from libs.kvcache.types import PoolUsage
 from protos.messages import (
@@ -38,7 +38,7 @@ log = logging.getLogger("windserve.worker")
 
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
-# --- pure conversions (wire <-> engine: the ones in libs.engine.disagg, shared with prefill/decode) ---------
+# --- pure conversions (wire <-> engine: libs.engine.disagg._wire, shared with prefill/decode) ----------------
 
 
 def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int, completion_tokens: int) -> TokenChunk:
