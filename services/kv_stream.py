@@ -37,8 +37,11 @@ class KVSender:
         self.layer_timeout_s = layer_timeout_s
         self.send_seconds = 0.0  # time spent in send_layer / finish (the transfer's own share of the request)
         self._queue: asyncio.Queue[list[dg.Payload] | BaseException] = asyncio.Queue()
-        self.collector = dg.SegmentCollector(
-            kv, layer_is_swa, plan, lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item))
+
+        def deliver(item: list[dg.Payload] | BaseException) -> None:  # engine thread
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        self.collector = dg.SegmentCollector(kv, layer_is_swa, plan, deliver)
         self.task = asyncio.create_task(self._pump(len(plan.segments)), name=f"kv-send-{tx.request_id}")
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by run(), not here
 

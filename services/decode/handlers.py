@@ -245,8 +245,9 @@ class DecodeWorker:
         prepare), and the commit within transfer_timeout_s of the last layer; a failed transfer raises at once."""
         for position in range(num_layers):
             layer = asyncio.ensure_future(incoming.layer(position, self.transfer_timeout_s))
+            waiters: set[asyncio.Future] = {layer, committed}
             try:
-                await asyncio.wait({layer, committed}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 layer.cancel()  # (the transfer's own future is shielded: only this wait ends)
             if committed.done():

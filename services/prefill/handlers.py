@@ -244,8 +244,10 @@ class PrefillWorker:
         run = asyncio.ensure_future(self._last_output(ereq))
         try:
             await asyncio.wait({run, h.sender.task}, return_when=asyncio.FIRST_COMPLETED)
-            if not run.done() and h.sender.task.exception() is not None:
-                raise self._stream_error(h, h.sender.task.exception())
+            if not run.done():  # the stream ended first: fine when every segment is sent, else stop computing
+                failure = h.sender.task.exception()
+                if failure is not None:
+                    raise self._stream_error(h, failure)
             out = await run  # bounded by the engine's output timeout
         finally:
             if not run.done():
