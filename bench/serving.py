@@ -356,7 +356,7 @@ def main() -> int:
     p.add_argument("--out-scale", type=int, default=16, help="trace output lengths are divided by this")
     p.add_argument("--max-in", type=int, default=1024)
     p.add_argument("--max-out", type=int, default=48)
-    p.add_argument("--long-prompts", type=int, default=4, help="prompts of the overlap figure (each way)")
+    p.add_argument("--long-prompts", type=int, default=8, help="prompts of the overlap figure (each way)")
     p.add_argument("--overlap-only", action="store_true", help="measure only handoff_overlap_ratio")
     p.add_argument("--out", type=Path, default=RESULTS / "serving_overlap.json", help="with --overlap-only")
     args = p.parse_args()

@@ -559,3 +559,14 @@ async def test_many_segment_prompts_with_prefix_hits_on_either_side_equal_coloca
     assert got == expected
     assert cached["none"] == cached["decode"] == 0 and cached["prefill"] > 0 and cached["both"] > 0
     assert hits["none"] == hits["prefill"] == 0 and hits["decode"] > 0 and hits["both"] > 0
+
+
+@pytest.mark.unit
+def test_the_engine_side_of_the_hand_off_imports_neither_protos_nor_the_transfer_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, libs.engine.disagg, libs.engine.core, libs.engine.async_engine; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'protos' or m.startswith('libs.transfer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"

@@ -200,6 +200,7 @@ class PrefillWorker:
                 async with asyncio.timeout(self.prepare_timeout_s):
                     return decode, await self.prepare(decode, prep)
             except TimeoutError:
+                await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
                 raise HandoffError(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
             except Exception as exc:
