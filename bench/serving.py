@@ -12,7 +12,16 @@ by its id, so shared prefixes stay shared) with concurrent streaming openai clie
   next to the dual-pool limit for the same prompts (full layers O(N) + SWA layers one window);
 * UCX transfer GB/s inside the system, and TransferEngine vs raw ucxx on the same total bytes (this run);
 * gateway + bus overhead per output token: sequential requests through the gateway vs the offline
-  engine on the same requests, side by side in one run.
+  engine on the same requests, side by side in one run;
+* `handoff_overlap_ratio`: for long prompts (>= 8 prefill chunks: `LONG_CHUNKS` x the engines'
+  max_num_batched_tokens), the time from the first token to the second one at the client, disaggregated
+  over colocated (the combined `worker` behind its own gateway, same model, knobs and prompts, started next
+  to the pipeline and alternated with it request by request). Goal <= 1.15: the KV hand-off should be off
+  the critical path once the first token is out.
+
+    python -m bench.serving --overlap-only [--long-prompts 4] [--out PATH]
+
+runs just that figure (both topologies, nothing else) and writes it to --out.
 
 Writes bench/results/serving.json and serving.png.
 """
@@ -38,6 +47,11 @@ TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 MODEL = "windserve-tiny"
 ENGINE_ENV = {"WINDSERVE_PAGE_SIZE": "16", "WINDSERVE_NUM_FULL_PAGES": "4096", "WINDSERVE_NUM_SWA_PAGES": "512",
               "WINDSERVE_MAX_NUM_BATCHED_TOKENS": "512", "WINDSERVE_LOAD_INTERVAL_S": "0.2"}
+DISAGGREGATED = "gateway,router,prefill,decode"
+COLOCATED = "gateway,router,worker"
+# Probes answered late on a loaded machine must not fail a benchmark stream (failure detection is not measured).
+LIVENESS_ENV = {"WINDSERVE_LIVENESS_MISSES": "6"}
+LONG_CHUNKS = 8  # a "long" prompt of the overlap figure spans this many prefill chunks
 
 
 @dataclass(frozen=True)
@@ -74,12 +88,15 @@ def pct(values: list[float], q: float) -> float:
 
 # ------------------------------------------------------------------------------------------ the system
 class System:
-    def __init__(self, run_dir: Path) -> None:
+    """One topology (its own nats-server and gateway) as processes."""
+
+    def __init__(self, run_dir: Path, services: str = DISAGGREGATED) -> None:
         from scripts.run import RunConfig, Supervisor, parse_services
 
         os.environ.update(ENGINE_ENV)
+        os.environ.update(LIVENESS_ENV)
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
-        self.sup = Supervisor(RunConfig(services=parse_services("gateway,router,prefill,decode"), http_port=0,
+        self.sup = Supervisor(RunConfig(services=parse_services(services), http_port=0,
                                         run_dir=run_dir, ready_timeout_s=120, grace_s=10))
 
     def __enter__(self) -> System:
@@ -147,6 +164,47 @@ async def concurrent_phase(client, jobs: list[Job], concurrency: int) -> tuple[l
     return rows, time.perf_counter() - start
 
 
+async def token_times(client, job: Job) -> list[float]:
+    """Arrival time of each output token at the client, seconds after the request was sent."""
+    start = time.perf_counter()
+    times: list[float] = []
+    stream = await client.completions.create(model=MODEL, prompt=job.prompt, max_tokens=job.max_tokens,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for ev in stream:
+        for c in ev.choices:
+            times += [time.perf_counter() - start] * len(getattr(c, "token_ids", None) or [])
+    return times
+
+
+def long_jobs(count: int) -> list[Job]:
+    """Distinct prompts of LONG_CHUNKS prefill chunks (no prefix shared with anything else in the run)."""
+    n = LONG_CHUNKS * int(ENGINE_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
+    return [Job(block_tokens(900_000 + i, n), 4) for i in range(count)]
+
+
+async def overlap_phase(disagg, coloc, jobs: list[Job]) -> dict:
+    """First-to-second-token time of long prompts, disaggregated vs colocated, alternated request by request
+    (after one warm-up request each, not counted)."""
+    clients = {"disaggregated": disagg, "colocated": coloc}
+    warm = long_jobs(len(jobs) + 1)[-1]
+    for client in clients.values():
+        await token_times(client, warm)
+    rows: dict[str, list[list[float]]] = {name: [] for name in clients}
+    for job in jobs:
+        for name, client in clients.items():
+            rows[name].append(await token_times(client, job))
+
+    def side(times: list[list[float]]) -> dict:
+        gaps = [t[1] - t[0] for t in times]
+        return {"ttft_ms": 1e3 * statistics.median(t[0] for t in times),
+                "first_to_second_ms": 1e3 * statistics.median(gaps), "gaps_ms": [1e3 * g for g in gaps]}
+
+    out = {name: side(times) for name, times in rows.items()}
+    return {"prompts": len(jobs), "prompt_tokens": len(jobs[0].prompt), "prefill_chunks": LONG_CHUNKS, **out,
+            "ratio": out["disaggregated"]["first_to_second_ms"] / out["colocated"]["first_to_second_ms"]}
+
+
 class Offline:
     """The offline engine with the services' knobs, for the per-token overhead comparison."""
 
@@ -207,7 +265,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     c = result["concurrent"]
     axes[0].bar(["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"],
                 [c["ttft_p50_ms"], c["ttft_p90_ms"], c["tpot_p50_ms"], c["tpot_p90_ms"]], color="tab:blue")
@@ -224,14 +282,29 @@ def plot(result: dict, path: Path) -> None:
                 [kv["served_engine_gbps"], t["engine_gbps"], t["raw_gbps"]], color="tab:orange")
     axes[2].set_ylabel("GB/s")
     axes[2].set_title(f"UCX tcp loopback; gateway+bus overhead {o['overhead_ms_per_token']:.2f} ms/token")
+    h = result["handoff_overlap"]
+    names = ("disaggregated", "colocated")
+    axes[3].bar([f"{n}\nTTFT" for n in names], [h[n]["ttft_ms"] for n in names], color="tab:gray")
+    axes[3].bar([f"{n}\n1st->2nd" for n in names], [h[n]["first_to_second_ms"] for n in names], color="tab:red")
+    axes[3].set_ylabel("ms")
+    axes[3].set_title(f"{h['prompts']} prompts of {h['prompt_tokens']} tokens ({h['prefill_chunks']} chunks)\n"
+                      f"handoff_overlap_ratio {result['handoff_overlap_ratio']:.2f} (goal <= 1.15)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+async def bench_overlap(args: argparse.Namespace) -> dict:
+    with (tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp, System(Path(tmp) / "d") as disagg,
+          System(Path(tmp) / "c", COLOCATED) as coloc):
+        h = await overlap_phase(disagg.client(), coloc.client(), long_jobs(args.long_prompts))
+    return {"handoff_overlap_ratio": h["ratio"], "handoff_overlap": h}
 
 
 async def bench(args: argparse.Namespace) -> dict:
     jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
     seq_jobs = jobs[: args.sequential]
-    with tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp, System(Path(tmp)) as system:
+    with (tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp, System(Path(tmp) / "d") as system,
+          System(Path(tmp) / "c", COLOCATED) as coloc):
         client = system.client()
         offline = Offline()
         await stream_one(client, jobs[0])  # warm-up (model pages, UCX endpoints)
@@ -242,6 +315,7 @@ async def bench(args: argparse.Namespace) -> dict:
             off.append(await asyncio.to_thread(offline.tpot, job))
         rows, wall = await concurrent_phase(client, jobs, args.concurrency)
         details = await system.worker_details()
+        overlap = await overlap_phase(client, coloc.client(), long_jobs(args.long_prompts))
     pre = details["prefill"]
     sent, full_eq = int(pre["kv_bytes_sent"]), int(pre["kv_full_equivalent_bytes"])
     secs, kv_reqs = float(pre["kv_transfer_seconds"]), int(pre["kv_requests"])
@@ -249,6 +323,7 @@ async def bench(args: argparse.Namespace) -> dict:
     offline_tpot = statistics.median(off)
     tokens = sum(r["tokens"] for r in rows)
     return {
+        "handoff_overlap_ratio": overlap["ratio"],
         "workload": {"trace": str(TRACE), "requests": len(jobs), "in_scale": args.in_scale,
                      "out_scale": args.out_scale, "mean_prompt_tokens": statistics.mean(len(j.prompt) for j in jobs),
                      "mean_output_tokens": statistics.mean(j.max_tokens for j in jobs)},
@@ -268,6 +343,7 @@ async def bench(args: argparse.Namespace) -> dict:
                      "offline_tpot_ms": 1e3 * offline_tpot,
                      "overhead_ms_per_token": 1e3 * (served_tpot - offline_tpot),
                      "served_over_offline": served_tpot / offline_tpot},
+        "handoff_overlap": overlap,
     }
 
 
@@ -280,8 +356,18 @@ def main() -> int:
     p.add_argument("--out-scale", type=int, default=16, help="trace output lengths are divided by this")
     p.add_argument("--max-in", type=int, default=1024)
     p.add_argument("--max-out", type=int, default=48)
+    p.add_argument("--long-prompts", type=int, default=8, help="prompts of the overlap figure (each way)")
+    p.add_argument("--overlap-only", action="store_true", help="measure only handoff_overlap_ratio")
+    p.add_argument("--out", type=Path, default=RESULTS / "serving_overlap.json", help="with --overlap-only")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.overlap_only:
+        result = asyncio.run(bench_overlap(args))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print_overlap(result["handoff_overlap"])
+        print(f"wrote {args.out}")
+        return 0
     result = asyncio.run(bench(args))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "serving.json").write_text(json.dumps(result, indent=2))
@@ -297,8 +383,16 @@ def main() -> int:
           f"{u['raw_gbps']:.3f} GB/s ({u['engine_over_raw']:.2f})")
     print(f"overhead: served TPOT {o['served_tpot_ms']:.2f} ms vs offline {o['offline_tpot_ms']:.2f} ms "
           f"(+{o['overhead_ms_per_token']:.2f} ms/token)")
+    print_overlap(result["handoff_overlap"])
     print(f"wrote {RESULTS / 'serving.json'} and serving.png")
     return 0
+
+
+def print_overlap(h: dict) -> None:
+    d, c = h["disaggregated"], h["colocated"]
+    print(f"hand-off overlap: {h['prompts']} prompts of {h['prompt_tokens']} tokens: 1st->2nd token "
+          f"{d['first_to_second_ms']:.1f} ms disaggregated vs {c['first_to_second_ms']:.1f} ms colocated: "
+          f"handoff_overlap_ratio {h['ratio']:.2f} (TTFT {d['ttft_ms']:.0f} vs {c['ttft_ms']:.0f} ms)")
 
 
 if __name__ == "__main__":

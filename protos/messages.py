@@ -7,6 +7,7 @@ typed, to be refined by the serving pipeline.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 
@@ -230,24 +231,53 @@ class KVEventBatch(WireModel):
 class KVPrepareRequest(WireModel):
     """prefill → decode (`windserve.worker.<decode>.kv_prepare`): admit this request, expect its KV.
 
-    Sent after prefill computed the prompt's KV and sampled the first token. The decode worker answers
-    with the prefix it already holds, so prefill ships only the pages after it (full layers) and the
-    pages of the last window (SWA layers). From the reply on, the decode worker owns the stream.
+    Sent when prefill accepts the request, before it computes anything. The decode worker reserves pages,
+    expects the transfer and answers with the prefix it already holds, so prefill ships only the pages after
+    it (full layers) and the pages of the last window (SWA layers), in segments of `segment_pages` full-layer
+    pages that leave while prefill computes (libs/engine/disagg/plan.py). Nothing is published until prefill's
+    `KVCommitRequest`.
     """
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # v1 carried the first token (sent after the prefill)
+
+    schema_version: int = 2
     request_id: str
     token_ids: list[int] = Field(min_length=1, description="the prompt (its KV is what gets shipped)")
-    first_token_id: int = Field(ge=0, description="token sampled by prefill (no KV yet)")
-    first_logprob: TokenLogprob | None = None
     sampling: SamplingParams
     stream_subject: str
     page_size: int = Field(ge=1, description="KV page size of the prefill engine (must match decode)")
     kv_dtype: str = Field(description="torch dtype name of the shipped KV (must match decode)")
+    segment_pages: int = Field(default=0, ge=0, description="full-layer pages per streamed segment; 0 = one segment")
     prefill_instance: str
-    prefill_cached_tokens: int = Field(default=0, ge=0, description="prefix-cache hit on prefill (usage)")
 
 
 class KVPrepareReply(WireModel):
     request_id: str
     hit_tokens: int = Field(ge=0, description="decode already holds KV for prompt tokens [0, hit_tokens)")
     address: str = Field(description="transfer-engine address the KV must be sent to")
+
+
+class KVCommitRequest(WireModel):
+    """prefill → decode (`windserve.worker.<decode>.kv_commit`), once every KV layer was sent and landed.
+
+    Either the first token (decode activates the request, publishes the token and decodes on; from here on
+    the decode worker owns the stream), or `cancel` (the first token already ended the request, or prefill
+    failed or was aborted: prefill publishes the final chunk itself, decode frees the reservation and
+    publishes nothing).
+    """
+
+    request_id: str
+    cancel: bool = False
+    first_token_id: int = Field(default=-1, description="token sampled by prefill (no KV yet); -1 with cancel")
+    first_logprob: TokenLogprob | None = None
+    prefill_cached_tokens: int = Field(default=0, ge=0, description="prefix-cache hit on prefill (usage)")
+
+    @model_validator(mode="after")
+    def _token_unless_cancel(self) -> KVCommitRequest:
+        if not self.cancel and self.first_token_id < 0:
+            raise ValueError("a kv_commit that does not cancel must carry first_token_id >= 0")
+        return self
+
+
+class KVCommitReply(WireModel):
+    request_id: str

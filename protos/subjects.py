@@ -70,6 +70,12 @@ def kv_events(ns: str, instance_id: str) -> str:
 
 
 def kv_prepare(ns: str, instance_id: str) -> str:
-    """Disaggregated mode: prefill asks one decode worker to admit a request and expect its KV
-    (request/reply, `KVPrepareRequest` -> `KVPrepareReply`)."""
+    """Disaggregated mode: prefill asks one decode worker to admit a request and expect its KV, before
+    computing it (request/reply, `KVPrepareRequest` -> `KVPrepareReply`)."""
     return f"{_base(ns)}.worker.{token(instance_id)}.kv_prepare"
+
+
+def kv_commit(ns: str, instance_id: str) -> str:
+    """Disaggregated mode: prefill tells the decode worker holding a kv_prepare reservation the first token,
+    or cancels it (request/reply, `KVCommitRequest` -> `KVCommitReply`)."""
+    return f"{_base(ns)}.worker.{token(instance_id)}.kv_commit"

@@ -17,7 +17,7 @@ from libs.engine import LLM, AsyncEngine, EngineConfig, EngineCore, SamplingPara
 from libs.engine import disagg as dg
 from libs.engine.runner import direct_greedy
 from libs.model import load_model, load_tokenizer
-from libs.transfer import Backend, TransferConfig, create_engine
+from libs.transfer import TransferBackend, TransferConfig, create_engine
 from protos import subjects
 from protos.messages import FinishReason, GenerateRequest, TokenChunk
 from protos.messages import SamplingParams as WireParams
@@ -69,8 +69,8 @@ class Pipeline:
         config = EngineConfig(**{**OPTS, **overrides})
         self.prefill_engine = AsyncEngine(EngineCore(config, model, cfg, tok), output_timeout_s=60)
         self.decode_engine = AsyncEngine(dg.DisaggEngineCore(config, model, cfg, tok), output_timeout_s=60)
-        self.tx = create_engine(transfer_config, Backend.UCX)
-        self.rx = create_engine(transfer_config, Backend.UCX)
+        self.tx = create_engine(transfer_config, TransferBackend.UCX)
+        self.rx = create_engine(transfer_config, TransferBackend.UCX)
         self.stream = Stream()
 
     async def __aenter__(self) -> Pipeline:
@@ -80,12 +80,16 @@ class Pipeline:
         await self.rx.start()
         self.decode = DecodeWorker(self.decode_engine, self.rx, "d0", self.stream.publish, transfer_timeout_s=30)
         self.prefill = PrefillWorker(self.prefill_engine, self.tx, "p0", self._prepare, self.stream.publish,
-                                     transfer_timeout_s=30)
+                                     commit=self._commit, transfer_timeout_s=30)
         return self
 
     async def _prepare(self, decode_instance: str, msg):
         assert decode_instance == "d0"
         return await self.decode.prepare(msg)
+
+    async def _commit(self, decode_instance: str, msg):
+        assert decode_instance == "d0"
+        return await self.decode.commit(msg)
 
     async def __aexit__(self, *exc) -> None:
         await self.tx.close()
@@ -279,3 +283,238 @@ async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
         chunks = await pipe.stream.result("gone")
         assert chunks[-1].finish_reason is FinishReason.ABORT
         await pipe.assert_no_kv_in_use()
+
+
+# ------------------------------------------------------------------------------------------ streaming while prefill computes
+@pytest.mark.unit
+@pytest.mark.parametrize("n,hit,seg", [(37, 8, 4), (37, 0, 4), (40, 0, 4), (5, 0, 4), (200, 64, 3), (64, 0, 16),
+                                       (37, 32, 2), (37, 0, 0), (1000, 12, 1)])
+def test_stream_plan_segments_concatenate_to_the_shipment(n, hit, seg):
+    plan = dg.plan_stream(n, PAGE, 16, hit, seg)
+    ship = dg.plan_shipment(n, PAGE, 16, hit)
+    assert plan.ship == ship
+    assert tuple(p for s in plan.segments for p in s.full_pages) == ship.full_pages
+    *middle, last = plan.segments
+    assert last.swa_pages == ship.swa_pages and last.ready_tokens == n  # SWA pages only with the final window
+    for s in middle:
+        assert not s.swa_pages and s.full_pages
+        assert s.ready_tokens == (s.full_pages[-1] + 1) * PAGE < n  # complete pages, final before the prompt ends
+        assert seg and len(s.full_pages) <= seg and (s.full_pages[-1] + 1) % seg == 0  # cut at multiples of seg
+    assert [s.ready_tokens for s in plan.segments] == sorted({s.ready_tokens for s in plan.segments})
+    if seg == 0:
+        assert len(plan.segments) == 1
+
+
+@pytest.mark.unit
+def test_stream_plan_of_the_docstring_example():
+    plan = dg.plan_stream(37, PAGE, 16, 8, 4)
+    assert [(s.full_pages, s.swa_pages, s.ready_tokens) for s in plan.segments] == [
+        ((2, 3), (), 16), ((4, 5, 6, 7), (), 32), ((8, 9), (5, 6, 7, 8, 9), 37)]
+    with pytest.raises(ValueError, match="segment_pages"):
+        dg.plan_stream(37, PAGE, 16, 8, -1)
+
+
+def test_engine_reports_prefill_progress_after_each_committed_step(tiny):
+    model, cfg, tok = tiny
+    core = EngineCore(EngineConfig(**OPTS), model, cfg, tok)
+    seen: list[tuple[int, int, str]] = []
+
+    def hook(p) -> None:  # engine thread; the pages it names hold the KV of [0, num_computed)
+        seq = core.scheduler.seqs["pf"]
+        seen.append((p.num_computed, len(p.full_pages), seq.status.value))
+
+    from libs.engine import Request
+    core.add_request(Request("pf", prompt(51, 150), SamplingParams(max_tokens=4), prefill_only=True, on_progress=hook))
+    while core.has_work():
+        core.step()
+    assert [s[0] for s in seen] == [64, 128, 150]  # one call per chunk (max_num_batched_tokens 64)
+    assert [s[2] for s in seen] == ["running", "running", "held"]
+    assert all(pages >= -(-computed // PAGE) for computed, pages, _ in seen)
+    core.release("pf")
+    core.close()
+
+
+class GatedCollector(dg.SegmentCollector):
+    """Holds the engine thread after the first segment was copied out until `go` is set (or 10 s), so a test
+    can act while the prefill provably has more to compute."""
+
+    first_copied = threading.Event()
+    go = threading.Event()
+
+    def __call__(self, progress) -> None:
+        before = self.next
+        super().__call__(progress)
+        if before == 0 and self.next > 0:
+            GatedCollector.first_copied.set()
+            GatedCollector.go.wait(10)
+
+
+class ObservedTransfer:
+    """Wraps a real engine; calls `on_first_layer()` when the first layer payload is about to be sent."""
+
+    def __init__(self, engine, on_first_layer) -> None:
+        self.engine, self.on_first_layer, self.layers = engine, on_first_layer, 0
+
+    async def begin_send(self, address, request_id, specs):
+        tx = await self.engine.begin_send(address, request_id, specs)
+        real_send = tx.send_layer
+
+        async def send_layer(payload):
+            self.layers += 1
+            if self.layers == 1:
+                await self.on_first_layer()
+            await real_send(payload)
+
+        tx.send_layer = send_layer
+        return tx
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    GatedCollector.first_copied.clear()
+    GatedCollector.go.clear()
+    monkeypatch.setattr(dg, "SegmentCollector", GatedCollector)
+    yield GatedCollector
+    GatedCollector.go.set()
+
+
+async def test_first_segment_leaves_while_the_prefill_still_computes(tiny, gated):
+    """The drift test of the streaming change: the first layer payload is sent while the engine (held after
+    its first chunk) has most of the prompt left to compute; the output still equals the colocated engine."""
+    model, cfg, _ = tiny
+    p = prompt(61, 300)  # 5 chunks of 64 tokens; segments of 16 pages = one chunk
+    computed_at_first_send: list[int] = []
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        async def on_first_layer():
+            assert gated.first_copied.is_set()
+            seq = pipe.prefill_engine.core.scheduler.seqs["early"]  # engine thread parked in the hook
+            computed_at_first_send.append(seq.num_computed)
+            gated.go.set()
+
+        pipe.prefill.transfer = ObservedTransfer(pipe.tx, on_first_layer)
+        chunks = await pipe.generate("early", p, 6)
+        await pipe.assert_no_kv_in_use()
+    assert computed_at_first_send == [64]
+    assert tokens_of(chunks) == direct_greedy(model, cfg, p, 6, page_size=PAGE)
+
+
+async def test_abort_mid_stream_frees_every_page_on_both_sides(tiny, gated):
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        aborts: list[asyncio.Future] = []
+
+        async def on_first_layer():  # the engine is parked after chunk 1 of 5, the stream is open
+            aborts.append(asyncio.ensure_future(pipe.prefill.abort("midway")))
+            try:
+                await asyncio.sleep(0.05)  # the abort cancels this very send
+            finally:
+                gated.go.set()
+
+        pipe.prefill.transfer = ObservedTransfer(pipe.tx, on_first_layer)
+        req = GenerateRequest(request_id="midway", token_ids=prompt(62, 300), decode_instance="d0",
+                              stream_subject=subjects.stream("t", "midway"),
+                              sampling=WireParams(max_tokens=4, temperature=0.0))
+        pipe.prefill.submit(req)
+        chunks = await pipe.stream.result("midway")
+        assert await asyncio.wait_for(aborts[0], 10)
+        await asyncio.sleep(0.3)  # anything decode would still publish
+        assert [c.finish_reason for c in chunks] == [FinishReason.ABORT]
+        assert pipe.decode.stats.cancelled == 1 and not pipe.decode.tasks
+        await pipe.assert_no_kv_in_use()
+        ok = await pipe.generate("next", prompt(63, 90), 3)  # both sides serve on
+        assert ok[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_first_token_ending_the_request_cancels_the_open_decode_reservation(tiny):
+    """max_tokens=1 (or EOS) is known only after the prefill, when decode already holds a reservation and part
+    of the KV: prefill publishes the one-token answer itself, decode frees everything and publishes nothing."""
+    model, cfg, _ = tiny
+    p = prompt(64, 200)
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        chunks = await pipe.generate("one", p, 1)
+        await asyncio.sleep(0.3)
+        assert len(chunks) == 1 and chunks[0].finish_reason is FinishReason.LENGTH
+        assert chunks[0].instance_id == "p0" and chunks[0].usage.completion_tokens == 1
+        assert pipe.decode.stats.cancelled == 1 and pipe.decode.stats.requests == 0
+        await pipe.assert_no_kv_in_use()
+    assert tokens_of(chunks) == direct_greedy(model, cfg, p, 1, page_size=PAGE)
+
+
+async def test_full_decode_is_rerouted_before_any_prefill_compute(tiny):
+    from libs.bus import RemoteError
+    from protos.messages import ErrorCode
+
+    model, cfg, _ = tiny
+    p = prompt(65, 120)
+    steps_at_refusal: list[int] = []
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        core = pipe.prefill_engine.core
+
+        async def prepare(decode_instance, msg):
+            if decode_instance == "d-full":
+                steps_at_refusal.append(core.num_steps)
+                raise RemoteError("kv_prepare", ErrorCode.UNAVAILABLE, "decode engine is full")
+            return await pipe.decode.prepare(msg)
+
+        async def reroute(request_id, num_tokens, refused):
+            assert refused == ["d-full"]
+            return "d0"
+
+        pipe.prefill.prepare, pipe.prefill.reroute = prepare, reroute
+        steps_before = core.num_steps
+        req = GenerateRequest(request_id="moved", token_ids=p, decode_instance="d-full",
+                              stream_subject=subjects.stream("t", "moved"),
+                              sampling=WireParams(max_tokens=6, temperature=0.0))
+        pipe.prefill.submit(req)
+        chunks = await pipe.stream.result("moved")
+        assert steps_at_refusal == [steps_before]  # refused before the prompt entered the engine
+        assert pipe.prefill.stats.rerouted == 1 and core.scheduler.stats.admitted == 1
+        await pipe.assert_no_kv_in_use()
+    assert tokens_of(chunks) == direct_greedy(model, cfg, p, 6, page_size=PAGE)
+
+
+async def test_many_segment_prompts_with_prefix_hits_on_either_side_equal_colocated(tiny):
+    """Prompts several SWA windows long (window 16 tokens = 4 pages) in 2- and 3-page segments, with no hit,
+    a prefill-side hit, a decode-side hit and both; greedy tokens equal the colocated engine and both engines'
+    pools are back at baseline."""
+    from libs.engine import Request
+
+    model, cfg, tok = tiny
+    stems = {name: prompt(70 + i, 96) for i, name in enumerate(["none", "prefill", "decode", "both"])}
+    prompts = {name: stem + prompt(80 + i, 61 + 17 * i) for i, (name, stem) in enumerate(stems.items())}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    names = list(prompts)
+    expected = dict(zip(names, (list(o.token_ids) for o in LLM.from_core(
+        EngineCore(EngineConfig(**OPTS), model, cfg, tok)).generate([prompts[n] for n in names], params)),
+        strict=True))
+
+    async def warm(engine: AsyncEngine, rid: str, tokens: list[int]) -> None:
+        async for _ in engine.generate(Request(rid, tokens, SamplingParams(max_tokens=1))):
+            pass
+
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        await warm(pipe.prefill_engine, "w-p", stems["prefill"])
+        await warm(pipe.decode_engine, "w-d", stems["decode"])
+        await warm(pipe.prefill_engine, "w-bp", stems["both"])
+        await warm(pipe.decode_engine, "w-bd", stems["both"])
+        got, cached, hits = {}, {}, {}
+        for seg, name in zip([2, 3, 2, 3], names, strict=True):
+            pipe.prefill.segment_pages = seg
+            before = pipe.decode.stats.hit_tokens
+            chunks = await pipe.generate(name, prompts[name], 8)
+            got[name], cached[name] = tokens_of(chunks), chunks[-1].usage.cached_tokens
+            hits[name] = pipe.decode.stats.hit_tokens - before
+        await pipe.assert_no_kv_in_use()
+    assert got == expected
+    assert cached["none"] == cached["decode"] == 0 and cached["prefill"] > 0 and cached["both"] > 0
+    assert hits["none"] == hits["prefill"] == 0 and hits["decode"] > 0 and hits["both"] > 0
+
+
+@pytest.mark.unit
+def test_the_engine_side_of_the_hand_off_imports_neither_protos_nor_the_transfer_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, libs.engine.disagg, libs.engine.core, libs.engine.async_engine; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'protos' or m.startswith('libs.transfer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"

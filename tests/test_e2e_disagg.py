@@ -297,3 +297,50 @@ async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_
         await client.close()
     finally:
         topo.stop()
+
+
+async def test_sigkill_prefill_mid_stream_errors_the_client_and_decode_frees(nats_server, tmp_path):
+    """The prefill dies while a long prompt is computed and its KV streams out (decode holds the reservation
+    and part of the KV): the client gets an explicit error within the bound, and decode frees every page
+    (its transfer fails when the connection drops) and serves on with a new prefill."""
+    topo = topology(nats_server.url, tmp_path)
+    try:
+        # 8-token chunks: a 1200-token prompt takes 150 prefill steps, seconds on this box (the decode SWA pool
+        # must hold the whole prompt while it arrives)
+        topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 1},
+                            {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "8"},
+                             "decode": {"WINDSERVE_NUM_SWA_PAGES": "512"}})
+        client = topo.client()
+        progress: dict[int, int] = {}
+        long = asyncio.create_task(_stream_tokens(client, prompt(400, 1200), 8, progress, 0))
+
+        def decode_load() -> dict:
+            return next((i.get("load") or {}) for i in topo.health()["instances"] if i["role"] == "decode")
+        # the reservation is visible in decode's load: admitted (running) and pages in use, no token yet
+        await _until(lambda: decode_load().get("running") == 1 and decode_load().get("kv_full_used", 0) > 0, 30,
+                     lambda: f"decode never held the reservation: {decode_load()}", [long])
+        assert not progress
+        topo.procs["prefill-0"].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        result, toks, at = await long
+        assert result.startswith("error") and not toks, result
+        assert at - killed_at < KILL_BOUND_S, f"error after {at - killed_at:.1f}s: {result}"
+        await _until(lambda: decode_load().get("running") == 0 and decode_load().get("kv_full_used") == 0, 10,
+                     lambda: f"decode kept the dead prefill's pages: {decode_load()}")
+        assert int((await topo.details("decode-0"))["kv_failures"]) == 1
+        topo.procs.pop("prefill-0").wait(5)  # reaped: wait_ready fails on an exited child
+        topo.start("prefill-1", "prefill")
+        topo.wait_ready(90)
+        ids = prompt(401, 30)
+        deadline = time.monotonic() + 15  # the router drops the dead prefill once its registry entry expires
+        while True:
+            try:
+                got = await complete_ids(client, ids, 5)
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline, "no request served after the prefill was replaced"
+                await asyncio.sleep(0.5)
+        assert len(got) == 5
+        await client.close()
+    finally:
+        topo.stop()

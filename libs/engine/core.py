@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.config import EngineConfig
-from libs.engine.request import Request, RequestOutput
+from libs.engine.request import PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
@@ -135,11 +135,25 @@ class EngineCore:
         sampled = self._sample(plan, logits)
         self.scheduler.observe_step(plan, time.perf_counter() - t0)
         outputs = self.scheduler.update(plan, sampled)
+        self._report_progress(plan)
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.req_id)
         self.num_steps += 1
         return outputs
+
+    def _report_progress(self, plan) -> None:
+        """Call the on_progress hooks of the requests this step computed (after update committed it)."""
+        for item in plan.seqs:
+            seq = self.scheduler.seqs.get(item.req_id)
+            if seq is None or seq.req.on_progress is None or seq.status is SeqStatus.WAITING:
+                continue  # no hook, finished or preempted: nothing of this step is held
+            full, swa = self.cache.page_tables(seq.req_id)
+            try:
+                seq.req.on_progress(PrefillProgress(seq.num_computed, full, swa))
+            except Exception:  # a hook must not stop the step loop: fail its request instead
+                log.exception("on_progress hook of request %s failed; aborting it", seq.req_id)
+                self.abort(seq.req_id)
 
     def _sample(self, plan, logits: torch.Tensor) -> dict[str, SampledToken]:
         rows = [s.req_id for s in plan.seqs if s.sample]

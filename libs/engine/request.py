@@ -7,6 +7,7 @@ engine step hands back per request (the tokens produced in that step).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -74,6 +75,9 @@ class Request:
 
     prefill_only: stop after the first token and keep the KV pages until `EngineCore.release()`
     (used by a disaggregated prefill worker that ships the KV to a decode worker).
+    on_progress: called on the engine thread after every step that computed some of this request's KV
+    (once that step is committed), with a `PrefillProgress`. It runs inside the step loop: it must be quick
+    and must not raise (the engine logs and aborts the request if it does).
     """
 
     req_id: str
@@ -81,6 +85,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
     prefill_only: bool = False
+    on_progress: Callable[[PrefillProgress], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
@@ -88,6 +93,17 @@ class Request:
             raise ValueError("Request.req_id must be a non-empty string")
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id!r}: prompt_token_ids is empty")
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """A request's KV after a committed step: tokens [0, num_computed) are final in these pages (logical page
+    j -> physical page id; -1 in `swa_pages` where no SWA KV is held). Valid during the hook call only:
+    the next step may preempt the request and reuse the pages."""
+
+    num_computed: int
+    full_pages: Sequence[int]
+    swa_pages: Sequence[int]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
     wire.py     wire (protos) <-> engine conversions: params, refusals, chunks, logprobs, load
     metrics.py  Outcomes and the Prometheus gauges every engine role exports
     service.py  EngineWorkerService / DisaggWorkerService: setup, aborts, load, registry, health, teardown
+    kv_stream.py the hand-off's service side: engine payload specs as transfer LayerSpecs, KVSender (prefill)
 
 The roles keep only their own logic in services/{worker,prefill,decode}. docs/worker.md has the request
 task lifecycle, the abort and drain rules and the metrics list. Names are loaded lazily, so importing the

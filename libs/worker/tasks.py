@@ -52,6 +52,10 @@ class RequestTasks:
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._tasks))
 
+    def get(self, request_id: str) -> asyncio.Task[None] | None:
+        """The running task of `request_id`, if any."""
+        return self._tasks.get(request_id)
+
     def remembers_abort(self, request_id: str) -> bool:
         """Has an abort for `request_id` arrived before the request itself?"""
         return request_id in self._aborted

@@ -1,19 +1,23 @@
-"""Decode role logic: admit a shipped request, receive its KV, decode, stream TokenChunks.
+"""Decode role logic: reserve pages for a prompt prefill is about to compute, receive its KV while it
+streams in, take over with the first token, decode, stream TokenChunks.
 
 IO is injected (`publish`), so the same code runs under NATS in the service and in-process in tests.
 
-One request (`prepare()` answers the prefill worker after step 2; the rest runs in the background):
+One request, top to bottom in `_run()` (`prepare()` answers the prefill worker after step 3, `commit()`
+feeds step 4; the rest runs in the background; every wait bounded):
   1. admit into both pools through the engine thread (prefix hit on this worker + pages for the rest);
-  2. register the incoming transfer with the reserved pool pages as destinations;
-  3. publish the first token (sampled by prefill) at once;
-  4. wait (bounded) for every layer to land, then activate: the sequence joins the running batch;
-  5. stream one chunk per engine output; the engine caches the finished sequence (prompt + output),
+  2. register the incoming transfer with the reserved pool pages as destinations (the sender's header
+     must equal this worker's own streamed plan);
+  3. answer kv_prepare: hit tokens + transfer address; prefill starts computing and streaming;
+  4. wait for prefill's kv_commit while the segments land: each pause (until the header or the next layer,
+     after the last layer until the commit) is bounded by transfer_timeout_s, and a failed transfer (prefill
+     died or aborted) ends the wait at once. A commit that cancels: free everything, publish nothing;
+  5. wait (bounded) until every layer has landed, then activate: the sequence joins the running batch
+     with the first token (sampled by prefill), which is published now;
+  6. stream one chunk per engine output; the engine caches the finished sequence (prompt + output),
      so a follow-up turn sent here hits and needs fewer pages shipped.
 Any failure before the end -> the engine request is aborted (frees its pages), the incoming transfer is
 cancelled (the sender stops), an error chunk is published.
-Each request is one task of the engine-worker base's registry (libs/worker/tasks.py): an abort cancels it,
-an abort that arrived before kv_prepare means nothing is admitted (the stream gets the abort chunk and
-kv_prepare is refused), and a draining service cancels what is left after its bound.
 """
 
 from __future__ import annotations
@@ -27,10 +31,19 @@ from dataclasses import dataclass
 from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
-from libs.transfer import IncomingTransfer, KVTransferEngine
+from libs.transfer import IncomingTransfer, KVTransferEngine, TransferHeader
 from libs.worker.tasks import DuplicateRequest, RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
-from protos.messages import FinishReason, KVPrepareReply, KVPrepareRequest, TokenChunk, Usage
+from protos.messages import (
+    FinishReason,
+    KVCommitReply,
+    KVCommitRequest,
+    KVPrepareReply,
+    KVPrepareRequest,
+    TokenChunk,
+    Usage,
+)
+from libs.worker.kv_stream import layer_specs
 
 log = logging.getLogger("windserve.decode")
 
@@ -53,15 +66,17 @@ class ReceiveStats:
     hit_tokens: int = 0
     failures: int = 0
     refused: int = 0  # kv_prepare answered "full" (the prefill tries another decode worker)
+    cancelled: int = 0  # reservations prefill cancelled (the first token ended the request, or prefill failed)
 
     def as_details(self) -> dict[str, str]:
         return {"kv_requests": str(self.requests), "kv_bytes_received": str(self.bytes_received),
                 "kv_hit_tokens": str(self.hit_tokens), "kv_failures": str(self.failures),
-                "kv_refused": str(self.refused)}
+                "kv_refused": str(self.refused), "kv_cancelled": str(self.cancelled)}
 
 
 class DecodeWorker:
-    """Serves kv_prepare. `engine` wraps a started DisaggEngineCore; `transfer` is a started engine."""
+    """Serves kv_prepare and kv_commit. `engine` wraps a started DisaggEngineCore; `transfer` is a started
+    engine. `transfer_timeout_s` bounds every pause of an incoming KV stream."""
 
     def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, publish: Publish, *,
                  transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0,
@@ -77,6 +92,7 @@ class DecodeWorker:
         self.admit_timeout_s = admit_timeout_s
         self.stats = ReceiveStats()
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
+        self._commits: dict[str, asyncio.Future[KVCommitRequest]] = {}  # open hand-offs, by request id
 
     def _chunk(self, request_id: str, **fields) -> TokenChunk:
         return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
@@ -85,8 +101,13 @@ class DecodeWorker:
     async def prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
         """Admit the request and expect its KV; returns once the transfer may start."""
         self._check_layout(msg)
-        ready: asyncio.Future[KVPrepareReply] = asyncio.get_running_loop().create_future()
-        task = self._spawn(msg, ready)
+        rid = msg.request_id
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[KVPrepareReply] = loop.create_future()
+        committed: asyncio.Future[KVCommitRequest] = loop.create_future()
+        task = self._spawn(msg, ready, committed)
+        self._commits[rid] = committed
+        task.add_done_callback(lambda _: self._commits.pop(rid, None))
         waiters: set[asyncio.Future] = {ready, task}
         await asyncio.wait(waiters, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
@@ -95,17 +116,31 @@ class DecodeWorker:
             except dg.DecodeFull as exc:
                 raise Unavailable(str(exc)) from exc  # the prefill may try another decode worker
         task.cancel()
-        raise PrepareRefused(f"request {msg.request_id!r} was not admitted within {self.admit_timeout_s}s")
+        raise PrepareRefused(f"request {rid!r} was not admitted within {self.admit_timeout_s}s")
+
+    async def commit(self, msg: KVCommitRequest) -> KVCommitReply:
+        """Prefill's first token (or its cancel) for an open hand-off. A cancel returns once the request has
+        ended here (its pages freed, nothing published), so the prefill's own final chunk is the last word."""
+        rid = msg.request_id
+        committed = self._commits.get(rid)
+        if committed is None or committed.done():
+            raise PrepareRefused(f"no hand-off of request {rid!r} is open on this decode worker")
+        committed.set_result(msg)
+        task = self.tasks.get(rid)
+        if msg.cancel and task is not None:
+            await asyncio.wait({task}, timeout=self.admit_timeout_s)
+        return KVCommitReply(request_id=rid)
 
     async def abort(self, request_id: str) -> bool:
         return await self.tasks.abort(request_id)
 
-    def _spawn(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply]) -> asyncio.Task[None]:
+    def _spawn(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply],
+               committed: asyncio.Future[KVCommitRequest]) -> asyncio.Task[None]:
         """The request's task: `_run`, or `_aborted` when its abort came first; PrepareRefused when the id is
         already here."""
         try:
-            return self.tasks.spawn(msg.request_id, self._run(msg, ready), aborted=self._aborted(msg, ready),
-                                    name=f"decode-{msg.request_id}")
+            return self.tasks.spawn(msg.request_id, self._run(msg, ready, committed),
+                                    aborted=self._aborted(msg, ready), name=f"decode-{msg.request_id}")
         except DuplicateRequest:
             raise PrepareRefused(f"request {msg.request_id!r} is already on this decode worker") from None
 
@@ -124,43 +159,49 @@ class DecodeWorker:
                                  f"this decode worker uses {cfg.page_size} / {cfg.dtype}")
 
     # ------------------------------------------------------------------ one request
-    async def _run(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply]) -> None:
+    async def _run(self, msg: KVPrepareRequest, ready: asyncio.Future[KVPrepareReply],
+                   committed: asyncio.Future[KVCommitRequest]) -> None:
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[dg.RemoteSlot] = loop.create_future()
 
         def on_admitted(slot: dg.RemoteSlot) -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, admitted, slot)
 
-        req = dg.RemoteRequest(msg.request_id, list(msg.token_ids), engine_params(msg.sampling),
-                               first_token=msg.first_token_id, on_admitted=on_admitted)
+        rid = msg.request_id
+        req = dg.RemoteRequest(rid, list(msg.token_ids), engine_params(msg.sampling), on_admitted=on_admitted)
         outputs: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(req, outputs), name=f"decode-pump-{msg.request_id}")
+        pump = asyncio.create_task(self._pump(req, outputs), name=f"decode-pump-{rid}")
         incoming: IncomingTransfer | None = None
         finished = False
         try:
-            slot = await self._admitted(admitted, pump, msg.request_id)
-            incoming = self.transfer.expect(msg.request_id, self._destinations(msg, slot))
-            ready.set_result(KVPrepareReply(request_id=msg.request_id, hit_tokens=slot.hit_tokens,
+            slot = await self._admitted(admitted, pump, rid)  # 1. pages reserved
+            destinations, num_layers = self._destinations(msg, slot)
+            incoming = self.transfer.expect(rid, destinations)  # 2. transfer expected
+            ready.set_result(KVPrepareReply(request_id=rid, hit_tokens=slot.hit_tokens,  # 3. prefill may start
                                             address=self.transfer.address))
-            await self.publish(msg.stream_subject, self._chunk(
-                msg.request_id, token_ids=[msg.first_token_id],
-                logprobs=[] if msg.first_logprob is None else [msg.first_logprob]))
-            stats = await incoming.wait(self.transfer_timeout_s)
+            commit = await self._await_commit(incoming, committed, num_layers)  # 4. KV streams in
+            if commit.cancel:
+                self.stats.cancelled += 1
+                return  # the cleanup below frees everything; prefill publishes the final chunk
+            stats = await incoming.wait(self.transfer_timeout_s)  # 5. every layer landed
             self.stats.requests += 1
             self.stats.bytes_received += stats.nbytes
             self.stats.hit_tokens += slot.hit_tokens
-            await self.engine.call(lambda core: core.activate(msg.request_id))
-            finished = await self._stream(msg, outputs, pump)
+            await self.engine.call(lambda core: core.activate(rid, commit.first_token_id))
+            await self.publish(msg.stream_subject, self._chunk(
+                rid, token_ids=[commit.first_token_id],
+                logprobs=[] if commit.first_logprob is None else [commit.first_logprob]))
+            finished = await self._stream(msg, commit, outputs, pump)  # 6.
         except asyncio.CancelledError:
             await self._final_error(msg, None)
             raise
         except Exception as exc:
             if isinstance(exc, dg.DecodeFull):
                 self.stats.refused += 1
-                log.info("decode refused: full", extra={"request": msg.request_id, "error": str(exc)})
+                log.info("decode refused: full", extra={"request": rid, "error": str(exc)})
             else:
                 self.stats.failures += 1
-                log.warning("decode failed", extra={"request": msg.request_id, "error": str(exc)})
+                log.warning("decode failed", extra={"request": rid, "error": str(exc)})
             if not ready.done():
                 ready.set_exception(exc)
             else:
@@ -186,25 +227,46 @@ class DecodeWorker:
         raise PrepareRefused(f"engine did not admit {request_id!r} within {self.admit_timeout_s}s")
 
     def _destinations(self, msg: KVPrepareRequest, slot: dg.RemoteSlot):
+        """The transfer's destinations (a header check returning this worker's pool pages for its own plan)
+        and the number of layer payloads in that plan."""
         core = self.core
-        plan = dg.plan_shipment(len(msg.token_ids), core.config.page_size, core.cache.cfg.window, slot.hit_tokens)
-        layers = dg.shipment_layers(core.model_config.layer_is_swa, plan, slot.full_table, slot.swa_table)
-        kv = core.runner.kv
-        specs = dg.layer_specs(kv, layers)
-        dests = [dg.destination_views(kv, lp) for lp in layers]
+        plan = dg.plan_stream(len(msg.token_ids), core.config.page_size, core.cache.cfg.window, slot.hit_tokens,
+                              msg.segment_pages)
+        kv, layer_is_swa = core.runner.kv, core.model_config.layer_is_swa
+        specs = tuple(layer_specs(dg.stream_specs(kv, layer_is_swa, plan)))
+        dests = dg.stream_destinations(kv, layer_is_swa, plan, slot.full_table, slot.swa_table)
 
-        def check(header):  # the sender's plan must be ours, or bytes would land in the wrong pages
-            if tuple(header.layers) != tuple(specs):
+        def check(header: TransferHeader):  # the sender's plan must be ours, or bytes would land in the wrong pages
+            if tuple(header.layers) != specs:
                 raise ValueError(f"request {msg.request_id}: header layers differ from the decode plan")
             return dests
 
-        return check
+        return check, len(specs)
+
+    async def _await_commit(self, incoming: IncomingTransfer, committed: asyncio.Future[KVCommitRequest],
+                            num_layers: int) -> KVCommitRequest:
+        """Prefill's kv_commit, which comes once its prompt is computed (and normally after the last layer).
+        Until then every layer must land within transfer_timeout_s of the previous one (the first: of the
+        prepare), and the commit within transfer_timeout_s of the last layer; a failed transfer raises at once."""
+        for position in range(num_layers):
+            layer = asyncio.ensure_future(incoming.layer(position, self.transfer_timeout_s))
+            waiters: set[asyncio.Future] = {layer, committed}
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                layer.cancel()  # (the transfer's own future is shielded: only this wait ends)
+            if committed.done():
+                return committed.result()
+            layer.result()  # raises the transfer's failure (or its timeout, which cancelled it)
+        async with asyncio.timeout(self.transfer_timeout_s):
+            return await asyncio.shield(committed)
 
     async def _pump(self, req: dg.RemoteRequest, outputs: asyncio.Queue) -> None:
         async for out in self.engine.generate(req):
             outputs.put_nowait(out)
 
-    async def _stream(self, msg: KVPrepareRequest, outputs: asyncio.Queue, pump: asyncio.Task) -> bool:
+    async def _stream(self, msg: KVPrepareRequest, commit: KVCommitRequest, outputs: asyncio.Queue,
+                      pump: asyncio.Task) -> bool:
         """Publish engine outputs until the finished one; True when the request finished normally."""
         completion = 1
         while True:
@@ -221,7 +283,7 @@ class DecodeWorker:
             usage = None
             if out.finished:
                 usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=completion,
-                              cached_tokens=msg.prefill_cached_tokens)
+                              cached_tokens=commit.prefill_cached_tokens)
             await self.publish(msg.stream_subject, self._chunk(
                 msg.request_id, token_ids=list(out.new_token_ids),
                 logprobs=[wire_logprob(lp) for lp in out.logprobs or ()],

@@ -1,5 +1,6 @@
 """Wiring of the decode service: the disaggregated engine-worker base (libs/worker) over a DisaggEngineCore,
-serving `windserve.worker.<id>.kv_prepare`; the admitted request receives its KV and streams tokens."""
+serving `windserve.worker.<id>.kv_prepare` and `.kv_commit`; the admitted request receives its KV and streams
+tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from libs.bus import Unavailable
 from libs.engine.disagg import DisaggEngineCore
 from libs.worker.service import DisaggWorkerService
 from protos import subjects
-from protos.messages import KVPrepareReply, KVPrepareRequest, Role
+from protos.messages import KVCommitReply, KVCommitRequest, KVPrepareReply, KVPrepareRequest, Role
 from services.decode import handlers
 from services.decode.config import DecodeConfig
 
@@ -28,6 +29,8 @@ class DecodeService(DisaggWorkerService):
                                             admit_timeout_s=self.config.prepare_timeout_s, tasks=self.tasks)
         await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
                              self._prepare)
+        await self.bus.serve(subjects.kv_commit(self.config.namespace, self.config.instance_id), KVCommitRequest,
+                             self._commit)
 
     def role_details(self) -> dict[str, str]:
         return self.worker.stats.as_details() if self.worker is not None else {}
@@ -43,3 +46,7 @@ class DecodeService(DisaggWorkerService):
             raise
         self.outcomes.accepted += 1
         return reply
+
+    async def _commit(self, msg: KVCommitRequest) -> KVCommitReply:
+        assert self.worker is not None
+        return await self.worker.commit(msg)  # also while draining: it ends a hand-off already in flight

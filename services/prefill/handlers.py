@@ -1,19 +1,22 @@
-"""Prefill role logic: prefill-only engine run, then the KV hand-off to the chosen decode worker.
+"""Prefill role logic: reserve on a decode worker, prefill while the KV streams there, hand over the first token.
 
-IO is injected (`prepare`: ask a decode worker to admit; `publish`: a TokenChunk to the gateway), so the
-same code runs under NATS in the service and in-process in tests.
+IO is injected (`prepare` / `commit`: request/reply to a decode worker; `publish`: a TokenChunk to the
+gateway), so the same code runs under NATS in the service and in-process in tests.
 
-Lifecycle of one request (each wait bounded):
-  1. prefill-only engine run -> first token, KV held in this engine;
-  2. the first token already ends the request (EOS / stop / max_tokens=1): publish it, done;
-  3. kv_prepare to the decode worker -> which prefix it already holds, where to send;
-  4. stream the missing pages layer by layer over the transfer engine;
-  5. always: release the held KV into the prefix cache (it is valid whatever happened downstream).
-A failure in 3-4 is published on the stream as an error chunk (the decode side, when alive, publishes
-its own; the gateway keeps the first final chunk).
-Each request is one task of the engine-worker base's registry (libs/worker/tasks.py): an abort cancels it
-(cleanup in run()'s `finally`), an abort that arrived before the request means it never runs and its stream
-gets the abort chunk, and a draining service cancels what is left after its bound.
+One request, top to bottom in `run()` (every wait bounded):
+  1. kv_prepare to the routed decode worker, before any compute: it reserves pages for the prompt and
+     answers its prefix hit and its transfer address (a full one: ask the router for another);
+  2. open the transfer; its header is the whole streamed plan: segments of full-layer pages, then a last
+     segment with the rest and the SWA window (libs/engine/disagg/plan.py);
+  3. prefill-only engine run: after each step the engine thread copies out the segments that are now
+     computed, and they are sent while the next chunk computes; the last one when the prompt is done;
+  4. the first token already ends the request (EOS / stop / max_tokens=1): publish it, done;
+  5. finish the transfer (every byte landed on decode), then kv_commit the first token: decode
+     publishes it and decodes on (it owns the stream from here);
+  6. always (`_clean_up`): stop the transfer and cancel decode's reservation unless committed, release
+     the held KV into the prefix cache (valid whatever happened downstream).
+A failure publishes an error chunk first, then cancels the decode reservation (decode then publishes
+nothing); a prefill that dies instead is noticed by decode through its transfer (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -21,14 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from libs.bus import RemoteError
-from libs.engine import AsyncEngine, Request
+from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
-from libs.engine.core import HeldPrefill
 from libs.transfer import KVTransferEngine, TransferStats
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
@@ -37,15 +38,20 @@ from protos.messages import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
+    KVCommitReply,
+    KVCommitRequest,
     KVPrepareReply,
     KVPrepareRequest,
     TokenChunk,
+    TokenLogprob,
     Usage,
 )
+from libs.worker.kv_stream import KVSender, layer_specs
 
 log = logging.getLogger("windserve.prefill")
 
 Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
+Commit = Callable[[str, KVCommitRequest], Awaitable[KVCommitReply]]
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 # (request id, prompt tokens, decode workers that refused it) -> another decode worker's instance id
 Reroute = Callable[[str, int, list[str]], Awaitable[str]]
@@ -66,7 +72,7 @@ class HandoffStats:
     requests: int = 0
     bytes_sent: int = 0
     full_equivalent_bytes: int = 0
-    transfer_seconds: float = 0.0
+    transfer_seconds: float = 0.0  # time spent sending (send_layer / finish), overlapped with the prefill
     failures: int = 0
     rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full"
 
@@ -85,22 +91,43 @@ class DecodesFull(HandoffError):
     """Every decode worker tried had no room for the request (or none other was found): retry later."""
 
 
+@dataclass
+class _Handoff:
+    """What one request holds on the way; `PrefillWorker._clean_up` gives back whatever is left."""
+
+    decode: str = ""  # the decode worker holding a reservation for it
+    sender: KVSender | None = None  # the open transfer to that worker
+    held: bool = False  # this engine holds the prompt's KV (prefill-only request done, not released)
+    committed: bool = False  # decode took the first token: it owns the request and its stream
+
+
+First = tuple[int, TokenLogprob | None, int]  # first token, its logprob (wire form), prompt tokens cached here
+
+
 class PrefillWorker:
-    """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine."""
+    """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine.
+
+    segment_pages: full-layer pages per streamed KV segment (None: one engine step's worth,
+    max_num_batched_tokens // page_size; 0: one segment, sent once the whole prompt is computed)."""
 
     def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, prepare: Prepare,
-                 publish: Publish, *,
-                 prepare_timeout_s: float = 10.0, transfer_timeout_s: float = 60.0, reroute: Reroute | None = None,
-                 decode_attempts: int = 3, tasks: RequestTasks | None = None) -> None:
+                 publish: Publish, *, commit: Commit, prepare_timeout_s: float = 10.0,
+                 transfer_timeout_s: float = 60.0, reroute: Reroute | None = None, decode_attempts: int = 3,
+                 segment_pages: int | None = None, tasks: RequestTasks | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
         self.prepare = prepare
+        self.commit = commit
         self.publish = publish
         self.prepare_timeout_s = prepare_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.reroute = reroute
         self.decode_attempts = decode_attempts
+        cfg = engine.core.config
+        if segment_pages is None:
+            segment_pages = max(1, cfg.max_num_batched_tokens // cfg.page_size)
+        self.segment_pages = segment_pages
         self.stats = HandoffStats()
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
 
@@ -119,25 +146,28 @@ class PrefillWorker:
                                 name=f"prefill-{req.request_id}")
 
     async def abort(self, request_id: str) -> bool:
-        """Client went away: stop computing / sending; the held KV is released by run()'s cleanup."""
+        """Client went away: stop computing / sending; run()'s cleanup frees the rest."""
         return await self.tasks.abort(request_id)
 
     async def run(self, req: GenerateRequest) -> None:
-        """The whole lifecycle of one request; never raises (errors go to the stream)."""
-        prefilled = False
+        """The whole lifecycle of one request (module doc); never raises (errors go to the stream)."""
+        h = _Handoff()
         try:
-            first = await self._prefill(req)
+            h.decode, reply = await self._prepare_decode(req)  # 1. decode reserves pages
+            h.sender = await self._open_stream(req, reply)  # 2. the transfer, its header = the whole plan
+            first = await self._prefill(req, h)  # 3. compute; segments leave as they are done
             if first is None:
-                return
-            prefilled = True  # the engine holds the prompt's KV from here on, until released below
+                return  # the engine ended the request (its final chunk is out)
             token, logprob, cached = first
-            params = engine_params(req.sampling)
-            reason = await self.engine.call(lambda core: dg.first_token_finishes(core, params, token))
+            reason = await self._settle(req, token)  # 4. does the first token end it? (KV released)
+            h.held = False
             if reason is not None:
                 await self._publish_final(req, token, logprob, reason, cached)
                 return
-            held = await self.engine.call(lambda core: core.held_prefill(req.request_id))
-            await self._hand_off(req, held, token, logprob, cached)
+            stats = await self._finish_stream(h)  # 5. every byte landed on decode,
+            await self._commit(req, h.decode, first)  # then decode takes the stream over
+            h.committed = True
+            self._count(req, h.sender, stats)
         except asyncio.CancelledError:
             await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ABORT))
             raise
@@ -148,49 +178,24 @@ class PrefillWorker:
             await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error,
                                                       retryable=isinstance(exc, DecodesFull)))
         finally:
-            if prefilled:  # also when an abort lands between the prefill and the hand-off
-                await self._release(req.request_id)
+            await self._clean_up(req.request_id, h)  # 6.
 
-    # ------------------------------------------------------------------ steps
-    async def _prefill(self, req: GenerateRequest):
-        """(first token, its logprob, cached tokens), or None when the engine aborted the request."""
-        ereq = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), prefill_only=True)
-        outs = [o async for o in self.engine.generate(ereq)]  # one output: the first token (or a failure)
-        out = outs[-1]
-        if out.finish_reason is not dg.FinishReason.PREFILLED:
-            # Aborted, or too long for this engine's pools (finished as length with no token).
-            await self.publish(req.stream_subject, self._chunk(
-                req.request_id, token_ids=list(out.new_token_ids),
-                finish_reason=wire_finish(out.finish_reason),
-                usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
-            return None
-        lp = out.logprobs[0] if out.logprobs else None
-        return out.new_token_ids[0], lp, out.num_cached_tokens
-
-    async def _hand_off(self, req: GenerateRequest, held: HeldPrefill, token: int, logprob, cached: int) -> None:
+    # ------------------------------------------------------------------ 1. decode reservation
+    async def _prepare_decode(self, req: GenerateRequest) -> tuple[str, KVPrepareReply]:
+        """kv_prepare on the routed decode worker; when it answers "full" (UNAVAILABLE), ask the router for
+        another one, up to decode_attempts workers in all. Returns the worker that took it and its reply."""
         core = self.engine.core
         prep = KVPrepareRequest(
-            request_id=req.request_id, token_ids=list(req.token_ids), first_token_id=token,
-            first_logprob=None if logprob is None else wire_logprob(logprob), sampling=req.sampling,
+            request_id=req.request_id, token_ids=list(req.token_ids), sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
-            prefill_instance=self.instance_id, prefill_cached_tokens=cached)
-        reply = await self._prepare_decode(req, prep)
-        stats = await self._send(req.request_id, held, reply)
-        self.stats.requests += 1
-        self.stats.bytes_sent += stats.nbytes
-        self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
-            core.runner.kv, core.model_config.layer_is_swa, held.num_computed)
-        self.stats.transfer_seconds += stats.seconds
-
-    async def _prepare_decode(self, req: GenerateRequest, prep: KVPrepareRequest) -> KVPrepareReply:
-        """kv_prepare on the routed decode worker; when it answers "full" (UNAVAILABLE), ask the router for
-        another one, up to decode_attempts workers in all."""
+            segment_pages=self.segment_pages, prefill_instance=self.instance_id)
         decode, refused = req.decode_instance, []
         while True:
             try:
                 async with asyncio.timeout(self.prepare_timeout_s):
-                    return await self.prepare(decode, prep)
+                    return decode, await self.prepare(decode, prep)
             except TimeoutError:
+                await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
                 raise HandoffError(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
             except Exception as exc:
@@ -208,39 +213,127 @@ class PrefillWorker:
                 self.stats.rerouted += 1
                 log.info("hand-off rerouted", extra={"request": req.request_id, "refused": refused, "to": decode})
 
-    async def _send(self, request_id: str, held: HeldPrefill, reply: KVPrepareReply) -> TransferStats:
+    # ------------------------------------------------------------------ 2-3. transfer and prefill
+    async def _open_stream(self, req: GenerateRequest, reply: KVPrepareReply) -> KVSender:
         core = self.engine.core
-        kv = core.runner.kv
-        plan = dg.plan_shipment(held.num_computed, core.config.page_size, core.cache.cfg.window, reply.hit_tokens)
-        layers = dg.shipment_layers(core.model_config.layer_is_swa, plan, held.full_pages, held.swa_pages)
-        start = time.perf_counter()
+        kv, layer_is_swa = core.runner.kv, core.model_config.layer_is_swa
+        plan = dg.plan_stream(len(req.token_ids), core.config.page_size, core.cache.cfg.window, reply.hit_tokens,
+                              self.segment_pages)
         try:
             async with asyncio.timeout(self.transfer_timeout_s):
-                tx = await self.transfer.begin_send(reply.address, request_id, dg.layer_specs(kv, layers))
-                try:
-                    for lp in layers:
-                        await tx.send_layer(dg.gather_layer(kv, lp))
-                    return await tx.finish()
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        await tx.abort("prefill stopped sending")
-                    raise
+                tx = await self.transfer.begin_send(reply.address, req.request_id,
+                                                    layer_specs(dg.stream_specs(kv, layer_is_swa, plan)))
         except TimeoutError:
-            raise HandoffError(f"KV transfer to {reply.address} exceeded {self.transfer_timeout_s}s "
-                               f"(after {time.perf_counter() - start:.1f}s)") from None
-        except asyncio.CancelledError:
-            raise
+            raise HandoffError(f"KV transfer to {reply.address} was not accepted within "
+                               f"{self.transfer_timeout_s}s") from None
         except Exception as exc:
             raise HandoffError(f"KV transfer to {reply.address} failed: {exc}") from exc
+        return KVSender(tx, reply.address, kv, layer_is_swa, plan, self.transfer_timeout_s)
 
-    async def _release(self, request_id: str) -> None:
-        with contextlib.suppress(KeyError):
-            await self.engine.call(lambda core: core.release(request_id, cache=True))
+    async def _prefill(self, req: GenerateRequest, h: _Handoff) -> First | None:
+        """Run the prompt prefill-only, its KV segments streaming out as they are computed; stops early when
+        the stream breaks (decode gone or cancelled). None when the engine ended the request (aborted, or too
+        long for this engine's pools): its final chunk is published here."""
+        assert h.sender is not None
+        ereq = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), prefill_only=True,
+                       on_progress=h.sender.collector)
+        run = asyncio.ensure_future(self._last_output(ereq))
+        try:
+            await asyncio.wait({run, h.sender.task}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():  # the stream ended first: fine when every segment is sent, else stop computing
+                failure = h.sender.task.exception()
+                if failure is not None:
+                    raise self._stream_error(h, failure)
+            out = await run  # bounded by the engine's output timeout
+        finally:
+            if not run.done():
+                run.cancel()  # leaving engine.generate() aborts the engine request: its pages are freed
+                await asyncio.wait({run}, timeout=10)
+        if out.finish_reason is not dg.FinishReason.PREFILLED:
+            await self.publish(req.stream_subject, self._chunk(
+                req.request_id, token_ids=list(out.new_token_ids), finish_reason=wire_finish(out.finish_reason),
+                usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
+            return None
+        h.held = True  # the engine keeps the prompt's KV until released (every segment is copied out by now)
+        lp = wire_logprob(out.logprobs[0]) if out.logprobs else None
+        return out.new_token_ids[0], lp, out.num_cached_tokens
 
-    async def _publish_final(self, req: GenerateRequest, token: int, logprob, reason, cached: int) -> None:
+    async def _last_output(self, ereq: Request) -> RequestOutput:
+        outs = [o async for o in self.engine.generate(ereq)]  # one output: the first token (or a failure)
+        return outs[-1]
+
+    def _stream_error(self, h: _Handoff, exc: BaseException) -> HandoffError:
+        address = h.sender.address if h.sender is not None else "?"
+        if isinstance(exc, TimeoutError):
+            return HandoffError(f"KV transfer to {address}: no layer sent within {self.transfer_timeout_s}s")
+        return HandoffError(f"KV transfer to {address} failed: {exc}")
+
+    # ------------------------------------------------------------------ 4-5. first token
+    async def _settle(self, req: GenerateRequest, token: int) -> dg.FinishReason | None:
+        """Does the first token end the request? The same engine call releases the held KV into the prefix
+        cache: every segment has been copied out of it."""
+        params, request_id = engine_params(req.sampling), req.request_id
+
+        def settle(core) -> dg.FinishReason | None:  # engine thread
+            reason = dg.first_token_finishes(core, params, token)
+            core.release(request_id, cache=True)
+            return reason
+
+        return await self.engine.call(settle)
+
+    async def _finish_stream(self, h: _Handoff) -> TransferStats:
+        assert h.sender is not None
+        try:
+            return await h.sender.finish(self.transfer_timeout_s)
+        except Exception as exc:
+            raise self._stream_error(h, exc) from exc
+
+    async def _commit(self, req: GenerateRequest, decode: str, first: First) -> None:
+        token, logprob, cached = first
+        msg = KVCommitRequest(request_id=req.request_id, first_token_id=token, first_logprob=logprob,
+                              prefill_cached_tokens=cached)
+        try:
+            async with asyncio.timeout(self.prepare_timeout_s):
+                await self.commit(decode, msg)
+        except TimeoutError:
+            raise HandoffError(f"decode {decode} did not answer kv_commit within {self.prepare_timeout_s}s") from None
+        except Exception as exc:
+            raise HandoffError(f"decode {decode} did not take the first token: {exc}") from exc
+
+    def _count(self, req: GenerateRequest, sender: KVSender, stats: TransferStats) -> None:
+        core = self.engine.core
+        self.stats.requests += 1
+        self.stats.bytes_sent += stats.nbytes
+        self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
+            core.runner.kv, core.model_config.layer_is_swa, len(req.token_ids))
+        self.stats.transfer_seconds += sender.send_seconds
+
+    # ------------------------------------------------------------------ 6. cleanup
+    async def _clean_up(self, request_id: str, h: _Handoff) -> None:
+        """Give back what the request still holds. Decode's reservation is cancelled before the transfer is
+        aborted, so decode ends quietly (the final chunk is already out) instead of reporting a failure."""
+        if h.sender is not None:
+            h.sender.task.cancel()  # no more segments
+        if h.decode and not h.committed:
+            await self._cancel_decode(request_id, h.decode)
+        if h.sender is not None:
+            await h.sender.abort("prefill stopped sending")  # a no-op once finished
+        if h.held:
+            with contextlib.suppress(KeyError):
+                await self.engine.call(lambda core: core.release(request_id, cache=True))
+
+    async def _cancel_decode(self, request_id: str, decode: str) -> None:
+        try:
+            async with asyncio.timeout(self.prepare_timeout_s):
+                await self.commit(decode, KVCommitRequest(request_id=request_id, cancel=True))
+        except Exception as exc:  # decode gone or done: its transfer fails (aborted below) and frees
+            log.info("could not cancel the decode reservation",
+                     extra={"request": request_id, "decode": decode, "error": repr(exc)})
+
+    async def _publish_final(self, req: GenerateRequest, token: int, logprob: TokenLogprob | None, reason,
+                             cached: int) -> None:
         await self.publish(req.stream_subject, self._chunk(
-            req.request_id, token_ids=[token],
-            logprobs=[] if logprob is None else [wire_logprob(logprob)],
+            req.request_id, token_ids=[token], logprobs=[] if logprob is None else [logprob],
             finish_reason=wire_finish(reason),
             usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached)))
 

@@ -8,6 +8,8 @@ from protos import subjects
 from protos.messages import (
     AckStatus,
     GenerateRequest,
+    KVCommitReply,
+    KVCommitRequest,
     KVPrepareReply,
     KVPrepareRequest,
     Role,
@@ -30,9 +32,10 @@ class PrefillService(DisaggWorkerService):
         assert self.engine is not None
         cfg = self.config
         self.worker = handlers.PrefillWorker(
-            self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish,
+            self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish, commit=self._commit,
             prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s,
-            reroute=self._reroute, decode_attempts=cfg.decode_attempts, tasks=self.tasks)
+            reroute=self._reroute, decode_attempts=cfg.decode_attempts, segment_pages=cfg.kv_segment_pages,
+            tasks=self.tasks)
         await self.serve_generate(self.worker.submit)
 
     def role_refusal(self, req: GenerateRequest) -> tuple[AckStatus, str] | None:
@@ -48,6 +51,11 @@ class PrefillService(DisaggWorkerService):
     async def _prepare(self, decode_instance: str, msg: KVPrepareRequest) -> KVPrepareReply:
         assert self.bus is not None
         return await self.bus.request(subjects.kv_prepare(self.config.namespace, decode_instance), msg, KVPrepareReply,
+                                      timeout=self.config.prepare_timeout_s)
+
+    async def _commit(self, decode_instance: str, msg: KVCommitRequest) -> KVCommitReply:
+        assert self.bus is not None
+        return await self.bus.request(subjects.kv_commit(self.config.namespace, decode_instance), msg, KVCommitReply,
                                       timeout=self.config.prepare_timeout_s)
 
     async def _reroute(self, request_id: str, num_tokens: int, refused: list[str]) -> str:

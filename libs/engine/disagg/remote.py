@@ -1,0 +1,141 @@
+"""The engine cores' side of the hand-off.
+
+Prefill: `first_token_finishes` (does the token a prefill-only request sampled already end it?).
+
+Decode: `DisaggEngineCore` is an EngineCore that also accepts a `RemoteRequest`, whose prompt KV is
+computed elsewhere. Admission reserves pages in both pools right away (the pages the transfer writes
+into); the sequence then waits outside the scheduler (`pending`) until `activate()` (KV landed, first
+token known) puts it into the running set as a decoding sequence. Because a RemoteRequest goes through
+`add_request`, the stock `AsyncEngine.generate()` streams its outputs and aborts it when the caller walks
+away; `abort()` of a pending request frees every page reserved for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+from dataclasses import dataclass, field
+
+from libs.engine.core import EngineCore, EngineLoad
+from libs.engine.request import FinishReason, Request, SamplingParams
+from libs.engine.scheduler import Seq, SeqStatus
+from libs.engine.stopping import check_stop
+
+
+# ---------------------------------------------------------------------------------------------- prefill side
+def first_token_finishes(core: EngineCore, params: SamplingParams, first_token: int) -> FinishReason | None:
+    """Does the token prefill sampled already end the request (EOS, stop token/string, max_tokens=1)?"""
+    sch = core.scheduler
+    return check_stop([first_token], 0, params, sch.eos_token_ids, sch.decode)
+
+
+# ---------------------------------------------------------------------------------------------- decode side
+class DecodeFull(ValueError):
+    """This decode engine has no room for the request now (sequences or KV pages); another one may."""
+
+
+@dataclass(frozen=True)
+class RemoteSlot:
+    """Pages the decode engine reserved for a remote prompt; `*_table` map logical -> physical page."""
+
+    req_id: str
+    hit_tokens: int
+    full_table: tuple[int, ...]
+    swa_table: tuple[int, ...]
+
+
+@dataclass
+class RemoteRequest(Request):
+    """A request whose prompt KV is computed by a prefill worker and shipped here. Its first output token is
+    the one prefill sampled, given to `activate()`; the engine's outputs start with the second.
+
+    on_admitted: called on the engine thread with the RemoteSlot once both pools reserved the prompt's
+    pages (the transfer's destinations).
+    """
+
+    on_admitted: Callable[[RemoteSlot], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefill_only:
+            raise ValueError(f"remote request {self.req_id!r} cannot be prefill_only")
+
+
+@dataclass
+class _Pending:
+    req: RemoteRequest
+    hit_tokens: int
+
+
+class DisaggEngineCore(EngineCore):
+    """EngineCore that also admits RemoteRequests (decode role). Same thread rules as EngineCore."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, _Pending] = {}
+        self._remote_order = 1 << 40  # admit_order of remote sequences (newest = first preemption victim)
+
+    def add_request(self, req: Request) -> None:
+        if not isinstance(req, RemoteRequest):
+            super().add_request(req)
+            return
+        slot = self._admit_remote(req)
+        if req.on_admitted is not None:
+            req.on_admitted(slot)
+
+    def _admit_remote(self, req: RemoteRequest) -> RemoteSlot:
+        sch, cache = self.scheduler, self.cache
+        if req.req_id in sch.seqs or req.req_id in self.pending:
+            raise ValueError(f"request id {req.req_id!r} is already in the engine")
+        if len(sch.running) + len(self.pending) >= self.config.max_num_seqs:
+            raise DecodeFull(f"request {req.req_id!r}: decode engine is full "
+                             f"({self.config.max_num_seqs} sequences running or arriving)")
+        prompt = req.prompt_token_ids
+        # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
+        # full_tokens are shared tree pages that must not be written
+        hit = cache.match(prompt, rebuild=False)
+        self.runner.start_load(hit.load_copies)  # host-tier hits: copy before the pages are read
+        self.runner.finish_load()
+        growth = req.params.max_tokens
+        if self.config.admission_decode_tokens is not None:
+            growth = min(growth, self.config.admission_decode_tokens)
+        result = cache.admit(req.req_id, prompt, hit, growth)
+        if not result.ok:
+            raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker: {result.reason}")
+        if not cache.reserve(req.req_id, len(prompt) - hit.tokens):
+            cache.abort(req.req_id)
+            raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
+        self.pending[req.req_id] = _Pending(req, hit.tokens)
+        full, swa = cache.page_tables(req.req_id)
+        return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))
+
+    def activate(self, req_id: str, first_token: int) -> None:
+        """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill)."""
+        p = self.pending.pop(req_id, None)
+        if p is None:
+            raise KeyError(f"activate({req_id!r}): no remote request waits for KV under that id")
+        prompt = p.req.prompt_token_ids
+        self.cache.commit(req_id, len(prompt) - p.hit_tokens, (first_token,))
+        sch = self.scheduler
+        seq = Seq(p.req, [*prompt, first_token], bucket=sch.buckets.classify(len(prompt) - p.hit_tokens),
+                  status=SeqStatus.RUNNING, num_computed=len(prompt), num_cached_tokens=p.hit_tokens,
+                  admit_order=self._remote_order)
+        self._remote_order += 1
+        sch.seqs[req_id] = seq
+        sch.running.append(seq)
+        sch.stats.admitted += 1
+        sch.stats.hit_tokens += p.hit_tokens
+        sch.stats.prompt_tokens += len(prompt)
+
+    def abort(self, req_id: str) -> bool:
+        p = self.pending.pop(req_id, None)
+        if p is None:
+            return super().abort(req_id)
+        self.cache.abort(req_id)  # frees every page reserved for the transfer
+        self.runner.forget(req_id)
+        return True
+
+    def load(self) -> EngineLoad:
+        """Remote requests whose KV is still arriving hold pages: they count as running."""
+        load = super().load()
+        return dataclasses.replace(load, running=load.running + len(self.pending))
