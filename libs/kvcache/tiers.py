@@ -13,7 +13,7 @@ The L2 copy of a node is recorded on the node itself (`Node.host_full` / `host_s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from libs.kvcache.events import EventLog
 from libs.kvcache.ledger import check_pool_ids, check_pool_stats
@@ -174,3 +174,22 @@ def _host_stats(pool: PagePool) -> PoolStats:
 
 
 NO_TIER_USAGE = (PoolStats(0, 0, 0, 0), PoolStats(0, 0, 0, 0))
+
+
+def split_copies(copies: Sequence[PageCopy], direction: str) -> dict[str, tuple[list[int], list[int]]]:
+    """The plan of one step's copies: {layer group: (src ids, dst ids)}; checks the direction. (The engine
+    executes it, one indexed copy per pool tensor: libs/engine/host_tier.py.)
+
+    A destination page may appear twice in one step's list (a page loaded for a probe, evicted and
+    reused for another load); the later copy is the live one, and one vectorised index assignment
+    with duplicate targets would pick a winner arbitrarily, so only the last copy per target is kept."""
+    last: dict[str, dict[int, int]] = {"full": {}, "swa": {}}
+    for c in copies:
+        if c.direction != direction:
+            raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
+        target = last.get(c.group)
+        if target is None:
+            raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
+        target.pop(c.dst, None)
+        target[c.dst] = c.src
+    return {g: (list(m.values()), list(m.keys())) for g, m in last.items() if m}
