@@ -73,6 +73,8 @@ class PrefixIndex:
                 block_hashes and block_hashes[0] not in self.root.children):  # no-reuse fast path
             return _NO_HIT
         path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
+        # (The tier seam: a lower tier holding blocks the tree does not know, GCache / L3, extends the path here
+        # through `LowerTier.lookup`; the host tier's copies hang on tree nodes, so the walk finds them.)
         if not path:
             return _NO_HIT
         raw = sum(m for _, m in path) * self.P
