@@ -50,15 +50,17 @@ class Evictor:
 
     def push_full(self, node: Node) -> None:
         """`node` may have become a full-LRU candidate (or its stamp changed)."""
-        self._push(self._full, node, node.access)
+        if node.parent is not None:
+            self._push(self._full, (node.access, -node.start, node.nid, node))
 
     def push_swa(self, node: Node) -> None:
-        self._push(self._swa, node, self.swa_key(node))
+        """`node` may have become an SWA-LRU candidate (or its key changed)."""
+        if node.parent is not None:
+            key = node.swa_access if self._cold(node.kinds) else node.swa_access + _WARM  # swa_key, inlined
+            self._push(self._swa, (key, -node.start, node.nid, node))
 
-    def _push(self, heap: list[_HeapEntry], node: Node, key: int) -> None:
-        if node.parent is None:
-            return
-        heapq.heappush(heap, (key, -node.start, node.nid, node))
+    def _push(self, heap: list[_HeapEntry], entry: _HeapEntry) -> None:
+        heapq.heappush(heap, entry)
         if len(heap) > 4 * len(self._nodes) + 256:
             self._rebuild(heap)
 

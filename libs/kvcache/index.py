@@ -342,6 +342,7 @@ class PrefixIndex:
             P = self.P
             self._audit.update((hashes[j], tuple(seq.tokens[j * P:(j + 1) * P])) for j in range(pos, npg))
         nodes, evictor, emit, clock = self.nodes, self._evictor, self._events.emit, self._clock
+        learn, ckpt_kinds, seq_end = self._stats.learn, seq.ckpt_kinds, seq.num_computed // self.P
         first, n_swa = pos, 0
         for end in cuts:
             node = Node(pos, parent, seq.full[pos:end], seq.swa[pos:end], hashes[pos:end], clock)
@@ -349,7 +350,9 @@ class PrefixIndex:
             nodes[node.nid] = node
             if node.n_swa:
                 n_swa += node.n_swa
-                self._learn(node, seq)
+                # `_learn` inlined (once per node of every insert)
+                if learn(node, ckpt_kinds.get(end, 0) | (END if end == seq_end else 0)):
+                    evictor.rekey_swa()
                 evictor.push_swa(node)
             emit(EventKind.STORED, Tier.DEVICE, node)
             parent, pos = node, end

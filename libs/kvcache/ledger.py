@@ -171,7 +171,8 @@ class PageLedger:
     def from_lazy(self, back: int, freed: Iterable[int] = ()) -> None:
         """lazy -> private (`back` pages) and lazy -> free (`freed`)."""
         freed = list(freed)
-        self._swa.free(freed)
+        if freed:
+            self._swa.free(freed)
         self._lazy_s -= back + len(freed)
         self._private_s += back
 
