@@ -146,8 +146,9 @@ class PageLedger:
     def free_tree(self, full: Sequence[int], swa: Sequence[int]) -> None:
         """tree (unlocked) -> free: eviction."""
         self._full.free(full)
+        self._swa.free(swa)
         self._tree_f -= len(full)
-        self.free_tree_swa(swa)
+        self._tree_s -= len(swa)
 
     def free_tree_swa(self, swa: Sequence[int]) -> None:
         """tree (unlocked) -> free, SWA pages only: SWA eviction (the node becomes a tombstone)."""
