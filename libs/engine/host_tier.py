@@ -1,4 +1,5 @@
-"""Executing KV page copies between the device pools and the host (L2) pools.
+"""Executing KV page copies between the device pools and the host (L2) pools (the torch side; the
+bookkeeping, which pages go where, is libs/kvcache/tiers.py).
 
 Backups (device -> host) run synchronously at the start of a step, before anything can reuse
 the backed-up device pages. Load-backs (host -> device) run layer by layer on a copy worker so
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+
+# The copy plan is cache bookkeeping; re-exported for the runner.
+from libs.kvcache.tiers import split_copies as split_copies
 
 # Layer-wise load waits are bounded: a copy thread that died or hung must surface as an error.
 LOAD_WAIT_TIMEOUT_S = 60.0
@@ -40,24 +44,6 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
             slots.append(LayerSlot("full", n_full))
             n_full += 1
     return slots
-
-
-def split_copies(copies: Sequence, direction: str) -> dict[str, tuple[list[int], list[int]]]:
-    """Group PageCopy objects by layer group: {group: (src ids, dst ids)}; checks the direction.
-
-    A destination page may appear twice in one step's list (a page loaded for a probe, evicted and
-    reused for another load); the later copy is the live one, and one vectorised index assignment
-    with duplicate targets would pick a winner arbitrarily, so only the last copy per target is kept."""
-    last: dict[str, dict[int, int]] = {"full": {}, "swa": {}}
-    for c in copies:
-        if c.direction != direction:
-            raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
-        target = last.get(c.group)
-        if target is None:
-            raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
-        target.pop(c.dst, None)
-        target[c.dst] = c.src
-    return {g: (list(m.values()), list(m.keys())) for g, m in last.items() if m}
 
 
 def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:

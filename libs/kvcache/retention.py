@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+from libs.kvcache.types import RebuildStats
 
 
 class CheckpointKind(enum.IntFlag):
@@ -27,6 +30,17 @@ class CheckpointKind(enum.IntFlag):
 _TURN, _PROMPT_END, _BRANCH, _PERIODIC, _OTHER = (int(k) for k in (
     CheckpointKind.TURN, CheckpointKind.PROMPT_END, CheckpointKind.BRANCH, CheckpointKind.PERIODIC,
     CheckpointKind.OTHER))
+END = int(CheckpointKind.END)
+SPECULATIVE = _PERIODIC  # cold until proven reused: inserted at low priority, they only take SWA memory no warm
+# checkpoint needs
+_KIND_BITS = tuple(int(k) for k in CheckpointKind)
+_ALL_KINDS = sum(_KIND_BITS)
+_BITS_OF = tuple(tuple(b for b in _KIND_BITS if m & b) for m in range(_ALL_KINDS + 1))  # kinds -> its bits
+_REUSED = 1 << 30  # Node.kinds flag: a hit has ended at this checkpoint
+_COLD_EVIDENCE = 32  # checkpoints of a kind stored before its hit ratio can call it cold
+_COLD_FRACTION = 0.1  # a kind is cold when its hit ratio is below this fraction of the best kind's
+_COLD_RECHECK = 8  # counted checkpoints / reuses between re-evaluations of the cold kinds
+_STATS_HALF_LIFE = 1024  # stored checkpoints of a kind after which its counts are halved (follow the workload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,13 @@ def register_policy(name: str, policy: RetentionPolicy) -> None:
     POLICIES[name] = policy
 
 
+def plan_from(plan: RetentionPlan, x0: int) -> RetentionPlan:
+    """The plan's checkpoints at or past token `x0` (with their kinds)."""
+    keep = [i for i, x in enumerate(plan.checkpoints) if x >= x0]
+    return RetentionPlan(plan.keep_all, tuple(plan.checkpoints[i] for i in keep),
+                         tuple(plan.kind_of(i) for i in keep))
+
+
 def kept_pages(plan: RetentionPlan, page_size: int, window_pages: int, first_private: int) -> frozenset[int]:
     """Page indices (>= first_private, the pages the sequence owns) that the plan's checkpoints keep."""
     out: set[int] = set()
@@ -114,3 +135,106 @@ def kept_pages(plan: RetentionPlan, page_size: int, window_pages: int, first_pri
         end = x // page_size
         out.update(range(max(first_private, end - window_pages), end))
     return frozenset(out)
+
+
+class _Checkpoint(Protocol):
+    """What the statistics see of a tree node: the kinds of the checkpoint(s) ending at it."""
+
+    kinds: int
+
+
+class ReuseStats:
+    """Reuse statistics: per checkpoint kind, the checkpoints stored and how many of them later ended a hit (the
+    learned SWA value: kinds this workload does not reuse are cold), and the SWA window rebuild counts.
+
+    The only writer of `Node.kinds` (besides a split, which copies them to both halves). `learn` and `reused`
+    return True when the cold kinds changed: the SWA eviction order depends on them and must be rebuilt."""
+
+    __slots__ = ("_stored", "_hits", "_cold", "_counted", "_rebuild_matched", "_rebuild_admitted",
+                 "_rebuilt_tokens")
+
+    def __init__(self) -> None:
+        self._stored = dict.fromkeys(_KIND_BITS, 0)
+        self._hits = dict.fromkeys(_KIND_BITS, 0)
+        self._cold = self._cold_mask()  # kinds this workload does not reuse (at first: the speculative kinds)
+        self._counted = 0
+        self._rebuild_matched = self._rebuild_admitted = self._rebuilt_tokens = 0
+
+    def learn(self, node: _Checkpoint, kinds: int) -> bool:
+        """`node` now holds SWA KV of the checkpoint(s) `kinds`: count the kinds it did not carry yet."""
+        new = kinds & ~node.kinds
+        node.kinds |= kinds
+        return self._count(self._stored, new)
+
+    def reused(self, node: _Checkpoint) -> bool:
+        """A hit ends at `node`. The hit ratio of a kind is the share of its checkpoints ever reused, so each
+        checkpoint counts once."""
+        if node.kinds & _REUSED:
+            return False
+        changed = self._count(self._hits, node.kinds)
+        node.kinds |= _REUSED
+        return changed
+
+    def cold(self, kinds: int) -> bool:
+        """Every kind of a checkpoint is cold. No known kind (inside a hit's window, `all` retention) is warm."""
+        kinds &= ~_REUSED
+        return bool(kinds) and not kinds & ~self._cold
+
+    def rebuild_matched(self) -> None:
+        self._rebuild_matched += 1
+
+    def rebuild_admitted(self, rebuilt_tokens: int) -> None:
+        self._rebuild_admitted += 1
+        self._rebuilt_tokens += rebuilt_tokens
+
+    def rebuild_stats(self) -> RebuildStats:
+        return RebuildStats(self._rebuild_matched, self._rebuild_admitted, self._rebuilt_tokens)
+
+    def checkpoint_stats(self) -> dict[str, tuple[int, int, bool]]:
+        """Per checkpoint kind: (checkpoints stored, of which reused by a hit, cold)."""
+        return {CheckpointKind(b).name.lower(): (self._stored[b], self._hits[b],  # type: ignore[union-attr]
+                                                 bool(self._cold & b)) for b in _KIND_BITS}
+
+    def _count(self, counts: dict[int, int], kinds: int) -> bool:
+        if not kinds:
+            return False
+        stored, hits = self._stored, self._hits
+        for bit in _BITS_OF[kinds & _ALL_KINDS]:
+            counts[bit] += 1
+            if stored[bit] >= _STATS_HALF_LIFE:
+                stored[bit] //= 2
+                hits[bit] //= 2
+        self._counted += 1
+        if self._counted % _COLD_RECHECK:
+            return False
+        cold = self._cold_mask()
+        if cold == self._cold:
+            return False
+        self._cold = cold
+        return True
+
+    def _cold_mask(self) -> int:
+        """Kinds whose checkpoints end hits far less often than the best kind's (Laplace-smoothed ratios);
+        before enough evidence, the speculative kinds."""
+        hits, stored = self._hits, self._stored
+        ratio = [(hits[b] + 1) / (stored[b] + 2) for b in _KIND_BITS]
+        bar = _COLD_FRACTION * max(ratio)
+        cold = 0
+        for b, r in zip(_KIND_BITS, ratio, strict=True):
+            if (r < bar) if stored[b] >= _COLD_EVIDENCE else b & SPECULATIVE:
+                cold |= b
+        return cold
+
+    def check_invariants(self, rebuild_tokens: int) -> None:
+        """Counts in range (halved before a kind's stored count reaches the half-life), the cold mask only known
+        kinds, and every admitted rebuild recomputing exactly S = `rebuild_tokens`."""
+        for b in _KIND_BITS:
+            if not 0 <= self._stored[b] < _STATS_HALF_LIFE or self._hits[b] < 0:
+                raise AssertionError(f"checkpoint kind {b}: stored {self._stored[b]} / reused {self._hits[b]} out "
+                                     f"of range (stored is halved at {_STATS_HALF_LIFE})")
+        if self._cold & ~_ALL_KINDS:
+            raise AssertionError(f"cold kinds {self._cold:#x} name unknown checkpoint kinds")
+        rb = self.rebuild_stats()
+        if rb.admitted > rb.matched or rb.rebuilt_tokens != rb.admitted * rebuild_tokens:
+            raise AssertionError(f"rebuild stats {rb}: more admitted than matched, or not S={rebuild_tokens} "
+                                 f"tokens recomputed per admitted rebuild")

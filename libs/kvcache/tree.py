@@ -160,7 +160,8 @@ def split(node: Node, k: int) -> Node:
     """Split `node` after its first k pages (0 < k < npages); returns the new prefix node (the parent half).
 
     Both halves keep the lock counts: every holder's prefix ends at a node boundary at or below `node`, and
-    SWA locks only ever cover whole nodes inside a window, so each holder covers both halves.
+    SWA locks only ever cover whole nodes inside a window, so each holder covers both halves. Copies in a lower
+    tier are split by that tier (`LowerTier.split`).
     """
     assert 0 < k < node.npages, (k, node.npages)
     parent = node.parent
@@ -170,9 +171,6 @@ def split(node: Node, k: int) -> Node:
     head.swa_access = node.swa_access
     head.lock, head.swa_lock = node.lock, node.swa_lock
     head.kinds = node.kinds  # a window split in two: both halves are worth what the checkpoint is
-    if node.host_full is not None:
-        head.host_full, head.host_swa = node.host_full[:k], node.host_swa[:k]  # type: ignore[index]
-        node.host_full, node.host_swa = node.host_full[k:], node.host_swa[k:]  # type: ignore[index]
     parent.children[head.hashes[0]] = head
     node.start += k
     if node.full is not None:

@@ -1,0 +1,216 @@
+"""The page ledger: the two device pools and the accounting of every device page.
+
+A device page of either group is in exactly one state (free, private to a running sequence, lazy, in the tree,
+in the tree and locked), and only the ledger's transitions move it:
+
+    grant              free -> private               reserve
+    slide_swa          private -> free | lazy        commit: SWA pages leaving the window
+    from_lazy          lazy -> private | free        finish; the cache taking lazy pages back
+    free_private       private -> free               finish / abort; duplicates at insert
+    to_tree            private -> tree               insert (healing: maybe straight to locked)
+    lock               tree <-> tree, locked         hits and running sequences (negative: unlock)
+    load               free -> tree, locked          a hit bringing a node back from a lower tier
+    free_tree[_swa]    tree -> free                  eviction
+    promise            reserved += n                 admission, growth, finish
+
+so per pool free + cached + in_use == capacity, with cached = unlocked tree pages (+ lazy SWA pages) and
+in_use = locked tree pages + private pages. `reserved` is what admission promised running sequences for their
+growth; nothing is handed out unless free + cached stays >= reserved (`avail_*`).
+
+Callers pair a transition with their own record of where the pages went (a node, a sequence's page table)
+within one cache operation; the ledger checks both agree in `check_invariants`. Transitions are per operation
+(counts and page arrays), never per page. The two static pools sit behind this interface: one byte arena
+shared by both groups (issue #13) replaces them here without changing the callers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from libs.kvcache.pool import PagePool
+from libs.kvcache.types import PoolStats
+
+
+@dataclass(slots=True)
+class Held:
+    """Device pages one part says it holds, recomputed from its own records (for `check_invariants`)."""
+
+    full: list[int] = field(default_factory=list)
+    swa: list[int] = field(default_factory=list)
+    locked_full: int = 0  # tree: of `full` / `swa`, pages on locked (lock / swa_lock > 0) nodes
+    locked_swa: int = 0
+    lazy_swa: list[int] = field(default_factory=list)  # running sequences: lazily kept SWA pages
+    reserved_full: int = 0  # running sequences: promised, not yet allocated
+    reserved_swa: int = 0
+
+
+class PageLedger:
+    __slots__ = ("_full", "_swa", "_tree_f", "_tree_s", "_locked_f", "_locked_s", "_private_f", "_private_s",
+                 "_reserved_f", "_reserved_s", "_lazy_s")
+
+    def __init__(self, num_full_pages: int, num_swa_pages: int) -> None:
+        self._full = PagePool("full", num_full_pages)
+        self._swa = PagePool("swa", num_swa_pages)
+        self._tree_f = self._tree_s = 0  # device pages owned by tree nodes
+        self._locked_f = self._locked_s = 0  # ... of which locked (lock > 0 / swa_lock > 0)
+        self._private_f = self._private_s = 0  # pages owned by running sequences
+        self._reserved_f = self._reserved_s = 0  # promised, not yet allocated
+        self._lazy_s = 0  # running sequences' lazily kept checkpoint pages (cached: reclaimable at any time)
+
+    # ------------------------------------------------------------------ reads
+
+    def avail_full(self) -> int:
+        """Full pages that can be handed out: free + evictable - promised."""
+        return self._full.num_free + self._tree_f - self._locked_f - self._reserved_f
+
+    def avail_swa(self) -> int:
+        return self._swa.num_free + self._tree_s - self._locked_s + self._lazy_s - self._reserved_s
+
+    def has_free(self, nf: int, ns: int) -> bool:
+        """Both free lists hold this many pages now (nothing to evict)."""
+        return self._full.num_free >= nf and self._swa.num_free >= ns
+
+    def free_full(self) -> int:
+        return self._full.num_free
+
+    def free_swa(self) -> int:
+        return self._swa.num_free
+
+    def lazy_swa(self) -> int:
+        """SWA pages running sequences keep lazily (cached memory)."""
+        return self._lazy_s
+
+    def spare_free_swa(self) -> int:
+        """Free SWA pages nobody was promised (taking them evicts nothing)."""
+        return self._swa.num_free - self._reserved_s
+
+    def shortfall(self, need_full: int, need_swa: int) -> tuple[str, int, int, int, int, int] | None:
+        """None if a promise of this many pages fits; else (pool, need, available, free, evictable, promised)
+        of the first pool that cannot hold it."""
+        for name, need, avail, free, cached, reserved in (
+                ("full", need_full, self.avail_full(), self._full.num_free, self._tree_f - self._locked_f,
+                 self._reserved_f),
+                ("swa", need_swa, self.avail_swa(), self._swa.num_free, self._tree_s - self._locked_s,
+                 self._reserved_s)):
+            if need > avail:
+                return name, need, max(avail, 0), free, cached, reserved
+        return None
+
+    def usage(self) -> tuple[PoolStats, PoolStats]:
+        """(full, swa) device pool stats; lazily kept SWA pages count as cached."""
+        return (PoolStats(self._full.capacity, self._full.num_free, self._tree_f - self._locked_f,
+                          self._locked_f + self._private_f, self._reserved_f),
+                PoolStats(self._swa.capacity, self._swa.num_free, self._tree_s - self._locked_s + self._lazy_s,
+                          self._locked_s + self._private_s, self._reserved_s))
+
+    # ------------------------------------------------------------------ transitions
+
+    def grant(self, nf: int, ns: int) -> tuple[array, array]:
+        """free -> private: nf full and ns SWA pages for a running sequence (the caller made room)."""
+        self._private_f += nf
+        self._private_s += ns
+        return self._full.alloc(nf), self._swa.alloc(ns)
+
+    def promise(self, full: int, swa: int) -> None:
+        """Change what running sequences are promised (admission, growth, pages they no longer need)."""
+        self._reserved_f += full
+        self._reserved_s += swa
+
+    def free_private(self, full: Sequence[int], swa: Sequence[int]) -> None:
+        """private -> free."""
+        self._full.free(full)
+        self._swa.free(swa)
+        self._private_f -= len(full)
+        self._private_s -= len(swa)
+
+    def slide_swa(self, freed: Sequence[int], lazy: int, promised: int) -> None:
+        """A running sequence's window slid: `freed` private SWA pages -> free, `lazy` more -> lazy, and its
+        promise changed by `promised` (one call per commit: this is the decode hot path)."""
+        self._swa.free(freed)
+        self._private_s -= len(freed) + lazy
+        self._lazy_s += lazy
+        self._reserved_s += promised
+
+    def to_tree(self, nf: int, ns: int, locked_swa: int = 0) -> None:
+        """private -> tree: a finishing sequence's pages become nodes (`locked_swa` of the SWA pages heal
+        nodes whose SWA is being read)."""
+        self._private_f -= nf
+        self._private_s -= ns
+        self._tree_f += nf
+        self._tree_s += ns
+        self._locked_s += locked_swa
+
+    def free_tree(self, full: Sequence[int], swa: Sequence[int]) -> None:
+        """tree (unlocked) -> free: eviction."""
+        self._full.free(full)
+        self._swa.free(swa)
+        self._tree_f -= len(full)
+        self._tree_s -= len(swa)
+
+    def free_tree_swa(self, swa: Sequence[int]) -> None:
+        """tree (unlocked) -> free, SWA pages only: SWA eviction (the node becomes a tombstone)."""
+        self._swa.free(swa)
+        self._tree_s -= len(swa)
+
+    def load(self, nf: int, ns: int, swa_locked: bool) -> tuple[array, array]:
+        """free -> tree, locked: device pages for a node coming back from a lower tier (the caller made room)."""
+        self._tree_f += nf
+        self._tree_s += ns
+        self._locked_f += nf
+        if swa_locked:
+            self._locked_s += ns
+        return self._full.alloc(nf), self._swa.alloc(ns)
+
+    def lock(self, nf: int, ns: int) -> None:
+        """Tree pages that became locked (negative: unlocked)."""
+        self._locked_f += nf
+        self._locked_s += ns
+
+    def from_lazy(self, back: int, freed: Iterable[int] = ()) -> None:
+        """lazy -> private (`back` pages) and lazy -> free (`freed`)."""
+        freed = list(freed)
+        if freed:
+            self._swa.free(freed)
+        self._lazy_s -= back + len(freed)
+        self._private_s += back
+
+    # ------------------------------------------------------------------ audit
+
+    def check_invariants(self, tree: Held, seqs: Held) -> None:
+        """The counters equal what the tree and the running sequences hold (recomputed by them); per pool free +
+        cached + in_use == capacity and free + cached >= promised; every page id is in exactly one place."""
+        got = (self._tree_f, self._tree_s, self._locked_f, self._locked_s, self._private_f, self._private_s,
+               self._lazy_s)
+        want = (len(tree.full), len(tree.swa), tree.locked_full, tree.locked_swa, len(seqs.full), len(seqs.swa),
+                len(seqs.lazy_swa))
+        if got != want:
+            raise AssertionError(f"counters (tree full/swa, locked full/swa, private full/swa, lazy swa) are {got}, "
+                                 f"recomputed {want}")
+        if (self._reserved_f, self._reserved_s) != (seqs.reserved_full, seqs.reserved_swa):
+            raise AssertionError(f"reserved counters {(self._reserved_f, self._reserved_s)} != recomputed "
+                                 f"{(seqs.reserved_full, seqs.reserved_swa)}")
+        for name, st in zip(("full", "swa"), self.usage(), strict=True):
+            check_pool_stats(name, st)
+        check_pool_ids(self._full, tree.full + seqs.full)
+        check_pool_ids(self._swa, tree.swa + seqs.swa + seqs.lazy_swa)
+
+
+def check_pool_stats(name: str, st: PoolStats) -> None:
+    if st.free + st.cached + st.in_use != st.capacity:
+        raise AssertionError(f"{name} pool: free {st.free} + cached {st.cached} + in_use {st.in_use} != capacity "
+                             f"{st.capacity}")
+    if st.free + st.cached < st.reserved:
+        raise AssertionError(f"{name} pool: promised {st.reserved} pages but only {st.free + st.cached} free or "
+                             f"evictable")
+
+
+def check_pool_ids(pool: PagePool, owned: list[int]) -> None:
+    """Pages owned + free are exactly 0 .. capacity - 1 (none lost, none in two places)."""
+    ids = owned + pool.free_ids()
+    if sorted(ids) != list(range(pool.capacity)):
+        dup = [p for p, k in Counter(ids).items() if k > 1]
+        raise AssertionError(f"{pool.name} pool: pages owned + free are not exactly 0..{pool.capacity - 1} "
+                             f"(duplicates {dup[:5]}, count {len(ids)})")

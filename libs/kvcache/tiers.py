@@ -1,0 +1,195 @@
+"""Lower KV tiers: copies of tree nodes below the device pools. The host tier (L2) today; GCache (L3, a
+distributed store) is the next one.
+
+The seam is `LowerTier`: the prefix index calls every tier when a node splits or leaves the tree, the front
+asks them to back up cold device nodes and for their pool usage, and a hit that reaches a node off the device
+asks the node's tier for the copies that load it. A tier keeps its own pools and page ids; the engine executes
+the `PageCopy` lists (torch, in `libs/engine/host_tier.py`), this module only does the bookkeeping.
+
+The L2 copy of a node is recorded on the node itself (`Node.host_full` / `host_swa`: the hit-validity scan of
+`match` reads them on the hot path); `HostTier` is the only writer of those fields.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from libs.kvcache.events import EventLog
+from libs.kvcache.ledger import check_pool_ids, check_pool_stats
+from libs.kvcache.pool import PagePool
+from libs.kvcache.tree import Node, PromptHashes, ids, no_pages
+from libs.kvcache.types import EventKind, Group, PageCopy, PoolStats, Tier
+
+
+class LowerTier(ABC):
+    """A tier below the device pools holding copies of tree nodes' pages (full pages, and the SWA pages that
+    hold KV).
+
+    Contract: a copy covers a whole node; `split` keeps copies aligned with nodes; `free` is called when a node
+    leaves the tree or the tier; copies run by the engine before the next cache call that may reuse a source
+    page."""
+
+    tier: Tier
+
+    @abstractmethod
+    def backup(self, nodes: Collection[Node], max_pages: int, remove: Callable[[Node], None]) -> list[PageCopy]:
+        """Copy cold device nodes down (coldest first, at most `max_pages` pages); make room by dropping the
+        tier's own LRU copies (`remove(node)` takes a node that lives only in this tier out of the tree)."""
+
+    @abstractmethod
+    def lookup(self, hashes: PromptHashes, start_page: int, max_pages: int) -> int:
+        """Pages from `start_page` on whose blocks the tier holds although the tree does not (a shared store
+        fed by other workers). 0 for a tier whose copies all hang on tree nodes."""
+
+    @abstractmethod
+    def swa_count(self, node: Node) -> int:
+        """SWA pages with KV in the tier's copy of `node` (0 if it holds none)."""
+
+    @abstractmethod
+    def restore(self, node: Node, full: Iterable[int], swa: Iterable[int]) -> tuple[list[int], list[PageCopy]]:
+        """Load `node`'s copy onto the device pages given (`full`: one per page; `swa`: one per SWA page with KV,
+        in page order): (the node's per-page SWA ids, -1 where none, and the copies to run)."""
+
+    @abstractmethod
+    def split(self, head: Node, tail: Node, k: int) -> None:
+        """The index split a node into `head` (its first k pages) and `tail` (the rest, the old node)."""
+
+    @abstractmethod
+    def free(self, node: Node) -> None:
+        """Drop the tier's copy of `node`, if any."""
+
+    @abstractmethod
+    def usage(self) -> tuple[PoolStats, PoolStats]:
+        """(full, swa) pool stats of the tier."""
+
+    @abstractmethod
+    def check_invariants(self, nodes: Collection[Node]) -> None:
+        """Audit the tier's pools against the copies `nodes` (all live tree nodes) record."""
+
+
+class HostTier(LowerTier):
+    """L2: two host page pools (full, SWA) mirroring the device groups, copies recorded on the nodes."""
+
+    tier = Tier.HOST
+
+    def __init__(self, num_full_pages: int, num_swa_pages: int, events: EventLog) -> None:
+        self._full = PagePool("host_full", num_full_pages)
+        self._swa = PagePool("host_swa", num_swa_pages)
+        self._events = events
+
+    def backup(self, nodes: Collection[Node], max_pages: int, remove: Callable[[Node], None]) -> list[PageCopy]:
+        if max_pages <= 0:
+            return []
+        cands = sorted((n for n in nodes if n.full is not None and n.host_full is None),
+                       key=lambda n: (n.access, n.start))
+        copies: list[PageCopy] = []
+        fresh: set[int] = set()
+        for n in cands:
+            if n.npages + n.n_swa > max_pages - len(copies) or not n.alive or n.full is None:
+                continue
+            if not self._make_room(n.npages, n.n_swa, nodes, fresh, remove):
+                break
+            n.host_full = ids(self._full.alloc(n.npages))
+            n.host_swa = no_pages(n.npages)
+            copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
+            for i, s in enumerate(n.swa):  # type: ignore[arg-type]
+                if s >= 0:
+                    n.host_swa[i] = self._swa.alloc_one()
+                    copies.append(PageCopy(Group.SWA, s, n.host_swa[i], "d2h"))
+            fresh.add(n.nid)
+            self._events.emit(EventKind.STORED, Tier.HOST, n)
+        return copies
+
+    def _make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
+                   remove: Callable[[Node], None]) -> bool:
+        """Free host pages by dropping LRU copies: of unlocked device nodes (the node stays), or host-only
+        leaves (the node leaves the tree). Copies made in this backup (`keep`) stay."""
+        while self._full.num_free < nf or self._swa.num_free < ns:
+            victims = [n for n in nodes if n.host_full is not None and n.nid not in keep and (
+                (n.full is not None and n.lock == 0) or (n.full is None and not n.children))]
+            if not victims:
+                return False
+            v = min(victims, key=lambda n: (n.access, -n.start))
+            if v.full is not None:
+                self.free(v)
+            else:
+                remove(v)
+        return True
+
+    def lookup(self, hashes: PromptHashes, start_page: int, max_pages: int) -> int:
+        return 0  # every host copy hangs on a tree node: the walk of `match` finds it
+
+    def swa_count(self, node: Node) -> int:
+        return node.host_swa_count()
+
+    def restore(self, node: Node, full: Iterable[int], swa: Iterable[int]) -> tuple[list[int], list[PageCopy]]:
+        copies = [PageCopy(Group.FULL, h, d, "h2d") for h, d in zip(node.host_full, full, strict=True)]  # type: ignore[arg-type]
+        dev_swa = [-1] * node.npages
+        free_swa = iter(swa)
+        for i, h in enumerate(node.host_swa):  # type: ignore[arg-type]
+            if h >= 0:
+                dev_swa[i] = d = next(free_swa)
+                copies.append(PageCopy(Group.SWA, h, d, "h2d"))
+        return dev_swa, copies
+
+    def split(self, head: Node, tail: Node, k: int) -> None:
+        if tail.host_full is not None:
+            head.host_full, head.host_swa = tail.host_full[:k], tail.host_swa[:k]  # type: ignore[index]
+            tail.host_full, tail.host_swa = tail.host_full[k:], tail.host_swa[k:]  # type: ignore[index]
+
+    def free(self, node: Node) -> None:
+        if node.host_full is None:
+            return
+        self._events.emit(EventKind.REMOVED, Tier.HOST, node)
+        self._full.free(node.host_full)
+        self._swa.free(s for s in node.host_swa if s >= 0)  # type: ignore[union-attr]
+        node.host_full = node.host_swa = None
+
+    def usage(self) -> tuple[PoolStats, PoolStats]:
+        return _host_stats(self._full), _host_stats(self._swa)
+
+    def check_invariants(self, nodes: Collection[Node]) -> None:
+        """Per host pool: every page is free or in exactly one node's copy; copies are as long as their node."""
+        full: list[int] = []
+        swa: list[int] = []
+        for n in nodes:
+            if n.host_full is None:
+                if n.host_swa is not None:
+                    raise AssertionError(f"node {n.nid}: a host SWA mask without host full pages")
+                continue
+            if len(n.host_full) != n.npages or n.host_swa is None or len(n.host_swa) != n.npages:
+                raise AssertionError(f"node {n.nid} (pages {n.start}..{n.end}): host page list lengths differ from "
+                                     "npages")
+            full += n.host_full
+            swa += [s for s in n.host_swa if s >= 0]
+        for (name, st), pool, owned in zip(zip(("host_full", "host_swa"), self.usage(), strict=True),
+                                          (self._full, self._swa), (full, swa), strict=True):
+            check_pool_stats(name, st)
+            check_pool_ids(pool, owned)
+
+
+def _host_stats(pool: PagePool) -> PoolStats:
+    return PoolStats(pool.capacity, pool.num_free, pool.capacity - pool.num_free, 0)
+
+
+NO_TIER_USAGE = (PoolStats(0, 0, 0, 0), PoolStats(0, 0, 0, 0))
+
+
+def split_copies(copies: Sequence[PageCopy], direction: str) -> dict[str, tuple[list[int], list[int]]]:
+    """The plan of one step's copies: {layer group: (src ids, dst ids)}; checks the direction. (The engine
+    executes it, one indexed copy per pool tensor: libs/engine/host_tier.py.)
+
+    A destination page may appear twice in one step's list (a page loaded for a probe, evicted and
+    reused for another load); the later copy is the live one, and one vectorised index assignment
+    with duplicate targets would pick a winner arbitrarily, so only the last copy per target is kept."""
+    last: dict[str, dict[int, int]] = {"full": {}, "swa": {}}
+    for c in copies:
+        if c.direction != direction:
+            raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
+        target = last.get(c.group)
+        if target is None:
+            raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
+        target.pop(c.dst, None)
+        target[c.dst] = c.src
+    return {g: (list(m.values()), list(m.keys())) for g, m in last.items() if m}
