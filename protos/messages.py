@@ -108,7 +108,7 @@ class RouteReply(WireModel):
     predicted_hit_tokens: int = Field(default=0, ge=0)
 
 
-class SamplingParams(WireModel):
+class WireSamplingParams(WireModel):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -132,7 +132,7 @@ class GenerateRequest(WireModel):
 
     request_id: str
     token_ids: list[int]
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: WireSamplingParams = Field(default_factory=WireSamplingParams)
     stream_subject: str
     decode_instance: str = Field(default="", description="disaggregated mode: where KV goes next")
 
@@ -155,7 +155,7 @@ class GenerateAck(WireModel):
     message: str = ""
 
 
-class FinishReason(StrEnum):
+class WireFinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -168,7 +168,7 @@ class Usage(WireModel):
     cached_tokens: int = Field(default=0, ge=0)
 
 
-class TokenLogprob(WireModel):
+class WireTokenLogprob(WireModel):
     token_id: int
     logprob: float
     top: dict[int, float] = Field(default_factory=dict)
@@ -179,8 +179,8 @@ class TokenChunk(WireModel):
 
     request_id: str
     token_ids: list[int] = Field(default_factory=list)
-    logprobs: list[TokenLogprob] = Field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    logprobs: list[WireTokenLogprob] = Field(default_factory=list)
+    finish_reason: WireFinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
     retryable: bool = Field(default=False, description="with error: out of capacity now, the client may retry")
@@ -188,7 +188,7 @@ class TokenChunk(WireModel):
 
     @model_validator(mode="after")
     def _error_means_finished(self) -> TokenChunk:
-        if self.error is not None and self.finish_reason != FinishReason.ERROR:
+        if self.error is not None and self.finish_reason != WireFinishReason.ERROR:
             raise ValueError("a chunk carrying an error must have finish_reason='error'")
         return self
 
@@ -205,7 +205,7 @@ class KVEventKind(StrEnum):
     REMOVED = "removed"
 
 
-class KVEvent(WireModel):
+class WireKVEvent(WireModel):
     event_id: int = Field(ge=0, description="per-worker sequence number; a gap means events were lost")
     kind: KVEventKind
     block_hashes: list[int]
@@ -215,7 +215,7 @@ class KVEvent(WireModel):
 
 class KVEventBatch(WireModel):
     instance_id: str
-    events: list[KVEvent]
+    events: list[WireKVEvent]
 
     @model_validator(mode="after")
     def _numbered_in_order(self) -> KVEventBatch:
@@ -243,7 +243,7 @@ class KVPrepareRequest(WireModel):
     schema_version: int = 2
     request_id: str
     token_ids: list[int] = Field(min_length=1, description="the prompt (its KV is what gets shipped)")
-    sampling: SamplingParams
+    sampling: WireSamplingParams
     stream_subject: str
     page_size: int = Field(ge=1, description="KV page size of the prefill engine (must match decode)")
     kv_dtype: str = Field(description="torch dtype name of the shipped KV (must match decode)")
@@ -269,7 +269,7 @@ class KVCommitRequest(WireModel):
     request_id: str
     cancel: bool = False
     first_token_id: int = Field(default=-1, description="token sampled by prefill (no KV yet); -1 with cancel")
-    first_logprob: TokenLogprob | None = None
+    first_logprob: WireTokenLogprob | None = None
     prefill_cached_tokens: int = Field(default=0, ge=0, description="prefix-cache hit on prefill (usage)")
 
     @model_validator(mode="after")

@@ -19,8 +19,7 @@ from libs.engine.runner import direct_greedy
 from libs.model import load_model, load_tokenizer
 from libs.transfer import TransferBackend, TransferConfig, create_engine
 from protos import subjects
-from protos.messages import FinishReason, GenerateRequest, TokenChunk
-from protos.messages import SamplingParams as WireParams
+from protos.messages import GenerateRequest, TokenChunk, WireFinishReason, WireSamplingParams
 from services.decode.handlers import DecodeWorker
 from services.prefill.handlers import PrefillWorker
 
@@ -99,7 +98,7 @@ class Pipeline:
 
     async def generate(self, request_id: str, tokens: list[int], max_tokens: int) -> list[TokenChunk]:
         req = GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream("t", request_id),
-                              sampling=WireParams(max_tokens=max_tokens, temperature=0.0), decode_instance="d0")
+                              sampling=WireSamplingParams(max_tokens=max_tokens, temperature=0.0), decode_instance="d0")
         await self.prefill.submit(req)
         return await self.stream.result(request_id)
 
@@ -153,7 +152,7 @@ async def test_greedy_tokens_equal_colocated_engine_including_long_prompts(tiny)
         await pipe.assert_no_kv_in_use()
     for chunks, want in zip(results, expected, strict=True):
         assert tokens_of(chunks) == want
-        assert chunks[-1].finish_reason is FinishReason.LENGTH
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH
         assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
     assert tokens_of(results[2]) == direct_greedy(model, cfg, prompts[2], 10, page_size=PAGE)
 
@@ -238,7 +237,7 @@ async def test_failure_mid_transfer_reaches_client_and_frees_kv_on_both_sides(ti
         start = loop.time()
         chunks = await pipe.generate("dies", prompt(21, 60), 8)
         took = loop.time() - start
-        errors = [c for c in chunks if c.finish_reason is FinishReason.ERROR]
+        errors = [c for c in chunks if c.finish_reason is WireFinishReason.ERROR]
         assert errors and "mid-transfer" in errors[0].error
         assert took < BOUND_S  # signalled explicitly, far below the 30 s transfer timeouts
         await asyncio.sleep(0.2)  # the decode side's cleanup runs after its error chunk
@@ -246,14 +245,14 @@ async def test_failure_mid_transfer_reaches_client_and_frees_kv_on_both_sides(ti
         # both sides still serve correctly afterwards
         pipe.prefill.transfer = pipe.tx
         ok = await pipe.generate("after", prompt(22, 30), 4)
-        assert ok[-1].finish_reason is FinishReason.LENGTH
+        assert ok[-1].finish_reason is WireFinishReason.LENGTH
 
 
 async def test_decode_engine_full_is_refused_and_prefill_frees(tiny):
     async with Pipeline(tiny, ucx_config(), max_num_seqs=1) as pipe:
         pipe.decode_engine.core.pending["squatter"] = object()  # type: ignore[assignment]  # occupies the slot
         chunks = await pipe.generate("refused", prompt(31, 20), 4)
-        assert chunks[-1].finish_reason is FinishReason.ERROR and "full" in chunks[-1].error
+        assert chunks[-1].finish_reason is WireFinishReason.ERROR and "full" in chunks[-1].error
         pipe.decode_engine.core.pending.clear()
         await pipe.assert_no_kv_in_use()
 
@@ -273,7 +272,7 @@ async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
 
         monkeypatch.setattr(dg, "first_token_finishes", gated)
         req = GenerateRequest(request_id="gone", token_ids=prompt(41, 40), stream_subject=subjects.stream("t", "gone"),
-                              sampling=WireParams(max_tokens=4, temperature=0.0), decode_instance="d0")
+                              sampling=WireSamplingParams(max_tokens=4, temperature=0.0), decode_instance="d0")
         pipe.prefill.submit(req)
         await asyncio.wait_for(reached.wait(), 30)
         abort = asyncio.ensure_future(pipe.prefill.abort("gone"))
@@ -281,7 +280,7 @@ async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
         go.set()
         assert await asyncio.wait_for(abort, 10)
         chunks = await pipe.stream.result("gone")
-        assert chunks[-1].finish_reason is FinishReason.ABORT
+        assert chunks[-1].finish_reason is WireFinishReason.ABORT
         await pipe.assert_no_kv_in_use()
 
 
@@ -412,16 +411,16 @@ async def test_abort_mid_stream_frees_every_page_on_both_sides(tiny, gated):
         pipe.prefill.transfer = ObservedTransfer(pipe.tx, on_first_layer)
         req = GenerateRequest(request_id="midway", token_ids=prompt(62, 300), decode_instance="d0",
                               stream_subject=subjects.stream("t", "midway"),
-                              sampling=WireParams(max_tokens=4, temperature=0.0))
+                              sampling=WireSamplingParams(max_tokens=4, temperature=0.0))
         pipe.prefill.submit(req)
         chunks = await pipe.stream.result("midway")
         assert await asyncio.wait_for(aborts[0], 10)
         await asyncio.sleep(0.3)  # anything decode would still publish
-        assert [c.finish_reason for c in chunks] == [FinishReason.ABORT]
+        assert [c.finish_reason for c in chunks] == [WireFinishReason.ABORT]
         assert pipe.decode.stats.cancelled == 1 and not pipe.decode.tasks
         await pipe.assert_no_kv_in_use()
         ok = await pipe.generate("next", prompt(63, 90), 3)  # both sides serve on
-        assert ok[-1].finish_reason is FinishReason.LENGTH
+        assert ok[-1].finish_reason is WireFinishReason.LENGTH
 
 
 async def test_first_token_ending_the_request_cancels_the_open_decode_reservation(tiny):
@@ -432,7 +431,7 @@ async def test_first_token_ending_the_request_cancels_the_open_decode_reservatio
     async with Pipeline(tiny, ucx_config()) as pipe:
         chunks = await pipe.generate("one", p, 1)
         await asyncio.sleep(0.3)
-        assert len(chunks) == 1 and chunks[0].finish_reason is FinishReason.LENGTH
+        assert len(chunks) == 1 and chunks[0].finish_reason is WireFinishReason.LENGTH
         assert chunks[0].instance_id == "p0" and chunks[0].usage.completion_tokens == 1
         assert pipe.decode.stats.cancelled == 1 and pipe.decode.stats.requests == 0
         await pipe.assert_no_kv_in_use()
@@ -463,7 +462,7 @@ async def test_full_decode_is_rerouted_before_any_prefill_compute(tiny):
         steps_before = core.num_steps
         req = GenerateRequest(request_id="moved", token_ids=p, decode_instance="d-full",
                               stream_subject=subjects.stream("t", "moved"),
-                              sampling=WireParams(max_tokens=6, temperature=0.0))
+                              sampling=WireSamplingParams(max_tokens=6, temperature=0.0))
         pipe.prefill.submit(req)
         chunks = await pipe.stream.result("moved")
         assert steps_at_refusal == [steps_before]  # refused before the prompt entered the engine

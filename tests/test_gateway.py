@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from libs.model.tokenizer import ByteTokenizer
-from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob, Usage
+from protos.messages import TokenChunk, Usage, WireFinishReason, WireSamplingParams, WireTokenLogprob
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.backend import BackendError
 from services.gateway.generation import Limits, Plan, Renderer, plan_completion, stream_events
@@ -48,10 +48,10 @@ class FakeBackend:
         self.gate = gate
         self.error = error
         self.fail_after = fail_after
-        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.requests: list[tuple[str, list[int], WireSamplingParams]] = []
         self.closed_early: list[str] = []
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams):
+    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams):
         self.requests.append((request_id, token_ids, sampling))
         if self.error is not None and self.fail_after is None:
             raise self.error
@@ -65,10 +65,10 @@ class FakeBackend:
                     assert self.error is not None
                     raise self.error
                 last = i == len(toks) - 1
-                lps = [TokenLogprob(token_id=tok, logprob=-0.25, top={tok: -0.25, tok + 1: -1.5, tok + 2: -2.5})]
+                lps = [WireTokenLogprob(token_id=tok, logprob=-0.25, top={tok: -0.25, tok + 1: -1.5, tok + 2: -2.5})]
                 yield TokenChunk(
                     request_id=request_id, token_ids=[tok], logprobs=lps if sampling.wants_logprobs else [],
-                    finish_reason=FinishReason.LENGTH if last else None,
+                    finish_reason=WireFinishReason.LENGTH if last else None,
                     usage=Usage(prompt_tokens=len(token_ids), completion_tokens=len(toks), cached_tokens=3)
                     if last else None,
                 )
@@ -151,8 +151,8 @@ def test_held_back_keeps_possible_stop_prefix_and_partial_utf8():
 
 
 def test_logprob_rendering_completion_and_chat():
-    lps = [TokenLogprob(token_id=104, logprob=-0.5, top={104: -0.5, 105: -1.0}),
-           TokenLogprob(token_id=33, logprob=-2.0, top={105: -0.1, 106: -0.7})]
+    lps = [WireTokenLogprob(token_id=104, logprob=-0.5, top={104: -0.5, 105: -1.0}),
+           WireTokenLogprob(token_id=33, logprob=-2.0, top={105: -0.1, 106: -0.7})]
     before = list(b"0123456789")  # 10 characters of text before these two tokens
     comp = completion_logprobs(lps, TokenNames(TOK.decode), text_offsets(TOK.decode, before + [104, 33], 10))
     assert comp["tokens"] == ["h", "!"] and comp["token_logprobs"] == [-0.5, -2.0]

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob, Usage
+from protos.messages import TokenChunk, Usage, WireFinishReason, WireSamplingParams, WireTokenLogprob
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.backend import BackendError
 from services.gateway.generation import Limits
@@ -36,12 +36,12 @@ class ScriptBackend:
         self.top = top or {}
         self.logprob = logprob
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams):
+    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams):
         for i, tok in enumerate(self.tokens):
             last = i == len(self.tokens) - 1
-            lps = [TokenLogprob(token_id=tok, logprob=self.logprob, top=dict(self.top))]
+            lps = [WireTokenLogprob(token_id=tok, logprob=self.logprob, top=dict(self.top))]
             yield TokenChunk(request_id=request_id, token_ids=[tok], logprobs=lps if sampling.wants_logprobs else [],
-                             finish_reason=FinishReason.LENGTH if last else None,
+                             finish_reason=WireFinishReason.LENGTH if last else None,
                              usage=Usage(prompt_tokens=len(token_ids), completion_tokens=len(self.tokens))
                              if last else None)
             await asyncio.sleep(0)
@@ -57,7 +57,7 @@ class CapacityBackend(FakeBackend):
         self.active = 0
         self.peak = 0
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams):
+    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams):
         if self.active >= self.capacity:
             raise BackendError(503, "server is at capacity: every decode worker is full", code="server_busy",
                                retry_after_s=1)
@@ -239,7 +239,7 @@ def test_same_text_tokens_get_token_id_keys():
     from services.gateway.render import TokenNames, completion_logprobs
 
     names = TokenNames(lambda ids: "same", token_bytes=lambda t: b"same")
-    lps = [TokenLogprob(token_id=7, logprob=-0.1, top={5: -0.2, 7: -0.1, 9: -3.0})]
+    lps = [WireTokenLogprob(token_id=7, logprob=-0.1, top={5: -0.2, 7: -0.1, 9: -3.0})]
     out = completion_logprobs(lps, names, [0])
     assert out["tokens"] == ["same"]
     assert out["top_logprobs"][0] == {"same": -0.1, "token_id:5": -0.2, "token_id:9": -3.0}

@@ -19,8 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("libs", "kernels", "protos", "services")
 
 # Pairs removed by other parts of issue #10; exempt here until those branches merge.
-PENDING_PAIRS = {frozenset({"libs.kvcache.cache", "libs.kvcache.invariants"})}
-PENDING = "until #10 merges"
 
 # A pure core: no tensors and no IO (sockets, processes, files, the bus, the transfer engine).
 IO_MODULES = {
@@ -141,27 +139,24 @@ def test_graph_sees_known_edges():
 
 
 def test_no_two_modules_import_each_other():
-    circles = sorted(sorted(p) for p in _pairs(_graph()) - PENDING_PAIRS)
+    circles = sorted(sorted(p) for p in _pairs(_graph()))
     assert circles == [], f"modules importing each other: {circles}"
 
 
-@pytest.mark.xfail(strict=False, reason=PENDING)
-def test_pending_pairs_are_gone():
-    assert not _pairs(_graph()) & PENDING_PAIRS
-
-
 def test_no_longer_import_cycles():
-    pending = set().union(*PENDING_PAIRS)
-    cycles = [c for c in _cycles(_graph()) if not set(c) <= pending]
+    cycles = _cycles(_graph())
     assert cycles == [], f"import cycles: {cycles}"
 
 
-@pytest.mark.xfail(strict=False, reason=PENDING)
 def test_kvcache_is_pure():
     assert _hits(_in("libs.kvcache"), IO_MODULES) == []
 
 
-@pytest.mark.xfail(strict=False, reason=PENDING)
+def test_routing_is_pure():
+    """libs/routing decides from plain values: no IO, no torch, no wire models (the router service converts)."""
+    assert _hits(_in("libs.routing"), IO_MODULES | {"protos", "pydantic", "libs.engine"}) == []
+
+
 def test_engine_knows_neither_wire_nor_transfer():
     assert _hits(_in("libs.engine"), {"protos", "libs.transfer"}) == []
 
@@ -186,7 +181,6 @@ def test_transfer_modules_import_only_lower_layers():
     assert upward == []
 
 
-@pytest.mark.xfail(strict=False, reason="until the renames planned for #10 are applied")
 def test_no_class_name_is_defined_twice():
     """One name per concept: a top-level class (or enum) name is defined in one module only."""
     where: dict[str, list[str]] = {}

@@ -9,21 +9,21 @@ from protos.messages import (
     AbortRequest,
     ErrorCode,
     ErrorReply,
-    FinishReason,
     GenerateRequest,
     HealthReply,
-    KVEvent,
     KVEventBatch,
     KVEventKind,
     RegistryEntry,
     Role,
     RouteReply,
     RouteRequest,
-    SamplingParams,
     ServiceState,
     TokenChunk,
-    TokenLogprob,
     Usage,
+    WireFinishReason,
+    WireKVEvent,
+    WireSamplingParams,
+    WireTokenLogprob,
 )
 
 pytestmark = pytest.mark.unit
@@ -37,22 +37,22 @@ SAMPLES = [
     GenerateRequest(
         request_id="q1",
         token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=4, temperature=0.0, top_k=5, seed=3, stop_token_ids=[9], logprobs=2),
+        sampling=WireSamplingParams(max_tokens=4, temperature=0.0, top_k=5, seed=3, stop_token_ids=[9], logprobs=2),
         stream_subject=subjects.stream("default", "q1"),
     ),
     TokenChunk(
         request_id="q1",
         token_ids=[5],
-        logprobs=[TokenLogprob(token_id=5, logprob=-0.1, top={5: -0.1, 6: -2.5})],
-        finish_reason=FinishReason.LENGTH,
+        logprobs=[WireTokenLogprob(token_id=5, logprob=-0.1, top={5: -0.1, 6: -2.5})],
+        finish_reason=WireFinishReason.LENGTH,
         usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=2),
     ),
     AbortRequest(request_id="q1", reason="client disconnected"),
     KVEventBatch(
         instance_id="p1",
         events=[
-            KVEvent(event_id=4, kind=KVEventKind.STORED, block_hashes=[1, 2], swa_valid=True),
-            KVEvent(event_id=5, kind=KVEventKind.REMOVED, block_hashes=[2]),
+            WireKVEvent(event_id=4, kind=KVEventKind.STORED, block_hashes=[1, 2], swa_valid=True),
+            WireKVEvent(event_id=5, kind=KVEventKind.REMOVED, block_hashes=[2]),
         ],
     ),
 ]
@@ -102,7 +102,7 @@ def test_messages_are_frozen():
 def test_error_chunk_must_finish_with_error():
     with pytest.raises(ValidationError, match="finish_reason='error'"):
         TokenChunk(request_id="a", error="boom")
-    assert TokenChunk(request_id="a", error="boom", finish_reason=FinishReason.ERROR).error == "boom"
+    assert TokenChunk(request_id="a", error="boom", finish_reason=WireFinishReason.ERROR).error == "boom"
 
 
 def test_kv_event_ids_must_be_consecutive():
@@ -110,8 +110,8 @@ def test_kv_event_ids_must_be_consecutive():
         KVEventBatch(
             instance_id="p",
             events=[
-                KVEvent(event_id=1, kind=KVEventKind.STORED, block_hashes=[1]),
-                KVEvent(event_id=3, kind=KVEventKind.STORED, block_hashes=[2]),
+                WireKVEvent(event_id=1, kind=KVEventKind.STORED, block_hashes=[1]),
+                WireKVEvent(event_id=3, kind=KVEventKind.STORED, block_hashes=[2]),
             ],
         )
 

@@ -24,8 +24,8 @@ import torch
 from libs.bus import Bus, RemoteError
 from libs.engine import EngineConfig, Request, SamplingParams
 from libs.engine import disagg as dg
-from libs.engine.request import FinishReason as EngineFinish
 from libs.engine.request import RequestOutput, TokenLogprob
+from libs.engine.request import WireFinishReason as EngineFinish
 from libs.model import load_model
 from libs.worker.metrics import Outcomes
 from libs.worker.tasks import DuplicateRequest, RequestTasks
@@ -34,14 +34,14 @@ from protos import subjects
 from protos.messages import (
     AbortRequest,
     AckStatus,
-    FinishReason,
     GenerateAck,
     GenerateRequest,
     KVPrepareReply,
     KVPrepareRequest,
     TokenChunk,
+    WireFinishReason,
+    WireSamplingParams,
 )
-from protos.messages import SamplingParams as WireParams
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 from services.prefill.config import PrefillConfig
@@ -147,16 +147,16 @@ def test_chunks_carry_usage_only_when_final_and_logprobs_stay_finite():
     assert (mid.token_ids, mid.finish_reason, mid.usage, mid.instance_id) == ([5], None, None, "w0")
     assert mid.logprobs[0].logprob == LOGPROB_FLOOR
     end = chunk_from_output(RequestOutput("r", (6,), None, True, EngineFinish.LENGTH, 4), "w0", 10, 2)
-    assert end.finish_reason is FinishReason.LENGTH
+    assert end.finish_reason is WireFinishReason.LENGTH
     assert (end.usage.prompt_tokens, end.usage.completion_tokens, end.usage.cached_tokens) == (10, 2, 4)
 
 
 @pytest.mark.unit
 def test_outcomes_count_final_chunks_only():
     outcomes = Outcomes()
-    for reason in (None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.ERROR, None):
+    for reason in (None, WireFinishReason.STOP, WireFinishReason.LENGTH, WireFinishReason.ABORT, WireFinishReason.ERROR, None):
         outcomes.observe(TokenChunk(request_id="r", finish_reason=reason,
-                                    error="x" if reason is FinishReason.ERROR else None))
+                                    error="x" if reason is WireFinishReason.ERROR else None))
     assert outcomes.as_dict() == {"accepted": 0, "refused": 0, "finished": 2, "aborted": 1, "failed": 1}
 
 
@@ -248,13 +248,13 @@ async def assert_engine_at_baseline(svc) -> None:
 def generate_request(namespace: str, request_id: str, tokens: list[int], max_tokens: int,
                      decode_instance: str = "") -> GenerateRequest:
     return GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream(namespace, request_id),
-                           sampling=WireParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           sampling=WireSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                            decode_instance=decode_instance)
 
 
 def prepare_request(namespace: str, request_id: str, tokens: list[int], max_tokens: int) -> KVPrepareRequest:
     return KVPrepareRequest(request_id=request_id, token_ids=tokens,
-                            sampling=WireParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                            sampling=WireSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                             stream_subject=subjects.stream(namespace, request_id), page_size=PAGE,
                             kv_dtype="float32", prefill_instance="test-prefill")
 
@@ -299,7 +299,7 @@ async def test_worker_early_abort_never_reaches_the_engine(bus, nats_url):
         await abort_first(bus, svc, "early")
         ack = await ask_generate(bus, svc, generate_request(ns, "early", prompt(3, 20), 8))
         assert ack.status is AckStatus.ACCEPTED
-        assert (await reader.final()).finish_reason is FinishReason.ABORT
+        assert (await reader.final()).finish_reason is WireFinishReason.ABORT
         assert [c.token_ids for c in reader.chunks] == [[]]
         await until(lambda: len(svc.tasks) == 0)
         assert (await svc.engine.call(lambda core: core.load())).prompt_tokens == 0  # never admitted
@@ -317,7 +317,7 @@ async def test_prefill_early_abort_never_reaches_the_engine(bus, nats_url, tcp_t
         await abort_first(bus, svc, "early")
         ack = await ask_generate(bus, svc, generate_request(ns, "early", prompt(4, 30), 8, decode))
         assert ack.status is AckStatus.ACCEPTED
-        assert (await reader.final()).finish_reason is FinishReason.ABORT
+        assert (await reader.final()).finish_reason is WireFinishReason.ABORT
         await until(lambda: len(svc.tasks) == 0)
         assert not arrived.is_set()  # no hand-off was attempted
         assert (await svc.engine.call(lambda core: core.load())).prompt_tokens == 0
@@ -336,7 +336,7 @@ async def test_decode_early_abort_admits_nothing_and_refuses_kv_prepare(bus, nat
         await abort_first(bus, svc, "early")
         with pytest.raises(RemoteError, match="aborted before"):
             await ask_prepare(bus, svc, prepare_request(ns, "early", prompt(5, 30), 8))
-        assert (await reader.final()).finish_reason is FinishReason.ABORT
+        assert (await reader.final()).finish_reason is WireFinishReason.ABORT
         assert [c.token_ids for c in reader.chunks] == [[]]  # not even the first token
         await until(lambda: len(svc.tasks) == 0)
         assert (await svc.engine.call(lambda core: core.load())).prompt_tokens == 0
@@ -358,7 +358,7 @@ async def test_worker_stop_cancels_a_long_request_after_the_drain_bound(bus, nat
     assert ack.status is AckStatus.ACCEPTED
     await reader.next()  # it runs
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is FinishReason.ABORT
+    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
     assert len(svc.tasks) == 0
     await assert_engine_at_baseline(svc)
 
@@ -374,7 +374,7 @@ async def test_prefill_stop_cancels_a_request_holding_kv_after_the_drain_bound(b
     assert ack.status is AckStatus.ACCEPTED
     await asyncio.wait_for(arrived.wait(), 10)  # prefilled: the prompt's KV is held, kv_prepare unanswered
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is FinishReason.ABORT
+    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
     assert len(svc.worker.tasks) == 0
     await assert_engine_at_baseline(svc)
 
@@ -387,6 +387,6 @@ async def test_decode_stop_cancels_a_request_waiting_for_its_kv_after_the_drain_
     reply = await ask_prepare(bus, svc, prepare_request(ns, "waits", prompt(8, 30), 8))
     assert reply.address  # admitted: pages reserved for KV that never comes (nothing is published before kv_commit)
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is FinishReason.ABORT
+    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
     assert len(svc.worker.tasks) == 0
     await assert_engine_at_baseline(svc)

@@ -28,7 +28,7 @@ from libs.kvcache.index import PrefixIndex
 from libs.kvcache.ledger import PageLedger
 from libs.kvcache.retention import ReuseStats
 from libs.kvcache.running import Running
-from libs.kvcache.sequence import Seq
+from libs.kvcache.sequence import SeqAllocation
 from libs.kvcache.tiers import NO_TIER_USAGE, HostTier, LowerTier
 from libs.kvcache.tree import Node
 from libs.kvcache.types import AdmitResult, KVEvent, PageCopy, PoolUsage, PrefixHit, RebuildStats
@@ -50,7 +50,7 @@ class KVCache:
         self.index = PrefixIndex(config, nodes, self.ledger, self.evictor, self.events, self.stats, self.tiers,
                                  self._make_room, audit_tokens)
         self.sequences = Running(config, self.ledger, self.index, self.stats, self._make_room)
-        self._seqs: dict[str, Seq] = self.sequences.seqs  # the running sequences (read by the tests)
+        self._seqs: dict[str, SeqAllocation] = self.sequences.seqs  # the running sequences (read by the tests)
 
     @property
     def root(self) -> Node:

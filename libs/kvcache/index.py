@@ -17,7 +17,7 @@ from libs.kvcache.evictor import Evictor
 from libs.kvcache.hashing import chain_hashes
 from libs.kvcache.ledger import Held, PageLedger
 from libs.kvcache.retention import END, ReuseStats
-from libs.kvcache.sequence import Seq
+from libs.kvcache.sequence import SeqAllocation
 from libs.kvcache.tiers import LowerTier
 from libs.kvcache.tree import (
     Node,
@@ -262,7 +262,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, seq: Seq) -> int:
+    def insert(self, seq: SeqAllocation) -> int:
         """Hand a finishing sequence's pages [hit_pages, computed pages) to the tree, or free them as duplicates
         (writing -1 into its page tables where the tree took or freed a page); returns the end page."""
         npg = seq.num_computed // self.P
@@ -285,7 +285,7 @@ class PrefixIndex:
             self._add_nodes(node, seq, pos, npg, hashes.upto(npg))
         return max(npg, seq.hit_pages)
 
-    def _absorb(self, node: Node, seq: Seq, pos: int) -> None:
+    def _absorb(self, node: Node, seq: SeqAllocation, pos: int) -> None:
         """The sequence recomputed pages the tree already has: drop duplicates, heal tombstones, fill nodes off
         the device back with the sequence's pages. (A rebuild's SWA pages below its tree pages heal the
         tombstones its hit started from; its full pages there are the tree's own.)"""
@@ -320,7 +320,7 @@ class PrefixIndex:
             self._evictor.push_swa(node)
             self._events.emit(EventKind.STORED, Tier.DEVICE, node)
 
-    def _adopt(self, node: Node, seq: Seq, pos: int) -> None:
+    def _adopt(self, node: Node, seq: SeqAllocation, pos: int) -> None:
         n = node.npages
         node.full = ids(seq.full[pos:pos + n])
         node.swa = ids(seq.swa[pos:pos + n])
@@ -334,7 +334,7 @@ class PrefixIndex:
         self._evictor.push_swa(node)
         self._events.emit(EventKind.STORED, Tier.DEVICE, node)
 
-    def _add_nodes(self, parent: Node, seq: Seq, pos: int, npg: int, hashes: Sequence[int]) -> None:
+    def _add_nodes(self, parent: Node, seq: SeqAllocation, pos: int, npg: int, hashes: Sequence[int]) -> None:
         """New nodes for pages [pos, npg), cut at checkpoint ends so each checkpoint ends a node (SWA eviction
         and locking then work on whole checkpoints)."""
         cuts = sorted({e for e in seq.ckpt_ends if pos < e < npg} | {npg})
@@ -361,7 +361,7 @@ class PrefixIndex:
         self._ledger.to_tree(npg - first, n_swa)
         evictor.push_full(parent)
 
-    def _learn(self, node: Node, seq: Seq) -> None:
+    def _learn(self, node: Node, seq: SeqAllocation) -> None:
         """A node that now holds SWA pages of `seq` learns the kinds of the checkpoint ending at its end."""
         if not node.n_swa:
             return

@@ -1,7 +1,7 @@
 """Running sequences: admission (lifetime promises), reserve / commit (the sliding SWA window, retained and lazily
 kept checkpoint pages), finish / abort, and the lazy queue.
 
-It owns the sequence views (`Seq`) and the lazy queue. Pages change state only through the ledger; at finish
+It owns the sequence views (`SeqAllocation`) and the lazy queue. Pages change state only through the ledger; at finish
 the prefix index takes the pages it keeps (writing -1 into the sequence's page tables) and the rest are freed
 here.
 """
@@ -23,7 +23,7 @@ from libs.kvcache.retention import (
     kept_pages,
     plan_from,
 )
-from libs.kvcache.sequence import Seq
+from libs.kvcache.sequence import SeqAllocation
 from libs.kvcache.tree import Node, ids, no_pages, path_to_root
 from libs.kvcache.types import AdmitResult, PrefixHit
 
@@ -43,10 +43,10 @@ class Running:
         self._cold = stats.cold
         self._stats = stats
         self._make_room = make_room
-        self.seqs: dict[str, Seq] = {}
+        self.seqs: dict[str, SeqAllocation] = {}
         # (stamp, page index, seq id), oldest first: stamps are the clock when the page left its window, so
         # appending keeps the queue sorted (no heap needed). An entry is stale once the index left seq.lazy. Ids,
-        # not Seq objects: a stale entry must not keep a finished sequence (and its token list) alive for the GC.
+        # not SeqAllocation objects: a stale entry must not keep a finished sequence (and its token list) alive for the GC.
         self._lazy_q: deque[_LazyEntry] = deque()
 
     # ------------------------------------------------------------------ admission
@@ -85,7 +85,7 @@ class Running:
         self._ledger.promise(seq.full_cap, seq.swa_cap)
         return AdmitResult(True, "", seq.full_cap, seq.swa_cap)
 
-    def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None, max_new: int) -> Seq:
+    def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None, max_new: int) -> SeqAllocation:
         """The sequence view of an admission. Full pages: the hit's tree pages [0, full_tokens), private after.
         SWA pages: its own from `hit.tokens` on (a rebuild hit reads none of the tree's)."""
         hp = hit.full_tokens // self.P
@@ -100,7 +100,7 @@ class Running:
         full_cap = total - hp
         # Only the window is promised: checkpoint pages are kept later if memory nobody was promised is left.
         swa_cap = total - sf if plan.keep_all else min(total - sf, self.cfg.seq_swa_pages)
-        seq = Seq(seq_id, tokens, hit.full_tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
+        seq = SeqAllocation(seq_id, tokens, hit.full_tokens, hp, node, full_cap, swa_cap, keep, plan.keep_all,
                   full=ids(hit.full_pages), swa=ids(hit.swa_pages), num_computed=hit.tokens,
                   reserved_upto=hit.tokens, swa_lo=sf, swa_locked=0 < hit.tokens == hit.full_tokens,
                   swa_from=sf, scratch_end=max(sf, hp - self.wp) if sf < hp else sf)
@@ -128,14 +128,14 @@ class Running:
         # Every new page is inside the window, so it gets both a full page and an SWA page.
         return self._grant(seq, target, need, ())
 
-    def _reserve_span(self, seq: Seq, target: int) -> bool:
+    def _reserve_span(self, seq: SeqAllocation, target: int) -> bool:
         """reserve() inside a rebuild span [R, E): the full pages below E are the tree's (never written); SWA
         pages for every page the chunk writes that has none; both past E."""
         end = -(-target // self.P)
         holes = [j for j in range(seq.num_computed // self.P, min(end, len(seq.swa))) if seq.swa[j] < 0]
         return self._grant(seq, target, max(0, end - len(seq.full)), holes)
 
-    def _grant(self, seq: Seq, target: int, new: int, holes: Sequence[int]) -> bool:
+    def _grant(self, seq: SeqAllocation, target: int, new: int, holes: Sequence[int]) -> bool:
         """Give seq `new` pages past its end (full + SWA each) and SWA pages at the logical pages `holes`, or
         return False (state unchanged) when the pools cannot provide them even after eviction."""
         ledger = self._ledger
@@ -173,7 +173,7 @@ class Running:
         seq.tokens.extend(new_token_ids)
         self._slide_window(seq)
 
-    def _slide_window(self, seq: Seq) -> None:
+    def _slide_window(self, seq: SeqAllocation) -> None:
         first = seq.num_computed // self.P - self.wp  # first page of the window kept at rest
         lo = max(seq.swa_from, first)
         if seq.swa_locked and first >= seq.hit_pages and seq.lock_node is not None:
@@ -222,7 +222,7 @@ class Running:
         ledger.slide_swa(freed, lazy, seq.swa_outstanding() - before)
         seq.swa_lo = lo
 
-    def _free_scratch(self, seq: Seq, upto: int) -> None:
+    def _free_scratch(self, seq: SeqAllocation, upto: int) -> None:
         """Free a rebuild span's scratch SWA pages below `upto` (they left the window, or the sequence ends):
         never retained, whatever the policy says."""
         lo = seq.swa_lo
@@ -247,7 +247,7 @@ class Running:
         tree_upto = self._index.insert(seq) if cache and self.cfg.enable_prefix_cache else seq.hit_pages
         self._drop_seq(seq, tree_upto)
 
-    def _settle_lazy(self, seq: Seq, keep: bool) -> None:
+    def _settle_lazy(self, seq: SeqAllocation, keep: bool) -> None:
         """At finish: the lazy pages that still form a whole checkpoint window go back to the sequence (to be
         inserted with it); the others (a window the cache took a page of, or everything on abort) are freed."""
         if not seq.lazy:
@@ -274,7 +274,7 @@ class Running:
         if len(self._lazy_q) > 4 * self._ledger.lazy_swa() + 256:  # stale entries pile up while nothing is reclaimed
             self._lazy_q = deque(e for e in self._lazy_q if self._lazy_seq(e) is not None)
 
-    def _drop_seq(self, seq: Seq, tree_upto: int) -> None:
+    def _drop_seq(self, seq: SeqAllocation, tree_upto: int) -> None:
         """Free the sequence's private pages; those below `tree_upto` are the tree's (all -1 here)."""
         self._ledger.promise(-seq.full_outstanding(), -seq.swa_outstanding())
         full = [p for p in seq.full[tree_upto:] if p >= 0]
@@ -284,7 +284,7 @@ class Running:
         if seq.lock_node is not None:
             self._index.unlock(seq.lock_node, seq.hit_tokens, swa=seq.swa_locked)
 
-    def get(self, seq_id: str) -> Seq:
+    def get(self, seq_id: str) -> SeqAllocation:
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"sequence {seq_id!r} is not running")
@@ -321,7 +321,7 @@ class Running:
             q.popleft()
         return q[0][0] if q else None
 
-    def _lazy_seq(self, entry: _LazyEntry) -> Seq | None:
+    def _lazy_seq(self, entry: _LazyEntry) -> SeqAllocation | None:
         """The running sequence whose lazy page the entry names, None if stale. (A reused sequence id can revive
         an entry: its page is then reclaimed a little early, never wrongly: it is lazy either way.)"""
         seq = self.seqs.get(entry[2])
@@ -348,7 +348,7 @@ class Running:
             _fail("lazy queue is not oldest first (reclaim order would not be LRU)")
         return held
 
-    def _check_seq(self, s: Seq) -> None:
+    def _check_seq(self, s: SeqAllocation) -> None:
         P, wp = self.P, self.wp
         where = f"sequence {s.seq_id!r}"
         if len(s.full) != len(s.swa) or len(s.full) * P < s.reserved_upto:
@@ -377,7 +377,7 @@ class Running:
             if [h for n in path for h in n.hashes] != chain_hashes(s.tokens, P, self.cfg.hash_seed, 0, s.hit_pages):
                 _fail(f"{where}: the locked tree path's block hashes are not the hashes of its prompt")
 
-    def _check_rebuild(self, s: Seq, where: str) -> None:
+    def _check_rebuild(self, s: SeqAllocation, where: str) -> None:
         """A rebuild sequence (SWA from R below its tree pages [0, E)) reads no tree SWA (no SWA lock), holds no
         SWA page below R, and keeps none of its scratch pages (below one window before E) past the window."""
         sf, hp, scratch = s.swa_from, s.hit_pages, s.scratch_end
@@ -396,7 +396,7 @@ class Running:
         if len(s.full) != want:
             _fail(f"{where}: {len(s.full)} full pages, want the tree's {hp} then up to the reserved end: {want}")
 
-    def _check_lazy(self, s: Seq, where: str) -> None:
+    def _check_lazy(self, s: SeqAllocation, where: str) -> None:
         """Lazy pages are cold checkpoint pages that left the window, each reclaimable through the lazy queue."""
         first = s.num_computed // self.P - self.wp
         for j in s.lazy:

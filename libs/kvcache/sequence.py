@@ -32,7 +32,7 @@ from libs.kvcache.tree import Node
 
 
 @dataclass(slots=True)
-class Seq:
+class SeqAllocation:
     seq_id: str
     tokens: list[int]
     hit_tokens: int

@@ -12,12 +12,8 @@ from .errors import PeerDisconnected, TransferAborted, TransferError, TransferRe
 from .protocol import LayerSpec, TransferHeader, parse_address
 from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState, TransferStats
 
-# Old name of TransferBackend, kept only while other #10 branches still import it
-# (tests/test_disagg.py); remove once they are merged and moved over.
-Backend = TransferBackend
-
 __all__ = [
-    "Backend", "Destinations", "IncomingTransfer", "KVTransferEngine", "LayerSpec", "OutgoingTransfer", "Payload",
+    "Destinations", "IncomingTransfer", "KVTransferEngine", "LayerSpec", "OutgoingTransfer", "Payload",
     "PeerDisconnected", "TcpTransferEngine", "TransferAborted", "TransferBackend", "TransferConfig", "TransferError",
     "TransferHeader", "TransferRejected", "TransferState", "TransferStats", "TransferTimeout", "UcxTransferEngine",
     "create_engine", "parse_address", "select_backend", "ucx_available",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import Gauge
 
 from libs.engine.core import EngineLoad
-from protos.messages import FinishReason, TokenChunk
+from protos.messages import TokenChunk, WireFinishReason
 
 KV_PAGES = Gauge("windserve_worker_kv_pages", "KV pages by pool, tier and state", ["pool", "tier", "state"])
 REQUESTS = Gauge("windserve_worker_requests", "Requests in the engine by state", ["state"])
@@ -23,8 +23,8 @@ HIT_TOKENS = Gauge("windserve_worker_prefix_hit_tokens", "Prompt tokens served f
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 
 _PAGE_STATES = ("free", "cached", "in_use", "reserved")
-_FINAL = {FinishReason.STOP: "finished", FinishReason.LENGTH: "finished", FinishReason.ABORT: "aborted",
-          FinishReason.ERROR: "failed"}
+_FINAL = {WireFinishReason.STOP: "finished", WireFinishReason.LENGTH: "finished", WireFinishReason.ABORT: "aborted",
+          WireFinishReason.ERROR: "failed"}
 
 
 @dataclass

@@ -11,7 +11,7 @@ from protos import messages as wire
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: "impossible" alternatives get this value
 
 
-def engine_params(p: wire.SamplingParams) -> SamplingParams:
+def engine_params(p: wire.WireSamplingParams) -> SamplingParams:
     """Wire sampling params -> engine params (raises ValueError on values the engine refuses)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
@@ -38,19 +38,19 @@ def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_toke
     return None
 
 
-def wire_logprob(lp: TokenLogprob) -> wire.TokenLogprob:
+def wire_logprob(lp: TokenLogprob) -> wire.WireTokenLogprob:
     def finite(x: float) -> float:
         return x if math.isfinite(x) else LOGPROB_FLOOR
 
-    return wire.TokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
+    return wire.WireTokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
                              top={t: finite(v) for t, v in lp.top})
 
 
-def wire_finish(reason: FinishReason | None) -> wire.FinishReason | None:
+def wire_finish(reason: FinishReason | None) -> wire.WireFinishReason | None:
     if reason is None:
         return None
-    return {FinishReason.STOP: wire.FinishReason.STOP, FinishReason.LENGTH: wire.FinishReason.LENGTH,
-            FinishReason.ABORT: wire.FinishReason.ABORT}.get(reason, wire.FinishReason.ERROR)
+    return {FinishReason.STOP: wire.WireFinishReason.STOP, FinishReason.LENGTH: wire.WireFinishReason.LENGTH,
+            FinishReason.ABORT: wire.WireFinishReason.ABORT}.get(reason, wire.WireFinishReason.ERROR)
 
 
 def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int,

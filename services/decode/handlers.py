@@ -32,18 +32,18 @@ from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
 from libs.transfer import IncomingTransfer, KVTransferEngine, TransferHeader
+from libs.worker.kv_stream import layer_specs
 from libs.worker.tasks import DuplicateRequest, RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
-    FinishReason,
     KVCommitReply,
     KVCommitRequest,
     KVPrepareReply,
     KVPrepareRequest,
     TokenChunk,
     Usage,
+    WireFinishReason,
 )
-from libs.worker.kv_stream import layer_specs
 
 log = logging.getLogger("windserve.decode")
 
@@ -292,8 +292,8 @@ class DecodeWorker:
                 return out.finish_reason is not dg.FinishReason.ABORT
 
     async def _final_error(self, msg: KVPrepareRequest, error: str | None) -> None:
-        chunk = (self._chunk(msg.request_id, finish_reason=FinishReason.ABORT) if error is None else
-                 self._chunk(msg.request_id, finish_reason=FinishReason.ERROR, error=error))
+        chunk = (self._chunk(msg.request_id, finish_reason=WireFinishReason.ABORT) if error is None else
+                 self._chunk(msg.request_id, finish_reason=WireFinishReason.ERROR, error=error))
         try:
             async with asyncio.timeout(5):
                 await self.publish(msg.stream_subject, chunk)

@@ -34,7 +34,6 @@ from protos import subjects
 from protos.messages import (
     AbortRequest,
     AckStatus,
-    FinishReason,
     GenerateAck,
     GenerateRequest,
     HealthReply,
@@ -43,8 +42,9 @@ from protos.messages import (
     Role,
     RouteReply,
     RouteRequest,
-    SamplingParams,
     TokenChunk,
+    WireFinishReason,
+    WireSamplingParams,
 )
 
 log = logging.getLogger("windserve.gateway")
@@ -63,7 +63,7 @@ class BackendError(Exception):
 
 
 class Backend(Protocol):
-    def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenChunk]:
+    def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams) -> AsyncIterator[TokenChunk]:
         """Yield the request's chunks up to the one with finish_reason; raise BackendError on failure.
         Closing the iterator early aborts the request downstream."""
         ...
@@ -131,7 +131,7 @@ class NatsBackend:
             raise BackendError(503, f"no router is running and no worker is available: {exc}") from exc
         return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams
+    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams
                        ) -> AsyncIterator[TokenChunk]:
         route = await self.route(request_id, token_ids)
         stream = subjects.stream(self.config.namespace, request_id)
@@ -143,10 +143,10 @@ class NatsBackend:
             async for chunk in self._chunks(sub, request_id, watch):
                 if chunk.finish_reason is not None:
                     finished = True
-                if chunk.finish_reason == FinishReason.ERROR and chunk.retryable:
+                if chunk.finish_reason == WireFinishReason.ERROR and chunk.retryable:
                     raise BackendError(503, f"server is at capacity: {chunk.error}", code="server_busy",
                                        retry_after_s=self.config.retry_after_s)
-                if chunk.finish_reason == FinishReason.ERROR:
+                if chunk.finish_reason == WireFinishReason.ERROR:
                     raise BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
                 yield chunk
                 if finished:
@@ -154,7 +154,7 @@ class NatsBackend:
         finally:
             self._spawn(self._close(sub, request_id, abort=not finished))
 
-    async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: SamplingParams,
+    async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
                       stream: str) -> None:
         """Send the request to the prefill (or combined) worker and check its acknowledgement."""
         decode = route.decode_instance if route.decode_instance != route.prefill_instance else ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, cast
 
-from protos.messages import FinishReason, SamplingParams, TokenChunk, TokenLogprob
+from protos.messages import TokenChunk, WireFinishReason, WireSamplingParams, WireTokenLogprob
 from services.gateway import metrics
 from services.gateway.backend import Backend, BackendError
 from services.gateway.protocol import (
@@ -61,7 +61,7 @@ class SubRequest:
     index: int  # choice index in the response
     prompt_index: int
     request_id: str
-    sampling: SamplingParams
+    sampling: WireSamplingParams
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prom
     for p, ids in enumerate(prompts):
         budget = _max_tokens(max_tokens, len(ids), limits, p)
         for i in range(body.n):
-            sampling = SamplingParams(
+            sampling = WireSamplingParams(
                 max_tokens=budget, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=choice_seed(body.seed, i), stop_token_ids=list(body.stop_token_ids),
                 logprobs=logprobs or 0, sampled_logprob=logprobs is not None, stop=list(stops),
@@ -196,14 +196,14 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
 # --- per-choice state -------------------------------------------------------------------------
 
 
-_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+_FINISH_NAMES = {WireFinishReason.STOP: "stop", WireFinishReason.LENGTH: "length", WireFinishReason.ABORT: "abort"}
 
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob]
+    logprobs: list[WireTokenLogprob]
     finish_reason: str | None  # set on the delta that completes the choice
     offsets: list[int] = field(default_factory=list)  # completions text_offset of each token (when tracked)
 
@@ -221,7 +221,7 @@ class ChoiceState:
     assembler: TextAssembler
     track_offsets: bool = False
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[WireTokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -360,7 +360,7 @@ class Renderer:
     def names(self) -> TokenNames:
         return TokenNames(self.decode_token, self.plan.as_token_ids, self.token_bytes)
 
-    def logprobs(self, lps: Sequence[TokenLogprob], offsets: list[int]) -> dict[str, Any] | None:
+    def logprobs(self, lps: Sequence[WireTokenLogprob], offsets: list[int]) -> dict[str, Any] | None:
         if self.plan.logprobs is None:
             return None
         if self.plan.kind == Kind.CHAT:

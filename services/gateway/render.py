@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from protos.messages import TokenLogprob
+from protos.messages import WireTokenLogprob
 
 SSE_DONE = b"data: [DONE]\n\n"
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
@@ -155,11 +155,11 @@ class TokenNames:
         return names
 
 
-def _ranked(lp: TokenLogprob) -> list[tuple[int, float]]:
+def _ranked(lp: WireTokenLogprob) -> list[tuple[int, float]]:
     return sorted(lp.top.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def completion_logprobs(lps: Sequence[TokenLogprob], names: TokenNames, offsets: Sequence[int]) -> dict[str, Any]:
+def completion_logprobs(lps: Sequence[WireTokenLogprob], names: TokenNames, offsets: Sequence[int]) -> dict[str, Any]:
     """Legacy completions format. top_logprobs holds the requested alternatives plus the sampled
     token (as OpenAI documents: up to logprobs + 1 entries), keyed without collisions (the sampled
     token keeps its name). `offsets`: each token's text_offset (see `text_offsets`)."""
@@ -179,7 +179,7 @@ def _chat_entry(names: TokenNames, token_id: int, logprob: float) -> dict[str, A
     return {"token": names.name(token_id), "logprob": logprob, "bytes": list(names.raw(token_id))}
 
 
-def chat_logprobs(lps: Sequence[TokenLogprob], names: TokenNames, top_k: int) -> dict[str, Any]:
+def chat_logprobs(lps: Sequence[WireTokenLogprob], names: TokenNames, top_k: int) -> dict[str, Any]:
     """Chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     content = []
     for lp in lps:

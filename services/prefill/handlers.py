@@ -31,22 +31,22 @@ from libs.bus import RemoteError
 from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
 from libs.transfer import KVTransferEngine, TransferStats
+from libs.worker.kv_stream import KVSender, layer_specs
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
     AckStatus,
     ErrorCode,
-    FinishReason,
     GenerateRequest,
     KVCommitReply,
     KVCommitRequest,
     KVPrepareReply,
     KVPrepareRequest,
     TokenChunk,
-    TokenLogprob,
     Usage,
+    WireFinishReason,
+    WireTokenLogprob,
 )
-from libs.worker.kv_stream import KVSender, layer_specs
 
 log = logging.getLogger("windserve.prefill")
 
@@ -101,7 +101,7 @@ class _Handoff:
     committed: bool = False  # decode took the first token: it owns the request and its stream
 
 
-First = tuple[int, TokenLogprob | None, int]  # first token, its logprob (wire form), prompt tokens cached here
+First = tuple[int, WireTokenLogprob | None, int]  # first token, its logprob (wire form), prompt tokens cached here
 
 
 class PrefillWorker:
@@ -141,7 +141,7 @@ class PrefillWorker:
         its stream gets the abort chunk."""
         if not req.decode_instance:
             raise ValueError(f"request {req.request_id!r}: a prefill worker needs decode_instance")
-        abort_chunk = self._chunk(req.request_id, finish_reason=FinishReason.ABORT)
+        abort_chunk = self._chunk(req.request_id, finish_reason=WireFinishReason.ABORT)
         return self.tasks.spawn(req.request_id, self.run(req), aborted=self._safe_publish(req, abort_chunk),
                                 name=f"prefill-{req.request_id}")
 
@@ -169,13 +169,13 @@ class PrefillWorker:
             h.committed = True
             self._count(req, h.sender, stats)
         except asyncio.CancelledError:
-            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ABORT))
+            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=WireFinishReason.ABORT))
             raise
         except Exception as exc:
             self.stats.failures += 1
             log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
             error = f"prefill {self.instance_id}: {exc}"
-            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=FinishReason.ERROR, error=error,
+            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
                                                       retryable=isinstance(exc, DecodesFull)))
         finally:
             await self._clean_up(req.request_id, h)  # 6.
@@ -330,7 +330,7 @@ class PrefillWorker:
             log.info("could not cancel the decode reservation",
                      extra={"request": request_id, "decode": decode, "error": repr(exc)})
 
-    async def _publish_final(self, req: GenerateRequest, token: int, logprob: TokenLogprob | None, reason,
+    async def _publish_final(self, req: GenerateRequest, token: int, logprob: WireTokenLogprob | None, reason,
                              cached: int) -> None:
         await self.publish(req.stream_subject, self._chunk(
             req.request_id, token_ids=[token], logprobs=[] if logprob is None else [logprob],

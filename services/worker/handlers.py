@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from libs.engine.request import Request
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import chunk_from_output, engine_params
-from protos.messages import FinishReason, GenerateRequest, TokenChunk, Usage
+from protos.messages import GenerateRequest, TokenChunk, Usage, WireFinishReason
 
 log = logging.getLogger("windserve.worker")
 
@@ -41,7 +41,7 @@ class Generations:
 
     def start(self, req: GenerateRequest) -> asyncio.Task[None]:
         """Start generating `req` (already accepted); never blocks on the engine."""
-        return self._tasks.spawn(req.request_id, self._run(req), aborted=self._send_final(req, FinishReason.ABORT),
+        return self._tasks.spawn(req.request_id, self._run(req), aborted=self._send_final(req, WireFinishReason.ABORT),
                                  name=f"generate-{req.request_id}")
 
     async def _run(self, req: GenerateRequest) -> None:
@@ -54,12 +54,12 @@ class Generations:
                                     chunk_from_output(out, self._instance_id, len(req.token_ids), produced))
         except asyncio.CancelledError:
             # Leaving engine.generate() aborted the request in the engine (KV freed).
-            await self._send_final(req, FinishReason.ABORT, produced=produced)
+            await self._send_final(req, WireFinishReason.ABORT, produced=produced)
         except Exception as exc:
             log.exception("generation failed", extra={"request_id": req.request_id})
-            await self._send_final(req, FinishReason.ERROR, f"worker {self._instance_id}: {exc}", produced)
+            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", produced)
 
-    async def _send_final(self, req: GenerateRequest, reason: FinishReason, error: str | None = None,
+    async def _send_final(self, req: GenerateRequest, reason: WireFinishReason, error: str | None = None,
                           produced: int = 0) -> None:
         chunk = TokenChunk(request_id=req.request_id, finish_reason=reason, error=error,
                            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=produced),

@@ -12,8 +12,8 @@ away; `abort()` of a pending request frees every page reserved for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
