@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import count
@@ -47,7 +48,8 @@ from libs.kvcache.types import (
 
 _HeapEntry = tuple[int, int, int, Node]
 _LazyEntry = tuple[int, int, str]  # (stamp, page index, seq id)
-_PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
+_PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]",
+                      "int | tuple[bool, ...]"]
 _KIND_BITS = tuple(int(k) for k in CheckpointKind)
 _ALL_KINDS = sum(_KIND_BITS)
 _BITS_OF = tuple(tuple(b for b in _KIND_BITS if m & b) for m in range(_ALL_KINDS + 1))  # kinds -> its bits
@@ -948,8 +950,8 @@ class KVCache:
 
     def drain_events(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""
-        out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)))
-               for eid, kind, tier, hashes, ph, flags in self._events]
+        out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)), _materialise(held, len(hashes)))
+               for eid, kind, tier, hashes, ph, flags, held in self._events]
         self._events.clear()
         return out
 
@@ -959,8 +961,11 @@ class KVCache:
         tuple itself in the rare case the valid pages are not a suffix of the node."""
         parent = node.parent
         ph = parent.hashes[-1] if parent is not None and parent.hashes else None
-        flags = self._flags_spec(node) if kind is EventKind.STORED else len(node.hashes)
-        self._events.append((self._next_event, kind, tier, node.hashes, ph, flags))
+        if kind is EventKind.STORED:
+            flags, held = self._flags_spec(node), _held_spec(node.host_swa if tier is Tier.HOST else node.swa)
+        else:
+            flags = held = len(node.hashes)
+        self._events.append((self._next_event, kind, tier, node.hashes, ph, flags, held))
         self._next_event += 1
 
     def _checkpoint_flags(self, node: Node) -> tuple[bool, ...]:
@@ -1046,6 +1051,15 @@ def _from(plan: RetentionPlan, x0: int) -> RetentionPlan:
     keep = [i for i, x in enumerate(plan.checkpoints) if x >= x0]
     return RetentionPlan(plan.keep_all, tuple(plan.checkpoints[i] for i in keep),
                          tuple(plan.kind_of(i) for i in keep))
+
+
+def _held_spec(swa: array | None) -> int | tuple[bool, ...]:
+    """`KVEvent.swa_held` compactly (as `_flags_spec`): an int k = pages k.. hold SWA KV, else the tuple."""
+    if swa is None:
+        return 0
+    c = len(swa) - swa.count(-1)
+    n = len(swa)
+    return n - c if swa[n - c:].count(-1) == 0 else tuple(s >= 0 for s in swa)
 
 
 def _materialise(flags: int | tuple[bool, ...], n: int) -> tuple[bool, ...]:
