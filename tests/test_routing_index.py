@@ -286,3 +286,60 @@ def test_memory_per_block_is_bounded():
     per_block = idx.memory_bytes() / len(idx)
     assert len(idx) == 320_000 and per_block < 160, per_block
     assert BlockState(idx.blocks_of("w31")[310_000]) == BlockState.DEVICE | BlockState.DEVICE_SWA
+
+
+# ------------------------------------------------------------------------------------------ the cost
+
+
+def _fleet_index():
+    from libs.routing import Fleet, Instance
+    idx = PrefixIndex(page_size=4, window=8)
+    chain = list(range(1, 11))  # 10 pages
+    idx.apply("hot", [_stored(0, chain, (True,) * 10)])
+    idx.apply("raw", [_stored(0, chain, (False,) * 10)])  # full KV, no SWA: raw overlap, no valid hit
+    fleet = Fleet(workers=tuple(Instance(i) for i in ("hot", "raw", "cold")))
+    return idx, chain, fleet
+
+
+def test_affinity_prefers_the_valid_hit_and_raw_credit_is_fooled():
+    from libs.routing import AffinityRouter, AffinityWeights
+    idx, chain, fleet = _fleet_index()
+    r = AffinityRouter(idx).route(fleet, "q1", 41, now=0.0, block_hashes=chain)
+    assert (r.prefill, r.decode, r.predicted_hit) == ("hot", "hot", 40)
+    idx2, _, _ = _fleet_index()
+    idx2.remove_worker("hot")
+    raw = AffinityRouter(idx2, weights=AffinityWeights(credit="raw")).route(fleet, "q1", 41, 0.0, block_hashes=chain)
+    assert (raw.prefill, raw.predicted_hit) == ("raw", 40)  # predicted 40, `match` there gives 0
+    valid = AffinityRouter(idx2).route(fleet, "q1", 41, 0.0, block_hashes=chain)
+    assert valid.predicted_hit == 0
+
+
+def test_affinity_trades_the_hit_against_queue_and_decode_load():
+    from dataclasses import replace
+
+    from libs.routing import AffinityRouter, Fleet
+    idx, chain, fleet = _fleet_index()
+    busy = Fleet(workers=tuple(replace(i, prefill_tokens_queued=100) if i.instance_id == "hot" else i
+                               for i in fleet.workers))
+    r = AffinityRouter(idx)
+    assert r.route(busy, "q", 41, 0.0, block_hashes=chain).prefill != "hot"  # 1 + 100 queued > 41 to compute
+    r2 = AffinityRouter(idx)
+    assert r2.route(fleet, "a", 41, 0.0, block_hashes=chain).prefill == "hot"
+    # this router's own picks count as queued work (their predicted prefill tokens) until the load shows them
+    for i in range(3):
+        r2.route(fleet, f"long{i}", 401, 0.1, block_hashes=chain)
+    assert r2.recent.counts(0.2)["hot"] >= 361 + 1
+
+
+def test_buckets_count_uncached_tokens_and_ties_break_by_xxhash():
+    from libs.routing import AffinityRouter, Fleet, Instance, choose, tie_break
+    idx, chain, _ = _fleet_index()
+    fleet = Fleet(workers=(Instance("hot", buckets=(0,)), Instance("long", buckets=(1,))))
+    r = AffinityRouter(idx, bucket_edges=(16,))
+    assert r.route(fleet, "q", 41, 0.0, block_hashes=chain).prefill == "hot"  # 1 uncached token: bucket 0 there
+    costs = {"a": 1.0, "b": 1.0, "c": 2.0}
+    want = min(("a", "b"), key=lambda i: tie_break("rid", i))
+    assert choose(costs, "rid") == want and choose(dict(reversed(costs.items())), "rid") == want
+    picks = {choose(costs, f"r{i}", temperature=1.0, scale=1.0) for i in range(200)}
+    assert picks == {"a", "b", "c"}  # softmax samples every worker ...
+    assert [choose(costs, f"r{i}", 1.0) for i in range(50)] == [choose(costs, f"r{i}", 1.0) for i in range(50)]
