@@ -298,46 +298,53 @@ class PrefixIndex:
         return out
 
     def _walk(self, chain: Sequence[int], num_tokens: int) -> dict[int, tuple[int, int, int, int]]:
-        """Per slot with overlap: (raw pages, on-device pages, best valid page count, best valid on device)."""
+        """Per slot with overlap: (raw pages, on-device pages, best valid page count, best valid on device).
+        The hot loop of a routing decision: one dict lookup and a dozen big-int operations per page."""
         P, wp = self.page_size, self.window_pages
         max_raw = 0 if num_tokens <= P else min(len(chain), num_tokens // P)
         max_pages = min(max_raw, (num_tokens - 1) // P)
-        blocks, live, ones = self._blocks, self._live, self._ones
-        in_tree = dev_run = ones
-        runs = [ones] + [0] * wp  # runs[k]: slots whose last k pages all hold SWA (runs[0]: every slot)
+        blocks, live = self._blocks, self._live
+        in_tree = dev_run = self._ones
+        runs = [in_tree] + [0] * wp  # runs[k]: slots whose last k pages all hold SWA (runs[0]: every slot)
         raw_drops: list[tuple[int, int]] = []
         dev_drops: list[tuple[int, int]] = []
         valid: list[int] = [0]  # valid[g]: slots for which a hit of g pages is valid
-        valid_dev: list[int] = [0]
+        get = blocks.get
         g = 0
-        while g < max_raw and in_tree:
-            v = blocks.get(chain[g], 0)
+        while g < max_raw:
+            v = get(chain[g], 0) & live
             here = (v | v >> 2) & in_tree
             if here != in_tree:
                 raw_drops.append((g, in_tree ^ here))
                 in_tree = here
                 if not here:
                     break
-            v &= live
             dev = v & in_tree
-            if dev_run & ~dev:
-                dev_drops.append((g, dev_run & ~dev))
+            if dev_run & dev != dev_run:
+                dev_drops.append((g, dev_run ^ (dev_run & dev)))
                 dev_run &= dev
             eff = (v >> 1 & dev) | (v >> 3 & (in_tree ^ dev))
-            for k in range(wp, 0, -1):
-                runs[k] = runs[k - 1] & eff
+            if wp == 2:  # the common shape (window = 2 pages): no inner loop
+                runs[2] = runs[1] & eff
+                runs[1] = eff
+            else:
+                for k in range(wp, 0, -1):
+                    runs[k] = runs[k - 1] & eff
             g += 1
             if g <= max_pages:
-                ok = runs[g if g < wp else wp]
-                valid.append(ok)
-                valid_dev.append(ok & dev_run)
+                valid.append(runs[g if g < wp else wp])
         raw_drops.append((g, in_tree))
         dev_drops.append((g, dev_run))
         raw = _ends(raw_drops)
         on_dev = _ends(dev_drops)
         best_any = _last_set(valid, raw.keys())
-        best_dev = _last_set(valid_dev, raw.keys())
-        return {s: (r, on_dev.get(s, 0), best_any.get(s, 0), best_dev.get(s, 0)) for s, r in raw.items() if r}
+        out = {}
+        for s, r in raw.items():
+            if r:
+                d, b = on_dev.get(s, 0), best_any.get(s, 0)
+                # device nodes form a root-connected prefix: the best device hit is the best valid g <= d
+                out[s] = (r, d, b, b if b <= d else _last_set(valid[:d + 1], (s,)).get(s, 0))
+        return out
 
     def _choices(self, raw: int, dev: int, best_any: int, best_dev: int, num_tokens: int,
                  rebuild: bool) -> list[PredictedHit]:
