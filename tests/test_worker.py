@@ -24,8 +24,8 @@ import torch
 from libs.bus import Bus, RemoteError
 from libs.engine import EngineConfig, Request, SamplingParams
 from libs.engine import disagg as dg
-from libs.engine.request import RequestOutput, TokenLogprob
 from libs.engine.request import FinishReason as EngineFinish
+from libs.engine.request import RequestOutput, TokenLogprob
 from libs.model import load_model
 from libs.worker.metrics import Outcomes
 from libs.worker.tasks import DuplicateRequest, RequestTasks

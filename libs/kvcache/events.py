@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from libs.kvcache.tree import Node, path_to_root
 from libs.kvcache.types import EventKind, KVEvent, Tier
 
-_PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], "int | None", "int | tuple[bool, ...]"]
+_Spec = int | tuple[bool, ...]  # a flags or held spec: see `flags_spec`
+_PendingEvent = tuple[int, EventKind, Tier, tuple[int, ...], int | None, _Spec, _Spec]
 
 
 class EventLog:
@@ -22,7 +23,8 @@ class EventLog:
     __slots__ = ("_pending", "_next", "_wp")
 
     def __init__(self, max_pending: int, window_pages: int) -> None:
-        # (id, kind, tier, hashes, parent hash, flags as `flags_spec`): built into KVEvents when drained
+        # (id, kind, tier, hashes, parent hash, flags as `flags_spec`, SWA held as `held_spec`): built into
+        # KVEvents when drained
         self._pending: deque[_PendingEvent] = deque(maxlen=max_pending)
         self._next = 0
         self._wp = window_pages
@@ -31,14 +33,18 @@ class EventLog:
         """Queue an event for `node` as it is now (the flags say what is valid at this moment)."""
         parent = node.parent
         ph = parent.hashes[-1] if parent is not None and parent.hashes else None
-        flags = flags_spec(node, self._wp) if kind is EventKind.STORED else len(node.hashes)
-        self._pending.append((self._next, kind, tier, node.hashes, ph, flags))
+        if kind is EventKind.STORED:
+            flags, held = flags_spec(node, self._wp), held_spec(node.host_swa if tier is Tier.HOST else node.swa,
+                                                                node.npages)
+        else:
+            flags = held = len(node.hashes)
+        self._pending.append((self._next, kind, tier, node.hashes, ph, flags, held))
         self._next += 1
 
     def drain(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""
-        out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)))
-               for eid, kind, tier, hashes, ph, flags in self._pending]
+        out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)), _materialise(held, len(hashes)))
+               for eid, kind, tier, hashes, ph, flags, held in self._pending]
         self._pending.clear()
         return out
 
@@ -93,6 +99,16 @@ def flags_spec(node: Node, wp: int) -> int | tuple[bool, ...]:
         prev = i
         out[i] = run >= min(node.start + i + 1, wp)
     return tuple(out)
+
+
+def held_spec(swa, n: int) -> int | tuple[bool, ...]:
+    """`KVEvent.swa_held` compactly (as `flags_spec`): an int k = pages k.. of the node hold SWA KV in the
+    event's tier and the ones before do not, else the tuple. `swa` is the node's SWA page array in that tier
+    (None: the tier holds none of it)."""
+    if swa is None:
+        return n
+    c = n - swa.count(-1)
+    return n - c if swa[n - c:].count(-1) == 0 else tuple(s >= 0 for s in swa)
 
 
 def _run_before(node: Node, wp: int) -> int:

@@ -106,6 +106,10 @@ class KVEvent(NamedTuple):
     block_hashes: tuple[int, ...]
     parent_hash: int | None
     swa_checkpoint: tuple[bool, ...] = ()
+    swa_held: tuple[bool, ...] = ()
+    """STORED: per block, whether `tier` holds its SWA KV (all False for REMOVED / SWA_REMOVED). Unlike
+    `swa_checkpoint` it never goes stale when an ancestor's SWA KV is evicted or healed later, so a router
+    recomputes validity from it exactly."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,19 +8,26 @@
 - `instance`: `Instance`, the routing view of a registry entry (`instance_of` builds it);
 - `choice`: `pick_worker` (aggregated), `pick_pair` (disaggregated), their cost and xxhash `tie_break`;
 - `recent`: `RecentPicks`, this router's picks not yet reflected in the registry load;
-- `router`: `Router.route`, the topology decision over a `Fleet` plus the recent-pick bookkeeping.
+- `router`: `Router.route`, the topology decision over a `Fleet` plus the recent-pick bookkeeping
+  (least-loaded policy);
+- `index`: `ClusterPrefixIndex`, the cluster-wide prefix index fed by the workers' `KVEvent`s, predicting each
+  worker's `KVCache.match`; `KVSnapshot` (`snapshot.take_snapshot` builds one from a cache);
+- `affinity`: `AffinityRouter`, the KV-affinity policy (same `route` call) and its cost.
 
-The router service and the gateway's no-router fallback both choose through here (docs/routing.md); the
-KV-affinity index (the routing issue after #10) belongs here too.
+The router service and the gateway's no-router fallback both choose through here (docs/routing.md).
 """
 
+from libs.routing.affinity import AffinityRouter, AffinityWeights, choose, decode_cost, prefill_cost
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import cost, least_loaded, pick_pair, pick_worker, serving, tie_break
+from libs.routing.index import NO_HIT, BlockState, ClusterPrefixIndex, KVSnapshot, PredictedHit
 from libs.routing.instance import EntryLike, Instance, instance_of
 from libs.routing.recent import RecentPicks
 from libs.routing.router import Fleet, Route, Router
 
 __all__ = [
+    "NO_HIT", "AffinityRouter", "AffinityWeights", "BlockState", "KVSnapshot", "PredictedHit", "ClusterPrefixIndex",
+    "choose", "decode_cost", "prefill_cost",
     "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Route", "Router",
     "cost", "instance_of", "least_loaded", "pick_pair", "pick_worker", "serving", "tie_break",
 ]

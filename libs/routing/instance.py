@@ -24,6 +24,8 @@ class Instance:
     waiting: int = 0
     kv_full_used: int = 0
     kv_full_total: int = 0
+    prefill_tokens_queued: int = 0
+    """Prefill tokens queued or running there (uncached), 0 = unknown; the KV-affinity cost's queue term."""
     updated_at: float | None = None
     """Unix time of the load snapshot the numbers above come from; None = no load reported."""
 

@@ -19,21 +19,23 @@ class RecentPicks:
         if window_s <= 0:
             raise ValueError(f"RecentPicks.window_s must be > 0, got {window_s}")
         self.window_s = window_s
-        self._picks: dict[str, list[float]] = {}
+        self._picks: dict[str, list[tuple[float, int]]] = {}
 
-    def add(self, instance_id: str, now: float) -> None:
-        self._picks.setdefault(instance_id, []).append(now)
+    def add(self, instance_id: str, now: float, weight: int = 1) -> None:
+        """One pick at `now`; `weight` > 1 counts it as that much work (e.g. its prefill tokens)."""
+        self._picks.setdefault(instance_id, []).append((now, weight))
 
     def counts(self, now: float, reflected: Mapping[str, float] | None = None) -> dict[str, int]:
-        """Picks per instance in the last window_s seconds, leaving out those made before `reflected[id]`
-        (the time of the instance's load snapshot, which already counts them). Forgets older picks."""
+        """Picks (their weights summed) per instance in the last window_s seconds, leaving out those made before
+        `reflected[id]` (the time of the instance's load snapshot, which already counts them). Forgets older
+        picks."""
         cutoff = now - self.window_s
         reflected = reflected or {}
         for iid in list(self._picks):
-            kept = [t for t in self._picks[iid] if t > cutoff]
+            kept = [p for p in self._picks[iid] if p[0] > cutoff]
             if kept:
                 self._picks[iid] = kept
             else:
                 del self._picks[iid]
         return {iid: n for iid, ts in self._picks.items()
-                if (n := sum(1 for t in ts if t > reflected.get(iid, cutoff)))}
+                if (n := sum(w for t, w in ts if t > reflected.get(iid, cutoff)))}

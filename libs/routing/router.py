@@ -33,6 +33,10 @@ class Route:
 
     prefill: str
     decode: str
+    predicted_hit: int = 0
+    """Tokens the prefill (or combined) worker is predicted to skip (KV-affinity policy; 0 otherwise)."""
+    predicted_decode_hit: int = 0
+    """Disaggregated: tokens the decode worker already holds (pages not shipped)."""
 
 
 class Router:
@@ -43,8 +47,9 @@ class Router:
         self.recent = RecentPicks(recent_window_s)
 
     def route(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
-              exclude_decodes: Sequence[str] = ()) -> Route:
-        """Disaggregated when prefill and decode workers are live, else aggregated over combined workers.
+              exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = ()) -> Route:
+        """The least-loaded policy (`block_hashes` unused: the KV-affinity policy, `AffinityRouter`, takes the
+        same call). Disaggregated when prefill and decode workers are live, else aggregated over combined workers.
         `now` is unix time: the workers stamp their load snapshots with it. Raises LookupError when the
         fleet cannot serve the request."""
         if fleet.disaggregated:

@@ -1,0 +1,141 @@
+"""The KV-affinity policy (pure): pick the worker whose predicted hit and load give the request the least work
+ahead of its first token, from the `ClusterPrefixIndex` prediction and the registry load.
+
+Cost of a worker, in prefill-token equivalents (lower is better):
+
+    prefill:  num_tokens - hit.tokens            the tokens it still computes (a rebuild hit's [R, E) included)
+            + host_penalty * hit.host_tokens     partial credit for the host tier (the H2D copy)
+            + queue_weight * queued prefill tokens (registry load + this router's picks since that snapshot)
+            + decode_weight * running requests   decode steps interleaved with its prefill chunks
+    decode (disaggregated): transfer_weight * (num_tokens - decode-side hit) + decode_weight * running
+
+Candidates are the workers serving the request's length bucket counted in *uncached* tokens (per worker:
+its own hit decides). Ties go to `tie_break` (xxhash); `temperature` > 0 samples a softmax over the costs
+(normalised by the prompt length) with a uniform drawn from xxhash of the request id: every router replica
+draws the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
+from libs.routing.choice import tie_break
+from libs.routing.index import NO_HIT, ClusterPrefixIndex, PredictedHit
+from libs.routing.instance import Instance
+from libs.routing.recent import RecentPicks
+from libs.routing.router import Fleet, Route
+
+
+@dataclass(frozen=True)
+class AffinityWeights:
+    host_penalty: float = 0.25
+    """Cost of a host-tier token as a share of computing it."""
+    queue_weight: float = 0.5
+    """Per prefill token queued ahead on the worker. Below 1: a request sent away from its cache adds its
+    recomputed prefix to the cluster's work, not only to its own wait (bench.router: 0.5 lifts the agentic
+    trace's hit ratio from 0.77 to 0.91 of the pooled oracle at N = 16 and cuts its TTFT p50 4x)."""
+    decode_weight: float = 64.0
+    """Per request running there (its decode steps share the worker's forward passes)."""
+    transfer_weight: float = 0.05
+    """Decode side: per token whose KV must be shipped from the prefill worker."""
+    temperature: float = 0.0
+    """0: argmin; > 0: softmax sampling over normalised costs (deterministic per request id)."""
+    credit: str = "valid"
+    """"valid": the SWA-valid hit `match` returns; "raw": the raw full-KV overlap (SWA-blind, for comparison)."""
+
+    def __post_init__(self) -> None:
+        if min(self.host_penalty, self.queue_weight, self.decode_weight, self.transfer_weight,
+               self.temperature) < 0:
+            raise ValueError("AffinityWeights must be >= 0")
+        if self.credit not in ("valid", "raw"):
+            raise ValueError(f"AffinityWeights.credit must be 'valid' or 'raw', got {self.credit!r}")
+
+
+def credited(hit: PredictedHit, num_tokens: int, credit: str, page_size: int) -> PredictedHit:
+    """The hit the cost credits: the predicted one, or (credit "raw") the raw overlap as if it were valid
+    (capped like `match`: at least one token is left to compute)."""
+    if credit == "valid":
+        return hit
+    raw = min(hit.raw_tokens, (num_tokens - 1) // page_size * page_size)
+    return PredictedHit(raw, raw, hit.raw_tokens, 0)
+
+
+def prefill_cost(inst: Instance, num_tokens: int, hit: PredictedHit, w: AffinityWeights, recent_tokens: int = 0
+                 ) -> float:
+    return (num_tokens - hit.tokens + w.host_penalty * hit.host_tokens
+            + w.queue_weight * (inst.prefill_tokens_queued + recent_tokens) + w.decode_weight * inst.running)
+
+
+def decode_cost(inst: Instance, num_tokens: int, hit: PredictedHit, w: AffinityWeights) -> float:
+    return w.transfer_weight * (num_tokens - hit.tokens) + w.decode_weight * inst.running
+
+
+def choose(costs: Mapping[str, float], request_id: str, temperature: float = 0.0, scale: float = 1.0) -> str:
+    """Lowest cost (ties: xxhash tie-break), or with `temperature` a softmax sample over (cost - min) / scale,
+    its uniform drawn from xxhash64 of the request id (deterministic, same in every replica)."""
+    order = sorted(costs, key=lambda i: (costs[i], tie_break(request_id, i)))
+    if temperature <= 0 or len(order) == 1:
+        return order[0]
+    lo = costs[order[0]]
+    weights = [math.exp(-(costs[i] - lo) / max(scale, 1e-9) / temperature) for i in order]
+    u = xxhash.xxh64_intdigest(f"softmax/{request_id}".encode()) / 2.0**64 * sum(weights)
+    for i, wt in zip(order, weights, strict=True):
+        u -= wt
+        if u < 0:
+            return i
+    return order[-1]
+
+
+class AffinityRouter:
+    """`Router.route`'s call with the KV-affinity policy: the index predicts every worker's hit, the cost
+    above picks. The caller feeds `index` the workers' events and removes workers that leave."""
+
+    def __init__(self, index: ClusterPrefixIndex, bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
+                 weights: AffinityWeights | None = None, recent_window_s: float = 2.0) -> None:
+        self.index = index
+        self.buckets = LengthBuckets(tuple(bucket_edges))
+        self.weights = weights or AffinityWeights()
+        self.recent = RecentPicks(recent_window_s)  # weights: predicted prefill tokens of this router's picks
+
+    def route(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
+              exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = ()) -> Route:
+        if fleet.disaggregated:
+            prefills, decodes = fleet.prefills, [d for d in fleet.decodes
+                                                 if d.address and d.instance_id not in exclude_decodes]
+            if not decodes:
+                raise LookupError("no live decode worker with a KV transfer address in the registry")
+        elif fleet.workers:
+            prefills, decodes = fleet.workers, []
+        else:
+            raise LookupError("no live worker in the registry" if not fleet.prefills and not fleet.decodes else
+                              "disaggregated mode needs prefill and decode workers")
+        hits = self.index.predict(block_hashes, num_tokens) if block_hashes else {}
+        prefill, hit = self._pick_prefill(prefills, request_id, num_tokens, hits, now)
+        if not decodes:
+            return Route(prefill, prefill, predicted_hit=hit.tokens)
+        dhits = self.index.predict(block_hashes, num_tokens, rebuild=False) if block_hashes else {}
+        costs = {d.instance_id: decode_cost(d, num_tokens, dhits.get(d.instance_id, NO_HIT), self.weights)
+                 for d in decodes}
+        decode = choose(costs, request_id, self.weights.temperature, max(1, num_tokens))
+        return Route(prefill, decode, predicted_hit=hit.tokens,
+                     predicted_decode_hit=dhits.get(decode, NO_HIT).tokens)
+
+    def _pick_prefill(self, instances: Sequence[Instance], request_id: str, num_tokens: int,
+                      hits: Mapping[str, PredictedHit], now: float) -> tuple[str, PredictedHit]:
+        w, P = self.weights, self.index.page_size
+        reflected = {i.instance_id: i.updated_at for i in instances if i.updated_at is not None}
+        recent = self.recent.counts(now, reflected)
+        credit = {i.instance_id: credited(hits.get(i.instance_id, NO_HIT), num_tokens, w.credit, P)
+                  for i in instances}
+        fits = [i for i in instances
+                if not i.buckets or self.buckets.classify(num_tokens - credit[i.instance_id].tokens) in i.buckets]
+        costs = {i.instance_id: prefill_cost(i, num_tokens, credit[i.instance_id], w, recent.get(i.instance_id, 0))
+                 for i in fits or instances}
+        pick = choose(costs, request_id, w.temperature, max(1, num_tokens))
+        self.recent.add(pick, now, max(1, num_tokens - credit[pick].tokens))
+        return pick, credit[pick]
