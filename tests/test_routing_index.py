@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from libs.kvcache import EventKind, KVCache, KVCacheConfig, KVEvent, PrefixHit, Tier, block_hashes
@@ -176,6 +176,13 @@ def _probe_all(index: ClusterPrefixIndex, workers: list[_Worker], r: int, stats:
 
 @SETTINGS
 @given(cfg=CONFIGS, ops=OPS)
+# A host backup that drops the host copy of a device tombstone (its only SWA KV) must prune it: found by
+# this test, kept as a fixed case.
+@example(cfg=KVCacheConfig(page_size=P, window=WINDOW, num_full_pages=18, num_swa_pages=9, num_host_full_pages=24,
+                           num_host_swa_pages=12, retention="checkpoints", checkpoint_align=8,
+                           checkpoint_every_pages=3),
+         ops=[("start", 0, 0)] * 5 + [("serve", 1, 0), ("serve", 1, 89), ("backup", 1, 10), ("serve", 1, 11888),
+                                      ("backup", 1, 2)])
 def test_index_predicts_every_match_exactly(cfg: KVCacheConfig, ops: list[tuple[str, int, int]]):
     index = ClusterPrefixIndex(P, WINDOW, cfg.rebuild_tokens)
     workers = [_Worker(f"w{i}", KVCache(cfg)) for i in range(2)]

@@ -121,7 +121,7 @@ class KVCache:
         the device->host copies; run them before the next call that may evict the source pages."""
         if self.host is None:
             return []
-        return self.host.backup(self.index.nodes.values(), max_pages, self.index.remove_lower_only)
+        return self.host.backup(self.index.nodes.values(), max_pages, self.index.lower_copy_dropped)
 
     def drain_events(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""

@@ -393,11 +393,16 @@ class PrefixIndex:
             self._events.emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
         self._prune_tombstones(node)  # else the node leaves now and REMOVED says it all
 
-    def remove_lower_only(self, node: Node) -> None:
-        """A lower tier drops its copy of a node that lives only there (a leaf): it leaves the tree."""
-        parent = node.parent
-        self._remove_subtree(node)
-        self._prune_tombstones(parent)  # type: ignore[arg-type]
+    def lower_copy_dropped(self, node: Node) -> None:
+        """A lower tier dropped its copy of `node`. A node that lived only there (a leaf) leaves the tree; one
+        on the device whose only SWA KV was that copy is a tombstone now, and leaves it when it is an unlocked
+        leaf (tombstone leaves are never kept: they can serve no hit)."""
+        if node.full is None:
+            parent = node.parent
+            self._remove_subtree(node)
+            self._prune_tombstones(parent)  # type: ignore[arg-type]
+        elif not node.children and node.lock == 0 and node.is_tombstone():
+            self._prune_tombstones(node)
 
     def _free_device_pages(self, node: Node) -> None:
         self._ledger.free_tree(node.full, live(node.swa, node.n_swa))  # type: ignore[arg-type]

@@ -33,9 +33,10 @@ class LowerTier(ABC):
     tier: Tier
 
     @abstractmethod
-    def backup(self, nodes: Collection[Node], max_pages: int, remove: Callable[[Node], None]) -> list[PageCopy]:
+    def backup(self, nodes: Collection[Node], max_pages: int, dropped: Callable[[Node], None]) -> list[PageCopy]:
         """Copy cold device nodes down (coldest first, at most `max_pages` pages); make room by dropping the
-        tier's own LRU copies (`remove(node)` takes a node that lives only in this tier out of the tree)."""
+        tier's own LRU copies, calling `dropped(node)` after each: the index takes a node that lived only in
+        this tier out of the tree, and prunes one left with no SWA KV anywhere."""
 
     @abstractmethod
     def lookup(self, hashes: PromptHashes, start_page: int, max_pages: int) -> int:
@@ -78,7 +79,7 @@ class HostTier(LowerTier):
         self._swa = PagePool("host_swa", num_swa_pages)
         self._events = events
 
-    def backup(self, nodes: Collection[Node], max_pages: int, remove: Callable[[Node], None]) -> list[PageCopy]:
+    def backup(self, nodes: Collection[Node], max_pages: int, dropped: Callable[[Node], None]) -> list[PageCopy]:
         if max_pages <= 0:
             return []
         cands = sorted((n for n in nodes if n.full is not None and n.host_full is None),
@@ -88,7 +89,7 @@ class HostTier(LowerTier):
         for n in cands:
             if n.npages + n.n_swa > max_pages - len(copies) or not n.alive or n.full is None:
                 continue
-            if not self._make_room(n.npages, n.n_swa, nodes, fresh, remove):
+            if not self._make_room(n.npages, n.n_swa, nodes, fresh, dropped):
                 break
             n.host_full = ids(self._full.alloc(n.npages))
             n.host_swa = no_pages(n.npages)
@@ -102,7 +103,7 @@ class HostTier(LowerTier):
         return copies
 
     def _make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
-                   remove: Callable[[Node], None]) -> bool:
+                   dropped: Callable[[Node], None]) -> bool:
         """Free host pages by dropping LRU copies: of unlocked device nodes (the node stays), or host-only
         leaves (the node leaves the tree). Copies made in this backup (`keep`) stay."""
         while self._full.num_free < nf or self._swa.num_free < ns:
@@ -111,10 +112,8 @@ class HostTier(LowerTier):
             if not victims:
                 return False
             v = min(victims, key=lambda n: (n.access, -n.start))
-            if v.full is not None:
-                self.free(v)
-            else:
-                remove(v)
+            self.free(v)
+            dropped(v)  # a device node whose SWA KV was only here is a tombstone now: it may have to go
         return True
 
     def lookup(self, hashes: PromptHashes, start_page: int, max_pages: int) -> int:
