@@ -51,6 +51,9 @@ DISAGGREGATED = "gateway,router,prefill,decode"
 COLOCATED = "gateway,router,worker"
 # Probes answered late on a loaded machine must not fail a benchmark stream (failure detection is not measured).
 LIVENESS_ENV = {"WINDSERVE_LIVENESS_MISSES": "6"}
+# The tiny model's config says 4096 positions (the gateway's context check since #15); the overlap prompts are
+# 4096 tokens plus output, and the tiny model's RoPE serves any length, so the gateway is told more.
+GATEWAY_ENV = {"WINDSERVE_MAX_MODEL_LEN": "32768"}
 LONG_CHUNKS = 8  # a "long" prompt of the overlap figure spans this many prefill chunks
 
 
@@ -95,6 +98,7 @@ class System:
 
         os.environ.update(ENGINE_ENV)
         os.environ.update(LIVENESS_ENV)
+        os.environ.update(GATEWAY_ENV)
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
         self.sup = Supervisor(RunConfig(services=parse_services(services), http_port=0,
                                         run_dir=run_dir, ready_timeout_s=120, grace_s=10))
