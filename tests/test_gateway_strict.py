@@ -361,7 +361,7 @@ async def test_special_tokens_are_skipped_in_text_unless_asked():
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_streams_carry_no_empty_deltas_but_always_the_finish(path):
     tokens = [104, IM_START, 0xC3, 0xA9, IM_START]  # special (no text), half a character, special at the end
-    body = {"model": MODEL, "max_tokens": 5, "stream": True, "return_token_ids": True}
+    body = {"model": MODEL, "max_tokens": 5, "stream": True}
     body |= {"prompt": "x"} if "chat" not in path else {"messages": CHAT}
     async with client_for(make_api(ScriptBackend(tokens))) as c:
         chunks = parse_sse((await c.post(path, json=body)).content)[:-1]
@@ -371,7 +371,23 @@ async def test_streams_carry_no_empty_deltas_but_always_the_finish(path):
         assert choices[0]["delta"]["role"] == "assistant"
     assert texts[:-1] == ["h", "é"] and all(texts[:-1])  # no chunk without text before the finish chunk
     assert choices[-1]["finish_reason"] == "length"
-    assert [t for ch in choices for t in ch["token_ids"]] == tokens  # no token is lost by holding back
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_streams_with_token_ids_send_each_token_at_once(path):
+    """A chunk that carries the token ids the client asked for is not empty: it goes out when the token comes
+    (held back, a token with no text would reach the client with the next one), and no token is lost."""
+    tokens = [104, IM_START, 0xC3, 0xA9, IM_START]
+    body = {"model": MODEL, "max_tokens": 5, "stream": True, "return_token_ids": True}
+    body |= {"prompt": "x"} if "chat" not in path else {"messages": CHAT}
+    async with client_for(make_api(ScriptBackend(tokens))) as c:
+        chunks = parse_sse((await c.post(path, json=body)).content)[:-1]
+    choices = [e["choices"][0] for e in chunks]
+    texts = [ch["text"] if "text" in ch else ch["delta"].get("content") for ch in choices]
+    assert all(ch["token_ids"] for ch in choices[:-1] if ch.get("finish_reason") is None)
+    assert [t for ch in choices for t in ch["token_ids"]] == tokens  # no token is lost or merged away
+    assert "".join(t or "" for t in texts) == "hé"
+    assert choices[-1]["finish_reason"] == "length"
 
 
 # --- auth, docs, 405 -----------------------------------------------------------------------------------

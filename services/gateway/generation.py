@@ -443,7 +443,10 @@ async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
             if st.done and chunk.finish_reason is None:
                 fanout.cancel(index)
             first = index not in seen
-            if not (delta.text or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
+            # a delta with tokens is not empty when the client asked for their ids or logprobs (held back, they
+            # would reach it late: its second token's time would be the third's)
+            carries = bool(delta.token_ids) and (plan.return_token_ids or plan.logprobs is not None)
+            if not (delta.text or carries or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
                 st.held = delta.after(st.held)  # no text: its tokens go out with the next delta (no empty chunk)
                 continue
             delta, st.held = delta.after(st.held), None
