@@ -105,7 +105,8 @@ class RouteRequest(WireModel):
 class RouteReply(WireModel):
     prefill_instance: str
     decode_instance: str
-    predicted_hit_tokens: int = Field(default=0, ge=0)
+    predicted_hit_tokens: int = Field(default=0, ge=0, description="prefill (or combined) worker's predicted hit")
+    predicted_decode_hit_tokens: int = Field(default=0, ge=0, description="disaggregated: decode side's")
 
 
 class WireSamplingParams(WireModel):
@@ -201,21 +202,51 @@ class AbortRequest(WireModel):
 
 
 class KVEventKind(StrEnum):
-    STORED = "stored"
-    REMOVED = "removed"
+    STORED = "stored"  # blocks became available in `tier` (re-sent when a tombstone is healed)
+    REMOVED = "removed"  # blocks left `tier`
+    SWA_REMOVED = "swa_removed"  # blocks stay in `tier`, their SWA KV was dropped
+
+
+class KVTier(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+KV_LAYOUT_LABELS = ("kv_page_size", "kv_window", "kv_rebuild_tokens", "kv_hash_seed")
+"""Registry labels every engine worker sets (decimal ints): what a router needs to index its events and what
+the gateway needs to compute the block-hash chain (`libs.kvcache.block_hashes(tokens, page size, seed)`)."""
 
 
 class WireKVEvent(WireModel):
+    """One `libs.kvcache.KVEvent` on the wire (same fields; per-block flags as lists of bools)."""
+
     event_id: int = Field(ge=0, description="per-worker sequence number; a gap means events were lost")
     kind: KVEventKind
-    block_hashes: list[int]
+    tier: KVTier = KVTier.DEVICE
+    block_hashes: list[int] = Field(min_length=1, description="chained xxhash64 per page (the gateway's chain)")
     parent_hash: int | None = None
-    swa_valid: bool = Field(default=False, description="SWA KV for the window ending here is present")
+    swa_checkpoint: list[bool] = Field(default_factory=list, description="per block: a hit ending here is valid")
+    swa_held: list[bool] = Field(default_factory=list, description="STORED: per block, `tier` holds its SWA KV")
+
+    @model_validator(mode="after")
+    def _flags_per_block(self) -> WireKVEvent:
+        n = len(self.block_hashes)
+        if any(flags and len(flags) != n for flags in (self.swa_checkpoint, self.swa_held)):
+            raise ValueError(f"swa_checkpoint / swa_held must be empty or have one entry per block ({n})")
+        return self
 
 
 class KVEventBatch(WireModel):
+    """worker → routers (`windserve.<ns>.kv_events.<instance>`, plain publish: every router replica reads
+    all): a bounded run of consecutive events. `epoch` is unique per process start; a restarted worker with
+    the same instance id numbers from 0 again, and a router seeing a new epoch drops its old view."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2  # v1: no epoch, no tier, only swa_valid
+
+    schema_version: int = 2
     instance_id: str
-    events: list[WireKVEvent]
+    epoch: str = Field(min_length=1)
+    events: list[WireKVEvent] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _numbered_in_order(self) -> KVEventBatch:
@@ -223,6 +254,54 @@ class KVEventBatch(WireModel):
         if any(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)):
             raise ValueError(f"event ids must be consecutive, got {ids}")
         return self
+
+
+class KVSnapshotRequest(WireModel):
+    """router → worker (`windserve.<ns>.worker.<instance>.kv_snapshot`, request/reply): dump your cached
+    block set (a router that started late or saw an event gap)."""
+
+    router_id: str = ""
+
+
+class KVSnapshotReply(WireModel):
+    """The worker's whole cached block set, consistent with its events up to `last_event_id` (-1: none
+    published yet): block i is `block_hashes[i]` in state `states[i]` (`libs.routing.BlockState` bits).
+    Events after `last_event_id` follow on the events subject as usual. Large replies travel through the
+    bus's payload store."""
+
+    instance_id: str
+    epoch: str = Field(min_length=1)
+    last_event_id: int = Field(ge=-1)
+    block_hashes: list[int]
+    states: list[int]
+
+    @model_validator(mode="after")
+    def _one_state_per_block(self) -> KVSnapshotReply:
+        if len(self.states) != len(self.block_hashes) or any(not 0 <= s <= 15 for s in self.states):
+            raise ValueError("states must hold one value in [0, 15] per block hash")
+        return self
+
+
+class KVHitReport(WireModel):
+    """worker → routers (`windserve.<ns>.kv_hits`, plain publish): the prefix hit a request actually got when
+    the worker admitted it, so routers compare it with their prediction (metrics, approximate mode)."""
+
+    request_id: str
+    instance_id: str
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(ge=0)
+
+
+class RoutePick(WireModel):
+    """router → router replicas (`windserve.<ns>.route_picks`): a pick just made, so a burst split over
+    replicas does not pile onto the worker each replica alone thinks idle."""
+
+    router_id: str
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    prefill_tokens: int = Field(ge=0, description="predicted tokens the prefill worker still computes")
+    at: float = Field(description="unix time of the pick")
 
 
 # --- disaggregated prefill -> decode hand-off ----------------------------------------------------

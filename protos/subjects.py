@@ -65,8 +65,28 @@ def stream(ns: str, request_id: str) -> str:
 
 
 def kv_events(ns: str, instance_id: str) -> str:
-    """KV-cache events (stored / removed block hashes) published by one worker."""
+    """KV-cache events (`KVEventBatch`: stored / removed / SWA-removed block hashes) published by one worker."""
     return f"{_base(ns)}.kv_events.{token(instance_id)}"
+
+
+def kv_events_all(ns: str) -> str:
+    """Every worker's KV-cache events (a router's subscription; not a queue group: each replica reads all)."""
+    return f"{_base(ns)}.kv_events.*"
+
+
+def kv_snapshot(ns: str, instance_id: str) -> str:
+    """A worker's full cached block set, consistent with an event id (request/reply, `KVSnapshotRequest`)."""
+    return f"{_base(ns)}.worker.{token(instance_id)}.kv_snapshot"
+
+
+def kv_hits(ns: str) -> str:
+    """Actual prefix hits reported by the workers on admission (`KVHitReport`, read by every router)."""
+    return f"{_base(ns)}.kv_hits"
+
+
+def route_picks(ns: str) -> str:
+    """Picks made by router replicas (`RoutePick`), shared so a burst does not herd onto one worker."""
+    return f"{_base(ns)}.route_picks"
 
 
 def kv_prepare(ns: str, instance_id: str) -> str:

@@ -13,8 +13,13 @@ from protos.messages import (
     HealthReply,
     KVEventBatch,
     KVEventKind,
+    KVHitReport,
+    KVSnapshotReply,
+    KVSnapshotRequest,
+    KVTier,
     RegistryEntry,
     Role,
+    RoutePick,
     RouteReply,
     RouteRequest,
     ServiceState,
@@ -50,18 +55,25 @@ SAMPLES = [
     AbortRequest(request_id="q1", reason="client disconnected"),
     KVEventBatch(
         instance_id="p1",
+        epoch="e1",
         events=[
-            WireKVEvent(event_id=4, kind=KVEventKind.STORED, block_hashes=[1, 2], swa_valid=True),
-            WireKVEvent(event_id=5, kind=KVEventKind.REMOVED, block_hashes=[2]),
+            WireKVEvent(event_id=4, kind=KVEventKind.STORED, tier=KVTier.HOST, block_hashes=[1, 2**64 - 1],
+                        parent_hash=7, swa_checkpoint=[False, True], swa_held=[True, True]),
+            WireKVEvent(event_id=5, kind=KVEventKind.SWA_REMOVED, block_hashes=[2]),
         ],
     ),
+    KVSnapshotRequest(router_id="r1"),
+    KVSnapshotReply(instance_id="p1", epoch="e1", last_event_id=-1, block_hashes=[3, 2**64 - 1], states=[3, 12]),
+    KVHitReport(request_id="q1", instance_id="w1", prompt_tokens=40, cached_tokens=32),
+    RoutePick(router_id="r1", request_id="q1", prefill_instance="p1", decode_instance="d1", prefill_tokens=8,
+              at=1.5),
 ]
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip_preserves_every_field(msg):
     data = encode(msg)
-    assert orjson.loads(data)["schema_version"] == 1
+    assert orjson.loads(data)["schema_version"] == type(msg).SCHEMA_VERSION
     assert decode(data, type(msg)) == msg
 
 
@@ -109,6 +121,7 @@ def test_kv_event_ids_must_be_consecutive():
     with pytest.raises(ValidationError, match="consecutive"):
         KVEventBatch(
             instance_id="p",
+            epoch="e",
             events=[
                 WireKVEvent(event_id=1, kind=KVEventKind.STORED, block_hashes=[1]),
                 WireKVEvent(event_id=3, kind=KVEventKind.STORED, block_hashes=[2]),
@@ -121,6 +134,8 @@ def test_subject_builders():
     assert subjects.generate("prod", "w_2") == "windserve.prod.worker.w_2.generate"
     assert subjects.stream("prod", "req9") == "windserve.prod.stream.req9"
     assert subjects.kv_events("prod", "p1") == "windserve.prod.kv_events.p1"
+    assert subjects.kv_events_all("prod") == "windserve.prod.kv_events.*"
+    assert subjects.kv_snapshot("prod", "p1") == "windserve.prod.worker.p1.kv_snapshot"
     assert subjects.route("a") != subjects.route("b") and subjects.abort("a") != subjects.abort("b")
     assert subjects.registry_bucket("prod") == "windserve_registry_prod"
 
@@ -136,3 +151,10 @@ def test_subject_tokens_reject_separators_and_wildcards(bad):
 def test_registry_entry_instance_id_must_be_a_token():
     with pytest.raises(ValidationError):
         RegistryEntry(role=Role.ROUTER, instance_id="a.b")
+
+
+def test_kv_event_flags_one_per_block_and_snapshot_states_bounded():
+    with pytest.raises(ValidationError, match="one entry per block"):
+        WireKVEvent(event_id=0, kind=KVEventKind.STORED, block_hashes=[1, 2], swa_held=[True])
+    with pytest.raises(ValidationError, match="one value in"):
+        KVSnapshotReply(instance_id="p", epoch="e", last_event_id=0, block_hashes=[1], states=[16])
