@@ -66,6 +66,14 @@ class RegistryEntry(WireModel):
     buckets: list[int] = Field(default_factory=list, description="length buckets served; empty = all")
     max_tokens: int = Field(default=0, ge=0, description="most tokens (prompt + output) one request may hold; 0 = unknown")
     load: WorkerLoad | None = None
+    heartbeat_at: float = Field(default=0.0, description="unix time of the put that stored this entry; 0 = unknown")
+    ttl_s: int = Field(default=0, ge=0, description="the entry is stale once heartbeat_at + ttl_s has passed")
+
+    def fresh(self, now: float, slack_s: float = 1.0) -> bool:
+        """Whether the entry's last heartbeat is within its TTL (plus `slack_s` for clock skew) at unix time
+        `now`, whatever the store says (a persisted store can keep an expired entry: docs/reliability).
+        An entry without a heartbeat stamp (built in code, not read from the registry) counts as fresh."""
+        return self.heartbeat_at <= 0 or self.ttl_s <= 0 or now <= self.heartbeat_at + self.ttl_s + slack_s
 
 
 class HealthRequest(WireModel):

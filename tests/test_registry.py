@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -61,7 +62,9 @@ async def test_register_list_by_role_and_deregister(bus):
     await b.start()
     assert [e.instance_id for e in await reg.list()] == ["d1", "p1"]
     prefill = await reg.list(Role.PREFILL)
-    assert prefill == [a.entry] and prefill[0].labels == {"bucket": "8k"}
+    assert [e.model_copy(update={"heartbeat_at": 0.0, "ttl_s": 0}) for e in prefill] == [a.entry]
+    assert prefill[0].labels == {"bucket": "8k"} and prefill[0].ttl_s == a.heartbeat.ttl_s
+    assert prefill[0].fresh(time.time()) and not prefill[0].fresh(time.time() + a.heartbeat.ttl_s + 2)
     await a.stop()
     assert [e.instance_id for e in await reg.list()] == ["d1"]
     await b.stop()

@@ -86,7 +86,9 @@ class Registry:
         return cls(bus, kv, bucket)
 
     async def put(self, entry: RegistryEntry, ttl_s: int) -> None:
-        """Store (or refresh) an entry that expires `ttl_s` seconds after this call."""
+        """Store (or refresh) an entry that expires `ttl_s` seconds after this call (stamped with this
+        time and TTL, so a consumer can tell a stale entry: `RegistryEntry.fresh`)."""
+        entry = entry.model_copy(update={"heartbeat_at": time.time(), "ttl_s": ttl_s})
         key = entry_key(entry.role, entry.instance_id)
         await self._bus.js.publish(f"$KV.{self.bucket}.{key}", encode(entry), msg_ttl=ttl_s)
 
