@@ -108,6 +108,9 @@ class RouteRequest(WireModel):
     mm_hashes: list[int] = Field(default_factory=list)
     exclude_decodes: list[str] = Field(default_factory=list,
                                        description="decode workers that already refused this request (full)")
+    exclude_instances: list[str] = Field(default_factory=list,
+                                         description="prefill / combined workers that failed or refused this "
+                                                     "request (the gateway retries elsewhere)")
 
 
 class RouteReply(WireModel):
