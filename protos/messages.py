@@ -7,7 +7,7 @@ typed, to be refined by the serving pipeline.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -120,6 +120,16 @@ class RouteReply(WireModel):
     predicted_decode_hit_tokens: int = Field(default=0, ge=0, description="disaggregated: decode side's")
 
 
+class WireGrammar(WireModel):
+    """What a constrained request's output must match (#15); every engine role rebuilds the same grammar from
+    it (the decode worker advances its matcher by the first token, sampled by prefill under this grammar)."""
+
+    kind: Literal["json_object", "json_schema", "tool_calls"]
+    json_schema: str = Field(default="", description="JSON text: the schema (json_schema), the schema of one "
+                                                     "call object {name, arguments} (tool_calls)")
+    parallel: bool = Field(default=False, description="tool_calls: one or more calls (else exactly one)")
+
+
 class WireSamplingParams(WireModel):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
@@ -133,6 +143,12 @@ class WireSamplingParams(WireModel):
     )
     stop: list[str] = Field(default_factory=list, description="stop strings (the worker's tokenizer decodes)")
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias added to its logit")
+    grammar: WireGrammar | None = None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -170,8 +170,8 @@ def test_errors_reach_the_client_with_openai_statuses(system):
         c.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
         c.completions.create(model=MODEL, prompt="x", temperature=9)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        c.completions.create(model=MODEL, prompt="x", presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        c.completions.create(model=MODEL, prompt="x", logit_bias={"100000": 1})
     with pytest.raises(openai.BadRequestError, match="vocabulary"):  # refused by the worker, not the gateway
         c.completions.create(model=MODEL, prompt=[5, 100_000], max_tokens=2)
     with pytest.raises(openai.APIStatusError, match="limit of 8192") as info:  # worker's pool, under max_model_len

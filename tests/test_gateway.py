@@ -257,7 +257,7 @@ async def test_completion_stream_carries_token_ids_per_chunk():
     ({"prompt": "x", "temperature": 5}, 422, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
     ({}, 422, "prompt"),
-    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
     ({"prompt": "x", "n": 9}, 400, "limit of 4"),
     ({"prompt": "x", "stop": [""]}, 400, "stop strings"),
     ({"prompt": []}, 400, "prompt is empty"),

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.config import EngineConfig
+from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.request import PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
+from libs.engine.sampling import History, TokenMask
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
 from libs.kvcache.types import PoolUsage
@@ -73,6 +75,17 @@ class EngineCore:
                                   device=config.device, seed=config.seed, load_mode=config.resolved_load_mode)
         self.num_steps = 0
         self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
+        self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
+
+    @property
+    def grammars(self) -> GrammarBook:
+        """The per-sequence grammar matchers and this engine's compile cache (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs a tokenizer (EngineCore was built without one)")
+            cache = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.scheduler.eos_token_ids)
+            self._grammars = GrammarBook(cache)
+        return self._grammars
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -85,13 +98,25 @@ class EngineCore:
                 f"{self.config.num_full_pages}")
         if req.params.stop and self.tokenizer is None:
             raise ValueError(f"request {req.req_id!r} uses stop strings but the engine has no tokenizer")
+        bad_bias = [t for t, _ in req.params.logit_bias if t >= self.model_config.vocab_size]
+        if bad_bias:
+            raise ValueError(f"request {req.req_id!r}: logit_bias token id {bad_bias[0]} is outside the "
+                             f"vocabulary [0, {self.model_config.vocab_size})")
+        if req.params.grammar is not None:
+            self.grammars.cache.compile(req.params.grammar)  # refuse a bad grammar now; warm the cache
         self.scheduler.add_request(req)
 
     def abort(self, req_id: str) -> bool:
         """Abort a request (waiting, running or held); frees all its KV. Its final output (finish
         reason abort) comes out of the next step(). False when the id is unknown or finished."""
-        self.runner.forget(req_id)
+        self._forget(req_id)
         return self.scheduler.abort(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """Drop a finished or aborted request's per-request state (generator, grammar matcher)."""
+        self.runner.forget(req_id)
+        if self._grammars is not None:
+            self._grammars.release(req_id)
 
     def release(self, req_id: str, cache: bool = True) -> None:
         """Free (and by default cache) the KV of a finished prefill-only request."""
@@ -138,7 +163,7 @@ class EngineCore:
         self._report_progress(plan)
         for out in outputs:
             if out.finished:
-                self.runner.forget(out.req_id)
+                self._forget(out.req_id)
         self.num_steps += 1
         return outputs
 
@@ -159,11 +184,18 @@ class EngineCore:
         rows = [s.req_id for s in plan.seqs if s.sample]
         if not rows:
             return {}
-        seqs = self.scheduler.seqs
-        params = [seqs[r].req.params for r in rows]
+        seqs = [self.scheduler.seqs[r] for r in rows]
+        params = [s.req.params for s in seqs]
         if all(p.plain_greedy for p in params):  # the common case: one argmax, one transfer
             return {r: SampledToken(t) for r, t in zip(rows, logits.argmax(dim=-1).tolist(), strict=True)}
-        result = self.runner.sample(logits, rows, params)
+        histories = [History(s.token_ids, s.num_prompt) if p.penalized else None
+                     for s, p in zip(seqs, params, strict=True)]
+        constrained = [ConstrainedRow(j, s.req_id, p.grammar, s.token_ids, s.num_prompt)
+                       for j, (s, p) in enumerate(zip(seqs, params, strict=True)) if p.grammar is not None]
+        mask = TokenMask(*self.grammars.bitmask(constrained, len(rows), logits.device)) if constrained else None
+        result = self.runner.sample(logits, rows, params, histories, mask)
+        for c in constrained:
+            self.grammars.accept(c.req_id, result.token_ids[c.row])
         return {r: SampledToken(t, lp) for r, t, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
 
     # ------------------------------------------------------------------ introspection

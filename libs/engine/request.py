@@ -23,12 +23,39 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """What a constrained request's output must match (compiled by libs.engine.grammar, cached by a hash of
+    this spec). kind: "json_object" (any JSON object), "json_schema" (`schema`: a JSON schema as JSON text) or
+    "tool_calls" (`schema`: the JSON schema of one call object {"name", "arguments"}; the output is
+    `<tool_call>\n{call}\n</tool_call>`, one call, or one or more separated by newlines when `parallel`)."""
+
+    kind: str
+    schema: str = ""
+    parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"GrammarSpec.kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.schema:
+            raise ValueError(f"GrammarSpec of kind {self.kind!r} needs a schema")
+
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "tool_calls")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.
 
     temperature == 0 (or top_k == 1) means greedy. `seed` makes sampling reproducible per request
     (its own generator); without a seed the engine-wide generator is used. `logprobs`: None = no
     logprobs, k >= 0 = the sampled token's logprob plus the top-k alternatives.
+
+    Logit processing, in this order (each row only when it asks): logit_bias (token id, bias) added;
+    presence/frequency penalties over the output tokens (OpenAI: logit -= frequency * count + presence *
+    [count > 0]); repetition_penalty over prompt + output tokens (CTRL/vLLM: a seen token's positive logit
+    divided by it, a negative one multiplied); the grammar's token mask; then temperature, min_p (drop
+    tokens whose probability is below min_p times the top one's), top-k, top-p.
     """
 
     max_tokens: int = 16
@@ -40,10 +67,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         if self.max_tokens < 1:
@@ -58,6 +93,27 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain empty strings")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("SamplingParams.logit_bias: token ids must be >= 0")
+        if self.grammar is not None and self.ignore_eos:
+            # a finished grammar allows only the end-of-sequence token: ignoring it would leave nothing to sample
+            raise ValueError("SamplingParams: ignore_eos cannot be combined with a grammar")
+
+    @property
+    def penalized(self) -> bool:
+        """Needs the sequence's tokens (presence / frequency / repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -65,8 +121,8 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy without logprobs: the token is the argmax and nothing else is computed."""
-        return self.logprobs is None and self.greedy
+        """Greedy without logprobs or logit processing: the token is the argmax and nothing else is computed."""
+        return self.logprobs is None and self.greedy and self.grammar is None and not self.adjusts_logits
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
-from libs.engine.sampling import SampleResult, make_generator, sample
+from libs.engine.sampling import History, SampleResult, TokenMask, make_generator, sample
 from libs.model.paged import BatchMeta, KVPools
 
 
@@ -166,11 +166,12 @@ class ModelRunner:
             self._interrupt = self._forward_thread = None
             self.finish_load()
 
-    def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams],
+               histories: list[History | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
         # greedy rows never draw: they share the default generator instead of a per-request lookup
         gens = [self._default_gen if p.greedy else self._generator(r, p)
                 for r, p in zip(req_ids, params, strict=True)]
-        return sample(logits, params, gens)
+        return sample(logits, params, gens, histories, mask)
 
     def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

@@ -1,9 +1,12 @@
 """Token sampling over a batch of logits rows, one SamplingParams per row.
 
-Greedy rows take the argmax. Other rows apply temperature, then top-k, then top-p (nucleus)
+Rows that ask for it first get their logits processed (logit_bias, presence / frequency / repetition
+penalties: `adjust_logits`, vectorised over those rows only) and a grammar's token bitmask (the rows of
+constrained sequences only); every other row is left untouched, so a batch without them costs what it did.
+Greedy rows then take the argmax. Other rows apply temperature, then min-p, top-k and top-p (nucleus)
 filtering in one vectorised pass, and draw with the row's own `torch.Generator` so a seeded
 request is reproducible whatever else shares its batch. Logprobs are those of the model's raw
-distribution (before temperature / filtering), as OpenAI-style APIs report them.
+distribution (before processing, masks, temperature / filtering), as OpenAI-style APIs report them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class History:
+    """A row's tokens, for penalties: token_ids = prompt (the first num_prompt) + output."""
+
+    token_ids: Sequence[int]
+    num_prompt: int
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """A grammar's token bitmask (xgrammar layout: int32 words, bit i of a row = token i allowed) and the
+    logits rows it applies to (other rows of the mask are ignored)."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass(frozen=True)
@@ -29,13 +49,83 @@ def make_generator(seed: int) -> torch.Generator:
     return gen
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Return temperature-scaled logits with everything outside top-k / top-p set to -inf.
+def _padded(seqs: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max((len(t) for t in seqs), default=0))
+    flat: list[int] = []
+    for t in seqs:
+        flat += t
+        flat += [pad] * (width - len(t))
+    return torch.tensor(flat, dtype=torch.int64, device=device).view(len(seqs), width)
 
-    logits [B, V] float32; temperature [B] (> 0); top_k [B] int (0 = off); top_p [B] in (0, 1].
+
+def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[len(seqs), vocab] float: how often each token occurs in each sequence (one scatter_add)."""
+    idx = _padded(seqs, vocab, device)  # padding counts into an extra column, dropped below
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)
+    return counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=counts.dtype))[:, :vocab]
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[History | None]) -> torch.Tensor:
+    """Logits after logit_bias and presence / frequency / repetition penalties of the rows that ask for them
+    (see SamplingParams for the formulas); the same tensor, unchanged, when no row does, else a copy."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab, dev = logits.shape[1], logits.device
+    for i in rows:
+        if params[i].logit_bias:
+            ids, bias = zip(*params[i].logit_bias, strict=True)
+            out[i, list(ids)] += torch.tensor(bias, device=dev)
+    _penalize(out, [i for i in rows if params[i].penalized], params, histories, vocab)
+    return out
+
+
+def _penalize(out: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+              histories: Sequence[History | None], vocab: int) -> None:
+    if not rows:
+        return
+    dev = out.device
+    hist = [histories[i] for i in rows]
+    if any(h is None for h in hist):
+        raise ValueError("penalties need each penalized row's History")
+    idx = torch.tensor(rows, device=dev)
+    sub = out[idx]
+    outputs = [h.token_ids[h.num_prompt:] for h in hist]  # type: ignore[union-attr]
+    counts = token_counts(outputs, vocab, dev)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev).unsqueeze(1)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev).unsqueeze(1)
+    sub -= freq * counts + pres * (counts > 0)
+    rep_rows = [j for j, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        seen = token_counts([hist[j].token_ids for j in rep_rows], vocab, dev) > 0  # type: ignore[union-attr]
+        rp = torch.tensor([params[rows[j]].repetition_penalty for j in rep_rows], device=dev).unsqueeze(1)
+        part = sub[rep_rows]
+        sub[rep_rows] = torch.where(seen, torch.where(part > 0, part / rp, part * rp), part)
+    out[idx] = sub
+
+
+def apply_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Set the disallowed tokens of mask.rows to -inf, in place (xgrammar's kernel; other rows untouched)."""
+    if mask.rows:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, mask.bitmask, indices=mask.rows)
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Return temperature-scaled logits with everything outside min-p / top-k / top-p set to -inf.
+
+    logits [B, V] float32; temperature [B] (> 0); top_k [B] int (0 = off); top_p [B] in (0, 1];
+    min_p [B] in [0, 1] (0 = off): tokens whose probability is below min_p x the top token's are dropped.
     """
     scaled = logits / temperature.unsqueeze(1)
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = scaled.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
     ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)
@@ -69,13 +159,18 @@ def _logprob_entries(logprobs: torch.Tensor, chosen: list[int],
     return out
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]) -> SampleResult:
-    """Sample one token per row. logits [B, V] float32; one params and one generator per row."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+           histories: Sequence[History | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
+    """Sample one token per row. logits [B, V] float32; one params and one generator per row; `histories`
+    (one per row, None where unused) for rows with penalties; `mask` for grammar-constrained rows."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"sample(): {logits.shape[0]} logits rows, {len(params)} params, "
                          f"{len(generators)} generators; all three must match")
-    logits = logits.float()
+    raw = logits = logits.float()
+    logits = adjust_logits(logits, params, histories or [None] * len(params))
+    if mask is not None and mask.rows:
+        logits = logits.clone() if logits is raw else logits
+        apply_mask(logits, mask)
     chosen = logits.argmax(dim=-1).tolist()  # all-greedy batches stop here: one argmax, one transfer
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -84,9 +179,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         temp = torch.tensor([p.temperature for p in sub], device=logits.device)
         top_k = torch.tensor([p.top_k for p in sub], device=logits.device)
         top_p = torch.tensor([p.top_p for p in sub], device=logits.device)
-        probs = filter_logits(logits[idx], temp, top_k, top_p).softmax(dim=-1).cpu()
+        min_p = torch.tensor([p.min_p for p in sub], device=logits.device)
+        probs = filter_logits(logits[idx], temp, top_k, top_p, min_p).softmax(dim=-1).cpu()
         for j, row in enumerate(random_rows):
             chosen[row] = int(torch.multinomial(probs[j], 1, generator=generators[row]))
     if all(p.logprobs is None for p in params):
         return SampleResult(chosen, [None] * len(params))
-    return SampleResult(chosen, _logprob_entries(logits.log_softmax(dim=-1), chosen, params))
+    return SampleResult(chosen, _logprob_entries(raw.log_softmax(dim=-1), chosen, params))

@@ -12,9 +12,45 @@ from typing import Any, Protocol
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 
 
-def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_POSTAMBLE = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                   "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                   '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+           tools: list[dict[str, Any]] | None = None) -> str:
+    """ChatML; with tools, in the Qwen2.5 / Hermes convention (tool definitions in the system message, calls as
+    `<tool_call>\n{"name", "arguments"}\n</tool_call>`, tool results as `<tool_response>` in a user turn)."""
+    if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    return _chatml_tools(messages, tools or [], add_generation_prompt)
+
+
+def _chatml_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    parts = []
+    if tools:
+        system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+        defs = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        parts.append(f"<|im_start|>system\n{system}{TOOLS_PREAMBLE}{defs}{TOOLS_POSTAMBLE}<|im_end|>\n")
+        if system:
+            messages = messages[1:]
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            parts.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{m['content']}\n</tool_response>"
+                         + ("<|im_end|>\n" if last else ""))
+            continue
+        body = m["content"]
+        for call in m.get("tool_calls") or ():
+            fn = call["function"]
+            payload = json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
+            body += ("\n" if body else "") + f"<tool_call>\n{payload}\n</tool_call>"
+        parts.append(f"<|im_start|>{m['role']}\n{body}<|im_end|>\n")
+    return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 class Tokenizer(Protocol):
@@ -24,7 +60,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -48,14 +85,22 @@ class _TemplateMixin:
     template: str | None = None
     special_tokens: dict[str, int]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt of a conversation; `tools` (OpenAI function tools) go to the template as `tools`, as HF
+        templates expect (Qwen / MiMo templates render them into the system message)."""
         if self.template is None:
-            return chatml(messages, add_generation_prompt)
+            return chatml(messages, add_generation_prompt, tools)
         import jinja2  # only needed for model-provided templates
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.template).render(messages=messages,
+        env.filters["tojson"] = _tojson  # HF's tojson: plain JSON (jinja's escapes <, >, & and ' as HTML)
+        return env.from_string(self.template).render(messages=messages, tools=tools or None,
                                                      add_generation_prompt=add_generation_prompt)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
 class ByteTokenizer(_TemplateMixin):

@@ -5,17 +5,26 @@ from __future__ import annotations
 import math
 
 from libs.engine.core import EngineLoad
-from libs.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from libs.engine.grammar import validate_spec
+from libs.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams, TokenLogprob
 from protos import messages as wire
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: "impossible" alternatives get this value
 
 
 def engine_params(p: wire.WireSamplingParams) -> SamplingParams:
-    """Wire sampling params -> engine params (raises ValueError on values the engine refuses)."""
+    """Wire sampling params -> engine params (raises ValueError on values the engine refuses, a grammar that
+    does not compile included: GrammarError is a ValueError)."""
+    grammar = None
+    if p.grammar is not None:
+        grammar = GrammarSpec(p.grammar.kind, p.grammar.json_schema, p.grammar.parallel)
+        validate_spec(grammar)
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),
-                          logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos)
+                          logprobs=p.logprobs if p.wants_logprobs else None, ignore_eos=p.ignore_eos,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty, min_p=p.min_p,
+                          logit_bias=tuple(p.logit_bias.items()), grammar=grammar)
 
 
 def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, cast
 
-from protos.messages import TokenChunk, WireFinishReason, WireSamplingParams, WireTokenLogprob
+import xxhash
+
+from libs.engine.grammar import GrammarError, canonical_json, parse_schema, validate_spec
+from libs.engine.request import GrammarSpec
+from protos.messages import TokenChunk, WireFinishReason, WireGrammar, WireSamplingParams, WireTokenLogprob
 from services.gateway import metrics
 from services.gateway.backend import Backend, BackendError
 from services.gateway.protocol import (
@@ -23,12 +27,15 @@ from services.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
+    Tool,
     error_body,
 )
 from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
     TokenNames,
+    ToolCallSplitter,
     chat_logprobs,
     completion_logprobs,
     sse_event,
@@ -80,6 +87,7 @@ class Plan:
     stream: bool = False
     skip_special_tokens: bool = True
     max_fanout: int = 32  # sub-requests running downstream at once
+    tool_names: tuple[str, ...] = ()  # chat with tools: tool calls of these functions are parsed from the output
 
 
 class TextCodec(Protocol):
@@ -88,7 +96,8 @@ class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 # --- planning (pure) --------------------------------------------------------------------------
@@ -152,8 +161,20 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     return None if seed is None else (seed + i) & UINT64_MAX
 
 
+def _processing(body: CompletionRequest | ChatCompletionRequest, tok: TextCodec,
+                grammar: WireGrammar | None = None) -> dict[str, Any]:
+    """The sampling fields beyond the basic ones (penalties, logit_bias, min_p, grammar)."""
+    if grammar is not None and body.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with response_format or forced tool calls (the end of "
+                            "the structure is the end-of-sequence token)", param="ignore_eos")
+    return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty, "min_p": body.min_p,
+            "logit_bias": body.logit_bias_ids(getattr(tok, "vocab_size", None)), "grammar": grammar}
+
+
 def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prompts: list[list[int]],
-          max_tokens: int | None, limits: Limits, stops: tuple[str, ...], logprobs: int | None) -> list[SubRequest]:
+          max_tokens: int | None, limits: Limits, stops: tuple[str, ...], logprobs: int | None,
+          processing: dict[str, Any]) -> list[SubRequest]:
     subs = []
     for p, ids in enumerate(prompts):
         budget = _max_tokens(max_tokens, len(ids), limits, p)
@@ -162,7 +183,7 @@ def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prom
                 max_tokens=budget, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=choice_seed(body.seed, i), stop_token_ids=list(body.stop_token_ids),
                 logprobs=logprobs or 0, sampled_logprob=logprobs is not None, stop=list(stops),
-                ignore_eos=body.ignore_eos,
+                ignore_eos=body.ignore_eos, **processing,
             )
             index = p * body.n + i
             subs.append(SubRequest(index, p, f"{request_id}-{index}", sampling))
@@ -172,7 +193,7 @@ def _subs(body: CompletionRequest | ChatCompletionRequest, request_id: str, prom
 def plan_completion(body: CompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str) -> Plan:
     prompts = completion_prompts(body.prompt, tok)
     stops = _common_checks(body, len(prompts), limits)
-    subs = _subs(body, request_id, prompts, body.max_tokens, limits, stops, body.logprobs)
+    subs = _subs(body, request_id, prompts, body.max_tokens, limits, stops, body.logprobs, _processing(body, tok))
     return Plan(Kind.COMPLETION, request_id, int(time.time()), model, prompts, subs, stops, body.logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
                 body.skip_special_tokens, limits.max_fanout)
@@ -181,16 +202,98 @@ def plan_completion(body: CompletionRequest, tok: TextCodec, limits: Limits, req
 def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str) -> Plan:
     if len(body.messages) > limits.max_messages:
         raise ApiError(400, f"{len(body.messages)} messages; the limit is {limits.max_messages}", param="messages")
-    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
+    messages = [m.template_dict(i) for i, m in enumerate(body.messages)]
+    stops = _common_checks(body, 1, limits)
+    # tool_choice none: the tools are not shown to the model (it could only answer in text anyway)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.calls_tools else None
+    prompt = (tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+              if tools or any(m.tool_calls or m.role == "tool" for m in body.messages)
+              else tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
+    ids = tok.encode(prompt)
     if not ids:
         raise ApiError(400, "the chat template produced an empty prompt", param="messages")
-    stops = _common_checks(body, 1, limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs)
+    processing = _processing(body, tok, chat_grammar(body))
+    subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs,
+                 processing)
+    names = tuple(t.function.name for t in body.tools or ()) if body.calls_tools else ()
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout)
+                body.skip_special_tokens, limits.max_fanout, names)
+
+
+# --- constrained decoding (pure) ----------------------------------------------------------------
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """The schema with its local `$ref`s ("#/$defs/x", "#") pointing into `base` (a JSON pointer), so it can be
+    nested in a larger schema."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = "#" + base + ref[1:]
+    return out
+
+
+def call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """JSON schema of one tool call object {"name", "arguments"} of any of `tools` (each arguments schema its
+    function's parameters; an object of any shape when it has none)."""
+    def one(t: Tool, base: str) -> dict[str, Any]:
+        params = _rebase_refs(t.function.parameters, base + "/properties/arguments") \
+            if t.function.parameters is not None else {"type": "object"}
+        return {"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    if len(tools) == 1:
+        return one(tools[0], "")
+    return {"anyOf": [one(t, f"/anyOf/{i}") for i, t in enumerate(tools)]}
+
+
+def _checked(grammar: WireGrammar, param: str) -> WireGrammar:
+    try:
+        validate_spec(GrammarSpec(grammar.kind, grammar.json_schema, grammar.parallel))
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_json_schema") from exc
+    return grammar
+
+
+def chat_grammar(body: ChatCompletionRequest) -> WireGrammar | None:
+    """The grammar a chat request's output must follow: forced tool calls (tool_choice required or a named
+    function) or response_format json_object / json_schema; None when unconstrained (400 for a schema that
+    is invalid or uses features this server cannot enforce)."""
+    choice = body.effective_tool_choice
+    if body.calls_tools and choice != "auto":
+        tools = list(body.tools or ())
+        for i, t in enumerate(tools):
+            if t.function.parameters is not None:
+                _check_schema(t.function.parameters, f"tools.{i}.function.parameters")
+        if isinstance(choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == choice.function.name]
+        grammar = WireGrammar(kind="tool_calls", json_schema=canonical_json(call_schema(tools)),
+                              parallel=body.parallel_tool_calls)
+        return _checked(grammar, "tools")
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return WireGrammar(kind="json_object")
+    assert fmt.json_schema is not None  # the model validator makes sure
+    param = "response_format.json_schema.schema"
+    if fmt.json_schema.schema_ is None:
+        raise ApiError(400, f"{param} is required", param=param)
+    _check_schema(fmt.json_schema.schema_, param)
+    return _checked(WireGrammar(kind="json_schema", json_schema=canonical_json(fmt.json_schema.schema_)), param)
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    try:
+        parse_schema(canonical_json(schema))
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_json_schema") from exc
 
 
 # --- per-choice state -------------------------------------------------------------------------
@@ -206,13 +309,14 @@ class Delta:
     logprobs: list[WireTokenLogprob]
     finish_reason: str | None  # set on the delta that completes the choice
     offsets: list[int] = field(default_factory=list)  # completions text_offset of each token (when tracked)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # parsed at the end of a choice with tools
 
     def after(self, held: Delta | None) -> Delta:
         """This delta carrying the tokens of an earlier one that was held back (it had no text)."""
         if held is None:
             return self
         return Delta(held.text + self.text, held.token_ids + self.token_ids, held.logprobs + self.logprobs,
-                     self.finish_reason, held.offsets + self.offsets)
+                     self.finish_reason, held.offsets + self.offsets, held.tool_calls + self.tool_calls)
 
 
 @dataclass
@@ -227,6 +331,17 @@ class ChoiceState:
     cached_tokens: int = 0
     first_token_at: float | None = None
     held: Delta | None = None  # streaming: tokens whose text is still empty wait here for the next delta
+    tools: ToolCallSplitter | None = None  # chat with tools: holds tool-call text back from the content
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def content(self) -> str | None:
+        """The message content: the text, less its tool calls (None when only calls remain)."""
+        if self.tools is None:
+            return self.assembler.text
+        if self.tool_calls:
+            return self.tools.content.strip() or None
+        return self.tools.content
 
     @property
     def done(self) -> bool:
@@ -248,8 +363,24 @@ class ChoiceState:
             self.finish_reason = "stop" if self.assembler.stopped else _FINISH_NAMES.get(chunk.finish_reason, "stop")
         elif self.assembler.stopped:  # the gateway saw the stop string first; the caller aborts the rest
             self.finish_reason = "stop"
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            text = self.tools.feed(text)
+            if self.finish_reason is not None:
+                tail, calls = self._finish_tools()
+                text += tail
         offsets = self._offsets(start)
-        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets)
+        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets, calls)
+
+    def _finish_tools(self) -> tuple[str, list[dict[str, Any]]]:
+        assert self.tools is not None
+        tail, parsed = self.tools.finish()
+        self.tool_calls = [
+            {"id": "call_" + xxhash.xxh64_hexdigest(f"{self.sub.request_id}:{i}".encode()), "type": "function",
+             "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(parsed)]
+        if self.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+        return tail, self.tool_calls
 
     def _offsets(self, start: int) -> list[int]:
         if not self.track_offsets:
@@ -262,7 +393,9 @@ class ChoiceState:
 
 def new_states(plan: Plan, decode_text: Callable[[list[int]], str]) -> dict[int, ChoiceState]:
     track = plan.kind == Kind.COMPLETION and plan.logprobs is not None
-    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track) for s in plan.subs}
+    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track,
+                                 tools=ToolCallSplitter(plan.tool_names) if plan.tool_names else None)
+            for s in plan.subs}
 
 
 def usage_of(plan: Plan, states: dict[int, ChoiceState]) -> dict[str, Any]:
@@ -383,8 +516,10 @@ class Renderer:
     def full_choice(self, st: ChoiceState) -> dict[str, Any]:
         lps = self.logprobs(st.logprobs, st.offsets)
         if self.plan.kind == Kind.CHAT:
-            choice = {"index": st.sub.index, "message": {"role": "assistant", "content": st.assembler.text},
-                      "logprobs": lps, "finish_reason": st.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": st.content}
+            if st.tool_calls:
+                message["tool_calls"] = st.tool_calls
+            choice = {"index": st.sub.index, "message": message, "logprobs": lps, "finish_reason": st.finish_reason}
         else:
             choice = {"index": st.sub.index, "text": st.assembler.text, "logprobs": lps,
                       "finish_reason": st.finish_reason}
@@ -396,6 +531,8 @@ class Renderer:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if d.text or first:
                 delta["content"] = d.text
+            if d.tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(d.tool_calls)]
             choice = {"index": st.sub.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
         else:
             choice = {"index": st.sub.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -81,8 +82,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-# Fields accepted only at their neutral value (sent by many clients; any other value is refused).
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0}
+MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's limit)
 
 
 class _Common(_Strict):
@@ -106,11 +106,16 @@ class _Common(_Strict):
         default=False, description="vLLM extension: logprob tokens rendered as 'token_id:N'"
     )
     skip_special_tokens: bool = Field(default=True, description="vLLM extension: drop special tokens from the text")
-    presence_penalty: float = Field(default=0.0, description="only 0 is supported")
-    frequency_penalty: float = Field(default=0.0, description="only 0 is supported")
-    min_p: float = Field(default=0.0, description="only 0 is supported")
-    repetition_penalty: float = Field(default=1.0, description="only 1 is supported")
-    logit_bias: dict[str, float] | None = Field(default=None, description="only empty is supported")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="subtracted from the logit of every token the output contains")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="times each token's count in the output, subtracted from its logit")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens whose probability "
+                                                                    "is below min_p times the top token's; 0 = off")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM extension: logits of tokens "
+                                      "in prompt or output divided (positive) / multiplied (negative) by it; 1 = off")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, description="token id (as a string) -> bias added to its logit")
     user: str | None = None
 
     @model_validator(mode="after")
@@ -123,11 +128,21 @@ class _Common(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check_unsupported(self) -> None:
-        for name, neutral in NEUTRAL.items():
-            if getattr(self, name) != neutral:
-                raise ApiError(400, f"{name} is not supported by this server (use {neutral:g})", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        """Well-formed requests this server cannot serve as asked: 400 (subclasses add theirs)."""
+
+    def logit_bias_ids(self, vocab_size: int | None) -> dict[int, float]:
+        """logit_bias with integer token ids; 400 for a key that is not a token id of this model."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}",
+                           param="logit_bias")
+        out = {}
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+                limit = f" [0, {vocab_size})" if vocab_size is not None else ""
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model{limit}", param="logit_bias")
+            out[int(key)] = value
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -154,13 +169,54 @@ class CompletionRequest(_Common):
             raise ApiError(400, "best_of other than n is not supported by this server", param="best_of")
 
 
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant message (as this server or OpenAI returned it)."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    """A message with text content (a string or text parts). Every role needs `content` (400 when
-    missing or null): tool calls, the only reason OpenAI lets an assistant message omit it, are not
-    supported by this server."""
+    """A message with text content (a string or text parts). Every message needs `content` (400 when
+    missing or null) except an assistant message with `tool_calls`; a `tool` message (a tool's result)
+    needs `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def check(self, index: int) -> None:
+        where = f"messages.{index}"
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ApiError(400, f"{where}.tool_calls: only assistant messages carry tool calls",
+                               param=f"{where}.tool_calls")
+            if not self.tool_calls:
+                raise ApiError(400, f"{where}.tool_calls must not be empty (omit it)", param=f"{where}.tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ApiError(400, f"{where}.tool_call_id: a tool message needs one, other roles have none",
+                           param=f"{where}.tool_call_id")
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it (HF convention: tool-call arguments as an object)."""
+        self.check(index)
+        out: dict[str, Any] = {"role": self.role}
+        if self.tool_calls:
+            out["content"] = "" if self.content is None else self.text(index)
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, index)}} for c in self.tool_calls]
+        else:
+            out["content"] = self.text(index)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self, index: int) -> str:
         """Message content as text; content parts must all be text (no images on this path)."""
@@ -178,17 +234,92 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
+def _arguments(text: str, index: int) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"messages.{index}.tool_calls: arguments are not valid JSON ({exc})",
+                       param=f"messages.{index}.tool_calls") from exc
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="JSON schema of the arguments")
+    strict: bool | None = Field(default=None, description="accepted; forced calls always follow the schema")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="the JSON schema")
+    strict: bool | None = Field(default=None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(_Strict):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (the given schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema and allowed only there")
+        return self
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
     max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools: function names must be unique", param="tools")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                "among tools", param="tool_choice")
+        if self.calls_tools and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "response_format json_object / json_schema cannot be combined with tools "
+                                "(tool_choice other than none) on this server", param="response_format")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.effective_tool_choice != "none"
 
 
 def _loc(error: Any) -> list[str]:

@@ -1,0 +1,278 @@
+"""Grammar-constrained decoding with xgrammar: structured outputs (`response_format`) and forced tool calls.
+
+    GrammarSpec (pure, on the wire)  --grammar_ebnf-->  EBNF text (no tokenizer needed: the gateway validates
+    with it)  --GrammarCache.compile-->  CompiledGrammar (per tokenizer, cached by `spec_key`, an xxhash of the
+    spec's canonical form)  -->  one GrammarMatcher per sequence (GrammarBook).
+
+Per step, only the constrained rows of a batch are touched: each one's matcher fills its row of a token bitmask
+and the mask is applied to those rows alone (`apply_token_bitmask_inplace(indices=...)`); after sampling each
+matcher accepts its sampled token. A matcher catches up on output tokens it has not seen before it fills a mask,
+so a disaggregated decode engine, whose sequence starts with the first token the prefill worker sampled under the
+same grammar, rebuilds its matcher from the wire parameters and the prompt-side state (that token) alone; a
+preempted sequence keeps its matcher (its output tokens stay).
+
+Schemas become EBNF with compact separators (", " and ": ", no free whitespace: with free whitespace a weak
+model can emit blanks until max_tokens). xgrammar 0.2.9 lets raw control characters (U+0000-U+001F) into
+length-bounded strings (`maxLength`), which no strict JSON parser accepts, and UTF-16 surrogates (encoded as
+three bytes: not UTF-8) into every string: `_fix_string_chars` narrows those character classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from libs.engine.request import GrammarSpec
+
+log = logging.getLogger(__name__)
+
+# JSON-schema keywords the conversion honours. Anything else is refused (a keyword xgrammar would silently
+# drop would let outputs through that do not validate).
+SUPPORTED_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const",
+    "anyOf", "oneOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
+    "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minProperties",
+    "maxProperties", "title", "description", "default", "examples", "$schema", "$id", "$comment",
+})
+# string formats xgrammar turns into a pattern (it accepts any other name and ignores it)
+SUPPORTED_FORMATS = frozenset({
+    "date", "time", "date-time", "duration", "email", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+# keywords whose value is a mapping of names to subschemas (the names are data, not keywords)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+# xgrammar 0.2.9's classes for the characters of a maxLength-bounded and of an unbounded string: the first lets
+# control characters in, both let UTF-16 surrogates (U+D800-DFFF, not valid in UTF-8) in
+_BAD_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_GOOD_STRING_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'  # what JSON allows unescaped, as valid UTF-8
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+
+
+class GrammarError(ValueError):
+    """A spec that cannot be compiled: invalid JSON, an invalid schema, or unsupported schema features."""
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic compact JSON text: the form a spec is hashed and sent in. Keys keep their order (the
+    order of `properties` is the order the output follows, so it is part of the grammar)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def spec_key(spec: GrammarSpec) -> int:
+    """Cache key of a spec: xxhash64 of its kind, parallel flag and canonical schema (never hash())."""
+    schema = canonical_json(json.loads(spec.schema)) if spec.schema else ""
+    return xxhash.xxh64_intdigest(f"{spec.kind}\0{int(spec.parallel)}\0{schema}".encode())
+
+
+def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
+    """Paths of the schema keywords outside SUPPORTED_KEYWORDS (e.g. `properties.x.not`), depth first."""
+    out: list[str] = []
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            out += unsupported_keywords(sub, f"{path}{i}.")
+        return out
+    if not isinstance(schema, dict):
+        return out
+    for key, value in schema.items():
+        if key not in SUPPORTED_KEYWORDS:
+            out.append(f"{path}{key}")
+        elif key == "format" and value not in SUPPORTED_FORMATS:
+            out.append(f"{path}format={value}")
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                out += unsupported_keywords(sub, f"{path}{key}.{name}.")
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties"):
+            out += unsupported_keywords(value, f"{path}{key}.")
+    return out
+
+
+def parse_schema(text: str) -> Any:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict | bool):
+        raise GrammarError("a JSON schema must be an object (or a boolean)")
+    bad = unsupported_keywords(schema)
+    if bad:
+        raise GrammarError(f"unsupported JSON schema feature(s): {', '.join(bad)}")
+    return schema
+
+
+def _schema_ebnf(schema: Any) -> str:
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(canonical_json(schema), any_whitespace=False, strict_mode=True)
+    except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the converter's reason
+        raise GrammarError(f"invalid JSON schema: {_first_line(exc)}") from exc
+    return _fix_string_chars(str(grammar))
+
+
+def _fix_string_chars(ebnf: str) -> str:
+    for bad in _BAD_STRING_CHARS:
+        ebnf = ebnf.replace(bad, _GOOD_STRING_CHARS)
+    return ebnf
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line.split(": ", 1)[-1] if line.startswith("[") else line  # drop xgrammar's "[time] file:line: "
+
+
+def grammar_ebnf(spec: GrammarSpec) -> tuple[str, str]:
+    """(EBNF text, root rule name) of a spec; raises GrammarError when the spec cannot be served."""
+    if spec.kind == "json_object":
+        return _schema_ebnf({"type": "object"}), "root"
+    schema = parse_schema(spec.schema)
+    ebnf = _schema_ebnf(schema)
+    if spec.kind == "json_schema":
+        return ebnf, "root"
+    # tool calls: the schema is one call object; wrap it in the model's tags (Qwen / Hermes style)
+    call = f'{json.dumps(TOOL_CALL_OPEN)} root {json.dumps(TOOL_CALL_CLOSE)}'
+    more = f' ("\\n" {call})*' if spec.parallel else ""
+    return f"{ebnf}\ntool_calls_root ::= {call}{more}\n", "tool_calls_root"
+
+
+_VALID: OrderedDict[int, None] = OrderedDict()  # spec_key of specs validate_spec accepted (bounded)
+
+
+def validate_spec(spec: GrammarSpec) -> None:
+    """Raise GrammarError unless the spec converts and parses as a grammar (no tokenizer needed). Specs seen
+    valid before are not converted again (a worker validates each request's params more than once)."""
+    import xgrammar as xgr
+
+    key = spec_key(spec)
+    if key in _VALID:
+        return
+    ebnf, root = grammar_ebnf(spec)
+    try:
+        xgr.Grammar.from_ebnf(ebnf, root_rule_name=root)
+    except Exception as exc:
+        raise GrammarError(f"the grammar of this request does not compile: {_first_line(exc)}") from exc
+    _VALID[key] = None
+    if len(_VALID) > 1024:
+        _VALID.popitem(last=False)
+
+
+def encoded_vocab(tokenizer, vocab_size: int) -> list[bytes]:
+    """The raw bytes of every token id below the model's vocab_size, for xgrammar's RAW vocab type. Special
+    tokens (and ids the tokenizer does not have: a model's padded vocab) are empty, which xgrammar never
+    allows inside a grammar: `<|im_start|>` must not appear in a JSON string."""
+    specials = set(getattr(tokenizer, "special_tokens", {}).values())
+    size = min(vocab_size, getattr(tokenizer, "vocab_size", vocab_size))
+    return [b"" if i in specials else tokenizer.token_bytes(i) for i in range(size)] + [b""] * (vocab_size - size)
+
+
+class GrammarCache:
+    """Compiles specs for one tokenizer, keeping up to `max_entries` compiled grammars (LRU, keyed by spec_key).
+    `compile_seconds` records how long each fresh compile took (benchmarks read it)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], max_entries: int = 256,
+                 max_threads: int = 1) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=list(stop_token_ids))
+        # xgrammar's own cache is off: this one is keyed by the spec hash and bounded by entries
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._compiled: OrderedDict[int, Any] = OrderedDict()
+        self.max_entries = max_entries
+        self.compile_seconds: list[float] = []
+        self.hits = 0
+
+    def compile(self, spec: GrammarSpec):
+        key = spec_key(spec)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            self.hits += 1
+            return hit
+        t0 = time.perf_counter()
+        ebnf, root = grammar_ebnf(spec)
+        try:
+            compiled = self._compiler.compile_grammar(ebnf, root_rule_name=root)
+        except Exception as exc:
+            raise GrammarError(f"the grammar of this request does not compile: {_first_line(exc)}") from exc
+        self.compile_seconds.append(time.perf_counter() - t0)
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.max_entries:
+            self._compiled.popitem(last=False)
+        return compiled
+
+
+@dataclass
+class _Matcher:
+    matcher: Any  # xgrammar.GrammarMatcher
+    accepted: int = 0  # output tokens it has accepted
+    broken: bool = False  # it refused a token: constraining stopped (logged)
+
+
+@dataclass(frozen=True)
+class ConstrainedRow:
+    """A logits row to constrain: its request, spec and tokens so far (prompt = the first num_prompt)."""
+
+    row: int
+    req_id: str
+    spec: GrammarSpec
+    token_ids: Sequence[int]
+    num_prompt: int
+
+
+class GrammarBook:
+    """One matcher per constrained sequence, created on its first sampling step; `release` drops it."""
+
+    def __init__(self, cache: GrammarCache) -> None:
+        self.cache = cache
+        self._matchers: dict[str, _Matcher] = {}
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def bitmask(self, rows: Sequence[ConstrainedRow], num_rows: int, device) -> tuple[Any, list[int]]:
+        """(token bitmask [num_rows, words] on `device`, the row indices it applies to)."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(num_rows, self.cache.vocab_size)
+        applied = []
+        for r in rows:
+            m = self._synced(r)
+            if m.broken or m.matcher.is_terminated():
+                continue
+            m.matcher.fill_next_token_bitmask(mask, r.row)
+            applied.append(r.row)
+        return mask.to(device, non_blocking=True), applied
+
+    def accept(self, req_id: str, token_id: int) -> None:
+        m = self._matchers.get(req_id)
+        if m is None or m.broken:
+            return
+        if not m.matcher.is_terminated() and not m.matcher.accept_token(token_id):
+            m.broken = True
+            log.error("request %s: the grammar refused token %d; no longer constraining it", req_id, token_id)
+        m.accepted += 1
+
+    def release(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def _synced(self, r: ConstrainedRow) -> _Matcher:
+        """The row's matcher, built if new and advanced over output tokens it has not accepted (the first
+        token of a disaggregated decode, sampled by the prefill worker)."""
+        import xgrammar as xgr
+
+        m = self._matchers.get(r.req_id)
+        if m is None:
+            m = self._matchers[r.req_id] = _Matcher(xgr.GrammarMatcher(self.cache.compile(r.spec)))
+        for i in range(r.num_prompt + m.accepted, len(r.token_ids)):
+            self.accept(r.req_id, r.token_ids[i])
+        return m
