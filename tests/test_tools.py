@@ -1,0 +1,215 @@
+"""Tool calling (#15): tools rendered through the chat template, calls parsed from the Qwen / Hermes output format
+(`<tool_call>{"name", "arguments"}</tool_call>`), `tool_choice` required / named constrained by a grammar so
+that the call always parses and validates against the function's parameter schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from libs.engine import LLM, SamplingParams
+from libs.engine.request import GrammarSpec
+from libs.model.tokenizer import ByteTokenizer
+from protos.messages import WireGrammar
+from services.gateway.generation import call_schema, chat_grammar
+from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.render import ToolCallSplitter, parse_tool_calls
+from tests.fixtures.chat_templates import QWEN_TOOLS_TEMPLATE
+from tests.test_gateway import MODEL, client_for, make_api
+from tests.test_gateway import FakeBackend as GatewayFakeBackend
+from tests.test_gateway_strict import assert_error
+from tests.test_structured import ENGINE, System, assert_worker_idle
+
+TOK = ByteTokenizer()
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"$ref": "#/$defs/small"}},
+       "required": ["a", "b"], "additionalProperties": False, "$defs": {"small": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+PARAMS = {"get_weather": WEATHER, "add": ADD}
+USER = [{"role": "user", "content": "weather in Paris? and 2+3"}]
+
+
+def check_calls(calls) -> None:
+    """Every call names a declared function and its arguments validate against that function's schema."""
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+# --- pure parts ---------------------------------------------------------------------------------------
+
+
+def test_tool_calls_are_parsed_from_the_output_format():
+    text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n' \
+           '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"x\\"}"}</tool_call>'
+    rest, calls = parse_tool_calls(text, ["add", "get_weather"])
+    assert rest.strip() == "Let me check." and calls == [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "x"}')]
+    assert parse_tool_calls(text, ["add"]) is None  # an undeclared function: all of it stays content
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>", ["add"]) is None
+    assert parse_tool_calls("no calls", ["add"]) is None
+
+
+@pytest.mark.parametrize("split", [1, 3, 7])
+def test_streamed_content_holds_back_only_the_tool_call(split):
+    text = 'Sure <b>: <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    s = ToolCallSplitter(["add"])
+    out = "".join(s.feed(text[i:i + split]) for i in range(0, len(text), split))
+    tail, calls = s.finish()
+    assert out == "Sure <b>: " and tail == "" and calls == [("add", '{"a": 1, "b": 2}')]
+    plain = ToolCallSplitter(["add"])
+    assert "".join(plain.feed(c) for c in "a <tool") + plain.finish()[0] == "a <tool"  # not a call: all released
+
+
+def test_tools_and_tool_results_render_through_chatml_and_a_qwen_style_template():
+    conversation = [*USER,
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    tools = [t for t in TOOLS]
+    for tok in (TOK, ByteTokenizer(QWEN_TOOLS_TEMPLATE)):
+        text = tok.apply_chat_template(conversation, tools=tools)
+        assert '"name": "get_weather"' in text and "<tools>" in text
+        assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in text
+        assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    assert TOK.apply_chat_template(USER) == "<|im_start|>user\nweather in Paris? and 2+3<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_required_and_named_choices_become_tool_call_grammars():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS,
+                                                 "tool_choice": "required"})
+    g = chat_grammar(body)
+    assert g is not None and g.kind == "tool_calls" and g.parallel
+    assert json.loads(g.json_schema)["anyOf"][1]["properties"]["arguments"]["properties"]["b"]["$ref"] == \
+        "#/anyOf/1/properties/arguments/$defs/small"  # local refs rebased into the call schema
+    named = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS,
+                                                  "parallel_tool_calls": False,
+                                                  "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert chat_grammar(named) == WireGrammar(kind="tool_calls", parallel=False, json_schema=json.dumps(
+        call_schema([named.tools[1]]), separators=(",", ":")))
+    auto = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS})
+    assert chat_grammar(auto) is None and auto.calls_tools
+
+
+def test_forced_calls_always_parse_and_validate_over_seeds_in_the_engine():
+    torch.manual_seed(0)
+    llm = LLM(None, **ENGINE)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS,
+                                                 "tool_choice": "required", "parallel_tool_calls": False})
+    g = chat_grammar(body)
+    assert g is not None
+    spec = GrammarSpec(g.kind, g.json_schema, g.parallel)
+    prompt = TOK.encode(TOK.apply_chat_template(USER, tools=TOOLS))
+    outs = llm.generate([prompt] * 8, [SamplingParams(max_tokens=100, temperature=1.0, seed=s, grammar=spec)
+                                       for s in range(8)])
+    names = set()
+    for o in outs:
+        text = TOK.decode(list(o.token_ids), skip_special_tokens=True)
+        assert o.finish_reason == "stop", text
+        _, calls = parse_tool_calls(text, list(PARAMS))
+        assert len(calls) == 1
+        jsonschema.validate(json.loads(calls[0][1]), PARAMS[calls[0][0]])
+        names.add(calls[0][0])
+    assert names <= set(PARAMS)
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters: unsupported JSON schema feature(s): not"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "cannot be combined with tools"),
+])
+async def test_bad_tool_requests_get_400(fields, needle):
+    async with client_for(make_api(GatewayFakeBackend())) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, **fields})
+    assert_error(r, 400, needle)
+
+
+async def test_tool_messages_are_checked():
+    bad = [[*USER, {"role": "tool", "content": "5"}],  # no tool_call_id
+           [*USER, {"role": "user", "content": "x", "tool_call_id": "c"}],
+           [*USER, {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]]
+    async with client_for(make_api(GatewayFakeBackend())) as c:
+        for messages, needle in zip(bad, ["tool_call_id", "tool_call_id", "not valid JSON"], strict=True):
+            assert_error(await c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400, needle)
+
+
+# --- the openai client against gateway + worker --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def system(nats_server, tmp_path_factory) -> Iterator[System]:
+    sys_ = System(nats_server.url, tmp_path_factory.mktemp("tools"), env={"WINDSERVE_LOG_LEVEL": "WARNING"},
+                  namespace="tools")
+    try:
+        sys_.start("tl-gw", "gateway", {})
+        sys_.start("tl-w1", "worker", {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()})
+        sys_.wait_ready(timeout=90)
+        yield sys_
+    finally:
+        sys_.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_required_and_named_tool_choice_always_parse_and_validate(system):
+    c = system.client()
+    required = c.chat.completions.create(model="windserve-tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                         n=6, seed=5, temperature=1.0, max_tokens=200)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+    named = c.chat.completions.create(model="windserve-tiny", messages=USER, tools=TOOLS, n=4, seed=9,
+                                      temperature=1.0, max_tokens=100, parallel_tool_calls=False,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for choice in named.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        check_calls(choice.message.tool_calls)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(system, stream):
+    c = system.client()
+    kwargs = dict(model="windserve-tiny", tools=TOOLS, temperature=0, max_tokens=100)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in c.chat.completions.create(messages=USER, tool_choice="required", stream=True, **kwargs):
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                for d in choice.delta.tool_calls or ():
+                    call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls" and calls
+        first = [{"id": v["id"], "type": "function", "function": {"name": v["name"], "arguments": v["arguments"]}}
+                 for _, v in sorted(calls.items())]
+    else:
+        resp = c.chat.completions.create(messages=USER, tool_choice="required", **kwargs)
+        check_calls(resp.choices[0].message.tool_calls)
+        first = [t.model_dump() for t in resp.choices[0].message.tool_calls]
+    for call in first:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": first},
+               *({"role": "tool", "tool_call_id": call["id"], "content": "42"} for call in first)]
+    answer = c.chat.completions.create(messages=history, tool_choice="none", max_tokens=8,
+                                       **{k: v for k, v in kwargs.items() if k != "max_tokens"})
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    assert answer.usage.prompt_tokens > len(TOK.encode(TOK.apply_chat_template(USER)))  # the calls and results
+    assert_worker_idle(system, "tl-w1")
