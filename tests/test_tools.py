@@ -8,7 +8,6 @@ import json
 from collections.abc import Iterator
 
 import jsonschema
-import openai
 import pytest
 import torch
 

@@ -1,0 +1,184 @@
+"""Structured-output benchmark (#15): every figure is measured side by side in this process, on the engine.
+
+    python -m bench.gateway   ->  bench/results/gateway.json, bench/results/gateway.png
+
+- constrained_mix_throughput_ratio: decode tokens/s of a batch where half the requests follow a JSON schema
+  (grammar bitmask on their rows) / the same batch all free. Every request decodes exactly `max_tokens` tokens
+  in both runs (the free ones ignore EOS; the schema's string has a minLength longer than max_tokens), so the
+  two runs do the same model work and the ratio is the cost of constraining. Rounds alternate the two runs;
+  the median ratio is reported. Goal >= 0.9.
+- compile_ms_first / compile_ms_cached per schema: a fresh GrammarCache compiling the schema / the same cache
+  answering it again (the xxhash of the canonical schema hits).
+- mask_us_per_row: the constrained rows' share of a step (matcher mask fill + bitmask apply + accept), per row.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine.grammar import GrammarCache
+from libs.engine.request import GrammarSpec
+from libs.model import load_model, load_tokenizer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOALS = {"constrained_mix_throughput_ratio": (">=", 0.9)}
+BATCH = 32
+MAX_TOKENS = 64
+ROUNDS = 3
+LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 200, "maxLength": 400}},
+             "required": ["text"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "email": {"type": "string", "format": "email"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age"], "additionalProperties": False}
+WIDE = {"type": "object", "properties": {f"field_{i}": {"anyOf": [{"type": "integer"}, {"type": "string"},
+                                                                  {"enum": ["a", "b", "c"]}]} for i in range(24)},
+        "required": [f"field_{i}" for i in range(0, 24, 2)], "additionalProperties": False}
+TOOL_CALL = {"anyOf": [{"type": "object", "properties": {"name": {"const": f"tool_{i}"}, "arguments": PERSON},
+                        "required": ["name", "arguments"], "additionalProperties": False} for i in range(4)]}
+SCHEMAS = {"long_text": LONG_TEXT, "person": PERSON, "wide_24_fields": WIDE, "tool_call_4_tools": TOOL_CALL}
+
+
+def make_core(model, cfg, tok) -> EngineCore:
+    config = EngineConfig(page_size=16, num_full_pages=2048, num_swa_pages=1024, max_num_batched_tokens=1024,
+                          max_num_seqs=64, bucket_edges=())
+    return EngineCore(config, model, cfg, tok)
+
+
+def prompt(tok, i: int) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": f"request {i}: describe it as JSON"}]))
+
+
+def decode_rate(core: EngineCore, tok, constrained_share: float, round_: int) -> tuple[float, int]:
+    """(decode tokens/s, tokens) of one batch: prefill first (not timed), then every step until all finish."""
+    spec = GrammarSpec("json_schema", json.dumps(LONG_TEXT))
+    n_constrained = int(BATCH * constrained_share)
+    for i in range(BATCH):
+        seed = round_ * 1000 + i
+        params = (SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, grammar=spec) if i < n_constrained
+                  else SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, ignore_eos=True))
+        core.add_request(Request(f"r{round_}-{constrained_share}-{i}", prompt(tok, i), params))
+    produced = 0
+    while len(core.scheduler.running) < BATCH or any(s.num_computed < s.num_prompt for s in core.scheduler.running):
+        produced += sum(len(o.new_token_ids) for o in core.step())  # prefill (and first tokens): not timed
+    t0 = time.perf_counter()
+    timed = 0
+    while core.has_work():
+        timed += sum(len(o.new_token_ids) for o in core.step())
+    seconds = time.perf_counter() - t0
+    assert produced + timed == BATCH * MAX_TOKENS, f"{produced + timed} tokens, expected {BATCH * MAX_TOKENS}"
+    return timed / seconds, timed
+
+
+def throughput(model, cfg, tok) -> dict:
+    core = make_core(model, cfg, tok)
+    decode_rate(core, tok, 0.5, -1)  # warm-up: the grammar compiled once, xgrammar loaded, torch warmed
+    free, mixed = [], []
+    for r in range(ROUNDS):
+        free.append(decode_rate(core, tok, 0.0, r)[0])
+        mixed.append(decode_rate(core, tok, 0.5, r)[0])
+    ratios = [m / f for m, f in zip(mixed, free, strict=True)]
+    usage = core.usage()
+    assert usage.full.in_use == 0 and len(core.grammars) == 0, "pages or matchers left behind"
+    return {"constrained_mix_throughput_ratio": statistics.median(ratios),
+            "throughput_free_tok_s": statistics.median(free), "throughput_mixed_tok_s": statistics.median(mixed),
+            "throughput_ratios": ratios, "batch": BATCH, "max_tokens": MAX_TOKENS}
+
+
+def mask_cost(model, cfg, tok) -> dict:
+    """Time the engine spends on grammar work per constrained row and step (fill + apply + accept)."""
+    core = make_core(model, cfg, tok)
+    book = core.grammars
+    spent = [0.0, 0]
+    orig_bitmask, orig_accept = book.bitmask, book.accept
+
+    def bitmask(rows, n, device):
+        t0 = time.perf_counter()
+        out = orig_bitmask(rows, n, device)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += len(rows)
+        return out
+
+    def accept(req_id, token):
+        t0 = time.perf_counter()
+        orig_accept(req_id, token)
+        spent[0] += time.perf_counter() - t0
+
+    book.bitmask, book.accept = bitmask, accept  # type: ignore[method-assign]
+    decode_rate(core, tok, 0.5, 99)
+    return {"mask_us_per_row": 1e6 * spent[0] / max(spent[1], 1)}
+
+
+def compile_times(tok, vocab_size: int) -> dict:
+    out = {}
+    for name, schema in SCHEMAS.items():
+        spec = GrammarSpec("json_schema", json.dumps(schema))
+        firsts, cached = [], []
+        for _ in range(5):
+            cache = GrammarCache(tok, vocab_size, tok.eos_token_ids)
+            t0 = time.perf_counter()
+            cache.compile(spec)
+            firsts.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            cache.compile(GrammarSpec("json_schema", json.dumps(schema, indent=1)))  # same schema, other text
+            cached.append(time.perf_counter() - t0)
+            assert cache.hits == 1
+        out[name] = {"compile_ms_first": 1e3 * statistics.median(firsts),
+                     "compile_ms_cached": 1e3 * statistics.median(cached)}
+    return {"compile": out, "compile_vocab_size": vocab_size}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(["all free", "50/50 json_schema"], [results["throughput_free_tok_s"], results["throughput_mixed_tok_s"]],
+          color=["tab:gray", "tab:blue"])
+    a.set_ylabel("decode tokens/s")
+    a.set_title(f"ratio {results['constrained_mix_throughput_ratio']:.3f} (goal >= 0.9)")
+    names = list(results["compile"])
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], [results["compile"][n]["compile_ms_first"] for n in names], 0.4, label="first")
+    b.bar([i + 0.2 for i in x], [results["compile"][n]["compile_ms_cached"] for n in names], 0.4, label="cached")
+    b.set_xticks(list(x), names, rotation=15)
+    b.set_yscale("log")
+    b.set_ylabel("ms")
+    b.set_title(f"grammar compile per schema (vocab {results['compile_vocab_size']})")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model, cfg = load_model(None)
+    tok = load_tokenizer(None)
+    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads()}
+    for name, fn in (("compile", lambda: compile_times(tok, cfg.vocab_size)),
+                     ("throughput", lambda: throughput(model, cfg, tok)), ("mask", lambda: mask_cost(model, cfg, tok))):
+        t0 = time.perf_counter()
+        results.update(fn())
+        print(f"[gateway bench] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+    results["goals"] = {k: f"{op} {v}" for k, (op, v) in GOALS.items()}
+    results["goals_met"] = {k: results[k] >= v for k, (_, v) in GOALS.items()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gateway.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / "gateway.png")
+    print(f"constrained_mix_throughput_ratio {results['constrained_mix_throughput_ratio']:.3f} "
+          f"(free {results['throughput_free_tok_s']:.0f} tok/s, mixed {results['throughput_mixed_tok_s']:.0f} tok/s)")
+    print(f"mask_us_per_row {results['mask_us_per_row']:.1f}")
+    for n, v in results["compile"].items():
+        print(f"compile {n:20s} first {v['compile_ms_first']:8.2f} ms  cached {v['compile_ms_cached']:8.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
