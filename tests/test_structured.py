@@ -229,17 +229,21 @@ class System(ServiceGroup):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def system(nats_server, tmp_path_factory) -> Iterator[System]:
-    sys_ = System(nats_server.url, tmp_path_factory.mktemp("structured"), env={"WINDSERVE_LOG_LEVEL": "WARNING"},
-                  namespace="structured")
+def combined_system(nats_url: str, logs, prefix: str) -> Iterator[System]:
+    """A gateway and one combined worker (tiny model; no router: the gateway picks from the registry)."""
+    sys_ = System(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING"}, namespace=prefix)
     try:
-        sys_.start("st-gw", "gateway", {})
-        sys_.start("st-w1", "worker", {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()})
+        sys_.start(f"{prefix}-gw", "gateway", {})
+        sys_.start(f"{prefix}-w1", "worker", {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()})
         sys_.wait_ready(timeout=90)
         yield sys_
     finally:
         sys_.stop()
+
+
+@pytest.fixture(scope="module")
+def system(nats_server, tmp_path_factory) -> Iterator[System]:
+    yield from combined_system(nats_server.url, tmp_path_factory.mktemp("structured"), "st")
 
 
 @pytest.mark.e2e

@@ -22,7 +22,7 @@ from tests.fixtures.chat_templates import QWEN_TOOLS_TEMPLATE
 from tests.test_gateway import MODEL, client_for, make_api
 from tests.test_gateway import FakeBackend as GatewayFakeBackend
 from tests.test_gateway_strict import assert_error
-from tests.test_structured import ENGINE, System, assert_worker_idle
+from tests.test_structured import ENGINE, System, assert_worker_idle, combined_system
 
 TOK = ByteTokenizer()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
@@ -151,20 +151,15 @@ async def test_tool_messages_are_checked():
 
 @pytest.fixture(scope="module")
 def system(nats_server, tmp_path_factory) -> Iterator[System]:
-    sys_ = System(nats_server.url, tmp_path_factory.mktemp("tools"), env={"WINDSERVE_LOG_LEVEL": "WARNING"},
-                  namespace="tools")
-    try:
-        sys_.start("tl-gw", "gateway", {})
-        sys_.start("tl-w1", "worker", {f"WINDSERVE_{k.upper()}": str(v) for k, v in ENGINE.items()})
-        sys_.wait_ready(timeout=90)
-        yield sys_
-    finally:
-        sys_.stop()
+    """Its own gateway + worker in namespace "tl" (the structured-output tests' system is gone by now)."""
+    logs = tmp_path_factory.mktemp("tools")
+    yield from combined_system(nats_server.url, logs, "tl")
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_required_and_named_tool_choice_always_parse_and_validate(system):
+    """Seeded sampling at temperature 1 over several choices: every call is valid, whatever the draw."""
     c = system.client()
     required = c.chat.completions.create(model="windserve-tiny", messages=USER, tools=TOOLS, tool_choice="required",
                                          n=6, seed=5, temperature=1.0, max_tokens=200)
