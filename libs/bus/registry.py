@@ -53,6 +53,7 @@ class HeartbeatConfig:
 class RegistryEventKind(StrEnum):
     JOIN = "join"
     LEAVE = "leave"
+    UPDATE = "update"  # a heartbeat re-put of a known entry (fresh load); only from `watch(refreshes=True)`
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,11 @@ class Registry:
             raise TimeoutError(f"listing registry bucket {self.bucket} took over {timeout}s") from exc
         return [found[k] for k in sorted(found)]
 
-    async def watch(self, role: Role | str | None = None) -> AsyncIterator[RegistryEvent]:
+    async def watch(self, role: Role | str | None = None, refreshes: bool = False) -> AsyncIterator[RegistryEvent]:
         """Yield JOIN for every live entry (current ones first) and LEAVE when one goes.
 
-        Heartbeat refreshes of a known entry are not reported. Runs until cancelled.
+        Heartbeat refreshes of a known entry are reported (as UPDATE, with the new entry: its load) only with
+        `refreshes`. Runs until cancelled (`libs.bus.view.RegistryView` keeps a local view from it).
         """
         pattern = f"{Role(role).value}.*" if role else ">"
         watcher = await self._kv.watch(pattern)
@@ -135,7 +137,7 @@ class Registry:
             async for item in watcher:
                 if item is None:  # end of the initial snapshot
                     continue
-                event = _to_event(item.key, item.value, item.operation, known)
+                event = _to_event(item.key, item.value, item.operation, known, refreshes)
                 if event is not None:
                     yield event
         finally:
@@ -151,19 +153,22 @@ def _decode_entry(key: str, value: bytes | None) -> RegistryEntry | None:
         return None
 
 
-def _to_event(key: str, value: bytes | None, operation: str | None, known: set[str]) -> RegistryEvent | None:
-    """Pure: turn one KV update into a join/leave event, tracking known keys."""
+def _to_event(key: str, value: bytes | None, operation: str | None, known: set[str],
+              refreshes: bool = False) -> RegistryEvent | None:
+    """Pure: turn one KV update into a join/leave (/update with `refreshes`) event, tracking known keys."""
     # An expired entry arrives as a marker with an empty body (nats-py may not name its operation).
     if operation in (KV_DEL, KV_PURGE) or not value:
         if key not in known:
             return None
         known.discard(key)
         return RegistryEvent(RegistryEventKind.LEAVE, key, None)
-    if key in known:
+    if key in known and not refreshes:
         return None  # heartbeat refresh
     entry = _decode_entry(key, value)
     if entry is None:
         return None
+    if key in known:
+        return RegistryEvent(RegistryEventKind.UPDATE, key, entry)
     known.add(key)
     return RegistryEvent(RegistryEventKind.JOIN, key, entry)
 
