@@ -56,8 +56,9 @@ def wire(ev: KVEvent) -> WireKVEvent:
 class CacheWorker:
     """A worker's KV side without a model (module docstring)."""
 
-    def __init__(self, bus: Bus, registry: Registry, ns: str, iid: str, labels: dict[str, str] | None = None):
-        self.bus, self.registry, self.ns, self.iid = bus, registry, ns, iid
+    def __init__(self, bus: Bus, registry: Registry, ns: str, iid: str, labels: dict[str, str] | None = None,
+                 role: Role = Role.WORKER):
+        self.bus, self.registry, self.ns, self.iid, self.role = bus, registry, ns, iid, role
         self.labels = LAYOUT if labels is None else labels
         self.cache = KVCache(CFG)
         self.epoch = uuid.uuid4().hex
@@ -68,8 +69,8 @@ class CacheWorker:
 
     async def start(self) -> CacheWorker:
         self.sub = await self.bus.serve(subjects.kv_snapshot(self.ns, self.iid), KVSnapshotRequest, self._snapshot)
-        self.reg = self.registry.register(RegistryEntry(role=Role.WORKER, instance_id=self.iid, labels=self.labels,
-                                                        started_at=time.time()), TTL)
+        self.reg = self.registry.register(RegistryEntry(role=self.role, instance_id=self.iid, labels=self.labels,
+                                                        address=f"tcp://{self.iid}:1", started_at=time.time()), TTL)
         await self.reg.start()
         return self
 
@@ -105,8 +106,8 @@ class CacheWorker:
             self.cache.commit(sid, 1, [60_000 + self.serial + i])
         self.cache.finish(sid)
 
-    def hit(self, tokens: list[int]) -> int:
-        h = self.cache.match(tokens, block_hashes(tokens, P))
+    def hit(self, tokens: list[int], rebuild: bool = True) -> int:
+        h = self.cache.match(tokens, block_hashes(tokens, P), rebuild=rebuild)
         self.cache.release_hit(h)
         return h.tokens
 
@@ -342,6 +343,32 @@ async def test_two_routers_agree_and_a_burst_split_over_them_spreads(bus, nats_u
     finally:
         for r in routers:
             await r.stop()
+        for w in workers:
+            await w.stop()
+
+
+async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_url):
+    ns = "rt_disagg"
+    router = await start_router(nats_url, ns, "r1", queue_weight=0.0)
+    registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
+    prefill = await CacheWorker(bus, registry, ns, "p0", role=Role.PREFILL).start()
+    decodes = [await CacheWorker(bus, registry, ns, f"d{i}", role=Role.DECODE).start() for i in range(2)]
+    workers = [prefill, *decodes]
+    try:
+        served = conversations(random.Random(10), 4)
+        for tokens in served:
+            prefill.run(tokens)
+        decodes[1].run(served[-1])  # d1 received this conversation's KV before
+        for w in workers:
+            await w.publish()
+        await until(lambda: synced(router, workers), what="sync")
+        tokens = served[-1] + [5, 6, 7, 8, 9]
+        reply = await route(bus, ns, "dg", tokens)
+        assert (reply.prefill_instance, reply.decode_instance) == ("p0", "d1")
+        assert reply.predicted_hit_tokens == prefill.hit(tokens) > 0
+        assert reply.predicted_decode_hit_tokens == decodes[1].hit(tokens, rebuild=False) > 0
+    finally:
+        await router.stop()
         for w in workers:
             await w.stop()
 
