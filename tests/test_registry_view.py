@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -12,19 +11,13 @@ from libs.bus.registry import entry_key
 from protos import subjects
 from protos.base import encode
 from protos.messages import RegistryEntry, Role, WorkerLoad
+from tests.fixtures.waits import until
 
 pytestmark = pytest.mark.integration
 
 TTL = HeartbeatConfig(ttl_s=1, interval_s=0.25)
 
 
-async def until(cond, timeout: float = 15.0, what: str = "") -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout}s: {what}") from None
 
 
 async def test_view_follows_joins_loads_leaves_and_expiry_and_never_admits_a_stale_entry(bus):

@@ -8,11 +8,9 @@ layout labels (heartbeating), publishing their drained events as `KVEventBatch` 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -36,6 +34,7 @@ from protos.messages import (
 )
 from services.router.config import RouterConfig
 from services.router.service import RouterService
+from tests.fixtures.waits import until
 
 pytestmark = pytest.mark.integration
 
@@ -128,14 +127,6 @@ class CacheWorker:
             self.last_id = part[-1].event_id
 
 
-async def until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    """Poll `cond` (bounded: start-up on a loaded 2-core machine is slow, nothing here is timed)."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout}s: {what}") from None
 
 
 def synced(router: RouterService, workers: list[CacheWorker]) -> bool:
@@ -143,6 +134,13 @@ def synced(router: RouterService, workers: list[CacheWorker]) -> bool:
     idx = router.sync.index
     return idx is not None and all(w.iid in router.sync.members and not idx.is_stale(w.iid)
                                    and idx.next_event_id(w.iid) == w.last_id + 1 for w in workers)
+
+
+async def shutdown(routers: list[RouterService], workers: list[CacheWorker]) -> None:
+    for r in routers:
+        await r.stop()
+    for w in workers:
+        await w.stop()
 
 
 async def start_router(nats_url: str, ns: str, iid: str, **kw) -> RouterService:
@@ -229,9 +227,7 @@ async def test_predictions_equal_each_caches_match_and_routes_follow_the_hit(bus
         assert await check_predictions(bus, ns, workers, probes(rng, served, 12)) >= 4
         assert router.health_details()["kv_workers"] == "3"
     finally:
-        await router.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown([router], workers)
 
 
 def _metric(name: str, **labels: str) -> float:
@@ -278,9 +274,7 @@ async def test_event_gap_resyncs_by_snapshot_and_a_restarted_router_rebuilds_fro
         assert _metric("windserve_router_kv_event_batches_total", outcome="new_epoch") >= 1
         await check_predictions(bus, ns, workers, probes(rng, served, 8))
     finally:
-        await router.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown([router], workers)
 
 
 async def test_a_worker_that_stops_heartbeating_leaves_the_index_and_routing_within_ttl(bus, nats_url):
@@ -309,9 +303,7 @@ async def test_a_worker_that_stops_heartbeating_leaves_the_index_and_routing_wit
         picks = {(await route(bus, ns, f"q{i}", [7] * 9)).prefill_instance for i in range(8)}
         assert "w0" not in picks
     finally:
-        await router.stop()
-        for w in (*workers, odd, bare):
-            await w.stop()
+        await shutdown([router], [*workers, odd, bare])
 
 
 async def test_two_routers_agree_and_a_burst_split_over_them_spreads(bus, nats_url):
@@ -341,10 +333,7 @@ async def test_two_routers_agree_and_a_burst_split_over_them_spreads(bus, nats_u
             await until(lambda: routers[1].remote_picks > seen, what="pick shared")  # noqa: B023
             assert await routers[1].route(req) == first
     finally:
-        for r in routers:
-            await r.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown(routers, workers)
 
 
 async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_url):
@@ -368,9 +357,7 @@ async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_ur
         assert reply.predicted_hit_tokens == prefill.hit(tokens) > 0
         assert reply.predicted_decode_hit_tokens == decodes[1].hit(tokens, rebuild=False) > 0
     finally:
-        await router.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown([router], workers)
 
 
 async def test_hit_reports_feed_the_predicted_and_actual_metrics(bus, nats_url):
@@ -397,9 +384,7 @@ async def test_hit_reports_feed_the_predicted_and_actual_metrics(bus, nats_url):
         assert _metric("windserve_router_hit_reports_total", outcome="unmatched") == unmatched + 1
         assert _metric("windserve_router_decisions_total", policy="affinity", outcome="ok") >= 1
     finally:
-        await router.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown([router], workers)
 
 
 async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
@@ -415,6 +400,4 @@ async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
         again = await route(bus, ns, "a2", prompt + [7, 7, 7, 7, 7])  # a follow-up: same worker, predicted hit
         assert (again.prefill_instance, again.predicted_hit_tokens) == (first.prefill_instance, 40)
     finally:
-        await router.stop()
-        for w in workers:
-            await w.stop()
+        await shutdown([router], workers)

@@ -24,7 +24,6 @@ Every wait is bounded (`list_timeout_s`); listeners run synchronously in the vie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -109,10 +108,8 @@ class RegistryView:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                async with asyncio.timeout(5):
-                    await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)  # bounded; a cancelled task raises nothing here
 
     async def resync(self) -> bool:
         """One listing merged into the view (JOIN / LEAVE for what it finds changed); keys the watch changed
