@@ -401,3 +401,20 @@ async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
         assert (again.prefill_instance, again.predicted_hit_tokens) == (first.prefill_instance, 40)
     finally:
         await shutdown([router], workers)
+
+
+async def test_least_loaded_policy_still_reports_the_hits_of_its_picks(bus, nats_url):
+    ns = "rt_least"
+    router = await start_router(nats_url, ns, "r1", policy="least_loaded")
+    workers, served = await fleet(bus, ns, 2, seed=11)
+    try:
+        for w in workers:
+            await w.publish()
+        await until(lambda: synced(router, workers), what="sync")
+        for k, tokens in enumerate(probes(random.Random(12), served, 6)):
+            reply = await route(bus, ns, f"l{k}", tokens)
+            picked = next(w for w in workers if w.iid == reply.prefill_instance)
+            assert reply.predicted_hit_tokens == picked.hit(tokens)
+        assert _metric("windserve_router_decisions_total", policy="least_loaded", outcome="ok") >= 6
+    finally:
+        await shutdown([router], workers)
