@@ -6,14 +6,14 @@ import pytest
 
 from libs.kvcache import EventKind, KVCache, KVCacheConfig, Tier, block_hashes
 from protos.messages import KVEventBatch, KVEventKind, KVTier, RegistryEntry, Role, WireKVEvent
-from services.router.handlers import KVLayout, Predictions, events_of, layout_of
+from services.router.handlers import IndexLayout, Predictions, events_of, layout_of
 
 pytestmark = pytest.mark.unit
 
 
 def test_layout_labels_parse_or_say_what_is_wrong():
     labels = {"kv_page_size": "16", "kv_window": "128", "kv_rebuild_tokens": "0", "kv_hash_seed": "7"}
-    assert layout_of(RegistryEntry(role=Role.WORKER, instance_id="w", labels=labels)) == KVLayout(16, 128, 0, 7)
+    assert layout_of(RegistryEntry(role=Role.WORKER, instance_id="w", labels=labels)) == IndexLayout(16, 128, 0, 7)
     assert layout_of(RegistryEntry(role=Role.WORKER, instance_id="w")) is None
     with pytest.raises(ValueError, match="bad KV layout labels"):
         layout_of(RegistryEntry(role=Role.WORKER, instance_id="w", labels={**labels, "kv_window": "wide"}))

@@ -29,7 +29,7 @@ def fleet_of(entries: Sequence[RegistryEntry]) -> Fleet:
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class IndexLayout:
     """What the index must share with a worker (its `KV_LAYOUT_LABELS`): one page size, window and rebuild
     span to predict its `match`, one hash seed for the gateway's chain to name its blocks."""
 
@@ -39,7 +39,7 @@ class KVLayout:
     hash_seed: int
 
 
-def layout_of(entry: RegistryEntry) -> KVLayout | None:
+def layout_of(entry: RegistryEntry) -> IndexLayout | None:
     """The worker's KV layout from its registry labels; None when it advertises none. ValueError when the
     labels are there but not decimal ints."""
     labels = entry.labels
@@ -50,7 +50,7 @@ def layout_of(entry: RegistryEntry) -> KVLayout | None:
     except (KeyError, ValueError) as exc:
         raise ValueError(f"worker {entry.instance_id}: bad KV layout labels "
                          f"{ {k: labels.get(k) for k in KV_LAYOUT_LABELS} }") from exc
-    return KVLayout(page, window, rebuild, seed)
+    return IndexLayout(page, window, rebuild, seed)
 
 
 def events_of(batch: KVEventBatch) -> list[KVEvent]:

@@ -27,7 +27,7 @@ from libs.routing import ApproxIndex, ClusterPrefixIndex, HitPredictor
 from protos.messages import KVEventBatch, KVSnapshotReply, RegistryEntry
 from services.router import handlers, metrics
 from services.router.config import RouterConfig
-from services.router.handlers import KVLayout
+from services.router.handlers import IndexLayout
 
 log = logging.getLogger("windserve.router")
 
@@ -43,10 +43,10 @@ class IndexSync:
         self.config = config
         self.events = config.kv_events
         self._fetch = fetch
-        self.layout: KVLayout | None = None
+        self.layout: IndexLayout | None = None
         self.index: ClusterPrefixIndex | None = None
         self.approx: ApproxIndex | None = None
-        self.members: dict[str, KVLayout] = {}
+        self.members: dict[str, IndexLayout] = {}
         self._epochs: dict[str, str] = {}
         self._due: dict[str, float] = {}  # instance -> monotonic time of its next snapshot attempt
         self._backoff: dict[str, float] = {}
@@ -103,7 +103,7 @@ class IndexSync:
             self.approx.remove_worker(iid)
         log.info("worker left the index", extra={"instance": iid})
 
-    def _new_index(self, layout: KVLayout) -> None:
+    def _new_index(self, layout: IndexLayout) -> None:
         self.layout = layout
         if self.events:
             self.index = ClusterPrefixIndex(layout.page_size, layout.window, layout.rebuild_tokens,
