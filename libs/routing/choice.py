@@ -37,30 +37,38 @@ def least_loaded(candidates: Sequence[Instance], request_id: str,
 
 
 def pick_worker(workers: Sequence[Instance], num_tokens: int, buckets: LengthBuckets,
-                request_id: str) -> Instance:
-    """Aggregated mode: the least-loaded live worker that serves the request's length bucket.
+                request_id: str, exclude: Sequence[str] = ()) -> Instance:
+    """Aggregated mode: the least-loaded live worker that serves the request's length bucket, skipping
+    `exclude` (workers this request already failed on: the gateway retries elsewhere).
 
     The bucket uses the raw prompt length: without the KV-affinity index the router cannot know the
     cached part.
     """
+    if exclude:
+        workers = [w for w in workers if w.instance_id not in exclude]
+        if not workers:
+            raise LookupError(f"no live worker in the registry besides {sorted(exclude)}")
     if not workers:
         raise LookupError("no live worker in the registry")
     return least_loaded(serving(workers, buckets.classify(num_tokens)), request_id)
 
 
 def pick_pair(prefills: Sequence[Instance], decodes: Sequence[Instance], num_tokens: int, buckets: LengthBuckets,
-              request_id: str, recent: Mapping[str, int] | None = None, exclude_decodes: Sequence[str] = ()
-              ) -> tuple[Instance, Instance]:
+              request_id: str, recent: Mapping[str, int] | None = None, exclude_decodes: Sequence[str] = (),
+              exclude_prefills: Sequence[str] = ()) -> tuple[Instance, Instance]:
     """Disaggregated mode: (prefill, decode) for one request, by length bucket and load.
 
     Prefill: the least loaded (`cost`, with this router's `recent` picks) among workers serving the
     request's length bucket (all when none does). Decode: the same cost over every decode worker (decode
     work per token does not depend on the prompt's bucket; its KV does, which the KV share term covers).
     Decode workers without a transfer address cannot receive KV and are skipped, and so are
-    `exclude_decodes` (they refused this request as full: a prefill asks again for another).
+    `exclude_decodes` (they refused this request as full: a prefill asks again for another); prefill workers
+    in `exclude_prefills` failed this request (the gateway retries it elsewhere).
     """
+    prefills = [p for p in prefills if p.instance_id not in exclude_prefills]
     if not prefills:
-        raise LookupError("no live prefill worker in the registry")
+        raise LookupError("no live prefill worker in the registry"
+                          + (f" besides {sorted(exclude_prefills)}" if exclude_prefills else ""))
     receivers = [d for d in decodes if d.address and d.instance_id not in exclude_decodes]
     if not receivers:
         raise LookupError("no live decode worker with a KV transfer address in the registry"
