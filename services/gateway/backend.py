@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -131,6 +131,14 @@ class BackendConfig:
 ListServices = Callable[[], Awaitable[list[RegistryEntry]]]
 
 
+@dataclass
+class _Liveness:
+    """One attempt's probe state: failed probes in a row per instance, and since when NATS is unreachable."""
+
+    misses: dict[str, int] = field(default_factory=dict)
+    disconnected_since: float | None = None
+
+
 class NatsBackend:
     """Backend over the bus. Cleanup (unsubscribe, abort) runs in tasks of its own, because the HTTP
     layer may cancel the consumer repeatedly and a cancelled `finally` cannot await."""
@@ -142,7 +150,6 @@ class NatsBackend:
         self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
         self._fleet_cache: tuple[float, Registered] | None = None
-        self._disconnected_since: float | None = None
 
     # --- errors -----------------------------------------------------------------------------------
 
@@ -274,7 +281,7 @@ class NatsBackend:
             sub = await self._bus.subscribe(stream, TokenChunk)
         except Exception as exc:
             raise self._control_plane("subscribing to the stream", exc) or self.unavailable(repr(exc)) from exc
-        finished = False
+        finished = sent = False
         try:
             await self._submit(route, attempt_id, token_ids, sampling, stream)
             watch = {route.prefill_instance, route.decode_instance}
@@ -282,18 +289,22 @@ class NatsBackend:
                 if chunk.finish_reason is not None:
                     finished = True
                 if chunk.finish_reason == WireFinishReason.ERROR:
-                    raise await self._chunk_error(chunk, route)
+                    raise await self._chunk_error(chunk, route, sent)
+                sent = True
                 yield chunk
                 if finished:
                     return
         finally:
             self._spawn(self._close(sub, attempt_id, abort=not finished))
 
-    async def _chunk_error(self, chunk: TokenChunk, route: RouteReply) -> BackendError:
-        """The error of a worker's error chunk: capacity (503 server_busy); a peer of the attempt that is gone
-        (its death caused the error: PeerFailed, retried before the first token); else the worker's own (500)."""
+    async def _chunk_error(self, chunk: TokenChunk, route: RouteReply, sent: bool) -> BackendError:
+        """The error of a worker's error chunk: capacity (503 server_busy); before the first chunk, a peer of the
+        attempt that is gone (its death caused the error: PeerFailed, retried); else the worker's own (500: after
+        the first chunk the sender is the streaming worker, alive since it sent this)."""
         if chunk.retryable:
             return self.unavailable(f"server is at capacity: {chunk.error}", code="server_busy")
+        if sent:
+            return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
         await asyncio.sleep(0.05)  # a peer's death can reach the worker a moment before NATS notices it
         for instance in sorted({route.prefill_instance, route.decode_instance}):
             try:
@@ -335,7 +346,7 @@ class NatsBackend:
     async def _chunks(self, sub, request_id: str, watch: set[str], route: RouteReply) -> AsyncIterator[TokenChunk]:
         cfg = self.config
         last = time.monotonic()
-        misses: dict[str, int] = {}
+        live = _Liveness()
         first = True
         while True:
             try:
@@ -343,23 +354,24 @@ class NatsBackend:
             except BusTimeout:
                 if time.monotonic() - last > cfg.idle_timeout_s:
                     raise self.unavailable(f"request {request_id}: no tokens for {cfg.idle_timeout_s}s") from None
-                await self._probe(watch, misses, route)
+                await self._probe(watch, live, route)
                 continue
             last = time.monotonic()
             if first and chunk.instance_id:
                 watch, first = {chunk.instance_id}, False  # from now on only the streaming worker matters
             yield chunk
 
-    async def _probe(self, instances: set[str], misses: dict[str, int], route: RouteReply) -> None:
+    async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply) -> None:
+        misses = live.misses
         if not self._bus.is_connected:  # no probe can answer: not the workers' fault, until the reconnect bound
             now = time.monotonic()
-            self._disconnected_since = self._disconnected_since or now
-            if now - self._disconnected_since > self.config.reconnect_bound_s:
+            live.disconnected_since = live.disconnected_since or now
+            if now - live.disconnected_since > self.config.reconnect_bound_s:
                 raise self.unavailable(f"the control plane (NATS) is unreachable for over "
                                        f"{self.config.reconnect_bound_s}s; workers {sorted(instances)} cannot be "
                                        "reached", code="control_plane_unavailable")
             return
-        self._disconnected_since = None
+        live.disconnected_since = None
         for instance in sorted(instances):
             try:
                 await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
