@@ -259,3 +259,17 @@ def test_fallback_pick_skips_failed_workers_and_names_the_cause():
         fallback_pick(fleet, 10, buckets, "r", Avoid(instances={"a", "b"}))
     with pytest.raises(LookupError, match="no live worker in the registry"):
         fallback_pick(Registered.of([], now=0), 10, buckets, "r", Avoid())
+
+
+def test_repick_avoids_failed_prefill_and_decode():
+    from libs.routing import LengthBuckets
+    from services.gateway.failover import repick
+
+    fleet = Registered.of([entry("p-a", Role.PREFILL), entry("p-b", Role.PREFILL, running=4),
+                           entry("d-a", Role.DECODE, address="tcp://h:1"),
+                           entry("d-b", Role.DECODE, address="tcp://h:2", running=4)], now=0)
+    buckets = LengthBuckets(())
+    assert repick(fleet, 10, buckets, "r", Avoid()) == ("p-a", "d-a")
+    assert repick(fleet, 10, buckets, "r", Avoid(instances={"p-a"}, decodes={"d-a"})) == ("p-b", "d-b")
+    with pytest.raises(LookupError, match="prefill worker in the registry besides"):
+        repick(fleet, 10, buckets, "r", Avoid(instances={"p-a", "p-b"}))
