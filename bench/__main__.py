@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router")
+BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults")
 
 
 def main(argv: list[str]) -> int:

@@ -80,6 +80,11 @@ class EngineWorkerService(Service):
         """Role-specific health details."""
         return {}
 
+    def max_prompt_tokens(self) -> int:
+        """Most prompt tokens one request may bring here beyond what `max_request_tokens` says (0 = no other
+        limit); the registry entry advertises it so the gateway refuses what fits nowhere (413) up front."""
+        return 0
+
     def role_outcomes(self) -> dict[str, int]:
         """Role-specific outcome counts (health details and `windserve_worker_requests_done`)."""
         return {}
@@ -181,6 +186,7 @@ class EngineWorkerService(Service):
             "capacity": self.config.capacity or self.config.max_request_tokens,
             "buckets": list(self.config.served_buckets),
             "max_tokens": self.config.max_request_tokens,
+            "max_prompt_tokens": self.max_prompt_tokens(),
             "load": self.load,
         })
 

@@ -48,6 +48,13 @@ class GatewayConfig(ServiceConfig):
         default=1.0, gt=0, description="without tokens for this long, the gateway probes the worker's health"
     )
     liveness_misses: int = Field(default=2, ge=1, description="failed probes in a row after which a worker is gone")
+    max_attempts: int = Field(
+        default=3, ge=1, description="attempts of one request: before its first token, a request whose worker is "
+        "gone or refuses as busy is retried on another instance (1 = no failover)")
+    failover_timeout_s: float = Field(
+        default=30.0, gt=0, description="no retry starts later than this after the request's first attempt")
+    reconnect_bound_s: float = Field(
+        default=10.0, gt=0, description="NATS unreachable this long fails a waiting request (control plane down)")
     idle_timeout_s: float = Field(
         default=300.0, gt=0, description="longest gap between two chunks of a live worker before the request fails"
     )
