@@ -248,6 +248,13 @@ def test_stale_entries_are_not_candidates():
     assert [e.instance_id for e in fleet.workers] == ["w-new"]
 
 
+def test_the_chain_is_hashed_with_the_workers_advertised_page_size_and_seed():
+    """A chain made with another page size or seed than the workers' matches nothing in the router's index."""
+    labelled = entry("w").model_copy(update={"labels": {"kv_page_size": "4", "kv_hash_seed": "7"}})
+    assert Registered.of([entry("bare"), labelled], now=0).hash_layout() == (4, 7)
+    assert Registered.of([entry("bare")], now=0).hash_layout() is None
+
+
 def test_fallback_pick_skips_failed_workers_and_names_the_cause():
     from libs.routing import LengthBuckets
 

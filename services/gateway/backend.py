@@ -41,6 +41,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel
 
 from libs.bus import Bus, BusError, BusTimeout, NoResponders, RemoteError
+from libs.kvcache import DEFAULT_HASH_SEED
 from libs.kvcache.hashing import block_hashes
 from libs.routing import DEFAULT_BUCKET_EDGES, LengthBuckets
 from protos import subjects
@@ -209,7 +210,7 @@ class NatsBackend:
     async def route(self, request_id: str, token_ids: list[int], avoid: Avoid | None = None) -> RouteReply:
         avoid = avoid or Avoid()
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
-                           block_hashes=block_hashes(token_ids, self.config.page_size),
+                           block_hashes=await self._chain(token_ids),
                            exclude_instances=sorted(avoid.instances), exclude_decodes=sorted(avoid.decodes))
         subject = subjects.route(self.config.namespace)
         try:
@@ -223,6 +224,16 @@ class NatsBackend:
         if avoid and avoid.hits(reply.prefill_instance, reply.decode_instance):
             return await self._repick(request_id, len(token_ids), avoid, reply)
         return reply
+
+    async def _chain(self, token_ids: list[int]) -> list[int]:
+        """The prompt's block-hash chain, made as the workers' caches make theirs (their advertised page size
+        and seed; the configured page size and the default seed until one advertises them)."""
+        try:
+            layout = (await self.fleet()).hash_layout()
+        except BackendError:
+            layout = None
+        page_size, seed = layout or (self.config.page_size, DEFAULT_HASH_SEED)
+        return block_hashes(token_ids, page_size, seed)
 
     async def _route_direct(self, request_id: str, num_tokens: int, avoid: Avoid) -> RouteReply:
         fleet = await self.fleet(fresh=bool(avoid))

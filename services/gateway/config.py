@@ -41,7 +41,7 @@ class GatewayConfig(ServiceConfig):
     max_queued: int = Field(default=256, ge=0, description="requests waiting for a slot; beyond that: 429")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait for a slot before 429")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After (seconds) sent with 429 and with 503 server_busy")
-    page_size: int = Field(default=16, ge=1, description="KV page size for the route's block-hash chain")
+    page_size: int = Field(default=16, ge=1, description="KV page size of the route's block-hash chain until a worker advertises its kv_page_size label")
     route_timeout_s: float = Field(default=2.0, gt=0, description="max wait for the router's answer")
     ack_timeout_s: float = Field(default=30.0, gt=0, description="max wait for a worker to accept a request")
     liveness_interval_s: float = Field(

@@ -61,6 +61,16 @@ class Registered:
         """The router places pairs when prefill and decode workers are live (as `libs.routing.Router`)."""
         return bool(self.prefills and self.decodes)
 
+    def hash_layout(self) -> tuple[int, int] | None:
+        """(page size, hash seed) the workers' caches hash prompts with (their `kv_page_size` / `kv_hash_seed`
+        labels): the router's index only matches a chain made the same way. None when no worker says."""
+        for e in (*self.workers, *self.prefills, *self.decodes):
+            try:
+                return int(e.labels["kv_page_size"]), int(e.labels["kv_hash_seed"])
+            except (KeyError, ValueError):
+                continue
+        return None
+
 
 def _why_not(entry: RegistryEntry, prompt_tokens: int, max_tokens: int) -> str | None:
     total = prompt_tokens + max_tokens
