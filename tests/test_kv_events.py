@@ -45,6 +45,10 @@ from protos.messages import (
     KVSnapshotRequest,
     Role,
 )
+from services.decode.config import DecodeConfig
+from services.decode.service import DecodeService
+from services.prefill.config import PrefillConfig
+from services.prefill.service import PrefillService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from tests.test_worker import (
@@ -55,6 +59,7 @@ from tests.test_worker import (
     service_config,
     started,
     stream,
+    tcp_transfer,  # noqa: F401 (fixture)
 )
 
 
@@ -211,28 +216,32 @@ class Feed:
                 if self.index.next_event_id(self.svc.config.instance_id) == last + 1 and not cache.pending_events():
                     return
 
-    def predicted(self, tokens: list[int]) -> int:
+    def predicted(self, tokens: list[int], rebuild: bool = True) -> int:
         chain = block_hashes(tokens, self.page, self.seed)
-        hit = self.index.predict(chain, len(tokens)).get(self.svc.config.instance_id)
+        hit = self.index.predict(chain, len(tokens), rebuild).get(self.svc.config.instance_id)
         return 0 if hit is None else hit.tokens
 
+    def assert_gapless(self) -> None:
+        ids = [e.event_id for b in self.batches for e in b.events]
+        assert ids == list(range(len(ids))) and len({b.epoch for b in self.batches}) == 1 and self.gaps == 0
 
-async def worker_matches(svc, prompts: list[list[int]]) -> list[int]:
+
+async def worker_matches(svc, prompts: list[list[int]], rebuild: bool = True) -> list[int]:
     """What the worker's own cache.match returns for each prompt (each hit released at once)."""
     def run(core) -> list[int]:
         out = []
         for p in prompts:
-            hit = core.cache.match(p)
+            hit = core.cache.match(p, rebuild=rebuild)
             out.append(hit.tokens)
             core.cache.release_hit(hit)
         return out
     return await svc.engine.call(run, timeout_s=10)
 
 
-async def serve(bus: Bus, svc, rid: str, tokens: list[int], max_tokens: int = 4):
+async def serve(bus: Bus, svc, rid: str, tokens: list[int], max_tokens: int = 4, decode: str = ""):
     ns = svc.config.namespace
     reader = await stream(bus, ns, rid)
-    ack = await ask_generate(bus, svc, generate_request(ns, rid, tokens, max_tokens))
+    ack = await ask_generate(bus, svc, generate_request(ns, rid, tokens, max_tokens, decode_instance=decode))
     assert ack.status.value == "accepted", ack
     final = await reader.final()
     await reader.sub.unsubscribe()
@@ -275,9 +284,8 @@ async def test_worker_events_predict_its_own_match_and_hits_come_back(bus, nats_
             await feed.settle()
         all_prompts = served + follow + probes
         assert [feed.predicted(p) for p in all_prompts] == await worker_matches(svc, all_prompts)
-        # gapless, one epoch, from 0
+        feed.assert_gapless()  # one epoch, ids from 0 without a gap
         ids = [e.event_id for b in feed.batches for e in b.events]
-        assert ids == list(range(len(ids))) and len({b.epoch for b in feed.batches}) == 1 and feed.gaps == 0
         assert all(sum(len(e.block_hashes) for e in b.events) <= 1024 or len(b.events) == 1 for b in feed.batches)
         hits = {h.request_id: h for h in feed.hits}
         assert {rid: h.cached_tokens for rid, h in hits.items()} == cached  # one report each, usage's figure
@@ -340,3 +348,36 @@ async def test_kv_events_off_publishes_no_events_and_answers_no_snapshot(bus, na
         await assert_engine_at_baseline(svc)
     finally:
         await svc.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("tcp_transfer")
+async def test_prefill_and_decode_publish_their_events_and_their_own_hits(bus, nats_url):
+    ns = f"pd_{uuid.uuid4().hex[:6]}"
+    decode = await started(DecodeService(service_config(DecodeConfig, nats_url, namespace=ns)))
+    prefill = await started(PrefillService(service_config(PrefillConfig, nats_url, namespace=ns)))
+    try:
+        feeds = {svc: await Feed(bus, svc).start() for svc in (prefill, decode)}
+        did = decode.config.instance_id
+        served, probes = conversation()
+        _, out = await serve(bus, prefill, "d0", served[0], decode=did)
+        for feed in feeds.values():
+            await feed.settle()
+        follow = served[0] + out + prompt(400, 5)
+        want = {prefill.config.instance_id: feeds[prefill].predicted(follow),
+                did: feeds[decode].predicted(follow, rebuild=False)}  # decode takes no rebuild hit
+        assert want[did] > 0  # decode cached the whole first turn (prompt + output)
+        await serve(bus, prefill, "d1", follow, decode=did)
+        for feed in feeds.values():
+            await feed.settle()
+        reports = {(h.request_id, h.instance_id): h.cached_tokens for h in feeds[prefill].hits}
+        assert {iid: reports[("d1", iid)] for iid in want} == want
+        assert set(reports) == {(rid, iid) for rid in ("d0", "d1") for iid in want}
+        prompts = [*served, follow, *probes]
+        for svc, rebuild in ((prefill, True), (decode, False)):
+            feeds[svc].assert_gapless()
+            assert [feeds[svc].predicted(p, rebuild) for p in prompts] == await worker_matches(svc, prompts, rebuild)
+            await assert_engine_at_baseline(svc)
+    finally:
+        await prefill.stop()
+        await decode.stop()
