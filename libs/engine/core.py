@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.config import EngineConfig
-from libs.engine.request import Admission, PrefillProgress, Request, RequestOutput
+from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
@@ -175,7 +175,7 @@ class EngineCore:
         """Start recording first admissions (`drain_admissions`), the newest `max_kept` kept."""
         self.scheduler.admissions = deque(maxlen=max_kept)
 
-    def drain_admissions(self) -> list[Admission]:
+    def drain_admissions(self) -> list[AdmittedHit]:
         """First admissions since the last call, oldest first (empty when not recording)."""
         adm = self.scheduler.admissions
         if not adm:

@@ -131,7 +131,7 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int
 
 
-class Admission(NamedTuple):
+class AdmittedHit(NamedTuple):
     """A request's first admission: the prefix-cache hit it got (what `RequestOutput.num_cached_tokens` and
     the usage's cached tokens report). Recorded only while someone reads them (`EngineCore.record_admissions`)."""
 

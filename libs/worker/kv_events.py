@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
-from libs.engine.request import Admission
+from libs.engine.request import AdmittedHit
 from libs.kvcache.types import CacheSnapshot, KVEvent
 from libs.worker.kv_wire import MAX_BATCH_BLOCKS, event_batches, hit_reports, snapshot_reply
 from protos import subjects
@@ -77,7 +77,7 @@ class KVFeed:
         self.stats = FeedStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: deque[KVEvent] = deque()
-        self._hits: deque[Admission] = deque()
+        self._hits: deque[AdmittedHit] = deque()
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one publisher at a time: batches leave in id order
         # drained (engine thread only) and published (asyncio only) event counts: their difference is the
@@ -127,14 +127,14 @@ class KVFeed:
         self._drained += len(pending)
         return pending, snap
 
-    def _handover(self, events: list[KVEvent], admissions: list[Admission]) -> None:
+    def _handover(self, events: list[KVEvent], admissions: list[AdmittedHit]) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._receive, events, admissions)
 
     # --- event loop -------------------------------------------------------------------------------------
 
-    def _receive(self, events: list[KVEvent], admissions: list[Admission]) -> None:
+    def _receive(self, events: list[KVEvent], admissions: list[AdmittedHit]) -> None:
         self._outbox.extend(events)
         self._hits.extend(admissions)
         self._wake.set()
