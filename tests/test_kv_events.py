@@ -164,6 +164,35 @@ async def test_feed_stops_draining_while_the_bus_lags_so_the_cache_drops_and_the
     assert ids == sorted(ids)
 
 
+class _InlineEngine:
+    """Runs `call`s at once on the test's thread (the feed's engine side without a step loop)."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+
+    async def call(self, fn, timeout_s=None):
+        return fn(self.core)
+
+
+async def test_snapshot_reply_follows_the_events_it_drained():
+    cache = KVCache(CFG)
+    core = types.SimpleNamespace(cache=cache, drain_admissions=lambda: [])
+    sent: list = []
+
+    async def publish(subject, msg):
+        sent.append(msg)
+
+    feed = KVFeed(_InlineEngine(core), publish, "ns", "w", hits=False)  # type: ignore[arg-type]
+    feed._loop = asyncio.get_running_loop()
+    _serve(cache, "a", prompt(1, 9))
+    feed.on_step(core, True)
+    _serve(cache, "b", prompt(2, 13))  # pending, not drained by the hook
+    reply = await feed.answer_snapshot(KVSnapshotRequest())
+    ids = [e.event_id for b in sent for e in b.events]
+    assert ids == list(range(reply.last_event_id + 1)) and reply.last_event_id == cache.events.last_id
+    assert reply.epoch == feed.epoch == sent[0].epoch and cache.pending_events() == 0
+
+
 # ------------------------------------------------------------------------------------------ services
 class Feed:
     """A router's view of one worker: KVEventBatches and hit reports as they arrive, an index fed from them

@@ -1,12 +1,13 @@
 """The KV-affinity feed of an engine worker: its cache's events on the bus, snapshots, and hit reports.
 
     engine thread                                  asyncio side
-    AsyncEngine step hook `on_step(core, idle)`    _receive: outbox (events), hits (admissions), wake
-      every interval_s (and whenever the engine      run(): publish the outbox as KVEventBatches
-      idles): drain cache events + admissions  ->     (consecutive ids, <= max_batch_blocks blocks each)
-      call_soon_threadsafe                            on windserve.<ns>.kv_events.<instance>, then one
+    AsyncEngine step hook `on_step(core, idle)`    run(): woken (call_soon_threadsafe), publishes the
+      every interval_s (and whenever the engine      outbox as KVEventBatches (consecutive ids,
+      idles): drain cache events + admissions  ->     <= max_batch_blocks blocks each) on
+      into the outbox / hits deques                   windserve.<ns>.kv_events.<instance>, then one
                                                       KVHitReport per admission on windserve.<ns>.kv_hits
-    snapshot (engine.call): cache.snapshot()   ->  answer(): publish its drained events, then the reply
+    snapshot (engine.call): cache.snapshot(),  ->  answer_snapshot(): publish the outbox, then the reply
+      its drained events into the outbox
 
 No engine command per step: the hook runs where the engine already is, and costs one length check when
 nothing happened. The cache's events are drained only here, so with publishing off (`kv_events=False`)
@@ -119,25 +120,24 @@ class KVFeed:
         if not events and not admissions:
             return
         self._last_drain = now
-        self._drained += len(events)
         self._handover(events, admissions)
 
-    def _take_snapshot(self, core: EngineCore) -> tuple[list[KVEvent], CacheSnapshot]:
+    def _take_snapshot(self, core: EngineCore) -> CacheSnapshot:
         pending, snap = core.cache.snapshot()
-        self._drained += len(pending)
-        return pending, snap
+        self._handover(pending, [])
+        return snap
 
     def _handover(self, events: list[KVEvent], admissions: list[AdmittedHit]) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._receive, events, admissions)
-
-    # --- event loop -------------------------------------------------------------------------------------
-
-    def _receive(self, events: list[KVEvent], admissions: list[AdmittedHit]) -> None:
+        """Queue for the event loop, in drain order: the engine thread appends, the loop pops from the left
+        (both atomic on a deque), so everything drained before a snapshot is queued before its events."""
+        self._drained += len(events)
         self._outbox.extend(events)
         self._hits.extend(admissions)
-        self._wake.set()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
+
+    # --- event loop -------------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Publish whatever the hook hands over, until cancelled."""
@@ -149,14 +149,12 @@ class KVFeed:
     async def flush(self) -> None:
         """Publish the outbox (in id order) and the hit reports received so far."""
         async with self._lock:
-            events = list(self._outbox)
-            self._outbox.clear()
+            events = _take_all(self._outbox)
             for batch in event_batches(self.instance_id, self.epoch, events, self.max_batch_blocks):
                 await self._send(self.events_subject, batch, len(batch.events))
                 self.stats.batches += 1
             self._sent += len(events)
-            admissions = list(self._hits)
-            self._hits.clear()
+            admissions = _take_all(self._hits)
             for report in hit_reports(self.instance_id, admissions):
                 await self._send(self.hits_subject, report, 0)
                 self.stats.hit_reports += 1
@@ -172,10 +170,15 @@ class KVFeed:
     async def answer_snapshot(self, _: KVSnapshotRequest, timeout_s: float = 30.0) -> KVSnapshotReply:
         """The cached block set, taken on the engine thread; the events it drained are published first, so
         every event <= its last_event_id went out before the reply and the later ones follow."""
-        pending, snap = await self.engine.call(self._take_snapshot, timeout_s=timeout_s)
-        # the hook's earlier handovers ran before this resumed (same thread, scheduled first): the outbox
-        # holds every event before `pending`
-        self._receive(pending, [])
-        await self.flush()
+        snap = await self.engine.call(self._take_snapshot, timeout_s=timeout_s)
+        await self.flush()  # the outbox holds every event up to the snapshot's, in order
         self.stats.snapshots += 1
         return snapshot_reply(self.instance_id, self.epoch, snap)
+
+
+def _take_all(q: deque) -> list:
+    """Pop everything queued now (the engine thread may append meanwhile: those wait for the next flush)."""
+    out = []
+    for _ in range(len(q)):
+        out.append(q.popleft())
+    return out
