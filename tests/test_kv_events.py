@@ -8,8 +8,11 @@ feed's backpressure), then in-process services with the tiny model against a rea
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import types
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +69,14 @@ from tests.test_worker import (
 # ------------------------------------------------------------------------------------------ pure parts
 def test_cache_snapshot_bits_are_the_routing_index_bits():
     assert {b.name: int(b) for b in BlockHeld} == {b.name: int(b) for b in BlockState}
+
+
+def test_the_wire_conversions_import_no_torch():
+    """A router imports `libs.worker.kv_wire` without the engine stack."""
+    code = "import sys, libs.worker.kv_wire; print('torch' in sys.modules, 'libs.engine' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_wire_events_round_trip():
