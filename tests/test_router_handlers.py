@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from libs.kvcache import EventKind, KVCache, KVCacheConfig, Tier, block_hashes
+from libs.worker.kv_wire import kv_events as events_of
 from protos.messages import KVEventBatch, KVEventKind, KVTier, RegistryEntry, Role, WireKVEvent
-from services.router.handlers import IndexLayout, Predictions, events_of, layout_of
+from services.router.handlers import IndexLayout, Predictions, layout_of
 
 pytestmark = pytest.mark.unit
 

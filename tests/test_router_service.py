@@ -18,19 +18,17 @@ from prometheus_client import REGISTRY
 from libs.bus import Bus, HeartbeatConfig, Registry, RemoteError
 from libs.kvcache import DEFAULT_HASH_SEED, KVCache, KVCacheConfig, KVEvent, block_hashes
 from libs.routing.snapshot import take_snapshot
+from libs.worker.kv_wire import wire_event
 from protos import subjects
 from protos.messages import (
     KVEventBatch,
-    KVEventKind,
     KVHitReport,
     KVSnapshotReply,
     KVSnapshotRequest,
-    KVTier,
     RegistryEntry,
     Role,
     RouteReply,
     RouteRequest,
-    WireKVEvent,
 )
 from services.router.config import RouterConfig
 from services.router.service import RouterService
@@ -43,13 +41,6 @@ CFG = KVCacheConfig(page_size=P, window=WINDOW, num_full_pages=48, num_swa_pages
 LAYOUT = {"kv_page_size": str(P), "kv_window": str(WINDOW), "kv_rebuild_tokens": "0",
           "kv_hash_seed": str(DEFAULT_HASH_SEED)}
 TTL = HeartbeatConfig(ttl_s=1, interval_s=0.25)
-
-
-def wire(ev: KVEvent) -> WireKVEvent:
-    """The test side's own conversion (the worker helper writes the real one)."""
-    return WireKVEvent(event_id=ev.event_id, kind=KVEventKind(ev.kind.value), tier=KVTier(ev.tier.value),
-                       block_hashes=list(ev.block_hashes), parent_hash=ev.parent_hash,
-                       swa_checkpoint=list(ev.swa_checkpoint), swa_held=list(ev.swa_held))
 
 
 class CacheWorker:
@@ -123,7 +114,7 @@ class CacheWorker:
             part = events[i:i + 64]
             await self.bus.publish(subjects.kv_events(self.ns, self.iid),
                                    KVEventBatch(instance_id=self.iid, epoch=self.epoch,
-                                                events=[wire(e) for e in part]))
+                                                events=[wire_event(e) for e in part]))
             self.last_id = part[-1].event_id
 
 

@@ -7,9 +7,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from libs.kvcache import EventKind, KVEvent, Tier
-from libs.routing import Fleet, Instance, KVSnapshot, instance_of
-from protos.messages import KV_LAYOUT_LABELS, KVEventBatch, KVSnapshotReply, RegistryEntry, Role
+from libs.routing import Fleet, Instance, instance_of
+from protos.messages import KV_LAYOUT_LABELS, RegistryEntry, Role
 from services.router.config import RouterConfig
 
 ENGINE_ROLES = (Role.PREFILL, Role.DECODE, Role.WORKER)
@@ -51,17 +50,6 @@ def layout_of(entry: RegistryEntry) -> IndexLayout | None:
         raise ValueError(f"worker {entry.instance_id}: bad KV layout labels "
                          f"{ {k: labels.get(k) for k in KV_LAYOUT_LABELS} }") from exc
     return IndexLayout(page, window, rebuild, seed)
-
-
-def events_of(batch: KVEventBatch) -> list[KVEvent]:
-    """The batch's events as the cache made them (the worker's conversion run backwards)."""
-    return [KVEvent(e.event_id, EventKind(e.kind.value), Tier(e.tier.value), tuple(e.block_hashes), e.parent_hash,
-                    tuple(e.swa_checkpoint), tuple(e.swa_held))
-            for e in batch.events]
-
-
-def snapshot_of(reply: KVSnapshotReply) -> KVSnapshot:
-    return KVSnapshot(reply.last_event_id, tuple(reply.block_hashes), bytes(reply.states))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from libs.bus import RegistryEventKind
 from libs.routing import ApproxIndex, ClusterPrefixIndex, HitPredictor
+from libs.worker import kv_wire
 from protos.messages import KVEventBatch, KVSnapshotReply, RegistryEntry
 from services.router import handlers, metrics
 from services.router.config import RouterConfig
@@ -133,7 +134,7 @@ class IndexSync:
                 outcome = "new_epoch"
             self._epochs[iid] = batch.epoch
         was_stale = index.is_stale(iid)
-        if not index.apply(iid, handlers.events_of(batch)) and not was_stale:
+        if not index.apply(iid, kv_wire.kv_events(batch)) and not was_stale:
             metrics.EVENT_GAPS.inc()
             log.info("KV event gap: resyncing", extra={"instance": iid, "expected": index.next_event_id(iid),
                                                       "got": batch.events[0].event_id})
@@ -197,7 +198,7 @@ class IndexSync:
         if known is not None and known != reply.epoch:  # events buffered from another process: drop them
             index.remove_worker(iid)
         self._epochs[iid] = reply.epoch
-        if index.load_snapshot(iid, handlers.snapshot_of(reply)):
+        if index.load_snapshot(iid, kv_wire.routing_snapshot(reply)):
             del self._due[iid]
             self._backoff.pop(iid, None)
             metrics.SNAPSHOT_RESYNCS.labels("ok").inc()
