@@ -158,6 +158,12 @@ async def test_list_drops_an_entry_the_store_keeps_after_its_heartbeat_went_stal
     assert [e.instance_id for e in await reg.list()] == ["live"]
     assert [e.instance_id for e in await reg.list(Role.DECODE)] == ["live"]
 
+    async def reaped() -> bool:  # listing removed the ghost from the store; its delete marker expires too
+        info = await bus.js.stream_info(f"KV_{reg.bucket}", subjects_filter=">")
+        return set(info.state.subjects or {}) == {f"$KV.{reg.bucket}.decode.live"}
+
+    assert await wait_until(reaped, timeout=10)
+
 
 @pytest.mark.integration
 async def test_watch_reports_leave_when_heartbeats_stop_even_if_the_store_keeps_the_entry(bus):

@@ -111,13 +111,14 @@ class Registry:
 
         Reads the stream's per-subject state, then the last message of each subject. (A KV watcher's
         initial snapshot can skip an entry that a heartbeat re-puts while the snapshot is taken.)
+        A stale entry found on the way is also removed from the store (`_reap`).
         """
         pattern = f"{Role(role).value}.*" if role else ">"
         prefix = f"$KV.{self.bucket}."
         try:
             async with asyncio.timeout(timeout):
                 info = await self._bus.js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + pattern)
-                found: dict[str, RegistryEntry] = {}
+                found: dict[str, tuple[RegistryEntry, int]] = {}
                 for subject in sorted(info.state.subjects or {}):
                     key = subject.removeprefix(prefix)
                     try:
@@ -125,10 +126,26 @@ class Registry:
                     except nats.js.errors.KeyNotFoundError:  # deleted or expired (a marker is left)
                         continue
                     if item.value and (entry := _decode_entry(key, item.value)) is not None:
-                        found[key] = entry
+                        found[key] = (entry, item.revision or 0)
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise TimeoutError(f"listing registry bucket {self.bucket} took over {timeout}s") from exc
-        return fresh_only([found[k] for k in sorted(found)], time.time())
+        now = time.time()
+        for key, (entry, revision) in found.items():
+            if not entry.fresh(now):
+                await self._reap(key, revision, now - entry.heartbeat_at)
+        return fresh_only([found[k][0] for k in sorted(found)], now)
+
+    async def _reap(self, key: str, revision: int, age_s: float) -> None:
+        """Best effort: delete a stale entry so it stops costing every listing. nats-server 2.15 brings back
+        an entry it expired before a SIGKILL and then never expires it again (docs/reliability.md). The
+        delete names the stale revision, so it cannot remove a heartbeat that lands meanwhile, and its
+        marker expires like an expiry's."""
+        headers = {"KV-Operation": KV_DEL, "Nats-Expected-Last-Subject-Sequence": str(revision)}
+        try:
+            await self._bus.js.publish(f"$KV.{self.bucket}.{key}", b"", headers=headers, msg_ttl=_MARKER_TTL_S)
+            log.info("removed a stale registry entry", extra={"key": key, "age_s": round(age_s, 1)})
+        except Exception as exc:  # refreshed meanwhile (wrong last sequence) or NATS busy: listing still ignores it
+            log.debug("could not remove a stale registry entry", extra={"key": key, "error": repr(exc)})
 
     async def purge(self) -> int:
         """Remove every entry, live or not; returns how many entries (and markers) were stored. Only for an owner that
