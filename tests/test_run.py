@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,4 +93,66 @@ def test_unknown_service_is_rejected_before_starting_anything(tmp_path):
     proc = start_run(tmp_path, "--services", "gateway,nosuch")
     assert proc.wait(30) == 2
     assert "unknown service 'nosuch'" in proc.stderr.read()
+    assert not (tmp_path / "run").exists()
+
+
+def _descendants_named(proc: subprocess.Popen[str], needle: str) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if needle in " ".join(p.cmdline())]
+
+
+def _complete(http_port: int) -> dict:
+    body = json.dumps({"model": "windserve-tiny", "prompt": "hello", "max_tokens": 3}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_killed_service_is_restarted_and_the_deployment_serves_again(tmp_path):
+    http_port = free_port()
+    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker")
+    descendants: list[psutil.Process] = []
+    try:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health/ready", timeout=5) as resp:
+            assert resp.status == 200  # "ready" is printed only once the gateway says so
+        [worker] = _descendants_named(proc, "services.worker")
+        worker.kill()
+        lines = wait_for_line(proc, "windserve: ready again", timeout=60)
+        said = "".join(lines)
+        assert "worker exited with code -9 (killed by SIGKILL); restarting in 1 s (restart 1" in said
+        assert "worker restarted as worker-" in said
+        assert len(_complete(http_port)["choices"]) == 1  # the deployment serves again
+        assert [p.pid for p in _descendants_named(proc, "services.worker")] != [worker.pid]
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:
+            p.kill()
+    assert alive == [], f"left behind: {[p.pid for p in alive]}"
+
+
+def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = start_run(tmp_path, "--http-port", str(port), "--services", "gateway,worker")
+        rc = proc.wait(30)
+    err = proc.stderr.read()
+    assert rc == 1
+    assert f"HTTP port 127.0.0.1:{port} is not available" in err and "--http-port" in err
+    assert not (tmp_path / "run").exists()  # neither nats-server nor any service was started
+
+
+def test_bad_model_path_fails_fast_naming_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = start_run(tmp_path, "--model", str(missing), "--services", "worker")
+    assert proc.wait(30) == 1
+    assert f"bad --model: model directory {missing} does not exist" in proc.stderr.read()
     assert not (tmp_path / "run").exists()
