@@ -91,6 +91,16 @@ def subject_family(subject: str) -> str:
     return ".".join(subject.split(".")[:2])
 
 
+def _connect_cause(exc: BaseException) -> str:
+    """The reason a connect failed, in words: nats-py reports a refused connection as a bare timeout or
+    NoServersError, so name the usual cause."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused: nothing listens on that port"
+    if isinstance(exc, (TimeoutError, nats.errors.TimeoutError, nats.errors.NoServersError)):
+        return "no server answered"
+    return repr(exc)
+
+
 def _is_error(msg: Msg) -> bool:
     return msg.headers is not None and msg.headers.get(HDR_STATUS) == STATUS_ERROR
 
@@ -153,7 +163,8 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             with contextlib.suppress(Exception):
                 await nc.close()
-            raise BusError(f"cannot connect to NATS at {url} within {timeout}s: {exc!r}") from exc
+            raise BusError(f"cannot connect to NATS at {url} within {timeout}s ({_connect_cause(exc)}): is "
+                           "nats-server running there? (WINDSERVE_NATS_URL names it)") from exc
         metrics.CONNECTION_EVENTS.labels("connected").inc()
         return cls(nc, name, cfg)
 
