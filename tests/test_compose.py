@@ -90,3 +90,30 @@ def test_kv_transfer_engines_listen_on_the_compose_network(spec):
     for role in ("prefill", "decode"):
         assert spec["services"][role]["environment"]["WINDSERVE_TRANSFER_HOST"] == "0.0.0.0"
     assert "WINDSERVE_TRANSFER_HOST" not in spec["services"]["gateway"]["environment"]
+
+
+def test_every_service_restarts_and_the_gateway_is_healthy_only_when_ready(spec):
+    for name, svc in spec["services"].items():
+        assert svc.get("restart") == "unless-stopped", name
+    assert "http://127.0.0.1:8000/health/ready" in spec["services"]["gateway"]["healthcheck"]["test"][-1]
+
+
+def test_worker_healthcheck_passes_only_once_the_service_runs(spec):
+    """Runs the compose healthcheck of decode against a real metrics endpoint: starting -> unhealthy,
+    running -> healthy (the model may load for minutes while the metrics port already answers)."""
+    from libs.service.metrics import SERVICE_STATE, MetricsServer
+    from tests.fixtures.nats import free_port
+
+    check = spec["services"]["decode"]["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"]
+    port = free_port()
+    server = MetricsServer("127.0.0.1", port)
+    try:
+        code = check[3].replace("127.0.0.1:9100", f"127.0.0.1:{port}")
+        for state, healthy in (("starting", False), ("running", True)):
+            for s in ("starting", "running"):
+                SERVICE_STATE.labels(s).set(1 if s == state else 0)
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+            assert (proc.returncode == 0) == healthy, (state, proc.stderr)
+    finally:
+        server.stop()
