@@ -195,7 +195,7 @@ class Supervisor:
     http_port: int = 0
     children: list[Child] = field(default_factory=list)
     nats: Child | None = None
-    restarted_since_ready: bool = False  # a service was restarted: print "serving again" once it is
+    restarted_since_ready: bool = False  # a child was restarted: print "ready again" once it serves
 
     @property
     def nats_url(self) -> str:
@@ -349,6 +349,7 @@ class Supervisor:
         return out
 
     def _restart(self, child: Child, now: float) -> str:
+        self.restarted_since_ready = True
         if child is self.nats:
             self.spawn_nats()
             fresh = self.nats
@@ -358,7 +359,6 @@ class Supervisor:
         fresh = self._spawn_service(child.service, child.name)
         fresh.restarts, fresh.started_at = child.restarts + 1, now
         self.children[self.children.index(child)] = fresh
-        self.restarted_since_ready = True
         return f"windserve: {child.name} restarted as {fresh.instance_id} (pid {fresh.popen.pid})"
 
     def spawn_nats(self) -> None:

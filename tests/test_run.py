@@ -108,7 +108,11 @@ def _complete(http_port: int) -> dict:
         return json.loads(resp.read())
 
 
-def test_killed_service_is_restarted_and_the_deployment_serves_again(tmp_path):
+@pytest.mark.parametrize("target, restarted", [
+    ("services.worker", "worker restarted as worker-"),
+    ("nats-server", "nats-server restarted on port"),  # services reconnect: none of them is restarted
+], ids=["worker", "nats-server"])
+def test_killed_child_is_restarted_and_the_deployment_serves_again(tmp_path, target, restarted):
     http_port = free_port()
     proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker")
     descendants: list[psutil.Process] = []
@@ -116,14 +120,16 @@ def test_killed_service_is_restarted_and_the_deployment_serves_again(tmp_path):
         wait_for_line(proc, "windserve: ready", timeout=60)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health/ready", timeout=5) as resp:
             assert resp.status == 200  # "ready" is printed only once the gateway says so
-        [worker] = _descendants_named(proc, "services.worker")
-        worker.kill()
-        lines = wait_for_line(proc, "windserve: ready again", timeout=60)
-        said = "".join(lines)
-        assert "worker exited with code -9 (killed by SIGKILL); restarting in 1 s (restart 1" in said
-        assert "worker restarted as worker-" in said
+        before = {p.pid for p in _descendants_named(proc, "services.")}
+        [victim] = _descendants_named(proc, target)
+        victim.kill()
+        said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
+        name = "nats" if target == "nats-server" else "worker"
+        assert f"{name} exited with code -9 (killed by SIGKILL); restarting in 1 s (restart 1" in said
+        assert restarted in said
         assert len(_complete(http_port)["choices"]) == 1  # the deployment serves again
-        assert [p.pid for p in _descendants_named(proc, "services.worker")] != [worker.pid]
+        after = {p.pid for p in _descendants_named(proc, "services.")}
+        assert after - before == ({p.pid for p in _descendants_named(proc, target)} if name == "worker" else set())
         descendants = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
