@@ -1,7 +1,7 @@
 """`make run`: start nats-server (JetStream) and windserve services as supervised processes.
 
     python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2]
-                          [--http-port 8000] [--nats-port 0] [--run-dir .run]
+                          [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
 
 Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
 model directory holds a checkpoint) and names the cause. Every child runs in its own process group
@@ -10,7 +10,9 @@ nats-server is up (entries left by an earlier run are ghosts: docs/reliability.m
 waits until the gateway's /health lists every started instance and /health/ready is 200 (or the
 registry lists them, without a gateway), then prints "ready". A child that exits during startup
 stops everything with the cause from its log; one that exits later is restarted with backoff (and
-nats-server on its port and store, so services reconnect without a restart). Only Ctrl-C / SIGTERM
+nats-server on its port and store, so services reconnect without a restart). With --nats-cluster 3
+it runs a 3-node nats-server cluster, and the registry bucket and payload store are replicated on all
+three (R3), so one node's death loses nothing. Only Ctrl-C / SIGTERM
 stops the services (SIGTERM, SIGKILL after a grace period), then nats-server, so no process is left
 behind.
 """
@@ -54,6 +56,7 @@ class RunConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     nats_port: int = 0
+    nats_cluster: int = 1  # nats-server nodes; 3 (or 5) = a cluster with R3 registry and payload store
     run_dir: Path = ROOT / ".run"
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
@@ -70,6 +73,13 @@ class RunConfig:
             raise ValueError("only one gateway per host (it binds --http-port)")
         if self.ready_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.nats_cluster not in (1, 3, 5):
+            raise ValueError(f"--nats-cluster must be 1, 3 or 5 nodes (a Raft quorum), got {self.nats_cluster}")
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the registry bucket and payload store: 3 on a cluster (one node may die)."""
+        return 1 if self.nats_cluster == 1 else 3
 
     @property
     def roles(self) -> set[str]:
@@ -191,15 +201,20 @@ class Child:
 @dataclass
 class Supervisor:
     cfg: RunConfig
-    nats_port: int = 0
+    nats_ports: list[int] = field(default_factory=list)  # client port of each node
+    cluster_ports: list[int] = field(default_factory=list)  # route port of each node (cluster only)
     http_port: int = 0
     children: list[Child] = field(default_factory=list)
-    nats: Child | None = None
+    nats_nodes: list[Child] = field(default_factory=list)
     restarted_since_ready: bool = False  # a child was restarted: print "ready again" once it serves
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.nats_port}"
+        """Every node's URL, comma-separated (the services' bus connects to any and fails over)."""
+        return ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
+
+    def nats_store(self, node: int) -> Path:
+        return self.cfg.run_dir / ("nats" if self.cfg.nats_cluster == 1 else f"nats-{node}")
 
     @property
     def http_url(self) -> str:
@@ -231,26 +246,32 @@ class Supervisor:
                            "or use --nats-port 0 (any free port)")
 
     def start_nats(self) -> None:
-        self.nats_port = self.nats_port or self.cfg.nats_port or free_port()
-        self.spawn_nats()
-        assert self.nats is not None
+        n = self.cfg.nats_cluster
+        base = self.cfg.nats_port
+        self.nats_ports = [base + i if base else free_port() for i in range(n)]
+        self.cluster_ports = [free_port() for _ in range(n)] if n > 1 else []
+        self.nats_nodes = [self.spawn_nats(i) for i in range(n)]
         deadline = time.monotonic() + 10
+        for node, port in zip(self.nats_nodes, self.nats_ports, strict=True):
+            self._wait_listening(node, port, deadline)
+
+    def _wait_listening(self, node: Child, port: int, deadline: float) -> None:
         while time.monotonic() < deadline:
-            if self.nats.popen.poll() is not None:
-                raise RunError(f"nats-server exited with {describe_exit(self.nats.popen.returncode)}: "
-                               f"{last_error(self.nats.log_path)}; see {self.nats.log_path}")
+            if node.popen.poll() is not None:
+                raise RunError(f"nats-server exited with {describe_exit(node.popen.returncode)}: "
+                               f"{last_error(node.log_path)}; see {node.log_path}")
             try:
-                with socket.create_connection(("127.0.0.1", self.nats_port), timeout=0.2):
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     return
             except OSError:
                 time.sleep(0.05)
-        raise RunError(f"nats-server did not listen on port {self.nats_port} within 10 s; see {self.nats.log_path}")
+        raise RunError(f"nats-server did not listen on port {port} within 10 s; see {node.log_path}")
 
     def clear_registry(self) -> int:
         """Empty this namespace's registry bucket before any service starts: every entry in it is a
         ghost of an earlier run (nats-server may never expire it: docs/reliability.md)."""
         try:
-            return asyncio.run(_purge_registry(self.nats_url))
+            return asyncio.run(_prepare_buckets(self.nats_url, self.cfg.replicas))
         except Exception as exc:  # the freshness rule still hides the ghosts: say so, go on
             print(f"windserve: could not clear the registry of an earlier run ({exc!r}); continuing", flush=True)
             return 0
@@ -259,6 +280,7 @@ class Supervisor:
         env = {
             **os.environ,
             "WINDSERVE_NATS_URL": self.nats_url,
+            "WINDSERVE_NATS_REPLICAS": str(self.cfg.replicas),
             "WINDSERVE_INSTANCE_ID": instance_id,
             "PYTHONUNBUFFERED": "1",
         }
@@ -292,7 +314,7 @@ class Supervisor:
 
     def check_alive(self) -> None:
         """During startup: any exit stops everything, with the cause from the child's log."""
-        for child in [*self.children, *([self.nats] if self.nats else [])]:
+        for child in [*self.children, *self.nats_nodes]:
             code = child.popen.poll()
             if code is not None:
                 cause = last_error(child.log_path)
@@ -331,7 +353,7 @@ class Supervisor:
         """One pass: schedule a restart for every child that exited, restart those whose backoff is
         over. Returns the lines to print."""
         out: list[str] = []
-        for child in [*([self.nats] if self.nats else []), *self.children]:
+        for child in [*self.nats_nodes, *self.children]:
             if child.restart_at is None:
                 code = child.popen.poll()
                 if code is None:
@@ -350,24 +372,29 @@ class Supervisor:
 
     def _restart(self, child: Child, now: float) -> str:
         self.restarted_since_ready = True
-        if child is self.nats:
-            self.spawn_nats()
-            fresh = self.nats
-            assert fresh is not None
+        if child in self.nats_nodes:
+            node = self.nats_nodes.index(child)
+            fresh = self.nats_nodes[node] = self.spawn_nats(node)
             fresh.restarts, fresh.started_at = child.restarts + 1, now
-            return f"windserve: nats-server restarted on port {self.nats_port} (services reconnect by themselves)"
+            label = "nats-server" if len(self.nats_nodes) == 1 else f"nats-server node {node}"
+            return f"windserve: {label} restarted on port {self.nats_ports[node]} (services reconnect by themselves)"
         fresh = self._spawn_service(child.service, child.name)
         fresh.restarts, fresh.started_at = child.restarts + 1, now
         self.children[self.children.index(child)] = fresh
         return f"windserve: {child.name} restarted as {fresh.instance_id} (pid {fresh.popen.pid})"
 
-    def spawn_nats(self) -> None:
-        """Start nats-server on `nats_port` and the run's store, without waiting for it (a restart's next
-        pass sees it exit again if the port is still taken)."""
-        store = self.cfg.run_dir / "nats"
+    def spawn_nats(self, node: int) -> Child:
+        """Start node `node` of nats-server on its port and store, without waiting for it (a restart's
+        next pass sees it exit again if the port is still taken)."""
+        store = self.nats_store(node)
         store.mkdir(parents=True, exist_ok=True)
-        cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_port), "-sd", str(store)]
-        self.nats = self._spawn("nats", cmd, dict(os.environ))
+        cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_ports[node]), "-sd", str(store)]
+        if self.cluster_ports:  # JetStream clustering needs unique server names and routes to the others
+            routes = ",".join(f"nats://127.0.0.1:{p}" for i, p in enumerate(self.cluster_ports) if i != node)
+            cmd += ["--server_name", f"windserve-nats-{node}", "--cluster_name", "windserve",
+                    "--cluster", f"nats://127.0.0.1:{self.cluster_ports[node]}", "--routes", routes]
+        name = "nats" if not self.cluster_ports else f"nats-{node}"
+        return self._spawn(name, cmd, dict(os.environ))
 
     def serving_again(self) -> bool:
         """After a restart: every current instance listed and (with a gateway) /health/ready 200."""
@@ -376,8 +403,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         _terminate(self.children, self.cfg.grace_s)
-        if self.nats is not None:
-            _terminate([self.nats], self.cfg.grace_s)
+        _terminate(self.nats_nodes, self.cfg.grace_s)
 
 
 def _get_json(url: str) -> tuple[int, dict[str, Any]]:
@@ -423,16 +449,32 @@ def namespace() -> str:
     return os.environ.get("WINDSERVE_NAMESPACE", subjects.DEFAULT_NAMESPACE)
 
 
-async def _purge_registry(nats_url: str) -> int:
-    from libs.bus import Bus, Registry
+async def _prepare_buckets(nats_url: str, replicas: int, timeout: float = 30.0) -> int:
+    """Create the registry bucket and payload store with `replicas` if missing, and empty the registry;
+    returns how many entries it held. Retried until `timeout`: a new cluster elects its JetStream
+    leader a few seconds after its ports open."""
+    import nats.errors
+    import nats.js.errors
+
+    from libs.bus import Bus, BusConfig, BusError, Registry
     from protos import subjects
 
-    async with asyncio.timeout(15):  # JetStream may need a moment after the port opens
-        bus = await Bus.connect(nats_url, name="run-supervisor", timeout=5)
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            return await (await Registry.open(bus, subjects.registry_bucket(namespace()))).purge()
-        finally:
-            await bus.close()
+            async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
+                bus = await Bus.connect(nats_url, name="run-supervisor", timeout=5,
+                                        config=BusConfig(payload_replicas=replicas))
+                try:
+                    registry = await Registry.open(bus, subjects.registry_bucket(namespace()), replicas=replicas)
+                    await bus.ensure_payload_store()  # with its replicas, before any service creates it
+                    return await registry.purge()
+                finally:
+                    await bus.close()
+        except (BusError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise RunError(f"JetStream at {nats_url} not usable within {timeout:.0f} s: {exc!r}") from exc
+            time.sleep(0.5)
 
 
 async def _registry_ids(nats_url: str) -> set[str]:
@@ -468,7 +510,10 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--services", default=DEFAULT_SERVICES, help="comma list, name=N for replicas")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="gateway port (0 = any free)")
-    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = any free)")
+    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = any free; a cluster: node i "
+                   "gets port + i)")
+    p.add_argument("--nats-cluster", type=int, default=1, help="nats-server nodes: 1, or 3 / 5 for a cluster whose "
+                   "registry bucket and payload store are replicated 3 times")
     p.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="logs and NATS store")
     p.add_argument("--ready-timeout", type=float, default=60.0)
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -479,6 +524,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
         http_host=a.http_host,
         http_port=a.http_port,
         nats_port=a.nats_port,
+        nats_cluster=a.nats_cluster,
         run_dir=a.run_dir.resolve(),
         ready_timeout_s=a.ready_timeout,
         grace_s=a.grace,
@@ -498,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sup.preflight()
         sup.start_nats()
-        print(f"windserve: nats-server at {sup.nats_url} (store {cfg.run_dir / 'nats'})", flush=True)
+        stores = ", ".join(str(sup.nats_store(i)) for i in range(cfg.nats_cluster))
+        nodes = f"a {cfg.nats_cluster}-node cluster, registry and payloads at R{cfg.replicas}" if cfg.nats_cluster > 1 else ""
+        print(f"windserve: nats-server at {sup.nats_url} ({nodes + '; ' if nodes else ''}store {stores})", flush=True)
         if cleared := sup.clear_registry():
             print(f"windserve: cleared {cleared} registry entries left by an earlier run", flush=True)
         sup.start_services()

@@ -1,5 +1,6 @@
 """`make run` supervisor: comes up, lists every service, and leaves no process after Ctrl-C."""
 
+import asyncio
 import json
 import os
 import signal
@@ -162,3 +163,65 @@ def test_bad_model_path_fails_fast_naming_it(tmp_path):
     assert proc.wait(30) == 1
     assert f"bad --model: model directory {missing} does not exist" in proc.stderr.read()
     assert not (tmp_path / "run").exists()
+
+
+async def _replicas_and_listing(urls: str) -> tuple[dict[str, int], set[str]]:
+    from libs.bus import Bus, Registry
+    from protos import subjects
+
+    bus = await Bus.connect(urls, name="cluster-probe", timeout=10)
+    try:
+        streams = {}
+        for name in ("KV_windserve_registry_default", "OBJ_windserve_payloads"):
+            streams[name] = (await bus.js.stream_info(name)).config.num_replicas
+        entries = await (await Registry.open(bus, subjects.registry_bucket("default"))).list(timeout=10)
+        return streams, {e.role.value for e in entries}
+    finally:
+        await bus.close()
+
+
+def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
+    http_port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "WINDSERVE_NAMESPACE"}
+    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker", "--nats-cluster", "3",
+                     env=env)
+    descendants: list[psutil.Process] = []
+    try:
+        lines = wait_for_line(proc, "windserve: ready", timeout=60)
+        urls = next(line for line in lines if "nats-server at" in line).split(" at ")[1].split(" ")[0]
+        assert len(urls.split(",")) == 3 and "3-node cluster" in "".join(lines)
+        streams, roles = asyncio.run(_replicas_and_listing(urls))
+        assert streams == {"KV_windserve_registry_default": 3, "OBJ_windserve_payloads": 3}
+        assert roles == {"gateway", "worker"}
+
+        [node0] = [p for p in _descendants_named(proc, "nats-server") if "windserve-nats-0" in p.cmdline()]
+        node0.kill()
+        survivors = ",".join(urls.split(",")[1:])
+        # Within the bound (the streams elect a new leader, the services reconnect with 1 s waits): the
+        # registry on the survivors still lists both instances, and the deployment serves.
+        deadline = time.monotonic() + 20
+        _, roles = _retry_until(deadline, lambda: asyncio.run(_replicas_and_listing(survivors)))
+        assert roles == {"gateway", "worker"}
+        assert len(_retry_until(deadline, lambda: _complete(http_port))["choices"]) == 1
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:
+            p.kill()
+    assert alive == [], f"left behind: {[p.pid for p in alive]}"
+
+
+def _retry_until(deadline: float, attempt):
+    """attempt() until it returns, retrying any failure until `deadline` (then the last one is raised)."""
+    while True:
+        try:
+            return attempt()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
