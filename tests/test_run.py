@@ -1,6 +1,7 @@
 """`make run` supervisor: comes up, lists every service, and leaves no process after Ctrl-C."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -40,11 +42,32 @@ def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> l
     raise AssertionError(f"{needle!r} not printed in {timeout}s; got {lines}; stderr {proc.stderr.read()}")
 
 
-def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
-    http_port = free_port()
-    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,prefill,decode,worker=2")
+@contextlib.contextmanager
+def supervised(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+               stop: signal.Signals = signal.SIGTERM) -> Iterator[subprocess.Popen[str]]:
+    """`scripts.run` running for the body; then `stop` must end it cleanly (exit 0) and leave no process
+    behind (strays are killed even when an assertion fails)."""
+    proc = start_run(tmp_path, *args, env=env)
     descendants: list[psutil.Process] = []
     try:
+        yield proc
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(stop)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:
+            p.kill()
+    assert alive == [], f"left behind: {[p.pid for p in alive]}"
+
+
+def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,prefill,decode,worker=2",
+                    stop=signal.SIGINT) as proc:
         wait_for_line(proc, "windserve: ready", timeout=60)
         descendants = psutil.Process(proc.pid).children(recursive=True)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
@@ -53,17 +76,6 @@ def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
         assert counts == {"gateway": 1, "router": 1, "prefill": 1, "decode": 1, "worker": 2}
         names = {p.name() for p in descendants}
         assert "nats-server" in names and len(descendants) >= 7  # nats + 6 services
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        _, alive = psutil.wait_procs(descendants, timeout=5)
-        for p in alive:  # never leave strays behind, even when the assertion below fails
-            p.kill()
-    assert alive == [], f"left behind: {[p.pid for p in alive]}"
     logs = tmp_path / "run" / "logs"
     assert {p.name for p in logs.iterdir()} == {
         "nats.log", "gateway.log", "router.log", "prefill.log", "decode.log", "worker-0.log", "worker-1.log"
@@ -115,9 +127,7 @@ def _complete(http_port: int) -> dict:
 ], ids=["worker", "nats-server"])
 def test_killed_child_is_restarted_and_the_deployment_serves_again(tmp_path, target, restarted):
     http_port = free_port()
-    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker")
-    descendants: list[psutil.Process] = []
-    try:
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker") as proc:
         wait_for_line(proc, "windserve: ready", timeout=60)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health/ready", timeout=5) as resp:
             assert resp.status == 200  # "ready" is printed only once the gateway says so
@@ -131,17 +141,6 @@ def test_killed_child_is_restarted_and_the_deployment_serves_again(tmp_path, tar
         assert len(_complete(http_port)["choices"]) == 1  # the deployment serves again
         after = {p.pid for p in _descendants_named(proc, "services.")}
         assert after - before == ({p.pid for p in _descendants_named(proc, target)} if name == "worker" else set())
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        _, alive = psutil.wait_procs(descendants, timeout=5)
-        for p in alive:
-            p.kill()
-    assert alive == [], f"left behind: {[p.pid for p in alive]}"
 
 
 def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
@@ -183,10 +182,8 @@ async def _replicas_and_listing(urls: str) -> tuple[dict[str, int], set[str]]:
 def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
     http_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "WINDSERVE_NAMESPACE"}
-    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker", "--nats-cluster", "3",
-                     env=env)
-    descendants: list[psutil.Process] = []
-    try:
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker", "--nats-cluster", "3",
+                    env=env) as proc:
         lines = wait_for_line(proc, "windserve: ready", timeout=60)
         urls = next(line for line in lines if "nats-server at" in line).split(" at ")[1].split(" ")[0]
         assert len(urls.split(",")) == 3 and "3-node cluster" in "".join(lines)
@@ -203,17 +200,6 @@ def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
         _, roles = _retry_until(deadline, lambda: asyncio.run(_replicas_and_listing(survivors)))
         assert roles == {"gateway", "worker"}
         assert len(_retry_until(deadline, lambda: _complete(http_port))["choices"]) == 1
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        _, alive = psutil.wait_procs(descendants, timeout=5)
-        for p in alive:
-            p.kill()
-    assert alive == [], f"left behind: {[p.pid for p in alive]}"
 
 
 def _retry_until(deadline: float, attempt):
