@@ -53,6 +53,10 @@ def test_event_translation_reports_join_once_and_leave_only_for_known():
     leave = state.update("router.r1", b"", "PURGE", now)
     assert leave is not None and leave.kind == RegistryEventKind.LEAVE and state.known == {}
     assert state.update("router.bad", b"{}", None, now) is None  # malformed entry ignored
+    updates = WatchState(refreshes=True)
+    assert updates.update("router.r1", raw, None, now).kind == RegistryEventKind.JOIN
+    update = updates.update("router.r1", raw, None, now)
+    assert update is not None and update.kind == RegistryEventKind.UPDATE and update.entry.instance_id == "r1"
 
 
 def stamped(role: Role, iid: str, heartbeat_at: float, ttl_s: int = 2) -> bytes:

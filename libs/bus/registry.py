@@ -60,6 +60,7 @@ class HeartbeatConfig:
 class RegistryEventKind(StrEnum):
     JOIN = "join"
     LEAVE = "leave"
+    UPDATE = "update"  # a heartbeat re-put of a known entry (fresh load); only from `watch(refreshes=True)`
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Registry:
         await self._bus.js.purge_stream(f"KV_{self.bucket}")
         return int(info.state.messages or 0)
 
-    async def watch(self, role: Role | str | None = None, sweep_s: float = WATCH_SWEEP_S
+    async def watch(self, role: Role | str | None = None, refreshes: bool = False, sweep_s: float = WATCH_SWEEP_S
                     ) -> AsyncIterator[RegistryEvent]:
         """Yield JOIN for every live entry (current ones first) and LEAVE when one goes.
 
@@ -162,13 +163,14 @@ class Registry:
         `sweep_s` seconds the known entries are checked against the clock, so an entry whose instance
         stopped heartbeating yields LEAVE within about ttl + slack + sweep_s even if the store never
         expires it. A stale entry (a ghost brought back by a restarted server) never yields JOIN.
-        Heartbeat refreshes of a known entry are not reported. Runs until cancelled.
+        Heartbeat refreshes of a known entry are reported (as UPDATE, with the new entry: its load) only with
+        `refreshes`. Runs until cancelled (`libs.bus.view.RegistryView` keeps a local view from it).
         """
         if sweep_s <= 0:
             raise ValueError(f"sweep_s must be > 0, got {sweep_s}")
         pattern = f"{Role(role).value}.*" if role else ">"
         watcher = await self._kv.watch(pattern)
-        state = WatchState()
+        state = WatchState(refreshes)
         try:
             while True:
                 try:
@@ -208,11 +210,11 @@ def _decode_entry(key: str, value: bytes | None) -> RegistryEntry | None:
 
 
 class WatchState:
-    """Pure core of `Registry.watch`: turns KV updates and the clock into join/leave events.
+    """Pure core of `Registry.watch`: turns KV updates and the clock into join/leave (/update with
+    `refreshes`) events. `known` holds the last fresh entry of every key reported as joined."""
 
-    `known` holds the last fresh entry of every key reported as joined."""
-
-    def __init__(self) -> None:
+    def __init__(self, refreshes: bool = False) -> None:
+        self.refreshes = refreshes
         self.known: dict[str, RegistryEntry] = {}
 
     def update(self, key: str, value: bytes | None, operation: str | None, now: float) -> RegistryEvent | None:
@@ -225,8 +227,10 @@ class WatchState:
         if not entry.fresh(now):
             return self._leave(key)  # a ghost brought back by the store counts as gone
         joined = key not in self.known
-        self.known[key] = entry  # a heartbeat refresh moves the freshness deadline, without an event
-        return RegistryEvent(RegistryEventKind.JOIN, key, entry) if joined else None
+        self.known[key] = entry  # a heartbeat refresh moves the freshness deadline
+        if joined:
+            return RegistryEvent(RegistryEventKind.JOIN, key, entry)
+        return RegistryEvent(RegistryEventKind.UPDATE, key, entry) if self.refreshes else None
 
     def sweep(self, now: float) -> list[RegistryEvent]:
         """LEAVE for every known entry that is no longer fresh at `now`."""
