@@ -65,6 +65,9 @@ class RegistryEntry(WireModel):
     started_at: float = Field(default=0.0, description="unix time the instance started")
     buckets: list[int] = Field(default_factory=list, description="length buckets served; empty = all")
     max_tokens: int = Field(default=0, ge=0, description="most tokens (prompt + output) one request may hold; 0 = unknown")
+    max_prompt_tokens: int = Field(
+        default=0, ge=0, description="most prompt tokens one request may bring (a decode worker's SWA pool holds the "
+        "whole prompt while its KV arrives); 0 = only max_tokens limits it")
     load: WorkerLoad | None = None
     heartbeat_at: float = Field(default=0.0, description="unix time of the put that stored this entry; 0 = unknown")
     ttl_s: int = Field(default=0, ge=0, description="the entry is stale once heartbeat_at + ttl_s has passed")

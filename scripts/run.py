@@ -1,18 +1,27 @@
 """`make run`: start nats-server (JetStream) and windserve services as supervised processes.
 
     python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2]
-                          [--http-port 8000] [--nats-port 0] [--run-dir .run]
+                          [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
 
-Every child runs in its own process group with its log in <run-dir>/logs/<name>.log. The
-supervisor waits until the gateway's /health lists every started instance (or the registry
-does, without a gateway), prints the URL, and on Ctrl-C / SIGTERM stops the services (SIGTERM,
-SIGKILL after a grace period), then nats-server, so no process is left behind.
+Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
+model directory holds a checkpoint) and names the cause. Every child runs in its own process group
+with its log in <run-dir>/logs/<name>.log. The registry bucket of the namespace is emptied when
+nats-server is up (entries left by an earlier run are ghosts: docs/reliability.md). The supervisor
+waits until the gateway's /health lists every started instance and /health/ready is 200 (or the
+registry lists them, without a gateway), then prints "ready". A child that exits during startup
+stops everything with the cause from its log; one that exits later is restarted with backoff (and
+nats-server on its port and store, so services reconnect without a restart). With --nats-cluster 3
+it runs a 3-node nats-server cluster, and the registry bucket and payload store are replicated on all
+three (R3), so one node's death loses nothing. Only Ctrl-C / SIGTERM
+stops the services (SIGTERM, SIGKILL after a grace period), then nats-server, so no process is left
+behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -27,9 +36,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVICES = "gateway,router,prefill,decode"
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_S = 30.0  # a child up this long counts as healthy again: its next restart waits BACKOFF_FIRST_S
 
 
 class RunError(Exception):
@@ -43,6 +56,7 @@ class RunConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     nats_port: int = 0
+    nats_cluster: int = 1  # nats-server nodes; 3 (or 5) = a cluster with R3 registry and payload store
     run_dir: Path = ROOT / ".run"
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
@@ -59,6 +73,13 @@ class RunConfig:
             raise ValueError("only one gateway per host (it binds --http-port)")
         if self.ready_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.nats_cluster not in (1, 3, 5):
+            raise ValueError(f"--nats-cluster must be 1, 3 or 5 nodes (a Raft quorum), got {self.nats_cluster}")
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the registry bucket and payload store: 3 on a cluster (one node may die)."""
+        return 1 if self.nats_cluster == 1 else 3
 
     @property
     def roles(self) -> set[str]:
@@ -94,31 +115,113 @@ def nats_server_binary() -> str:
     return found
 
 
+def restart_delay(restarts: int) -> float:
+    """Pure: seconds before restart number `restarts + 1` of a child (exponential, capped)."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, restarts))
+
+
+def describe_exit(code: int) -> str:
+    """'code 1', or 'code -9 (killed by SIGKILL)' for a signal."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"code {code} (killed by {signal.Signals(-code).name})"
+    return f"code {code}"
+
+
+def last_error(log_path: Path, limit: int = 64 * 1024) -> str:
+    """The cause a child's log gives for its exit: the last error record of a JSON log (with its
+    `error` field or the last line of its traceback), else the last non-empty plain line (a config
+    error printed before logging starts, a Python traceback's last line). Empty when there is none."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    plain = ""
+    for line in reversed(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            plain = plain or line.strip()
+            continue
+        if isinstance(record, dict) and record.get("level") in ("ERROR", "CRITICAL"):
+            return _record_cause(record)
+    return plain
+
+
+def _record_cause(record: dict[str, Any]) -> str:
+    detail = record.get("error") or (str(record.get("exc", "")).strip().splitlines() or [""])[-1]
+    return f"{record.get('msg', '')}: {detail}" if detail else str(record.get("msg", ""))
+
+
+def check_model_dir(model: str) -> str | None:
+    """Why `model` cannot be loaded (no directory, no config.json, no weights), or None."""
+    path = Path(model)
+    if not path.exists():
+        return f"model directory {model} does not exist"
+    if not path.is_dir():
+        return f"model path {model} is not a directory (an HF layout directory is expected)"
+    if not (path / "config.json").is_file():
+        return f"model directory {model} has no config.json"
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{model}/config.json is not readable JSON: {exc}"
+    if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        return f"model directory {model} has no *.safetensors weights (nor model.safetensors.index.json)"
+    return None
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound (checked like the servers bind: SO_REUSEADDR), or None."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 @dataclass
 class Child:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
     instance_id: str = ""
+    service: str = ""  # services.<service>; empty for nats-server
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # set while it waits for its restart
 
 
 @dataclass
 class Supervisor:
     cfg: RunConfig
-    nats_port: int = 0
+    nats_ports: list[int] = field(default_factory=list)  # client port of each node
+    cluster_ports: list[int] = field(default_factory=list)  # route port of each node (cluster only)
     http_port: int = 0
     children: list[Child] = field(default_factory=list)
-    nats: Child | None = None
+    nats_nodes: list[Child] = field(default_factory=list)
+    restarted_since_ready: bool = False  # a child was restarted: print "ready again" once it serves
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.nats_port}"
+        """Every node's URL, comma-separated (the services' bus connects to any and fails over)."""
+        return ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
+
+    def nats_store(self, node: int) -> Path:
+        return self.cfg.run_dir / ("nats" if self.cfg.nats_cluster == 1 else f"nats-{node}")
 
     @property
     def http_url(self) -> str:
         return f"http://{self.cfg.http_host}:{self.http_port}"
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], instance_id: str = "") -> Child:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], instance_id: str = "",
+               service: str = "") -> Child:
         logs = self.cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
@@ -128,29 +231,56 @@ class Supervisor:
             popen = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
-        return Child(name, popen, log_path, instance_id)
+        return Child(name, popen, log_path, instance_id, service)
+
+    def preflight(self) -> None:
+        """Fail before starting anything on what would only fail later, naming the cause."""
+        cfg = self.cfg
+        if cfg.model and (why := check_model_dir(cfg.model)) is not None:
+            raise RunError(f"bad --model: {why}")
+        if "gateway" in cfg.roles and cfg.http_port and (why := port_in_use(cfg.http_host, cfg.http_port)):
+            raise RunError(f"HTTP port {cfg.http_host}:{cfg.http_port} is not available ({why}): another server "
+                           "(an earlier `make run`?) holds it; stop it or pick another with --http-port")
+        if cfg.nats_port and (why := port_in_use("127.0.0.1", cfg.nats_port)):
+            raise RunError(f"NATS port 127.0.0.1:{cfg.nats_port} is not available ({why}); stop what holds it "
+                           "or use --nats-port 0 (any free port)")
 
     def start_nats(self) -> None:
-        self.nats_port = self.cfg.nats_port or free_port()
-        store = self.cfg.run_dir / "nats"
-        store.mkdir(parents=True, exist_ok=True)
-        cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_port), "-sd", str(store)]
-        self.nats = self._spawn("nats", cmd, dict(os.environ))
+        n = self.cfg.nats_cluster
+        base = self.cfg.nats_port
+        self.nats_ports = [base + i if base else free_port() for i in range(n)]
+        self.cluster_ports = [free_port() for _ in range(n)] if n > 1 else []
+        self.nats_nodes = [self.spawn_nats(i) for i in range(n)]
         deadline = time.monotonic() + 10
+        for node, port in zip(self.nats_nodes, self.nats_ports, strict=True):
+            self._wait_listening(node, port, deadline)
+
+    def _wait_listening(self, node: Child, port: int, deadline: float) -> None:
         while time.monotonic() < deadline:
-            if self.nats.popen.poll() is not None:
-                raise RunError(f"nats-server exited with {self.nats.popen.returncode}; see {self.nats.log_path}")
+            if node.popen.poll() is not None:
+                raise RunError(f"nats-server exited with {describe_exit(node.popen.returncode)}: "
+                               f"{last_error(node.log_path)}; see {node.log_path}")
             try:
-                with socket.create_connection(("127.0.0.1", self.nats_port), timeout=0.2):
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     return
             except OSError:
                 time.sleep(0.05)
-        raise RunError(f"nats-server did not listen on port {self.nats_port} within 10 s; see {self.nats.log_path}")
+        raise RunError(f"nats-server did not listen on port {port} within 10 s; see {node.log_path}")
+
+    def clear_registry(self) -> int:
+        """Empty this namespace's registry bucket before any service starts: every entry in it is a
+        ghost of an earlier run (nats-server may never expire it: docs/reliability.md)."""
+        try:
+            return asyncio.run(_prepare_buckets(self.nats_url, self.cfg.replicas))
+        except Exception as exc:  # the freshness rule still hides the ghosts: say so, go on
+            print(f"windserve: could not clear the registry of an earlier run ({exc!r}); continuing", flush=True)
+            return 0
 
     def service_env(self, name: str, instance_id: str) -> dict[str, str]:
         env = {
             **os.environ,
             "WINDSERVE_NATS_URL": self.nats_url,
+            "WINDSERVE_NATS_REPLICAS": str(self.cfg.replicas),
             "WINDSERVE_INSTANCE_ID": instance_id,
             "PYTHONUNBUFFERED": "1",
         }
@@ -169,55 +299,125 @@ class Supervisor:
             env["WINDSERVE_METRICS_PORT"] = str(free_port())
         return env
 
+    def _spawn_service(self, service: str, label: str) -> Child:
+        # A known id per process lets readiness wait for exactly these instances; a restarted process
+        # gets a new one (it is a new instance: empty KV cache, new transfer address).
+        iid = f"{label}-{secrets.token_hex(3)}"
+        cmd = [sys.executable, "-m", f"services.{service}"]
+        return self._spawn(label, cmd, self.service_env(service, iid), iid, service)
+
     def start_services(self) -> None:
         self.http_port = self.cfg.http_port or free_port()
         for name, replicas in self.cfg.services:
             for i in range(replicas):
-                label = name if replicas == 1 else f"{name}-{i}"
-                # Known ids let readiness ignore stale entries left by an earlier, killed run.
-                iid = f"{label}-{secrets.token_hex(3)}"
-                cmd = [sys.executable, "-m", f"services.{name}"]
-                self.children.append(self._spawn(label, cmd, self.service_env(name, iid), iid))
+                self.children.append(self._spawn_service(name, name if replicas == 1 else f"{name}-{i}"))
 
     def check_alive(self) -> None:
-        for child in [*self.children, *([self.nats] if self.nats else [])]:
+        """During startup: any exit stops everything, with the cause from the child's log."""
+        for child in [*self.children, *self.nats_nodes]:
             code = child.popen.poll()
             if code is not None:
-                raise RunError(f"{child.name} exited with code {code}; see {child.log_path}")
+                cause = last_error(child.log_path)
+                raise RunError(f"{child.name} exited with {describe_exit(code)} during startup"
+                               f"{': ' + cause if cause else ''}; see {child.log_path}")
 
-    def live_instances(self) -> set[str]:
-        """Instance ids the system lists as live (gateway /health, else the registry)."""
-        if "gateway" in self.cfg.roles:
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as resp:
-                    body = json.loads(resp.read())
-            except (urllib.error.URLError, OSError, ValueError):
-                return set()
-            return {iid for ids in body.get("services", {}).values() for iid in ids}
-        return asyncio.run(_registry_ids(self.nats_url))
+    def ready_state(self) -> tuple[bool, set[str], str]:
+        """(ready, instance ids listed, what is missing). With a gateway: its /health (200 = ready);
+        else the registry."""
+        if "gateway" not in self.cfg.roles:
+            return True, asyncio.run(_registry_ids(self.nats_url)), ""
+        status, body = _get_json(f"{self.http_url}/health")
+        ids = {iid for ids in body.get("services", {}).values() for iid in ids}
+        return status == 200, ids, "; ".join(body.get("missing", [])) or str(body.get("error", ""))
 
     def wait_ready(self, stop: StopFlag) -> float:
         start = time.monotonic()
         expected = {c.instance_id: c.name for c in self.children}
         missing = sorted(expected.values())
+        why = ""
         while time.monotonic() - start < self.cfg.ready_timeout_s:
             if stop.requested:
                 raise RunError("interrupted during startup")
             self.check_alive()
-            live = self.live_instances()
+            ready, live, why = self.ready_state()
             missing = sorted(name for iid, name in expected.items() if iid not in live)
-            if not missing:
+            if ready and not missing:
                 return time.monotonic() - start
             time.sleep(0.2)
-        raise RunError(
-            f"not ready after {self.cfg.ready_timeout_s:.0f} s: not registered: {', '.join(missing)}; "
-            f"logs in {self.cfg.run_dir / 'logs'}"
-        )
+        detail = f"not registered: {', '.join(missing)}" if missing else f"/health/ready is 503: {why}"
+        raise RunError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {detail}; logs in {self.cfg.run_dir / 'logs'}")
+
+    # --- after startup: restart what exits ------------------------------------------------------
+
+    def supervise(self, now: float) -> list[str]:
+        """One pass: schedule a restart for every child that exited, restart those whose backoff is
+        over. Returns the lines to print."""
+        out: list[str] = []
+        for child in [*self.nats_nodes, *self.children]:
+            if child.restart_at is None:
+                code = child.popen.poll()
+                if code is None:
+                    continue
+                if now - child.started_at >= STABLE_S:
+                    child.restarts = 0
+                delay = restart_delay(child.restarts)
+                child.restart_at = now + delay
+                cause = last_error(child.log_path)
+                out.append(f"windserve: {child.name} exited with {describe_exit(code)}"
+                           f"{' (' + cause + ')' if cause and code > 0 else ''}; restarting in {delay:.0f} s "
+                           f"(restart {child.restarts + 1}; log {child.log_path})")
+            elif now >= child.restart_at:
+                out.append(self._restart(child, now))
+        return out
+
+    def _restart(self, child: Child, now: float) -> str:
+        self.restarted_since_ready = True
+        if child in self.nats_nodes:
+            node = self.nats_nodes.index(child)
+            fresh = self.nats_nodes[node] = self.spawn_nats(node)
+            fresh.restarts, fresh.started_at = child.restarts + 1, now
+            label = "nats-server" if len(self.nats_nodes) == 1 else f"nats-server node {node}"
+            return f"windserve: {label} restarted on port {self.nats_ports[node]} (services reconnect by themselves)"
+        fresh = self._spawn_service(child.service, child.name)
+        fresh.restarts, fresh.started_at = child.restarts + 1, now
+        self.children[self.children.index(child)] = fresh
+        return f"windserve: {child.name} restarted as {fresh.instance_id} (pid {fresh.popen.pid})"
+
+    def spawn_nats(self, node: int) -> Child:
+        """Start node `node` of nats-server on its port and store, without waiting for it (a restart's
+        next pass sees it exit again if the port is still taken)."""
+        store = self.nats_store(node)
+        store.mkdir(parents=True, exist_ok=True)
+        cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_ports[node]), "-sd", str(store)]
+        if self.cluster_ports:  # JetStream clustering needs unique server names and routes to the others
+            routes = ",".join(f"nats://127.0.0.1:{p}" for i, p in enumerate(self.cluster_ports) if i != node)
+            cmd += ["--server_name", f"windserve-nats-{node}", "--cluster_name", "windserve",
+                    "--cluster", f"nats://127.0.0.1:{self.cluster_ports[node]}", "--routes", routes]
+        name = "nats" if not self.cluster_ports else f"nats-{node}"
+        return self._spawn(name, cmd, dict(os.environ))
+
+    def serving_again(self) -> bool:
+        """After a restart: every current instance listed and (with a gateway) /health/ready 200."""
+        ready, live, _ = self.ready_state()
+        return ready and {c.instance_id for c in self.children} <= live
 
     def stop_all(self) -> None:
         _terminate(self.children, self.cfg.grace_s)
-        if self.nats is not None:
-            _terminate([self.nats], self.cfg.grace_s)
+        _terminate(self.nats_nodes, self.cfg.grace_s)
+
+
+def _get_json(url: str) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET; (0, {}) when nothing answers. A 503 still carries its body."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read())
+        except ValueError:
+            return exc.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
 
 
 def _terminate(children: list[Child], grace_s: float) -> None:
@@ -247,6 +447,34 @@ def namespace() -> str:
     from protos import subjects
 
     return os.environ.get("WINDSERVE_NAMESPACE", subjects.DEFAULT_NAMESPACE)
+
+
+async def _prepare_buckets(nats_url: str, replicas: int, timeout: float = 30.0) -> int:
+    """Create the registry bucket and payload store with `replicas` if missing, and empty the registry;
+    returns how many entries it held. Retried until `timeout`: a new cluster elects its JetStream
+    leader a few seconds after its ports open."""
+    import nats.errors
+    import nats.js.errors
+
+    from libs.bus import Bus, BusConfig, BusError, Registry
+    from protos import subjects
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
+                bus = await Bus.connect(nats_url, name="run-supervisor", timeout=5,
+                                        config=BusConfig(payload_replicas=replicas))
+                try:
+                    registry = await Registry.open(bus, subjects.registry_bucket(namespace()), replicas=replicas)
+                    await bus.ensure_payload_store()  # with its replicas, before any service creates it
+                    return await registry.purge()
+                finally:
+                    await bus.close()
+        except (BusError, nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise RunError(f"JetStream at {nats_url} not usable within {timeout:.0f} s: {exc!r}") from exc
+            time.sleep(0.5)
 
 
 async def _registry_ids(nats_url: str) -> set[str]:
@@ -282,7 +510,10 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--services", default=DEFAULT_SERVICES, help="comma list, name=N for replicas")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="gateway port (0 = any free)")
-    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = any free)")
+    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = any free; a cluster: node i "
+                   "gets port + i)")
+    p.add_argument("--nats-cluster", type=int, default=1, help="nats-server nodes: 1, or 3 / 5 for a cluster whose "
+                   "registry bucket and payload store are replicated 3 times")
     p.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="logs and NATS store")
     p.add_argument("--ready-timeout", type=float, default=60.0)
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -293,6 +524,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
         http_host=a.http_host,
         http_port=a.http_port,
         nats_port=a.nats_port,
+        nats_cluster=a.nats_cluster,
         run_dir=a.run_dir.resolve(),
         ready_timeout_s=a.ready_timeout,
         grace_s=a.grace,
@@ -310,17 +542,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     sup = Supervisor(cfg)
     try:
+        sup.preflight()
         sup.start_nats()
-        print(f"windserve: nats-server at {sup.nats_url} (store {cfg.run_dir / 'nats'})", flush=True)
+        stores = ", ".join(str(sup.nats_store(i)) for i in range(cfg.nats_cluster))
+        nodes = f"a {cfg.nats_cluster}-node cluster, registry and payloads at R{cfg.replicas}" if cfg.nats_cluster > 1 else ""
+        print(f"windserve: nats-server at {sup.nats_url} ({nodes + '; ' if nodes else ''}store {stores})", flush=True)
+        if cleared := sup.clear_registry():
+            print(f"windserve: cleared {cleared} registry entries left by an earlier run", flush=True)
         sup.start_services()
         took = sup.wait_ready(stop)
         names = ", ".join(f"{n}×{r}" if r > 1 else n for n, r in cfg.services)
         where = sup.http_url if "gateway" in cfg.roles else sup.nats_url
         print(f"windserve: ready in {took:.1f} s at {where} ({names}); logs in {cfg.run_dir / 'logs'}", flush=True)
-        print("windserve: Ctrl-C to stop", flush=True)
-        while not stop.requested:
-            sup.check_alive()
-            time.sleep(0.2)
+        print("windserve: Ctrl-C to stop; a service that exits is restarted", flush=True)
+        run_until_stopped(sup, stop, where)
         return 0
     except RunError as exc:
         print(f"windserve: {exc}", file=sys.stderr, flush=True)
@@ -329,6 +564,21 @@ def main(argv: list[str] | None = None) -> int:
         print("windserve: stopping", flush=True)
         sup.stop_all()
         print("windserve: stopped", flush=True)
+
+
+def run_until_stopped(sup: Supervisor, stop: StopFlag, where: str) -> None:
+    """Restart what exits until Ctrl-C / SIGTERM; say when the deployment serves again."""
+    last_probe = 0.0
+    while not stop.requested:
+        now = time.monotonic()
+        for line in sup.supervise(now):
+            print(line, flush=True)
+        if sup.restarted_since_ready and now - last_probe >= 0.5:
+            last_probe = now
+            if sup.serving_again():
+                sup.restarted_since_ready = False
+                print(f"windserve: ready again at {where}", flush=True)
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

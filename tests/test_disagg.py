@@ -518,3 +518,65 @@ def test_the_engine_side_of_the_hand_off_imports_neither_protos_nor_the_transfer
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'protos' or m.startswith('libs.transfer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+async def test_gone_decode_is_rerouted_before_any_prefill_compute(tiny):
+    """The routed decode worker is dead but still listed (kv_prepare: no responders): prefill asks the router for
+    another one instead of failing the request (it used to end with 'no service is listening on kv_prepare')."""
+    from libs.bus import NoResponders
+
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        async def prepare(decode_instance, msg):
+            if decode_instance == "d-dead":
+                raise NoResponders("no service is listening on kv_prepare")
+            return await pipe.decode.prepare(msg)
+
+        async def reroute(request_id, num_tokens, refused):
+            assert refused == ["d-dead"]
+            return "d0"
+
+        pipe.prefill.prepare, pipe.prefill.reroute = prepare, reroute
+        req = GenerateRequest(request_id="moved", token_ids=prompt(66, 30), decode_instance="d-dead",
+                              stream_subject=subjects.stream("t", "moved"),
+                              sampling=WireSamplingParams(max_tokens=4, temperature=0.0))
+        pipe.prefill.submit(req)
+        chunks = await pipe.stream.result("moved")
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and pipe.prefill.stats.rerouted == 1
+        await pipe.assert_no_kv_in_use()
+
+
+async def test_full_decode_makes_the_request_wait_for_room_then_bounded_503(tiny):
+    """Every decode worker full: the request waits (before any compute) and runs once room frees; a request that
+    waits past decode_wait_s gets the retryable error (the client's 503 + Retry-After)."""
+    async with Pipeline(tiny, ucx_config(), max_num_seqs=1) as pipe:
+        pipe.prefill.decode_wait_s = 20.0
+
+        async def reroute(request_id, num_tokens, refused):
+            return "d0"  # the router's pick: the one (full) decode worker
+
+        pipe.prefill.reroute = reroute
+        core = pipe.prefill_engine.core
+        pipe.decode_engine.core.pending["squatter"] = object()  # type: ignore[assignment]  # occupies the slot
+        req = GenerateRequest(request_id="waits", token_ids=prompt(67, 20), decode_instance="d0",
+                              stream_subject=subjects.stream("t", "waits"),
+                              sampling=WireSamplingParams(max_tokens=4, temperature=0.0))
+        steps = core.num_steps
+        pipe.prefill.submit(req)
+        await asyncio.sleep(0.5)
+        assert pipe.prefill.waiting == 1 and core.num_steps == steps  # waiting, nothing computed
+        assert not pipe.stream.chunks[req.stream_subject]
+        pipe.decode_engine.core.pending.clear()  # room
+        chunks = await pipe.stream.result("waits")
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and len(tokens_of(chunks)) == 4
+        assert pipe.prefill.stats.waited == 1 and pipe.prefill.waiting == 0
+
+        pipe.prefill.decode_wait_s = 0.6
+        pipe.decode_engine.core.pending["squatter"] = object()  # type: ignore[assignment]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        chunks = await pipe.generate("gives-up", prompt(68, 20), 4)
+        assert loop.time() - started >= 0.5
+        assert chunks[-1].finish_reason is WireFinishReason.ERROR and chunks[-1].retryable
+        assert "within 0.6s" in chunks[-1].error
+        pipe.decode_engine.core.pending.clear()
+        await pipe.assert_no_kv_in_use()

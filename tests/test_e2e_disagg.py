@@ -269,7 +269,7 @@ async def test_full_decode_worker_hands_the_request_to_another(nats_server, tmp_
     try:
         topo.start("gateway-0", "gateway")
         topo.start("router-0", "router")
-        topo.start("prefill-0", "prefill")
+        topo.start("prefill-0", "prefill", {"WINDSERVE_DECODE_WAIT_S": "0"})  # refuse at once, no wait for room
         topo.start("decode-0", "decode", {"WINDSERVE_NUM_FULL_PAGES": "8"})  # 32 tokens: nothing below fits
         topo.start("decode-1", "decode")
         topo.wait_ready(90)

@@ -10,7 +10,15 @@ import httpx
 import pytest
 
 from libs.model.tokenizer import ByteTokenizer
-from protos.messages import TokenChunk, Usage, WireFinishReason, WireSamplingParams, WireTokenLogprob
+from protos.messages import (
+    RegistryEntry,
+    Role,
+    TokenChunk,
+    Usage,
+    WireFinishReason,
+    WireSamplingParams,
+    WireTokenLogprob,
+)
 from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.backend import BackendError
 from services.gateway.generation import Limits, Plan, Renderer, plan_completion, stream_events
@@ -88,8 +96,13 @@ async def no_services():
     return []
 
 
+async def ready_services():
+    """A registry holding a complete serving path (one combined worker): /health answers 200."""
+    return [RegistryEntry(role=Role.WORKER, instance_id="w1")]
+
+
 def client_for(api: Api) -> httpx.AsyncClient:
-    app = build_app(no_services, "gw-test", api)
+    app = build_app(ready_services, "gw-test", api)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 

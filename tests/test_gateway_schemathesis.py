@@ -23,20 +23,16 @@ from schemathesis.checks import CHECKS, load_all_checks  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
 from services.gateway.handlers import build_app  # noqa: E402
-from tests.test_gateway import FakeBackend, make_api  # noqa: E402
+from tests.test_gateway import FakeBackend, make_api, ready_services  # noqa: E402
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 EXAMPLES = int(os.environ.get("WINDSERVE_SCHEMATHESIS_EXAMPLES", "10"))
 
 
-async def _no_services():
-    return []
-
-
 load_all_checks()
 ALL_CHECKS = [c for c in CHECKS.get_all() if c is not positive_data_acceptance]
-schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(_no_services, "gw-st", make_api(FakeBackend())))
+schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(ready_services, "gw-st", make_api(FakeBackend())))
 
 
 @schema.parametrize()

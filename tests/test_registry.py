@@ -1,15 +1,18 @@
-"""Registry on a real JetStream KV: join, heartbeat keeps alive, expiry after TTL, watch events."""
+"""Registry on a real JetStream KV: join, heartbeat keeps alive, expiry after TTL, watch events, and the
+freshness rule (stale entries are never listed nor joined, even when the store keeps them)."""
 
 import asyncio
 import itertools
+import signal
 import time
 
 import pytest
 
-from libs.bus import HeartbeatConfig, Registry, RegistryEventKind
-from libs.bus.registry import _to_event, entry_key
+from libs.bus import Bus, HeartbeatConfig, Registry, RegistryEventKind
+from libs.bus.registry import WatchState, entry_key
 from protos import encode
 from protos.messages import RegistryEntry, Role
+from tests.fixtures.nats import start_nats_server
 
 pytestmark = pytest.mark.timeout(60)
 _bucket_ids = itertools.count()
@@ -40,15 +43,44 @@ def test_heartbeat_config_validation():
 
 @pytest.mark.unit
 def test_event_translation_reports_join_once_and_leave_only_for_known():
-    known: set[str] = set()
+    state = WatchState()
+    now = time.time()
     raw = encode(entry(Role.ROUTER, "r1"))
-    join = _to_event("router.r1", raw, None, known)
+    join = state.update("router.r1", raw, None, now)
     assert join is not None and join.kind == RegistryEventKind.JOIN and join.entry.instance_id == "r1"
-    assert _to_event("router.r1", raw, None, known) is None  # heartbeat refresh
-    assert _to_event("router.r9", b"", "PURGE", known) is None  # never seen
-    leave = _to_event("router.r1", b"", "PURGE", known)
-    assert leave is not None and leave.kind == RegistryEventKind.LEAVE and known == set()
-    assert _to_event("router.bad", b"{}", None, known) is None  # malformed entry ignored
+    assert state.update("router.r1", raw, None, now) is None  # heartbeat refresh
+    assert state.update("router.r9", b"", "PURGE", now) is None  # never seen
+    leave = state.update("router.r1", b"", "PURGE", now)
+    assert leave is not None and leave.kind == RegistryEventKind.LEAVE and state.known == {}
+    assert state.update("router.bad", b"{}", None, now) is None  # malformed entry ignored
+    updates = WatchState(refreshes=True)
+    assert updates.update("router.r1", raw, None, now).kind == RegistryEventKind.JOIN
+    update = updates.update("router.r1", raw, None, now)
+    assert update is not None and update.kind == RegistryEventKind.UPDATE and update.entry.instance_id == "r1"
+
+
+def stamped(role: Role, iid: str, heartbeat_at: float, ttl_s: int = 2) -> bytes:
+    return encode(entry(role, iid).model_copy(update={"heartbeat_at": heartbeat_at, "ttl_s": ttl_s}))
+
+
+@pytest.mark.unit
+def test_watch_state_never_joins_a_stale_entry_and_sweeps_one_that_stops_heartbeating():
+    state = WatchState()
+    t0 = 1_000_000.0
+    assert state.update("decode.ghost", stamped(Role.DECODE, "ghost", t0 - 60), None, t0) is None
+    assert state.sweep(t0) == [] and state.known == {}
+    join = state.update("decode.d1", stamped(Role.DECODE, "d1", t0), None, t0)
+    assert join is not None and join.kind == RegistryEventKind.JOIN
+    assert state.sweep(t0 + 2.5) == []  # within ttl (2 s) + slack (1 s)
+    assert state.update("decode.d1", stamped(Role.DECODE, "d1", t0 + 2.5), None, t0 + 2.5) is None  # refresh
+    assert state.sweep(t0 + 5.0) == []  # the refresh moved the deadline to t0 + 5.5
+    [leave] = state.sweep(t0 + 6.0)
+    assert (leave.kind, leave.key) == (RegistryEventKind.LEAVE, "decode.d1") and state.known == {}
+    assert state.sweep(t0 + 7.0) == []
+    rejoin = state.update("decode.d1", stamped(Role.DECODE, "d1", t0 + 7.0), None, t0 + 7.0)
+    assert rejoin is not None and rejoin.kind == RegistryEventKind.JOIN  # heartbeating again: back
+    leave = state.update("decode.d1", stamped(Role.DECODE, "d1", t0), None, t0 + 7.0)
+    assert leave is not None and leave.kind == RegistryEventKind.LEAVE  # a stale put of a known key
 
 
 @pytest.mark.integration
@@ -113,3 +145,91 @@ async def test_watch_sees_existing_joins_and_leaves(bus):
             assert (ev.kind, ev.key) == (RegistryEventKind.LEAVE, entry_key(Role.DECODE, "w2"))
     finally:
         await events.aclose()
+
+
+async def put_kept_by_store(bus, reg: Registry, iid: str, heartbeat_at: float, ttl_s: int = 1) -> None:
+    """Store an entry whose own stamp says `ttl_s` but that the server keeps for 60 s: the store's expiry
+    cannot be what removes it."""
+    raw = stamped(Role.DECODE, iid, heartbeat_at, ttl_s)
+    await bus.js.publish(f"$KV.{reg.bucket}.{entry_key(Role.DECODE, iid)}", raw, msg_ttl=60)
+
+
+@pytest.mark.integration
+async def test_list_drops_an_entry_the_store_keeps_after_its_heartbeat_went_stale(bus):
+    reg = await fresh_registry(bus)
+    await put_kept_by_store(bus, reg, "ghost", time.time() - 30)
+    await reg.put(entry(Role.DECODE, "live"), ttl_s=5)
+    assert [e.instance_id for e in await reg.list()] == ["live"]
+    assert [e.instance_id for e in await reg.list(Role.DECODE)] == ["live"]
+
+    async def reaped() -> bool:  # listing removed the ghost from the store; its delete marker expires too
+        info = await bus.js.stream_info(f"KV_{reg.bucket}", subjects_filter=">")
+        return set(info.state.subjects or {}) == {f"$KV.{reg.bucket}.decode.live"}
+
+    assert await wait_until(reaped, timeout=10)
+
+
+@pytest.mark.integration
+async def test_watch_reports_leave_when_heartbeats_stop_even_if_the_store_keeps_the_entry(bus):
+    reg = await fresh_registry(bus)
+    await put_kept_by_store(bus, reg, "ghost", time.time() - 30)
+    await put_kept_by_store(bus, reg, "quiet", time.time(), ttl_s=1)  # fresh now, never refreshed
+    events = reg.watch(sweep_s=0.2)
+    try:
+        async with asyncio.timeout(10):
+            ev = await anext(events)
+            assert (ev.kind, ev.key) == (RegistryEventKind.JOIN, "decode.quiet")  # the ghost never joins
+            ev = await anext(events)  # stale after 1 s ttl + 1 s slack: a LEAVE from the sweep
+            assert (ev.kind, ev.key) == (RegistryEventKind.LEAVE, "decode.quiet")
+    finally:
+        await events.aclose()
+    assert [e.instance_id for e in await reg.list()] == []
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_ghosts_after_nats_sigkill_and_restart_on_the_persisted_store_are_never_listed(tmp_path):
+    """Issue #14's ghost scenario: instances die (their entries expire and are removed), then nats-server is
+    SIGKILLed and restarted on the same store. The restarted server brings the removed entries back (their
+    removal was not on disk yet) and keeps the last one, which it never expired, for a while; neither `list`
+    nor `watch` may report any of them."""
+    server = start_nats_server(str(tmp_path / "store"))
+    hb = HeartbeatConfig(ttl_s=1, interval_s=0.25)
+    try:
+        bus = await Bus.connect(server.url, name="ghost-test")
+        reg = await Registry.open(bus, "ghost_registry")
+        regs = [reg.register(entry(Role.DECODE, iid), hb) for iid in ("dead-decode", "dead-worker", "survivor")]
+        for r in regs:
+            await r.start()
+        await asyncio.sleep(1.0)
+        for r in regs[:2]:
+            await r.stop(deregister=False)  # "SIGKILL": no deregistration, the TTL removes them
+        assert await wait_until(lambda: _ids_are(reg, ["survivor"]), timeout=10)
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        await regs[2].stop(deregister=False)  # nats is gone: this one dies with it
+        await bus.close()
+        await asyncio.sleep(2.5)  # every entry's heartbeat is now older than ttl + slack
+
+        server = start_nats_server(server.store_dir, server.port)
+        bus = await Bus.connect(server.url, name="ghost-test-2")
+        reg = await Registry.open(bus, "ghost_registry")
+        stored = (await bus.js.stream_info("KV_ghost_registry")).state.messages
+        listed = await reg.list()
+        events = reg.watch(sweep_s=0.2)
+        joined = []
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.5):
+                    async for ev in events:
+                        joined.append(ev)
+        finally:
+            await events.aclose()
+        await bus.close()
+    finally:
+        server.stop()
+    assert listed == [] and joined == [], f"ghosts: listed {listed}, watched {joined} (store held {stored})"
+
+
+async def _ids_are(reg: Registry, ids: list[str]) -> bool:
+    return [e.instance_id for e in await reg.list()] == ids

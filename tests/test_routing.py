@@ -200,3 +200,86 @@ def test_router_modes_and_the_retry_that_keeps_its_prefill_pick():
         router.route(Fleet(prefills=(_inst("p"),)), "c", 5, now=2.0)
     with pytest.raises(LookupError, match="no live worker"):
         router.route(Fleet(), "c", 5, now=2.0)
+
+
+# ------------------------------------------------------------------------------------------ retries and replicas
+def test_exclude_instances_skips_failed_workers_in_every_choice():
+    from libs.routing import AffinityRouter, ClusterPrefixIndex
+    workers = [_inst("w0"), _inst("w1", running=3)]
+    none = LengthBuckets(())
+    assert pick_worker(workers, 1, none, "q").instance_id == "w0"
+    assert pick_worker(workers, 1, none, "q", exclude_instances=["w0"]).instance_id == "w1"
+    with pytest.raises(LookupError, match=r"besides \['w0', 'w1'\]"):
+        pick_worker(workers, 1, none, "q", exclude_instances=["w0", "w1"])
+    prefills = (_inst("p0"), _inst("p1", running=3))
+    assert pick_pair(prefills, [_inst("d")], 1, none, "q", exclude_instances=["p0"])[0].instance_id == "p1"
+    for router in (Router(()), AffinityRouter(ClusterPrefixIndex(4, 8), ())):
+        assert router.route(Fleet(workers=tuple(workers)), "q", 8, 1.0, exclude_instances=["w0"]).prefill == "w1"
+        pair = router.route(Fleet(prefills=prefills, decodes=(_inst("d"),)), "q", 8, 1.0, exclude_instances=["p0"])
+        assert (pair.prefill, pair.decode) == ("p1", "d")
+        with pytest.raises(LookupError, match="besides"):
+            router.route(Fleet(workers=tuple(workers)), "q", 8, 1.0, exclude_instances=["w0", "w1"])
+
+
+def test_recent_picks_name_their_request_so_replicas_count_each_request_once():
+    recent = RecentPicks(window_s=2.0)
+    recent.add("a", 1.0, 10, request_id="r1")
+    recent.add("a", 1.1, 10, request_id="r1")  # the same request placed again (another replica): replaced
+    recent.add("a", 1.2, 5, request_id="r2")
+    recent.add("b", 1.2, 7, request_id="r1")
+    assert recent.counts(1.5) == {"a": 15, "b": 7}
+    assert recent.counts(1.5, skip_request="r1") == {"a": 5}  # a request is no load against itself
+    assert recent.counts(3.15) == {"a": 5, "b": 7}  # the replaced pick's newer time counts
+
+
+def test_replica_picks_count_as_load_and_spread_a_burst():
+    from libs.routing import AffinityRouter, ClusterPrefixIndex
+    fleet = Fleet(workers=tuple(_inst(f"w{i}") for i in range(4)))
+    a, b = (AffinityRouter(ClusterPrefixIndex(4, 8), ()) for _ in range(2))
+    picks = []
+    for i in range(4):  # a burst split over two replicas that share their picks
+        mine, other = (a, b) if i % 2 == 0 else (b, a)
+        route = mine.route(fleet, f"q{i}", 100, now=1.0)
+        other.note_pick(f"q{i}", route.prefill, route.decode, 1.0, 100 - route.predicted_hit)
+        picks.append(route.prefill)
+    assert sorted(picks) == ["w0", "w1", "w2", "w3"]  # without the shared picks: w0, w2, w2, w3
+    # the least-loaded router counts replicas' picks in disaggregated mode (requests, not tokens)
+    router = Router(())
+    router.note_pick("x", "p", "d0", 1.0, 50)
+    assert router.recent.counts(1.5) == {"p": 1, "d0": 1}
+    pair = Fleet(prefills=(_inst("p"),), decodes=(_inst("d0"), _inst("d1")))
+    assert router.route(pair, "y", 10, now=1.5).decode == "d1"
+
+
+# ------------------------------------------------------------------------------------------ approximate index
+def test_approx_index_predicts_the_longest_routed_prefix_until_its_ttl():
+    from libs.routing import ApproxIndex
+    idx = ApproxIndex(page_size=4, ttl_s=10.0)
+    chain = list(range(100, 110))  # 10 pages
+    idx.record("a", chain[:6], now=0.0)
+    idx.record("b", chain, now=5.0)
+    hits = idx.predict(chain, 41)
+    assert (hits["a"].tokens, hits["b"].tokens) == (24, 40) and hits["b"].raw_tokens == 40
+    assert idx.predict(chain, 40)["b"].tokens == 36  # capped like `match`: one token is left to compute
+    assert idx.predict(chain[:3] + [999] + chain[4:], 41)["b"].tokens == 12  # a chain: stops at the first miss
+    assert idx.predict([999] + chain, 45) == {}
+    idx.record("a", chain[:2], now=8.0)  # routed again: its first two blocks live longer
+    idx.expire(10.0)
+    assert idx.predict(chain, 41)["a"].tokens == 8 and idx.entries() == 12
+    idx.expire(15.0)
+    assert set(idx.predict(chain, 41)) == {"a"}
+    idx.remove_worker("a")
+    assert idx.predict(chain, 41) == {} and len(idx) == 0 and idx.entries() == 0
+
+
+def test_approx_index_is_bounded_and_drives_the_affinity_cost():
+    from libs.routing import AffinityRouter, ApproxIndex
+    idx = ApproxIndex(page_size=4, ttl_s=60.0, max_entries=8)
+    idx.record("a", list(range(6)), now=0.0)
+    idx.record("b", list(range(10, 16)), now=1.0)  # 12 entries > 8: a's oldest blocks go first
+    assert idx.entries() == 8 and idx.predict(list(range(6)), 30) == {}
+    assert idx.predict(list(range(10, 16)), 30)["b"].tokens == 24
+    router = AffinityRouter(idx, ())
+    fleet = Fleet(workers=(Instance("a"), Instance("b")))
+    route = router.route(fleet, "q", 30, now=2.0, block_hashes=list(range(10, 16)))
+    assert (route.prefill, route.predicted_hit) == ("b", 24)

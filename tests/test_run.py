@@ -1,12 +1,16 @@
 """`make run` supervisor: comes up, lists every service, and leaves no process after Ctrl-C."""
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -38,11 +42,32 @@ def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> l
     raise AssertionError(f"{needle!r} not printed in {timeout}s; got {lines}; stderr {proc.stderr.read()}")
 
 
-def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
-    http_port = free_port()
-    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,prefill,decode,worker=2")
+@contextlib.contextmanager
+def supervised(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+               stop: signal.Signals = signal.SIGTERM) -> Iterator[subprocess.Popen[str]]:
+    """`scripts.run` running for the body; then `stop` must end it cleanly (exit 0) and leave no process
+    behind (strays are killed even when an assertion fails)."""
+    proc = start_run(tmp_path, *args, env=env)
     descendants: list[psutil.Process] = []
     try:
+        yield proc
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(stop)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:
+            p.kill()
+    assert alive == [], f"left behind: {[p.pid for p in alive]}"
+
+
+def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,prefill,decode,worker=2",
+                    stop=signal.SIGINT) as proc:
         wait_for_line(proc, "windserve: ready", timeout=60)
         descendants = psutil.Process(proc.pid).children(recursive=True)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
@@ -51,17 +76,6 @@ def test_run_starts_every_service_and_ctrl_c_leaves_nothing(tmp_path):
         assert counts == {"gateway": 1, "router": 1, "prefill": 1, "decode": 1, "worker": 2}
         names = {p.name() for p in descendants}
         assert "nats-server" in names and len(descendants) >= 7  # nats + 6 services
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        _, alive = psutil.wait_procs(descendants, timeout=5)
-        for p in alive:  # never leave strays behind, even when the assertion below fails
-            p.kill()
-    assert alive == [], f"left behind: {[p.pid for p in alive]}"
     logs = tmp_path / "run" / "logs"
     assert {p.name for p in logs.iterdir()} == {
         "nats.log", "gateway.log", "router.log", "prefill.log", "decode.log", "worker-0.log", "worker-1.log"
@@ -93,3 +107,107 @@ def test_unknown_service_is_rejected_before_starting_anything(tmp_path):
     assert proc.wait(30) == 2
     assert "unknown service 'nosuch'" in proc.stderr.read()
     assert not (tmp_path / "run").exists()
+
+
+def _descendants_named(proc: subprocess.Popen[str], needle: str) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if needle in " ".join(p.cmdline())]
+
+
+def _complete(http_port: int) -> dict:
+    body = json.dumps({"model": "windserve-tiny", "prompt": "hello", "max_tokens": 3}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("target, restarted", [
+    ("services.worker", "worker restarted as worker-"),
+    ("nats-server", "nats-server restarted on port"),  # services reconnect: none of them is restarted
+], ids=["worker", "nats-server"])
+def test_killed_child_is_restarted_and_the_deployment_serves_again(tmp_path, target, restarted):
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker") as proc:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health/ready", timeout=5) as resp:
+            assert resp.status == 200  # "ready" is printed only once the gateway says so
+        before = {p.pid for p in _descendants_named(proc, "services.")}
+        [victim] = _descendants_named(proc, target)
+        victim.kill()
+        said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
+        name = "nats" if target == "nats-server" else "worker"
+        assert f"{name} exited with code -9 (killed by SIGKILL); restarting in 1 s (restart 1" in said
+        assert restarted in said
+        assert len(_complete(http_port)["choices"]) == 1  # the deployment serves again
+        after = {p.pid for p in _descendants_named(proc, "services.")}
+        assert after - before == ({p.pid for p in _descendants_named(proc, target)} if name == "worker" else set())
+
+
+def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = start_run(tmp_path, "--http-port", str(port), "--services", "gateway,worker")
+        rc = proc.wait(30)
+    err = proc.stderr.read()
+    assert rc == 1
+    assert f"HTTP port 127.0.0.1:{port} is not available" in err and "--http-port" in err
+    assert not (tmp_path / "run").exists()  # neither nats-server nor any service was started
+
+
+def test_bad_model_path_fails_fast_naming_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = start_run(tmp_path, "--model", str(missing), "--services", "worker")
+    assert proc.wait(30) == 1
+    assert f"bad --model: model directory {missing} does not exist" in proc.stderr.read()
+    assert not (tmp_path / "run").exists()
+
+
+async def _replicas_and_listing(urls: str) -> tuple[dict[str, int], set[str]]:
+    from libs.bus import Bus, Registry
+    from protos import subjects
+
+    bus = await Bus.connect(urls, name="cluster-probe", timeout=10)
+    try:
+        streams = {}
+        for name in ("KV_windserve_registry_default", "OBJ_windserve_payloads"):
+            streams[name] = (await bus.js.stream_info(name)).config.num_replicas
+        entries = await (await Registry.open(bus, subjects.registry_bucket("default"))).list(timeout=10)
+        return streams, {e.role.value for e in entries}
+    finally:
+        await bus.close()
+
+
+def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
+    http_port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "WINDSERVE_NAMESPACE"}
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker", "--nats-cluster", "3",
+                    env=env) as proc:
+        lines = wait_for_line(proc, "windserve: ready", timeout=60)
+        urls = next(line for line in lines if "nats-server at" in line).split(" at ")[1].split(" ")[0]
+        assert len(urls.split(",")) == 3 and "3-node cluster" in "".join(lines)
+        streams, roles = asyncio.run(_replicas_and_listing(urls))
+        assert streams == {"KV_windserve_registry_default": 3, "OBJ_windserve_payloads": 3}
+        assert roles == {"gateway", "worker"}
+
+        [node0] = [p for p in _descendants_named(proc, "nats-server") if "windserve-nats-0" in p.cmdline()]
+        node0.kill()
+        survivors = ",".join(urls.split(",")[1:])
+        # Within the bound (the streams elect a new leader, the services reconnect with 1 s waits): the
+        # registry on the survivors still lists both instances, and the deployment serves.
+        deadline = time.monotonic() + 20
+        _, roles = _retry_until(deadline, lambda: asyncio.run(_replicas_and_listing(survivors)))
+        assert roles == {"gateway", "worker"}
+        assert len(_retry_until(deadline, lambda: _complete(http_port))["choices"]) == 1
+
+
+def _retry_until(deadline: float, attempt):
+    """attempt() until it returns, retrying any failure until `deadline` (then the last one is raised)."""
+    while True:
+        try:
+            return attempt()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

@@ -3,6 +3,7 @@
 from libs.bus.bus import Bus, BusConfig, TypedSubscription
 from libs.bus.errors import BusError, BusTimeout, NoResponders, RemoteError, Unavailable
 from libs.bus.registry import HeartbeatConfig, Registration, Registry, RegistryEvent, RegistryEventKind
+from libs.bus.view import RegistryView, ViewConfig, ViewListener
 
 __all__ = [
     "Bus",
@@ -15,7 +16,10 @@ __all__ = [
     "Registration",
     "Registry",
     "RegistryEvent",
+    "RegistryView",
     "RemoteError",
     "TypedSubscription",
     "Unavailable",
+    "ViewConfig",
+    "ViewListener",
 ]

@@ -75,6 +75,7 @@ class BusConfig:
     large_threshold: int = 512 * 1024
     payload_bucket: str = subjects.PAYLOAD_BUCKET
     payload_ttl_s: float = 600.0  # orphaned large payloads (dead reader) expire after this
+    payload_replicas: int = 1  # replicas of the payload store when this bus creates it (3 on a 3-node cluster)
     drain_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -84,11 +85,23 @@ class BusConfig:
             raise ValueError(f"large_threshold {self.large_threshold} is too small (min 1024 bytes)")
         if self.payload_ttl_s < 1:
             raise ValueError("payload_ttl_s must be >= 1 s")
+        if self.payload_replicas < 1:
+            raise ValueError("payload_replicas must be >= 1")
 
 
 def subject_family(subject: str) -> str:
     """Metric label for a subject: its first two tokens, so per-instance subjects don't explode."""
     return ".".join(subject.split(".")[:2])
+
+
+def _connect_cause(exc: BaseException) -> str:
+    """The reason a connect failed, in words: nats-py reports a refused connection as a bare timeout or
+    NoServersError, so name the usual cause."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused: nothing listens on that port"
+    if isinstance(exc, (TimeoutError, nats.errors.TimeoutError, nats.errors.NoServersError)):
+        return "no server answered"
+    return repr(exc)
 
 
 def _is_error(msg: Msg) -> bool:
@@ -153,7 +166,8 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             with contextlib.suppress(Exception):
                 await nc.close()
-            raise BusError(f"cannot connect to NATS at {url} within {timeout}s: {exc!r}") from exc
+            raise BusError(f"cannot connect to NATS at {url} within {timeout}s ({_connect_cause(exc)}): is "
+                           "nats-server running there? (WINDSERVE_NATS_URL names it)") from exc
         metrics.CONNECTION_EVENTS.labels("connected").inc()
         return cls(nc, name, cfg)
 
@@ -221,9 +235,14 @@ class Bus:
                     self._store = await self._js.object_store(bucket)
                 except nats.js.errors.BucketNotFoundError:
                     self._store = await self._js.create_object_store(
-                        bucket, config=ObjectStoreConfig(ttl=self.config.payload_ttl_s)
+                        bucket, config=ObjectStoreConfig(ttl=self.config.payload_ttl_s,
+                                                         replicas=self.config.payload_replicas)
                     )
             return self._store
+
+    async def ensure_payload_store(self) -> None:
+        """Create the payload store now (with `payload_replicas`) if missing, not at the first large payload."""
+        await self._payload_store()
 
     async def _pack(self, data: bytes, headers: dict[str, str] | None = None) -> tuple[bytes, dict[str, str]]:
         hdrs = dict(headers or {})

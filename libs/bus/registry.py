@@ -4,6 +4,12 @@ Each instance stores its RegistryEntry under key `<role>.<instance_id>` with a p
 (`Nats-TTL`, nats-server 2.11+) and re-puts it every heartbeat interval. The server removes an
 entry whose last heartbeat is older than its TTL and leaves a delete marker, so watchers see the
 leave without any client-side timer; a SIGKILLed process therefore disappears within TTL.
+
+Freshness rule: the store's expiry is not trusted alone. A nats-server killed with SIGKILL and restarted
+on its persisted store brings back entries it had already expired and removed (the removal was not yet
+on disk), and the issue #14 run saw such ghosts stay. So every entry carries its heartbeat time and TTL
+(stamped by `put`), and `list` and `watch` trust an entry only while `RegistryEntry.fresh` holds,
+whatever the store says (docs/reliability.md). Consumers of `list` / `watch` need no filter of their own.
 When NATS is clustered the bucket is Raft-replicated (set `replicas`), so there is no home-made
 consensus here.
 """
@@ -31,6 +37,7 @@ from protos.messages import RegistryEntry, Role
 log = logging.getLogger("windserve.registry")
 
 _MARKER_TTL_S = 1.0  # how long the server keeps a leave marker (watchers read it immediately)
+WATCH_SWEEP_S = 1.0  # how often `watch` checks known entries' freshness when no update arrives
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class HeartbeatConfig:
 class RegistryEventKind(StrEnum):
     JOIN = "join"
     LEAVE = "leave"
+    UPDATE = "update"  # a heartbeat re-put of a known entry (fresh load); only from `watch(refreshes=True)`
 
 
 @dataclass(frozen=True)
@@ -100,17 +108,18 @@ class Registry:
         return Registration(self, entry, heartbeat)
 
     async def list(self, role: Role | str | None = None, timeout: float = 5.0) -> list[RegistryEntry]:
-        """Live entries (optionally of one role), sorted by key.
+        """Live entries (optionally of one role), sorted by key: stored and fresh (module docstring).
 
         Reads the stream's per-subject state, then the last message of each subject. (A KV watcher's
         initial snapshot can skip an entry that a heartbeat re-puts while the snapshot is taken.)
+        A stale entry found on the way is also removed from the store (`_reap`).
         """
         pattern = f"{Role(role).value}.*" if role else ">"
         prefix = f"$KV.{self.bucket}."
         try:
             async with asyncio.timeout(timeout):
                 info = await self._bus.js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + pattern)
-                found: dict[str, RegistryEntry] = {}
+                found: dict[str, tuple[RegistryEntry, int]] = {}
                 for subject in sorted(info.state.subjects or {}):
                     key = subject.removeprefix(prefix)
                     try:
@@ -118,29 +127,78 @@ class Registry:
                     except nats.js.errors.KeyNotFoundError:  # deleted or expired (a marker is left)
                         continue
                     if item.value and (entry := _decode_entry(key, item.value)) is not None:
-                        found[key] = entry
+                        found[key] = (entry, item.revision or 0)
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise TimeoutError(f"listing registry bucket {self.bucket} took over {timeout}s") from exc
-        return [found[k] for k in sorted(found)]
+        now = time.time()
+        for key, (entry, revision) in found.items():
+            if not entry.fresh(now):
+                await self._reap(key, revision, now - entry.heartbeat_at)
+        return fresh_only([found[k][0] for k in sorted(found)], now)
 
-    async def watch(self, role: Role | str | None = None) -> AsyncIterator[RegistryEvent]:
+    async def _reap(self, key: str, revision: int, age_s: float) -> None:
+        """Best effort: delete a stale entry so it stops costing every listing. nats-server 2.15 brings back
+        an entry it expired before a SIGKILL and then never expires it again (docs/reliability.md). The
+        delete names the stale revision, so it cannot remove a heartbeat that lands meanwhile, and its
+        marker expires like an expiry's."""
+        headers = {"KV-Operation": KV_DEL, "Nats-Expected-Last-Subject-Sequence": str(revision)}
+        try:
+            await self._bus.js.publish(f"$KV.{self.bucket}.{key}", b"", headers=headers, msg_ttl=_MARKER_TTL_S)
+            log.info("removed a stale registry entry", extra={"key": key, "age_s": round(age_s, 1)})
+        except Exception as exc:  # refreshed meanwhile (wrong last sequence) or NATS busy: listing still ignores it
+            log.debug("could not remove a stale registry entry", extra={"key": key, "error": repr(exc)})
+
+    async def purge(self) -> int:
+        """Remove every entry, live or not; returns how many entries (and markers) were stored. Only for an owner that
+        knows no instance of this bucket runs (`make run` before it starts any service)."""
+        info = await self._bus.js.stream_info(f"KV_{self.bucket}")
+        await self._bus.js.purge_stream(f"KV_{self.bucket}")
+        return int(info.state.messages or 0)
+
+    async def watch(self, role: Role | str | None = None, refreshes: bool = False, sweep_s: float = WATCH_SWEEP_S
+                    ) -> AsyncIterator[RegistryEvent]:
         """Yield JOIN for every live entry (current ones first) and LEAVE when one goes.
 
-        Heartbeat refreshes of a known entry are not reported. Runs until cancelled.
+        An entry goes when it is deleted, expires in the store, or stops being fresh: at least every
+        `sweep_s` seconds the known entries are checked against the clock, so an entry whose instance
+        stopped heartbeating yields LEAVE within about ttl + slack + sweep_s even if the store never
+        expires it. A stale entry (a ghost brought back by a restarted server) never yields JOIN.
+        Heartbeat refreshes of a known entry are reported (as UPDATE, with the new entry: its load) only with
+        `refreshes`. Runs until cancelled (`libs.bus.view.RegistryView` keeps a local view from it).
         """
+        if sweep_s <= 0:
+            raise ValueError(f"sweep_s must be > 0, got {sweep_s}")
         pattern = f"{Role(role).value}.*" if role else ">"
         watcher = await self._kv.watch(pattern)
-        known: set[str] = set()
+        state = WatchState(refreshes)
         try:
-            async for item in watcher:
-                if item is None:  # end of the initial snapshot
-                    continue
-                event = _to_event(item.key, item.value, item.operation, known)
-                if event is not None:
+            while True:
+                try:
+                    async with asyncio.timeout(sweep_s):
+                        item = await anext(watcher)
+                except TimeoutError:
+                    item = None  # no update for sweep_s: only the freshness check below
+                except StopAsyncIteration:
+                    return
+                now = time.time()
+                if item is not None:  # None also marks the end of the initial snapshot
+                    event = state.update(item.key, item.value, item.operation, now)
+                    if event is not None:
+                        yield event
+                for event in state.sweep(now):
                     yield event
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+
+def fresh_only(entries: list[RegistryEntry], now: float) -> list[RegistryEntry]:
+    """Pure: the entries still fresh at unix time `now` (a stale one is logged: it is a ghost)."""
+    kept = [e for e in entries if e.fresh(now)]
+    if len(kept) < len(entries):
+        stale = sorted(e.instance_id for e in entries if not e.fresh(now))
+        log.debug("ignoring stale registry entries", extra={"instances": stale})
+    return kept
 
 
 def _decode_entry(key: str, value: bytes | None) -> RegistryEntry | None:
@@ -151,21 +209,38 @@ def _decode_entry(key: str, value: bytes | None) -> RegistryEntry | None:
         return None
 
 
-def _to_event(key: str, value: bytes | None, operation: str | None, known: set[str]) -> RegistryEvent | None:
-    """Pure: turn one KV update into a join/leave event, tracking known keys."""
-    # An expired entry arrives as a marker with an empty body (nats-py may not name its operation).
-    if operation in (KV_DEL, KV_PURGE) or not value:
-        if key not in known:
+class WatchState:
+    """Pure core of `Registry.watch`: turns KV updates and the clock into join/leave (/update with
+    `refreshes`) events. `known` holds the last fresh entry of every key reported as joined."""
+
+    def __init__(self, refreshes: bool = False) -> None:
+        self.refreshes = refreshes
+        self.known: dict[str, RegistryEntry] = {}
+
+    def update(self, key: str, value: bytes | None, operation: str | None, now: float) -> RegistryEvent | None:
+        # An expired entry arrives as a marker with an empty body (nats-py may not name its operation).
+        if operation in (KV_DEL, KV_PURGE) or not value:
+            return self._leave(key)
+        entry = _decode_entry(key, value)
+        if entry is None:
+            return None  # malformed: ignored, the key keeps its state
+        if not entry.fresh(now):
+            return self._leave(key)  # a ghost brought back by the store counts as gone
+        joined = key not in self.known
+        self.known[key] = entry  # a heartbeat refresh moves the freshness deadline
+        if joined:
+            return RegistryEvent(RegistryEventKind.JOIN, key, entry)
+        return RegistryEvent(RegistryEventKind.UPDATE, key, entry) if self.refreshes else None
+
+    def sweep(self, now: float) -> list[RegistryEvent]:
+        """LEAVE for every known entry that is no longer fresh at `now`."""
+        stale = [key for key, entry in self.known.items() if not entry.fresh(now)]
+        return [event for key in stale if (event := self._leave(key)) is not None]
+
+    def _leave(self, key: str) -> RegistryEvent | None:
+        if self.known.pop(key, None) is None:
             return None
-        known.discard(key)
         return RegistryEvent(RegistryEventKind.LEAVE, key, None)
-    if key in known:
-        return None  # heartbeat refresh
-    entry = _decode_entry(key, value)
-    if entry is None:
-        return None
-    known.add(key)
-    return RegistryEvent(RegistryEventKind.JOIN, key, entry)
 
 
 class Registration:

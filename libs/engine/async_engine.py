@@ -45,6 +45,7 @@ class AsyncEngine:
         self._urgent = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._step_hook: Callable[[EngineCore, bool], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -73,6 +74,13 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     # ------------------------------------------------------------------ public API
+    def set_step_hook(self, hook: Callable[[EngineCore, bool], None] | None) -> None:
+        """Run `hook(core, idle)` on the engine thread after every round of the loop (commands, then a step
+        when there is work); `idle` = no work is left, the loop is about to wait for commands (up to
+        `idle_wait_s`). For cheap bookkeeping that must see every step without a command round trip (the
+        worker's KV event publisher): it must be quick, and an exception is logged, never stops the loop."""
+        self._step_hook = hook
+
     async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float | None = None, *,
                    urgent: bool = False) -> Any:
         """Run fn(core) on the engine thread between steps and return its result. `urgent` lets it stop a
@@ -133,10 +141,18 @@ class AsyncEngine:
                 self._run_commands(block=not self.core.has_work())
                 if self.core.has_work():
                     self._dispatch(self.core.step(interrupt=self._interrupt_now))
+                if self._step_hook is not None:
+                    self._run_hook(self._step_hook)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step loop crashed")
             self._error = exc
             self._fail_all(exc)
+
+    def _run_hook(self, hook: Callable[[EngineCore, bool], None]) -> None:
+        try:
+            hook(self.core, not self.core.has_work())
+        except Exception:
+            log.exception("engine step hook failed")
 
     def _interrupt_now(self) -> bool:
         # the flag alone could be stale (its command already ran): a queued command must be waiting too

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
-from libs.engine.request import PrefillProgress, Request, RequestOutput
+from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
@@ -201,6 +202,19 @@ class EngineCore:
     # ------------------------------------------------------------------ introspection
     def drain_kv_events(self) -> list:
         return self.cache.drain_events()
+
+    def record_admissions(self, max_kept: int = 4096) -> None:
+        """Start recording first admissions (`drain_admissions`), the newest `max_kept` kept."""
+        self.scheduler.admissions = deque(maxlen=max_kept)
+
+    def drain_admissions(self) -> list[AdmittedHit]:
+        """First admissions since the last call, oldest first (empty when not recording)."""
+        adm = self.scheduler.admissions
+        if not adm:
+            return []
+        out = list(adm)
+        adm.clear()
+        return out
 
     def usage(self) -> PoolUsage:
         return self.cache.usage()

@@ -185,3 +185,12 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int
+
+
+class AdmittedHit(NamedTuple):
+    """A request's first admission: the prefix-cache hit it got (what `RequestOutput.num_cached_tokens` and
+    the usage's cached tokens report). Recorded only while someone reads them (`EngineCore.record_admissions`)."""
+
+    req_id: str
+    prompt_tokens: int
+    cached_tokens: int

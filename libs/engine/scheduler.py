@@ -20,7 +20,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from libs.engine.plan import BatchPlan, ScheduledSeq
-from libs.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from libs.engine.request import AdmittedHit, FinishReason, Request, RequestOutput, TokenLogprob
 from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
 from libs.kvcache import block_hashes
@@ -216,6 +216,8 @@ class Scheduler:
         self.waiting: list[deque[Seq]] = [deque() for _ in range(self.buckets.num_buckets)]
         self.running: list[Seq] = []
         self.stats = SchedulerStats()
+        # first admissions and their hits, for the worker's hit reports; None = nobody reads them
+        self.admissions: deque[AdmittedHit] | None = None
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
@@ -402,6 +404,8 @@ class Scheduler:
             seq.num_cached_tokens = hit.tokens
             self.stats.hit_tokens += hit.tokens
             self.stats.prompt_tokens += seq.num_prompt
+            if self.admissions is not None:
+                self.admissions.append(AdmittedHit(seq.req_id, seq.num_prompt, hit.tokens))
         self.stats.admitted += 1
         seq.admit_order = self._admit_counter
         self._admit_counter += 1

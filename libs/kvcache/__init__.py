@@ -14,6 +14,8 @@ from libs.kvcache.hashing import block_hashes
 from libs.kvcache.retention import POLICIES, RetentionContext, RetentionPlan, register_policy
 from libs.kvcache.types import (
     AdmitResult,
+    BlockHeld,
+    CacheSnapshot,
     Direction,
     EventKind,
     Group,
@@ -27,7 +29,7 @@ from libs.kvcache.types import (
 )
 
 __all__ = [
-    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "Direction", "EventKind", "Group", "KVCache",
+    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "BlockHeld", "CacheSnapshot", "Direction", "EventKind", "Group", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
     "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "rebuild_span",
     "register_policy",

@@ -30,8 +30,16 @@ from libs.kvcache.retention import ReuseStats
 from libs.kvcache.running import Running
 from libs.kvcache.sequence import SeqAllocation
 from libs.kvcache.tiers import NO_TIER_USAGE, HostTier, LowerTier
-from libs.kvcache.tree import Node
-from libs.kvcache.types import AdmitResult, KVEvent, PageCopy, PoolUsage, PrefixHit, RebuildStats
+from libs.kvcache.tree import Node, held_blocks
+from libs.kvcache.types import (
+    AdmitResult,
+    CacheSnapshot,
+    KVEvent,
+    PageCopy,
+    PoolUsage,
+    PrefixHit,
+    RebuildStats,
+)
 
 
 class KVCache:
@@ -126,6 +134,19 @@ class KVCache:
     def drain_events(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""
         return self.events.drain()
+
+    def pending_events(self) -> int:
+        """Events queued and not drained yet (O(1): a publisher's "anything to send?")."""
+        return self.events.pending()
+
+    def snapshot(self) -> tuple[list[KVEvent], CacheSnapshot]:
+        """(the pending events, drained, then the whole cached block set consistent with the last event id
+        issued). Publish the events first: with everything drained before, every event <= the snapshot's
+        `last_event_id` has then been handed out (or dropped by the bounded queue, which the snapshot covers),
+        and the events after it follow as usual. O(cached blocks)."""
+        pending = self.events.drain()
+        hashes, states = held_blocks(self.index.root)
+        return pending, CacheSnapshot(self.events.last_id, hashes, states)
 
     def usage(self) -> PoolUsage:
         full, swa = self.ledger.usage()

@@ -41,6 +41,14 @@ class EventLog:
         self._pending.append((self._next, kind, tier, node.hashes, ph, flags, held))
         self._next += 1
 
+    @property
+    def last_id(self) -> int:
+        """The id of the last event issued (-1: none yet), drained, pending or dropped."""
+        return self._next - 1
+
+    def pending(self) -> int:
+        return len(self._pending)
+
     def drain(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""
         out = [KVEvent(eid, kind, tier, hashes, ph, _materialise(flags, len(hashes)), _materialise(held, len(hashes)))

@@ -183,6 +183,27 @@ def split(node: Node, k: int) -> Node:
     return head
 
 
+def held_blocks(root: Node) -> tuple[tuple[int, ...], bytes]:
+    """Every block of the tree (depth first) and what is held of it, as `BlockHeld` bits: DEVICE (1) and
+    DEVICE_SWA (2) from the device arrays, HOST (4) and HOST_SWA (8) from the host copies."""
+    hashes: list[int] = []
+    states = bytearray()
+    stack = [root]
+    while stack:
+        for node in stack.pop().children.values():
+            stack.append(node)
+            hashes.extend(node.hashes)
+            full, swa, host_full, host_swa = node.full, node.swa, node.host_full, node.host_swa
+            for i in range(node.npages):
+                st = 0
+                if full is not None:
+                    st = 1 | (2 if swa[i] >= 0 else 0)  # type: ignore[index]
+                if host_full is not None:
+                    st |= 4 | (8 if host_swa[i] >= 0 else 0)  # type: ignore[index]
+                states.append(st)
+    return tuple(hashes), bytes(states)
+
+
 def path_to_root(node: Node) -> list[Node]:
     out = []
     while node.parent is not None:

@@ -112,6 +112,26 @@ class KVEvent(NamedTuple):
     recomputes validity from it exactly."""
 
 
+class BlockHeld(enum.IntFlag):
+    """What a cache holds of one block, as `KVCache.snapshot` reports it (4 bits; `libs.routing.BlockState` is
+    the same bits, pinned by tests/test_kv_events.py: the index loads snapshot states unchanged)."""
+
+    DEVICE = 1  # full KV on device
+    DEVICE_SWA = 2  # SWA KV on device
+    HOST = 4  # full KV in the host tier
+    HOST_SWA = 8  # SWA KV in the host tier
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """The cache's whole cached block set, consistent with its events up to `last_event_id` (-1: none issued):
+    block i is `block_hashes[i]` holding `BlockHeld(states[i])` (one byte per block). Events after it follow."""
+
+    last_event_id: int
+    block_hashes: tuple[int, ...] = ()
+    states: bytes = b""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     """One pool: free + cached + in_use == capacity. `reserved` is the part of free + cached promised to

@@ -12,12 +12,21 @@
   (least-loaded policy);
 - `index`: `ClusterPrefixIndex`, the cluster-wide prefix index fed by the workers' `KVEvent`s, predicting each
   worker's `KVCache.match`; `KVSnapshot` (`snapshot.take_snapshot` builds one from a cache);
-- `affinity`: `AffinityRouter`, the KV-affinity policy (same `route` call) and its cost.
+- `affinity`: `AffinityRouter`, the KV-affinity policy (same `route` call) and its cost;
+- `approx`: `ApproxIndex`, the prefix index of the router's own decisions (no KV events), same `predict` call.
 
 The router service and the gateway's no-router fallback both choose through here (docs/routing.md).
 """
 
-from libs.routing.affinity import AffinityRouter, AffinityWeights, choose, decode_cost, prefill_cost
+from libs.routing.affinity import (
+    AffinityRouter,
+    AffinityWeights,
+    HitPredictor,
+    choose,
+    decode_cost,
+    prefill_cost,
+)
+from libs.routing.approx import ApproxIndex
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import cost, least_loaded, pick_pair, pick_worker, serving, tie_break
 from libs.routing.index import NO_HIT, BlockState, ClusterPrefixIndex, KVSnapshot, PredictedHit
@@ -26,7 +35,7 @@ from libs.routing.recent import RecentPicks
 from libs.routing.router import Fleet, Route, Router
 
 __all__ = [
-    "NO_HIT", "AffinityRouter", "AffinityWeights", "BlockState", "KVSnapshot", "PredictedHit", "ClusterPrefixIndex",
+    "NO_HIT", "AffinityRouter", "AffinityWeights", "ApproxIndex", "BlockState", "HitPredictor", "KVSnapshot", "PredictedHit", "ClusterPrefixIndex",
     "choose", "decode_cost", "prefill_cost",
     "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Route", "Router",
     "cost", "instance_of", "least_loaded", "pick_pair", "pick_worker", "serving", "tie_break",

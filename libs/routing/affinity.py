@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import xxhash
 
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
-from libs.routing.choice import tie_break
-from libs.routing.index import NO_HIT, ClusterPrefixIndex, PredictedHit
+from libs.routing.choice import avoiding, tie_break
+from libs.routing.index import NO_HIT, PredictedHit
 from libs.routing.instance import Instance
 from libs.routing.recent import RecentPicks
 from libs.routing.router import Fleet, Route
@@ -91,31 +92,47 @@ def choose(costs: Mapping[str, float], request_id: str, temperature: float = 0.0
     return order[-1]
 
 
+class HitPredictor(Protocol):
+    """What the cost needs of an index: `ClusterPrefixIndex` (fed by the workers' events) or `ApproxIndex`
+    (this router's own decisions)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    def predict(self, block_hashes: Sequence[int], num_tokens: int, rebuild: bool = True
+                ) -> dict[str, PredictedHit]: ...
+
+
 class AffinityRouter:
     """`Router.route`'s call with the KV-affinity policy: the index predicts every worker's hit, the cost
-    above picks. The caller feeds `index` the workers' events and removes workers that leave."""
+    above picks. The caller feeds `index` the workers' events and removes workers that leave; it may replace
+    `index` (e.g. once the workers' KV layout is known)."""
 
-    def __init__(self, index: ClusterPrefixIndex, bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
+    def __init__(self, index: HitPredictor, bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
                  weights: AffinityWeights | None = None, recent_window_s: float = 2.0) -> None:
         self.index = index
         self.buckets = LengthBuckets(tuple(bucket_edges))
         self.weights = weights or AffinityWeights()
-        self.recent = RecentPicks(recent_window_s)  # weights: predicted prefill tokens of this router's picks
+        self.recent = RecentPicks(recent_window_s)  # weights: predicted prefill tokens of the picks
 
     def route(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
-              exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = ()) -> Route:
+              exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = (),
+              exclude_instances: Sequence[str] = ()) -> Route:
+        """As `Router.route`. A request with `exclude_decodes` is a prefill asking again for another decode
+        worker: its prefill pick stands and is not counted again."""
         if fleet.disaggregated:
-            prefills, decodes = fleet.prefills, [d for d in fleet.decodes
-                                                 if d.address and d.instance_id not in exclude_decodes]
+            prefills = avoiding(fleet.prefills, exclude_instances, "prefill worker")
+            decodes = [d for d in fleet.decodes if d.address and d.instance_id not in exclude_decodes]
             if not decodes:
-                raise LookupError("no live decode worker with a KV transfer address in the registry")
+                raise LookupError("no live decode worker with a KV transfer address in the registry"
+                                  + (f" besides {sorted(exclude_decodes)}" if exclude_decodes else ""))
         elif fleet.workers:
-            prefills, decodes = fleet.workers, []
+            prefills, decodes = avoiding(fleet.workers, exclude_instances, "worker"), []
         else:
             raise LookupError("no live worker in the registry" if not fleet.prefills and not fleet.decodes else
                               "disaggregated mode needs prefill and decode workers")
         hits = self.index.predict(block_hashes, num_tokens) if block_hashes else {}
-        prefill, hit = self._pick_prefill(prefills, request_id, num_tokens, hits, now)
+        prefill, hit = self._pick_prefill(prefills, request_id, num_tokens, hits, now, record=not exclude_decodes)
         if not decodes:
             return Route(prefill, prefill, predicted_hit=hit.tokens)
         dhits = self.index.predict(block_hashes, num_tokens, rebuild=False) if block_hashes else {}
@@ -125,11 +142,16 @@ class AffinityRouter:
         return Route(prefill, decode, predicted_hit=hit.tokens,
                      predicted_decode_hit=dhits.get(decode, NO_HIT).tokens)
 
+    def note_pick(self, request_id: str, prefill: str, decode: str, at: float, prefill_tokens: int) -> None:
+        """A replica's pick (`RoutePick`): its predicted prefill tokens count on `prefill` like this router's
+        own picks, so a burst split over replicas spreads."""
+        self.recent.add(prefill, at, max(1, prefill_tokens), request_id)
+
     def _pick_prefill(self, instances: Sequence[Instance], request_id: str, num_tokens: int,
-                      hits: Mapping[str, PredictedHit], now: float) -> tuple[str, PredictedHit]:
+                      hits: Mapping[str, PredictedHit], now: float, record: bool = True) -> tuple[str, PredictedHit]:
         w, P = self.weights, self.index.page_size
         reflected = {i.instance_id: i.updated_at for i in instances if i.updated_at is not None}
-        recent = self.recent.counts(now, reflected)
+        recent = self.recent.counts(now, reflected, skip_request=request_id)
         credit = {i.instance_id: credited(hits.get(i.instance_id, NO_HIT), num_tokens, w.credit, P)
                   for i in instances}
         fits = [i for i in instances
@@ -137,5 +159,6 @@ class AffinityRouter:
         costs = {i.instance_id: prefill_cost(i, num_tokens, credit[i.instance_id], w, recent.get(i.instance_id, 0))
                  for i in fits or instances}
         pick = choose(costs, request_id, w.temperature, max(1, num_tokens))
-        self.recent.add(pick, now, max(1, num_tokens - credit[pick].tokens))
+        if record:
+            self.recent.add(pick, now, max(1, num_tokens - credit[pick].tokens), request_id)
         return pick, credit[pick]

@@ -36,31 +36,42 @@ def least_loaded(candidates: Sequence[Instance], request_id: str,
     return min(candidates, key=lambda i: (cost(i, recent), tie_break(request_id, i.instance_id)))
 
 
+def avoiding(instances: Sequence[Instance], exclude: Sequence[str], what: str) -> list[Instance]:
+    """`instances` minus the excluded ids (workers that failed or refused the request); LookupError naming
+    both when nothing is left."""
+    if not instances:
+        raise LookupError(f"no live {what} in the registry")
+    left = [i for i in instances if i.instance_id not in exclude]
+    if not left:
+        raise LookupError(f"no live {what} in the registry besides {sorted(exclude)}")
+    return left
+
+
 def pick_worker(workers: Sequence[Instance], num_tokens: int, buckets: LengthBuckets,
-                request_id: str) -> Instance:
-    """Aggregated mode: the least-loaded live worker that serves the request's length bucket.
+                request_id: str, exclude_instances: Sequence[str] = ()) -> Instance:
+    """Aggregated mode: the least-loaded live worker that serves the request's length bucket, other than
+    `exclude_instances` (those that failed or refused this request).
 
     The bucket uses the raw prompt length: without the KV-affinity index the router cannot know the
     cached part.
     """
-    if not workers:
-        raise LookupError("no live worker in the registry")
-    return least_loaded(serving(workers, buckets.classify(num_tokens)), request_id)
+    candidates = avoiding(workers, exclude_instances, "worker")
+    return least_loaded(serving(candidates, buckets.classify(num_tokens)), request_id)
 
 
 def pick_pair(prefills: Sequence[Instance], decodes: Sequence[Instance], num_tokens: int, buckets: LengthBuckets,
-              request_id: str, recent: Mapping[str, int] | None = None, exclude_decodes: Sequence[str] = ()
-              ) -> tuple[Instance, Instance]:
+              request_id: str, recent: Mapping[str, int] | None = None, exclude_decodes: Sequence[str] = (),
+              exclude_instances: Sequence[str] = ()) -> tuple[Instance, Instance]:
     """Disaggregated mode: (prefill, decode) for one request, by length bucket and load.
 
     Prefill: the least loaded (`cost`, with this router's `recent` picks) among workers serving the
     request's length bucket (all when none does). Decode: the same cost over every decode worker (decode
     work per token does not depend on the prompt's bucket; its KV does, which the KV share term covers).
     Decode workers without a transfer address cannot receive KV and are skipped, and so are
-    `exclude_decodes` (they refused this request as full: a prefill asks again for another).
+    `exclude_decodes` (they refused this request as full: a prefill asks again for another), and prefill
+    workers in `exclude_instances` (they failed or refused it: the gateway retries elsewhere).
     """
-    if not prefills:
-        raise LookupError("no live prefill worker in the registry")
+    prefills = avoiding(prefills, exclude_instances, "prefill worker")
     receivers = [d for d in decodes if d.address and d.instance_id not in exclude_decodes]
     if not receivers:
         raise LookupError("no live decode worker with a KV transfer address in the registry"

@@ -177,6 +177,14 @@ class ClusterPrefixIndex:
                 view.next_event += 1
         return not view.stale
 
+    def mark_stale(self, worker: str) -> None:
+        """About to ask the worker for a snapshot (it joined, or the router started): its view stops counting
+        and buffers the events that arrive meanwhile, so the snapshot and the events after it join without a
+        hole (a view kept in sync meanwhile would lose the events between the snapshot's id and its reply)."""
+        view = self._views.get(worker) or self._add(worker)
+        if not view.stale:
+            self._go_stale(worker, view)
+
     def load_snapshot(self, worker: str, snap: KVSnapshot) -> bool:
         """Replace the worker's view by `snap`, then replay buffered events after it. False when those do not
         continue the snapshot's event id (still stale: ask for a newer snapshot)."""

@@ -40,6 +40,9 @@ class ServiceConfig(BaseModel):
         description="deployment name: every subject and the registry bucket carry it, so deployments sharing a "
                     "NATS server stay apart",
     )
+    nats_replicas: int = Field(
+        default=1, ge=1, le=5, description="replicas of the registry bucket and payload store this service creates "
+        "when missing (3 on a 3-node NATS cluster, so losing a node loses nothing)")
     registry_ttl_s: int = Field(default=5, ge=1, description="registry entry lifetime without heartbeat, seconds")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="registry refresh period, seconds")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="NATS connect timeout, seconds")

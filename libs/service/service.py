@@ -86,9 +86,11 @@ class Service:
             cfg.nats_url,
             name=f"{self.role.value}-{cfg.instance_id}",
             timeout=cfg.connect_timeout_s,
-            config=BusConfig(connect_timeout_s=cfg.connect_timeout_s, drain_timeout_s=cfg.drain_timeout_s),
+            config=BusConfig(connect_timeout_s=cfg.connect_timeout_s, drain_timeout_s=cfg.drain_timeout_s,
+                             payload_replicas=cfg.nats_replicas),
         )
-        self.registry = await Registry.open(self.bus, bucket=subjects.registry_bucket(cfg.namespace))
+        self.registry = await Registry.open(self.bus, bucket=subjects.registry_bucket(cfg.namespace),
+                                            replicas=cfg.nats_replicas)
         await self.bus.serve(subjects.health(cfg.namespace, cfg.instance_id), HealthRequest, self._health)
         await self.setup()
         heartbeat = HeartbeatConfig(ttl_s=cfg.registry_ttl_s, interval_s=cfg.heartbeat_interval_s)

@@ -7,6 +7,8 @@
     metrics.py  Outcomes and the Prometheus gauges every engine role exports
     service.py  EngineWorkerService / DisaggWorkerService: setup, aborts, load, registry, health, teardown
     kv_stream.py the hand-off's service side: engine payload specs as transfer LayerSpecs, KVSender (prefill)
+    kv_events.py KVFeed: the cache's KV events on the bus, the kv_snapshot responder, hit reports
+    kv_wire.py   KV events / snapshots / hit reports <-> wire (pure, no torch: the router imports it too)
 
 The roles keep only their own logic in services/{worker,prefill,decode}. docs/worker.md has the request
 task lifecycle, the abort and drain rules and the metrics list. Names are loaded lazily, so importing the
@@ -28,6 +30,7 @@ _LAZY = {
     "Outcomes": "libs.worker.metrics",
     "EngineWorkerService": "libs.worker.service",
     "DisaggWorkerService": "libs.worker.service",
+    "KVFeed": "libs.worker.kv_events",
 }
 
 __all__ = list(_LAZY)

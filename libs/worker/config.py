@@ -37,6 +37,12 @@ class EngineServiceConfig(ServiceConfig):
         default=0.5, gt=0, description="how often the load snapshot (registry entry, health, metrics) is refreshed")
     recent_aborts: int = Field(
         default=4096, ge=1, description="aborted request ids remembered (an abort may overtake its request)")
+    kv_events: bool = Field(
+        default=True, description="publish the cache's KV events on kv_events.<instance> and answer kv_snapshot")
+    kv_hit_reports: bool = Field(default=True, description="publish each request's prefix hit on kv_hits")
+    kv_events_interval_s: float = Field(
+        default=0.005, ge=0, description="most time between KV event batches while the engine is busy")
+    kv_events_max_blocks: int = Field(default=1024, ge=1, description="block hashes per KV event batch at most")
 
     @model_validator(mode="after")
     def _buckets_in_range(self) -> EngineServiceConfig:

@@ -32,6 +32,8 @@ from libs.transfer import KVTransferEngine, create_engine, parse_address
 from libs.worker import metrics
 from libs.worker.config import DisaggServiceConfig, EngineServiceConfig
 from libs.worker.engine import build_async_engine
+from libs.worker.kv_events import KVFeed
+from libs.worker.kv_wire import layout_labels
 from libs.worker.metrics import Outcomes
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import load_from, request_refusal
@@ -41,6 +43,7 @@ from protos.messages import (
     AckStatus,
     GenerateAck,
     GenerateRequest,
+    KVSnapshotRequest,
     RegistryEntry,
     ServiceState,
     TokenChunk,
@@ -62,6 +65,7 @@ class EngineWorkerService(Service):
     def __init__(self, config: EngineServiceConfig) -> None:
         super().__init__(config)
         self.engine: AsyncEngine | None = None
+        self.kv_feed: KVFeed | None = None
         self.tasks = RequestTasks(remember=config.recent_aborts)
         self.outcomes = Outcomes()
         self.load = WorkerLoad()
@@ -79,6 +83,11 @@ class EngineWorkerService(Service):
     def role_details(self) -> dict[str, str]:
         """Role-specific health details."""
         return {}
+
+    def max_prompt_tokens(self) -> int:
+        """Most prompt tokens one request may bring here beyond what `max_request_tokens` says (0 = no other
+        limit); the registry entry advertises it so the gateway refuses what fits nowhere (413) up front."""
+        return 0
 
     def role_outcomes(self) -> dict[str, int]:
         """Role-specific outcome counts (health details and `windserve_worker_requests_done`)."""
@@ -99,9 +108,25 @@ class EngineWorkerService(Service):
         self.engine = engine
         aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
         self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
+        await self.start_kv_feed()
         await self.refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
         await self.setup_role()
+
+    async def start_kv_feed(self) -> None:
+        """The KV-affinity feed (libs/worker/kv_events.py): the cache's events, snapshots, hit reports."""
+        assert self.bus is not None and self.engine is not None
+        cfg = self.config
+        feed = self.kv_feed = KVFeed(self.engine, self.bus.publish, cfg.namespace, cfg.instance_id,
+                                     events=cfg.kv_events, hits=cfg.kv_hit_reports,
+                                     interval_s=cfg.kv_events_interval_s, max_batch_blocks=cfg.kv_events_max_blocks)
+        if not feed.enabled:
+            return
+        feed.attach()
+        self.spawn(feed.run(), name="kv_feed", critical=True)
+        if feed.events_on:
+            await self.bus.serve(subjects.kv_snapshot(cfg.namespace, cfg.instance_id), KVSnapshotRequest,
+                                 feed.answer_snapshot)
 
     async def teardown(self) -> None:
         await self.tasks.drain(self.config.drain_timeout_s)
@@ -111,6 +136,8 @@ class EngineWorkerService(Service):
         # no-op has run they have too, and the engine stops with its pools back at baseline.
         with contextlib.suppress(Exception):
             await self.engine.call(_noop, timeout_s=_FLUSH_TIMEOUT_S)
+        if self.kv_feed is not None:
+            self.kv_feed.detach()
         await asyncio.to_thread(self.engine.shutdown)
 
     async def _abort_loop(self, aborts) -> None:
@@ -181,8 +208,14 @@ class EngineWorkerService(Service):
             "capacity": self.config.capacity or self.config.max_request_tokens,
             "buckets": list(self.config.served_buckets),
             "max_tokens": self.config.max_request_tokens,
+            "max_prompt_tokens": self.max_prompt_tokens(),
             "load": self.load,
+            "labels": {**base.labels, **self.layout_labels()},
         })
+
+    def layout_labels(self) -> dict[str, str]:
+        """`KV_LAYOUT_LABELS` from the engine's cache config (none before the engine is built)."""
+        return layout_labels(self.engine.core.cache.cfg) if self.engine is not None else {}
 
     def health_details(self) -> dict[str, str]:
         details = {"model": self.config.model or "tiny", "address": self.address,
@@ -190,6 +223,8 @@ class EngineWorkerService(Service):
         details.update({k: str(v) for k, v in self.load.model_dump(exclude={"schema_version"}).items()})
         details.update({k: str(v) for k, v in self.outcome_counts().items()})
         details["in_flight_requests"] = str(len(self.tasks))
+        if self.kv_feed is not None and self.kv_feed.enabled:
+            details.update(self.kv_feed.stats.as_details())
         details.update(self.role_details())
         return details
 

@@ -32,6 +32,11 @@ class DecodeService(DisaggWorkerService):
         await self.bus.serve(subjects.kv_commit(self.config.namespace, self.config.instance_id), KVCommitRequest,
                              self._commit)
 
+    def max_prompt_tokens(self) -> int:
+        # The reservation for an arriving prompt takes an SWA page per prompt page (the window slides only
+        # once the KV is committed), so a prompt longer than the SWA pool can never land here.
+        return self.config.page_size * self.config.num_swa_pages
+
     def role_details(self) -> dict[str, str]:
         return self.worker.stats.as_details() if self.worker is not None else {}
 

@@ -1,20 +1,31 @@
-"""The gateway's downstream: route → generate → token stream over NATS, with aborts and liveness.
+"""The gateway's downstream: route → generate → token stream over NATS, with aborts, liveness and failover.
 
 Contract with any worker that streams (combined worker, or prefill + decode in disaggregated mode):
-1. the gateway subscribes to `windserve.stream.<request_id>` first, so no chunk can be missed;
-2. it asks the router (`windserve.route`) for (prefill, decode); if no router answers (none is
-   running) it picks the least-loaded live combined worker from the registry itself, with the router's
-   own choice function (`libs.routing.pick_worker`);
+1. the gateway checks the request fits some live serving path (registry limits; else 413 before anything
+   computes), subscribes to `windserve.stream.<attempt id>` first, so no chunk can be missed;
+2. it asks the router (`windserve.route`) for (prefill, decode); if no router answers (none is running) it
+   picks the least-loaded live combined worker from the registry itself, with the router's own choice
+   function (`libs.routing.pick_worker`); a disaggregated fleet needs the router (the error says so);
 3. it sends `GenerateRequest` to `windserve.worker.<prefill>.generate` (with `decode_instance` set
    when decode runs elsewhere) and waits, bounded, for a `GenerateAck` (a reply with only request
    and instance id is an acceptance);
 4. `TokenChunk`s arrive on the stream subject; the last has `finish_reason`. When no chunk comes for
    `liveness_interval_s`, the workers the request depends on are probed (`windserve.health.<id>`);
-   after `liveness_misses` failed probes in a row, or `idle_timeout_s` without chunks, the request
-   fails with an error instead of hanging. Before the first chunk both prefill and decode instance
-   are probed; afterwards only the instance that sends the chunks;
-5. leaving the stream early (client gone, stop string found by the gateway) broadcasts
-   `AbortRequest` on `windserve.abort`, which frees the request's KV everywhere.
+   after `liveness_misses` failed probes in a row, or `idle_timeout_s` without chunks, the attempt
+   fails instead of hanging. Before the first chunk both prefill and decode instance are probed;
+   afterwards only the instance that sends the chunks. While NATS itself is unreachable probes do not
+   count: past `reconnect_bound_s` the request fails naming the control plane, not a worker;
+5. failover: until its first chunk reached the caller, an attempt whose prefill / combined worker is gone
+   (no responders, no ack, failed probes) or refuses as busy, or whose decode worker is gone, is aborted
+   and the request retried under a new attempt id (`<request id>-r<n>`), the router asked with the failed
+   instances in `exclude_instances` / `exclude_decodes`, up to `max_attempts` attempts started within
+   `failover_timeout_s`. After the first chunk a failure ends the stream with an error (the client has
+   part of the answer);
+6. leaving the stream early (client gone, stop string found by the gateway) broadcasts `AbortRequest` on
+   `windserve.abort`, which frees the attempt's KV everywhere.
+
+Status codes (docs/gateway.md): 503 with Retry-After for no capacity, a peer gone, no router / registry /
+NATS; 413 and 400 for what a worker refuses as too large or invalid; 500 only for a worker's own failure.
 """
 
 from __future__ import annotations
@@ -24,30 +35,37 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from pydantic import BaseModel
 
 from libs.bus import Bus, BusError, BusTimeout, NoResponders, RemoteError
+from libs.kvcache import DEFAULT_HASH_SEED
 from libs.kvcache.hashing import block_hashes
-from libs.routing import DEFAULT_BUCKET_EDGES, LengthBuckets, instance_of, pick_worker
+from libs.routing import DEFAULT_BUCKET_EDGES, LengthBuckets
 from protos import subjects
 from protos.messages import (
     AbortRequest,
     AckStatus,
+    ErrorCode,
     GenerateAck,
     GenerateRequest,
     HealthReply,
     HealthRequest,
     RegistryEntry,
-    Role,
     RouteReply,
     RouteRequest,
     TokenChunk,
     WireFinishReason,
     WireSamplingParams,
 )
+from services.gateway import metrics
+from services.gateway.failover import Avoid, Registered, fallback_pick, repick, too_large
 
 log = logging.getLogger("windserve.gateway")
+
+Rep = TypeVar("Rep", bound=BaseModel)
 
 
 class BackendError(Exception):
@@ -59,7 +77,18 @@ class BackendError(Exception):
         self.status = status
         self.message = message
         self.code = code
-        self.retry_after_s = retry_after_s  # sent as Retry-After (capacity refusals)
+        self.retry_after_s = retry_after_s  # sent as Retry-After (503s: capacity, gone, unreachable)
+
+
+class PeerFailed(BackendError):
+    """A worker of this attempt is gone or refused it as busy: another instance may serve the request.
+    `decode` tells which exclusion list names `instance`."""
+
+    def __init__(self, message: str, instance: str, decode: bool = False, code: str = "worker_gone",
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(503, message, code=code, retry_after_s=retry_after_s)
+        self.instance = instance
+        self.decode = decode
 
 
 class Backend(Protocol):
@@ -72,7 +101,6 @@ class Backend(Protocol):
 _ACK_STATUS = {
     AckStatus.TOO_LARGE: (413, "context_length_exceeded"),
     AckStatus.INVALID: (400, "invalid_request"),
-    AckStatus.BUSY: (503, "worker_busy"),
 }
 
 
@@ -87,72 +115,216 @@ class BackendConfig:
     idle_timeout_s: float = 300.0
     bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     namespace: str = subjects.DEFAULT_NAMESPACE
-    retry_after_s: int = 1  # Retry-After of a capacity refusal (every decode worker full)
+    retry_after_s: int = 1  # Retry-After of every 503
+    max_attempts: int = 3  # attempts of one request (1 = no failover)
+    failover_timeout_s: float = 30.0  # no new attempt starts later than this after the first one
+    reconnect_bound_s: float = 10.0  # NATS unreachable this long: the request fails (control plane down)
+    fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
 
     def __post_init__(self) -> None:
-        if min(self.route_timeout_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s) <= 0:
+        if min(self.route_timeout_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s,
+               self.failover_timeout_s, self.reconnect_bound_s) <= 0:
             raise ValueError("BackendConfig timeouts must be > 0")
-        if self.liveness_misses < 1 or self.page_size < 1:
-            raise ValueError("BackendConfig: liveness_misses and page_size must be >= 1")
+        if self.liveness_misses < 1 or self.page_size < 1 or self.max_attempts < 1:
+            raise ValueError("BackendConfig: liveness_misses, page_size and max_attempts must be >= 1")
 
 
-ListWorkers = Callable[[], Awaitable[list[RegistryEntry]]]
+ListServices = Callable[[], Awaitable[list[RegistryEntry]]]
+
+
+@dataclass
+class _Liveness:
+    """One attempt's probe state: failed probes in a row per instance, and since when NATS is unreachable."""
+
+    misses: dict[str, int] = field(default_factory=dict)
+    disconnected_since: float | None = None
 
 
 class NatsBackend:
     """Backend over the bus. Cleanup (unsubscribe, abort) runs in tasks of its own, because the HTTP
     layer may cancel the consumer repeatedly and a cancelled `finally` cannot await."""
 
-    def __init__(self, bus: Bus, list_workers: ListWorkers, config: BackendConfig) -> None:
+    def __init__(self, bus: Bus, list_services: ListServices, config: BackendConfig) -> None:
         self._bus = bus
-        self._list_workers = list_workers
+        self._list_services = list_services
         self.config = config
         self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
+        self._fleet_cache: tuple[float, Registered] | None = None
 
-    async def route(self, request_id: str, token_ids: list[int]) -> RouteReply:
+    # --- errors -----------------------------------------------------------------------------------
+
+    def unavailable(self, message: str, code: str = "service_unavailable") -> BackendError:
+        return BackendError(503, message, code=code, retry_after_s=self.config.retry_after_s)
+
+    def _control_plane(self, what: str, exc: BaseException | None = None) -> BackendError | None:
+        """The error naming NATS when it is unreachable (what failed is its symptom), else None."""
+        if self._bus.is_connected:
+            return None
+        detail = f" ({exc})" if exc is not None else ""
+        return self.unavailable(f"the control plane (NATS) is unreachable: {what} failed{detail}",
+                                code="control_plane_unavailable")
+
+    async def _request(self, subject: str, msg: BaseModel, reply_model: type[Rep], timeout: float, what: str) -> Rep:
+        """bus.request; any failure while NATS is unreachable becomes the control-plane error."""
+        try:
+            return await self._bus.request(subject, msg, reply_model, timeout)
+        except Exception as exc:
+            down = self._control_plane(what, exc)
+            if down is not None:
+                raise down from exc
+            if isinstance(exc, BusError):
+                raise
+            raise BusError(f"{what}: {exc!r}") from exc  # a nats client error while connected
+
+    # --- registry ---------------------------------------------------------------------------------
+
+    async def fleet(self, fresh: bool = False) -> Registered:
+        """The registry's live entries by role (a listing at most `fleet_cache_s` old unless `fresh`)."""
+        now = time.monotonic()
+        if not fresh and self._fleet_cache is not None and now - self._fleet_cache[0] < self.config.fleet_cache_s:
+            return self._fleet_cache[1]
+        try:
+            async with asyncio.timeout(self.config.registry_timeout_s):
+                entries = await self._list_services()
+        except Exception as exc:
+            raise self._control_plane("listing the registry", exc) or self.unavailable(
+                f"the registry could not be read: {exc!r}") from exc
+        fleet = Registered.of(entries, time.time())
+        self._fleet_cache = (now, fleet)
+        return fleet
+
+    async def _check_fits(self, num_tokens: int, max_tokens: int) -> None:
+        """413 before anything computes when no live path can ever hold the request (skipped when the registry
+        cannot be read: routing then reports the real cause)."""
+        try:
+            fleet = await self.fleet()
+        except BackendError:
+            return
+        reason = too_large(fleet, num_tokens, max_tokens)
+        if reason is not None:
+            raise BackendError(413, reason, code="context_length_exceeded")
+
+    # --- routing ----------------------------------------------------------------------------------
+
+    async def route(self, request_id: str, token_ids: list[int], avoid: Avoid | None = None) -> RouteReply:
+        avoid = avoid or Avoid()
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
-                           block_hashes=block_hashes(token_ids, self.config.page_size))
+                           block_hashes=await self._chain(token_ids),
+                           exclude_instances=sorted(avoid.instances), exclude_decodes=sorted(avoid.decodes))
+        subject = subjects.route(self.config.namespace)
         try:
-            return await self._bus.request(subjects.route(self.config.namespace), req, RouteReply,
-                                           self.config.route_timeout_s)
+            reply = await self._request(subject, req, RouteReply, self.config.route_timeout_s, "asking the router")
         except NoResponders:
-            return await self._route_direct(request_id, len(token_ids))  # no router running
+            return await self._route_direct(request_id, len(token_ids), avoid)  # no router running
         except RemoteError as exc:
-            raise BackendError(503, f"router could not place the request: {exc.message}") from exc
+            raise self.unavailable(f"router could not place the request: {exc.message}") from exc
         except BusError as exc:
-            raise BackendError(503, f"router did not answer: {exc}") from exc
+            raise self.unavailable(f"router did not answer: {exc}", code="router_unavailable") from exc
+        if avoid and avoid.hits(reply.prefill_instance, reply.decode_instance):
+            return await self._repick(request_id, len(token_ids), avoid, reply)
+        return reply
 
-    async def _route_direct(self, request_id: str, num_tokens: int) -> RouteReply:
+    async def _chain(self, token_ids: list[int]) -> list[int]:
+        """The prompt's block-hash chain, made as the workers' caches make theirs (their advertised page size
+        and seed; the configured page size and the default seed until one advertises them)."""
         try:
-            workers = await self._list_workers()
-            worker = pick_worker([instance_of(w) for w in workers], num_tokens, self._buckets, request_id)
-        except (LookupError, TimeoutError, BusError) as exc:
-            raise BackendError(503, f"no router is running and no worker is available: {exc}") from exc
-        return RouteReply(prefill_instance=worker.instance_id, decode_instance=worker.instance_id)
+            layout = (await self.fleet()).hash_layout()
+        except BackendError:
+            layout = None
+        page_size, seed = layout or (self.config.page_size, DEFAULT_HASH_SEED)
+        return block_hashes(token_ids, page_size, seed)
+
+    async def _route_direct(self, request_id: str, num_tokens: int, avoid: Avoid) -> RouteReply:
+        fleet = await self.fleet(fresh=bool(avoid))
+        try:
+            worker = fallback_pick(fleet, num_tokens, self._buckets, request_id, avoid)
+        except LookupError as exc:
+            raise self.unavailable(f"no router is running (nothing answers {subjects.route(self.config.namespace)}) "
+                                   f"and no combined worker can take the request: {exc}",
+                                   code="router_unavailable") from exc
+        return RouteReply(prefill_instance=worker, decode_instance=worker)
+
+    async def _repick(self, request_id: str, num_tokens: int, avoid: Avoid, reply: RouteReply) -> RouteReply:
+        """The router named an instance this request failed on (it ignores exclusions, or still lists a dead
+        instance): choose without it from the registry, with the router's own choice functions."""
+        try:
+            prefill, decode = repick(await self.fleet(fresh=True), num_tokens, self._buckets, request_id, avoid)
+        except LookupError as exc:
+            raise self.unavailable(f"no live instance besides {avoid} (which failed this request): {exc}") from exc
+        log.info("router pick avoided", extra={"request_id": request_id, "router": reply.prefill_instance,
+                                                 "instead": prefill})
+        return RouteReply(prefill_instance=prefill, decode_instance=decode)
+
+    # --- generation with failover -----------------------------------------------------------------
 
     async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams
                        ) -> AsyncIterator[TokenChunk]:
-        route = await self.route(request_id, token_ids)
-        stream = subjects.stream(self.config.namespace, request_id)
-        sub = await self._bus.subscribe(stream, TokenChunk)
-        finished = False
+        await self._check_fits(len(token_ids), sampling.max_tokens)
+        cfg = self.config
+        avoid = Avoid()
+        deadline = time.monotonic() + cfg.failover_timeout_s
+        for attempt in range(cfg.max_attempts):
+            attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
+            sent = False
+            try:
+                async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid):
+                    sent = True
+                    yield chunk
+                return
+            except PeerFailed as exc:
+                if sent or attempt + 1 >= cfg.max_attempts or time.monotonic() >= deadline:
+                    if not sent and attempt:
+                        exc.message = f"{exc.message} (after {attempt + 1} attempts)"
+                    exc.retry_after_s = cfg.retry_after_s
+                    raise
+                avoid.add(exc.instance, exc.decode)
+                metrics.FAILOVERS.inc()
+                log.info("retrying on another instance", extra={"request_id": request_id, "attempt": attempt + 1,
+                                                                "failed": exc.instance, "error": exc.message})
+
+    async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid
+                       ) -> AsyncIterator[TokenChunk]:
+        """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy."""
+        route = await self.route(attempt_id, token_ids, avoid)
+        stream = subjects.stream(self.config.namespace, attempt_id)
         try:
-            await self._submit(route, request_id, token_ids, sampling, stream)
+            sub = await self._bus.subscribe(stream, TokenChunk)
+        except Exception as exc:
+            raise self._control_plane("subscribing to the stream", exc) or self.unavailable(repr(exc)) from exc
+        finished = sent = False
+        try:
+            await self._submit(route, attempt_id, token_ids, sampling, stream)
             watch = {route.prefill_instance, route.decode_instance}
-            async for chunk in self._chunks(sub, request_id, watch):
+            async for chunk in self._chunks(sub, attempt_id, watch, route):
                 if chunk.finish_reason is not None:
                     finished = True
-                if chunk.finish_reason == WireFinishReason.ERROR and chunk.retryable:
-                    raise BackendError(503, f"server is at capacity: {chunk.error}", code="server_busy",
-                                       retry_after_s=self.config.retry_after_s)
                 if chunk.finish_reason == WireFinishReason.ERROR:
-                    raise BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
+                    raise await self._chunk_error(chunk, route, sent)
+                sent = True
                 yield chunk
                 if finished:
                     return
         finally:
-            self._spawn(self._close(sub, request_id, abort=not finished))
+            self._spawn(self._close(sub, attempt_id, abort=not finished))
+
+    async def _chunk_error(self, chunk: TokenChunk, route: RouteReply, sent: bool) -> BackendError:
+        """The error of a worker's error chunk: capacity (503 server_busy); before the first chunk, a peer of the
+        attempt that is gone (its death caused the error: PeerFailed, retried); else the worker's own (500: after
+        the first chunk the sender is the streaming worker, alive since it sent this)."""
+        if chunk.retryable:
+            return self.unavailable(f"server is at capacity: {chunk.error}", code="server_busy")
+        if sent:
+            return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
+        await asyncio.sleep(0.05)  # a peer's death can reach the worker a moment before NATS notices it
+        for instance in sorted({route.prefill_instance, route.decode_instance}):
+            try:
+                await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
+                                    self.config.liveness_interval_s, f"probing {instance}")
+            except BusError as exc:
+                return PeerFailed(f"worker {instance} is gone ({exc}); the request failed with: {chunk.error}",
+                                  instance, decode=_is_decode(route, instance))
+        return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
 
     async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
                       stream: str) -> None:
@@ -162,48 +334,65 @@ class NatsBackend:
                               stream_subject=stream, decode_instance=decode)
         target = route.prefill_instance
         try:
-            ack = await self._bus.request(subjects.generate(self.config.namespace, target), msg, GenerateAck,
-                                          self.config.ack_timeout_s)
+            ack = await self._request(subjects.generate(self.config.namespace, target), msg, GenerateAck,
+                                      self.config.ack_timeout_s, f"sending the request to {target}")
         except NoResponders as exc:
-            raise BackendError(503, f"worker {target} is not reachable (gone?)") from exc
+            raise PeerFailed(f"worker {target} is not reachable (gone?)", target) from exc
         except BusTimeout as exc:
-            raise BackendError(503, f"worker {target} did not accept the request within "
-                                    f"{self.config.ack_timeout_s}s") from exc
+            raise PeerFailed(f"worker {target} did not accept the request within "
+                             f"{self.config.ack_timeout_s}s", target) from exc
         except RemoteError as exc:
-            raise BackendError(503, f"worker {target} refused the request: {exc.message}") from exc
+            if exc.code is ErrorCode.UNAVAILABLE:
+                raise PeerFailed(f"worker {target} refused the request: {exc.message}", target,
+                                 code="worker_busy") from exc
+            raise self.unavailable(f"worker {target} refused the request: {exc.message}") from exc
+        except BusError as exc:
+            raise self.unavailable(f"worker {target}: {exc}") from exc
+        if ack.status == AckStatus.BUSY:  # draining: another instance takes it
+            raise PeerFailed(ack.message or f"worker {target} is busy", target, code="worker_busy")
         if ack.status != AckStatus.ACCEPTED:
             status, code = _ACK_STATUS[ack.status]
             raise BackendError(status, ack.message or f"worker {target}: {ack.status.value}", code=code)
 
-    async def _chunks(self, sub, request_id: str, watch: set[str]) -> AsyncIterator[TokenChunk]:
+    async def _chunks(self, sub, request_id: str, watch: set[str], route: RouteReply) -> AsyncIterator[TokenChunk]:
         cfg = self.config
         last = time.monotonic()
-        misses: dict[str, int] = {}
+        live = _Liveness()
         first = True
         while True:
             try:
                 chunk = await sub.next(cfg.liveness_interval_s)
             except BusTimeout:
                 if time.monotonic() - last > cfg.idle_timeout_s:
-                    raise BackendError(503, f"request {request_id}: no tokens for {cfg.idle_timeout_s}s") from None
-                await self._probe(watch, misses)
+                    raise self.unavailable(f"request {request_id}: no tokens for {cfg.idle_timeout_s}s") from None
+                await self._probe(watch, live, route)
                 continue
             last = time.monotonic()
             if first and chunk.instance_id:
                 watch, first = {chunk.instance_id}, False  # from now on only the streaming worker matters
             yield chunk
 
-    async def _probe(self, instances: set[str], misses: dict[str, int]) -> None:
+    async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply) -> None:
+        misses = live.misses
+        if not self._bus.is_connected:  # no probe can answer: not the workers' fault, until the reconnect bound
+            now = time.monotonic()
+            live.disconnected_since = live.disconnected_since or now
+            if now - live.disconnected_since > self.config.reconnect_bound_s:
+                raise self.unavailable(f"the control plane (NATS) is unreachable for over "
+                                       f"{self.config.reconnect_bound_s}s; workers {sorted(instances)} cannot be "
+                                       "reached", code="control_plane_unavailable")
+            return
+        live.disconnected_since = None
         for instance in sorted(instances):
             try:
-                await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(),
-                                        HealthReply, self.config.liveness_interval_s)
+                await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
+                                    self.config.liveness_interval_s, f"probing {instance}")
                 misses[instance] = 0
             except BusError as exc:
                 misses[instance] = misses.get(instance, 0) + 1
                 if misses[instance] >= self.config.liveness_misses:
-                    raise BackendError(503, f"worker {instance} is gone ({misses[instance]} health probes "
-                                            f"failed, last: {exc})", code="worker_gone") from exc
+                    raise PeerFailed(f"worker {instance} is gone ({misses[instance]} health probes failed, last: "
+                                     f"{exc})", instance, decode=_is_decode(route, instance)) from exc
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -216,7 +405,7 @@ class NatsBackend:
         if abort:
             try:
                 await self._bus.publish(subjects.abort(self.config.namespace),
-                                        AbortRequest(request_id=request_id, reason="client left"))
+                                        AbortRequest(request_id=request_id, reason="client left or attempt failed"))
             except Exception as exc:
                 log.warning("could not publish abort", extra={"request_id": request_id, "error": repr(exc)})
 
@@ -226,5 +415,6 @@ class NatsBackend:
             await asyncio.wait(set(self._cleanup), timeout=timeout)
 
 
-async def list_workers_of(registry, timeout: float) -> list[RegistryEntry]:
-    return await registry.list(Role.WORKER, timeout=timeout)
+def _is_decode(route: RouteReply, instance: str) -> bool:
+    """Is `instance` the attempt's separate decode worker (not its prefill or combined worker)?"""
+    return instance == route.decode_instance and instance != route.prefill_instance

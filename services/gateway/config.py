@@ -41,13 +41,20 @@ class GatewayConfig(ServiceConfig):
     max_queued: int = Field(default=256, ge=0, description="requests waiting for a slot; beyond that: 429")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait for a slot before 429")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After (seconds) sent with 429 and with 503 server_busy")
-    page_size: int = Field(default=16, ge=1, description="KV page size for the route's block-hash chain")
+    page_size: int = Field(default=16, ge=1, description="KV page size of the route's block-hash chain until a worker advertises its kv_page_size label")
     route_timeout_s: float = Field(default=2.0, gt=0, description="max wait for the router's answer")
     ack_timeout_s: float = Field(default=30.0, gt=0, description="max wait for a worker to accept a request")
     liveness_interval_s: float = Field(
         default=1.0, gt=0, description="without tokens for this long, the gateway probes the worker's health"
     )
     liveness_misses: int = Field(default=2, ge=1, description="failed probes in a row after which a worker is gone")
+    max_attempts: int = Field(
+        default=3, ge=1, description="attempts of one request: before its first token, a request whose worker is "
+        "gone or refuses as busy is retried on another instance (1 = no failover)")
+    failover_timeout_s: float = Field(
+        default=30.0, gt=0, description="no retry starts later than this after the request's first attempt")
+    reconnect_bound_s: float = Field(
+        default=10.0, gt=0, description="NATS unreachable this long fails a waiting request (control plane down)")
     idle_timeout_s: float = Field(
         default=300.0, gt=0, description="longest gap between two chunks of a live worker before the request fails"
     )

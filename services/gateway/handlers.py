@@ -1,4 +1,4 @@
-"""Gateway HTTP app: OpenAI-compatible API, /health, /metrics.
+"""Gateway HTTP app: OpenAI-compatible API, /health (/health/live, /health/ready), /metrics.
 
 The registry and the downstream are reached through injected objects (`ListServices`, `Api.backend`)
 so the app runs in tests without NATS. Status codes: 400 bad request (malformed JSON, an unsupported
@@ -52,6 +52,7 @@ from services.gateway.protocol import (
     error_body,
     validation_status,
 )
+from services.gateway.readiness import CachedListing, serving_path
 
 ListServices = Callable[[], Awaitable[list[RegistryEntry]]]
 
@@ -351,6 +352,44 @@ class HeaderLimit:
         await self.app(scope, receive, send)
 
 
+def _json_doc(description: str, properties: dict[str, Any], retry_after: bool = False) -> dict[str, Any]:
+    doc: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": {
+        "type": "object", "properties": properties, "required": ["status"]}}}}
+    if retry_after:
+        doc["headers"] = {"Retry-After": {"description": "seconds before probing again",
+                                          "schema": {"type": "string"}}}
+    return doc
+
+
+_STR = {"type": "string"}
+_STRS = {"type": "array", "items": _STR}
+_HEALTH_BODY = {"status": {"type": "string", "enum": ["ok", "not_ready"]}, "gateway": _STR,
+                "services": {"type": "object", "additionalProperties": _STRS},
+                "instances": {"type": "array", "items": {"type": "object"}}, "ready": {"type": "boolean"},
+                "missing": _STRS, "model": _STR, "queue": {"type": "object"}}
+_HEALTH_DOC: dict[str, dict[str, Any]] = {
+    "live": _json_doc("the gateway process is up (liveness: says nothing about serving)",
+                      {"status": {"type": "string", "enum": ["live"]}, "gateway": _STR}),
+    "ready": _json_doc("a complete serving path is registered and fresh: a combined worker, or a router, a "
+                       "prefill worker and a decode worker with a KV transfer address",
+                       {"status": {"type": "string", "enum": ["ready"]}, "gateway": _STR}),
+    "not_ready": _json_doc("no complete serving path (`missing` names what the disaggregated one lacks), or the "
+                           "registry is unreachable (`status: unavailable`)",
+                           {"status": {"type": "string", "enum": ["not_ready", "unavailable"]}, "gateway": _STR,
+                            "missing": _STRS, "error": _STR}, retry_after=True),
+    "health": _json_doc("ready: the registry view grouped by role, each instance's entry, the queue", _HEALTH_BODY),
+    "health_503": _json_doc("not ready (the same body, `status: not_ready`), or the registry is unreachable "
+                            "(`status: unavailable`, `error`)",
+                            {**_HEALTH_BODY, "status": {"type": "string", "enum": ["not_ready", "unavailable"]},
+                             "error": _STR}, retry_after=True),
+}
+
+
+def _unavailable(exc: Exception, retry_after: str) -> JSONResponse:
+    return JSONResponse({"status": "unavailable", "error": f"registry unreachable: {exc}"}, status_code=503,
+                        headers={"Retry-After": retry_after})
+
+
 def build_app(list_services: ListServices, instance_id: str, api: Api | None = None,
               max_header_bytes: int = 16384) -> FastAPI:
     """The gateway app; without `api` only /health, /metrics and the docs exist."""
@@ -361,28 +400,46 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
     app.add_middleware(CountRequests)
     _add_docs(app, api)
 
-    health_responses: dict[int | str, dict[str, Any]] = {
-        503: {"description": "the registry is unreachable", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"status": {"type": "string"}, "error": {"type": "string"}}}}}},
-        **_errors(),
-    }
+    retry_after = str(api.retry_after_s if api is not None else 1)
+    probe = CachedListing(list_services)  # readiness probes poll often: one registry read per 0.5 s
 
-    @app.get("/health", responses=health_responses)
+    @app.get("/health/live", responses={200: _HEALTH_DOC["live"], **_errors()})
+    async def live() -> Response:
+        return JSONResponse({"status": "live", "gateway": instance_id})
+
+    @app.get("/health/ready", responses={200: _HEALTH_DOC["ready"], 503: _HEALTH_DOC["not_ready"], **_errors()})
+    async def ready() -> Response:
+        try:
+            entries = await probe()
+        except Exception as exc:  # registry unreachable: not ready, and say why
+            return _unavailable(exc, retry_after)
+        path = serving_path(entries, time.time())
+        if path.ready:
+            return JSONResponse({"status": "ready", "gateway": instance_id})
+        return JSONResponse({"status": "not_ready", "gateway": instance_id, "missing": list(path.missing),
+                             "error": path.reason}, status_code=503, headers={"Retry-After": retry_after})
+
+    @app.get("/health", responses={200: _HEALTH_DOC["health"], 503: _HEALTH_DOC["health_503"], **_errors()})
     async def health() -> Response:
         try:
             entries = await list_services()
         except Exception as exc:  # registry unreachable: say so instead of a bare 500
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
+            return _unavailable(exc, retry_after)
+        path = serving_path(entries, time.time())
         body: dict[str, Any] = {
-            "status": "ok",
+            "status": "ok" if path.ready else "not_ready",
             "gateway": instance_id,
             "services": group_by_role(entries),
             "instances": [e.model_dump(mode="json", exclude={"schema_version"}) for e in entries],
+            "ready": path.ready,
+            "missing": list(path.missing),
         }
         if api is not None:
             body["model"] = api.model_name
             body["queue"] = {"in_flight": api.admission.in_flight, "queued": api.admission.queued}
-        return JSONResponse(body)
+        if path.ready:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": retry_after})
 
     metrics_doc: dict[int | str, dict[str, Any]] = {
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},

@@ -6,6 +6,8 @@ REQUESTS = Counter("windserve_gateway_requests_total", "HTTP API requests by end
 IN_FLIGHT = Gauge("windserve_gateway_in_flight", "Requests running downstream")
 QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission slot")
 REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
+FAILOVERS = Counter("windserve_gateway_failovers_total",
+                    "Attempts retried on another instance (a worker gone or busy before the first token)")
 DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
 PROMPT_TOKENS = Counter("windserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens served from a prefix cache")

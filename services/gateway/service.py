@@ -68,21 +68,18 @@ class GatewayService(Service):
         assert self.registry is not None
         return await self.registry.list(timeout=self.config.registry_timeout_s)
 
-    async def _list_workers(self) -> list[RegistryEntry]:
-        assert self.registry is not None
-        return await self.registry.list(Role.WORKER, timeout=self.config.registry_timeout_s)
-
     async def _build_api(self) -> handlers.Api:
         from libs.model.tokenizer import load_tokenizer  # heavy import, only where the API is served
 
         cfg = self.config
         assert self.bus is not None
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model or None)
-        self.backend = NatsBackend(self.bus, self._list_workers, BackendConfig(
+        self.backend = NatsBackend(self.bus, self._list_services, BackendConfig(
             page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
             liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
-            retry_after_s=cfg.retry_after_s,
+            retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
+            reconnect_bound_s=cfg.reconnect_bound_s,
         ))
         return handlers.Api(
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,

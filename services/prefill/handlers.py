@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from libs.bus import RemoteError
+from libs.bus import NoResponders, RemoteError, Unavailable
 from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
 from libs.transfer import KVTransferEngine, TransferStats
@@ -74,13 +75,14 @@ class HandoffStats:
     full_equivalent_bytes: int = 0
     transfer_seconds: float = 0.0  # time spent sending (send_layer / finish), overlapped with the prefill
     failures: int = 0
-    rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full"
+    rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full" or was gone
+    waited: int = 0  # requests that waited for decode room (every decode worker full when they came)
 
     def as_details(self) -> dict[str, str]:
         return {"kv_requests": str(self.requests), "kv_bytes_sent": str(self.bytes_sent),
                 "kv_full_equivalent_bytes": str(self.full_equivalent_bytes),
                 "kv_transfer_seconds": f"{self.transfer_seconds:.6f}", "kv_failures": str(self.failures),
-                "kv_rerouted": str(self.rerouted)}
+                "kv_rerouted": str(self.rerouted), "kv_waited": str(self.waited)}
 
 
 class HandoffError(RuntimeError):
@@ -108,12 +110,15 @@ class PrefillWorker:
     """Runs GenerateRequests in the prefill role. `transfer` is a started libs.transfer engine.
 
     segment_pages: full-layer pages per streamed KV segment (None: one engine step's worth,
-    max_num_batched_tokens // page_size; 0: one segment, sent once the whole prompt is computed)."""
+    max_num_batched_tokens // page_size; 0: one segment, sent once the whole prompt is computed).
+    decode_wait_s / decode_wait_queue: a request that every decode worker refuses as full waits up to
+    decode_wait_s for room (before any compute), at most decode_wait_queue requests at once (0 s: no wait)."""
 
     def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, prepare: Prepare,
                  publish: Publish, *, commit: Commit, prepare_timeout_s: float = 10.0,
                  transfer_timeout_s: float = 60.0, reroute: Reroute | None = None, decode_attempts: int = 3,
-                 segment_pages: int | None = None, tasks: RequestTasks | None = None) -> None:
+                 segment_pages: int | None = None, tasks: RequestTasks | None = None, decode_wait_s: float = 0.0,
+                 decode_wait_queue: int = 64) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
@@ -124,6 +129,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.reroute = reroute
         self.decode_attempts = decode_attempts
+        self.decode_wait_s = decode_wait_s
+        self.decode_wait_queue = decode_wait_queue
+        self.waiting = 0  # requests waiting for decode room now
         cfg = engine.core.config
         if segment_pages is None:
             segment_pages = max(1, cfg.max_num_batched_tokens // cfg.page_size)
@@ -153,7 +161,7 @@ class PrefillWorker:
         """The whole lifecycle of one request (module doc); never raises (errors go to the stream)."""
         h = _Handoff()
         try:
-            h.decode, reply = await self._prepare_decode(req)  # 1. decode reserves pages
+            h.decode, reply = await self._reserve_decode(req)  # 1. decode reserves pages (waits for room)
             h.sender = await self._open_stream(req, reply)  # 2. the transfer, its header = the whole plan
             first = await self._prefill(req, h)  # 3. compute; segments leave as they are done
             if first is None:
@@ -181,15 +189,53 @@ class PrefillWorker:
             await self._clean_up(req.request_id, h)  # 6.
 
     # ------------------------------------------------------------------ 1. decode reservation
-    async def _prepare_decode(self, req: GenerateRequest) -> tuple[str, KVPrepareReply]:
-        """kv_prepare on the routed decode worker; when it answers "full" (UNAVAILABLE), ask the router for
-        another one, up to decode_attempts workers in all. Returns the worker that took it and its reply."""
+    async def _reserve_decode(self, req: GenerateRequest) -> tuple[str, KVPrepareReply]:
+        """`_prepare_decode`, and when every decode worker tried is full: wait (bounded, before any compute) and
+        try again on the router's current pick, up to decode_wait_s, with at most decode_wait_queue requests
+        waiting at once; then DecodesFull (the client's 503 + Retry-After)."""
+        try:
+            return await self._prepare_decode(req, req.decode_instance)
+        except DecodesFull as exc:
+            if self.decode_wait_s <= 0:
+                raise
+            if self.waiting >= self.decode_wait_queue:
+                raise DecodesFull(f"{exc}; {self.waiting} requests already wait for decode room (the limit)") from exc
+            last = exc
+        self.waiting += 1
+        self.stats.waited += 1
+        deadline = time.monotonic() + self.decode_wait_s
+        delay = 0.05
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                # between attempts, never around one: a kv_prepare cut short could leave pages reserved
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(2 * delay, 0.5)
+                try:
+                    return await self._prepare_decode(req, await self._current_decode(req))
+                except DecodesFull as exc:
+                    last = exc
+        finally:
+            self.waiting -= 1
+        raise DecodesFull(f"no decode worker had room within {self.decode_wait_s}s: {last}")
+
+    async def _current_decode(self, req: GenerateRequest) -> str:
+        """The router's pick for the request now (the routed one when the router cannot say)."""
+        if self.reroute is not None:
+            with contextlib.suppress(Exception):
+                return await self.reroute(req.request_id, len(req.token_ids), [])
+        return req.decode_instance
+
+    async def _prepare_decode(self, req: GenerateRequest, decode: str) -> tuple[str, KVPrepareReply]:
+        """kv_prepare on `decode`; when it answers "full" (UNAVAILABLE) or is gone (no responders: it died and
+        the registry still lists it), ask the router for another one, up to decode_attempts workers in all.
+        Returns the worker that took it and its reply."""
         core = self.engine.core
         prep = KVPrepareRequest(
             request_id=req.request_id, token_ids=list(req.token_ids), sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
             segment_pages=self.segment_pages, prefill_instance=self.instance_id)
-        decode, refused = req.decode_instance, []
+        full: list[str] = []
+        gone: list[str] = []
         while True:
             try:
                 async with asyncio.timeout(self.prepare_timeout_s):
@@ -199,19 +245,22 @@ class PrefillWorker:
                 raise HandoffError(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
             except Exception as exc:
-                # only "full" (UNAVAILABLE) is worth another decode worker
-                if not isinstance(exc, RemoteError) or exc.code is not ErrorCode.UNAVAILABLE or self.reroute is None:
+                # only "full" (UNAVAILABLE) or "gone" is worth another decode worker
+                # (Unavailable itself when the decode worker is called in-process, as in tests)
+                is_full = isinstance(exc, Unavailable) or (isinstance(exc, RemoteError)
+                                                           and exc.code is ErrorCode.UNAVAILABLE)
+                if not (is_full or isinstance(exc, NoResponders)) or self.reroute is None:
                     raise HandoffError(f"decode {decode} refused the request: {exc}") from exc
-                refused.append(decode)
-                if len(refused) >= self.decode_attempts:
-                    raise DecodesFull(f"decode workers {refused} refused the request: {exc.message}") from exc
+                (full if is_full else gone).append(decode)
+                tried = full + gone
+                if len(tried) >= self.decode_attempts:
+                    raise _no_decode(full, gone, str(exc)) from exc
                 try:
-                    decode = await self.reroute(req.request_id, len(req.token_ids), refused)
+                    decode = await self.reroute(req.request_id, len(req.token_ids), tried)
                 except Exception as route_exc:
-                    raise DecodesFull(f"decode {refused[-1]} refused the request ({exc.message}) and no other "
-                                      f"decode worker was found: {route_exc}") from route_exc
+                    raise _no_decode(full, gone, f"{exc}; no other decode worker was found: {route_exc}") from route_exc
                 self.stats.rerouted += 1
-                log.info("hand-off rerouted", extra={"request": req.request_id, "refused": refused, "to": decode})
+                log.info("hand-off rerouted", extra={"request": req.request_id, "refused": tried, "to": decode})
 
     # ------------------------------------------------------------------ 2-3. transfer and prefill
     async def _open_stream(self, req: GenerateRequest, reply: KVPrepareReply) -> KVSender:
@@ -343,3 +392,12 @@ class PrefillWorker:
                 await self.publish(req.stream_subject, chunk)
         except Exception as exc:  # NATS gone: the gateway's own bound reports the failure
             log.warning("could not publish final chunk", extra={"request": req.request_id, "error": repr(exc)})
+
+
+def _no_decode(full: list[str], gone: list[str], why: str) -> HandoffError:
+    """The error when no decode worker took the request: DecodesFull (retryable, worth a wait) when one of
+    them was full, else a plain HandoffError naming the dead ones (the gateway fails the attempt over)."""
+    if full:
+        return DecodesFull(f"decode workers {full} refused the request (full)"
+                           + (f" and {gone} are gone" if gone else "") + f": {why}")
+    return HandoffError(f"decode workers {gone} are gone (no responders): {why}")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
-from libs.engine.request import FinishReason, Request, SamplingParams
+from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
 from libs.engine.stopping import check_stop
 
@@ -106,6 +106,8 @@ class DisaggEngineCore(EngineCore):
             cache.abort(req.req_id)
             raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
         self.pending[req.req_id] = _Pending(req, hit.tokens)
+        if sch.admissions is not None:  # the decode-side hit: the pages prefill does not ship
+            sch.admissions.append(AdmittedHit(req.req_id, len(prompt), hit.tokens))
         full, swa = cache.page_tables(req.req_id)
         return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))
 

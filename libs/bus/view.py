@@ -1,0 +1,210 @@
+"""A local view of the service registry, kept by its watcher: readers ask a dict, never the store.
+
+    view = RegistryView(registry)
+    view.add_listener(on_change)            # (JOIN | LEAVE, entry): a worker came or went
+    await view.start()                      # one listing (bounded), then the watch keeps it
+    view.live(time.time())                  # the fresh entries, sorted by key
+    await view.stop()
+
+How it stays right:
+- **Watch**: `Registry.watch(refreshes=True)` delivers every put (joins, heartbeat refreshes carrying the new
+  load) and every leave marker (deregistration, TTL expiry on the server).
+- **Listings** resync it: one at start, one after every watch error (then the watch restarts, with backoff),
+  one every `resync_interval_s` (a watcher that went quiet after a reconnect is not noticed otherwise). A
+  listing and the watch race: a key the watch changed while the listing ran keeps the watch's version.
+- **Freshness**: an entry whose heartbeat is older than its TTL is dropped (`RegistryEntry.fresh`), whatever
+  the store says or whether its leave marker was seen: a SIGKILLed instance leaves the view within its TTL
+  (+ `slack_s` + one `prune_interval_s`), and a stale entry of an earlier run never joins.
+- A re-registration under the same key with another `started_at` (a restart faster than the TTL) is a
+  LEAVE of the old entry then a JOIN of the new one.
+
+Every wait is bounded (`list_timeout_s`); listeners run synchronously in the view's task and must not block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats.errors
+
+from libs.bus.errors import BusError
+from libs.bus.registry import Registry, RegistryEvent, RegistryEventKind, entry_key
+from protos.messages import RegistryEntry, Role
+
+log = logging.getLogger("windserve.registry")
+
+ViewListener = Callable[[RegistryEventKind, RegistryEntry], None]
+"""Called with (JOIN, the new entry) or (LEAVE, the last entry seen of the instance that went)."""
+
+
+@dataclass(frozen=True)
+class ViewConfig:
+    list_timeout_s: float = 2.0
+    """Most time one listing may take."""
+    retry_s: float = 0.5
+    """Wait before restarting a failed watch; doubles per failure in a row, up to `retry_max_s`."""
+    retry_max_s: float = 10.0
+    prune_interval_s: float = 0.5
+    """How often entries past their TTL are dropped."""
+    resync_interval_s: float = 60.0
+    """A full listing this often besides the watch (0 = only at start and after watch errors)."""
+    slack_s: float = 1.0
+    """Clock skew allowed on an entry's freshness (`RegistryEntry.fresh`)."""
+
+    def __post_init__(self) -> None:
+        if min(self.list_timeout_s, self.retry_s, self.retry_max_s, self.prune_interval_s) <= 0:
+            raise ValueError("ViewConfig: timeouts and intervals must be > 0")
+        if self.resync_interval_s < 0 or self.slack_s < 0:
+            raise ValueError("ViewConfig: resync_interval_s and slack_s must be >= 0")
+
+
+class RegistryView:
+    """The registry's entries (of one role, or all) as a local dict kept by the watcher (module docstring)."""
+
+    def __init__(self, registry: Registry, role: Role | None = None, config: ViewConfig | None = None) -> None:
+        self._registry = registry
+        self._role = role
+        self.config = config or ViewConfig()
+        self._entries: dict[str, RegistryEntry] = {}
+        self._version = 0  # bumped by every change; `_changed[key]` = the version of the key's last change
+        self._changed: dict[str, int] = {}
+        self._listeners: list[ViewListener] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lock = asyncio.Lock()  # one listing at a time
+        self._listed_at = float("-inf")  # monotonic time of the last successful listing
+        self.resyncs = 0
+        """Successful listings (start, watch errors, periodic, `resync_if_older`)."""
+        self.watch_errors = 0
+
+    # ------------------------------------------------------------------ reading
+
+    def add_listener(self, listener: ViewListener) -> None:
+        self._listeners.append(listener)
+
+    def entries(self) -> list[RegistryEntry]:
+        """Every entry held, sorted by key (fresh or not: `live` filters)."""
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def live(self, now: float, role: Role | None = None) -> list[RegistryEntry]:
+        """The entries fresh at unix time `now` (optionally of one role), sorted by key."""
+        return [e for e in self.entries()
+                if (role is None or e.role is role) and e.fresh(now, self.config.slack_s)]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> bool:
+        """List once (bounded), then keep the view by the watch. False when that first listing failed (the
+        watch fills the view anyway, and the next resync retries)."""
+        ok = await self.resync()
+        self._tasks = [asyncio.create_task(self._watch_loop(), name="registry-view-watch"),
+                       asyncio.create_task(self._maintain_loop(), name="registry-view-maintain")]
+        return ok
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)  # bounded; a cancelled task raises nothing here
+
+    async def resync(self) -> bool:
+        """One listing merged into the view (JOIN / LEAVE for what it finds changed); keys the watch changed
+        meanwhile keep the watch's version. False (logged) when the listing failed or timed out."""
+        async with self._lock:
+            before = self._version
+            try:
+                listed = await self._registry.list(self._role, timeout=self.config.list_timeout_s)
+            except (TimeoutError, BusError, nats.errors.Error) as exc:
+                log.warning("registry listing failed", extra={"bucket": self._registry.bucket, "error": repr(exc)})
+                return False
+            found = {entry_key(e.role, e.instance_id): e for e in listed}
+            untouched = [k for k in {*found, *self._entries} if self._changed.get(k, -1) <= before]
+            for key in untouched:
+                if key in found:
+                    self._put(key, found[key])
+                else:
+                    self._drop(key)
+            self._changed = {k: v for k, v in self._changed.items() if k in self._entries or v > before}
+            self._listed_at = time.monotonic()
+            self.resyncs += 1
+            return True
+
+    async def resync_if_older(self, age_s: float) -> bool:
+        """Resync when the last listing is older than `age_s` (a reader that found nothing it needs: the
+        watch may not have delivered a join yet). False when no listing ran or it failed."""
+        if time.monotonic() - self._listed_at < age_s:
+            return False
+        return await self.resync()
+
+    def prune(self, now: float) -> None:
+        """Drop the entries past their TTL at unix time `now` (LEAVE for each)."""
+        for key, entry in list(self._entries.items()):
+            if not entry.fresh(now, self.config.slack_s):
+                self._drop(key)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _watch_loop(self) -> None:
+        delay = self.config.retry_s
+        while True:
+            try:
+                async for event in self._registry.watch(self._role, refreshes=True):
+                    self._on_event(event)
+                    delay = self.config.retry_s
+                log.warning("registry watch ended; restarting", extra={"bucket": self._registry.bucket})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.watch_errors += 1
+                log.warning("registry watch failed; restarting", extra={"bucket": self._registry.bucket,
+                                                                       "error": repr(exc), "retry_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.config.retry_max_s)
+            await self.resync()
+
+    async def _maintain_loop(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.prune_interval_s)
+            self.prune(time.time())
+            if cfg.resync_interval_s:
+                await self.resync_if_older(cfg.resync_interval_s)
+
+    def _on_event(self, event: RegistryEvent) -> None:
+        if event.kind is RegistryEventKind.LEAVE:
+            self._drop(event.key)
+        elif event.entry is not None:
+            self._put(event.key, event.entry)
+
+    def _put(self, key: str, entry: RegistryEntry) -> None:
+        if not entry.fresh(time.time(), self.config.slack_s):
+            return  # a stale entry the store kept (a persisted store across restarts): never a join
+        self._touch(key)
+        old = self._entries.get(key)
+        self._entries[key] = entry
+        if old is not None and old.started_at != entry.started_at:
+            self._notify(RegistryEventKind.LEAVE, old)  # restarted under the same id before its TTL ran out
+            old = None
+        if old is None:
+            self._notify(RegistryEventKind.JOIN, entry)
+
+    def _drop(self, key: str) -> None:
+        self._touch(key)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._notify(RegistryEventKind.LEAVE, old)
+
+    def _touch(self, key: str) -> None:
+        self._version += 1
+        self._changed[key] = self._version
+
+    def _notify(self, kind: RegistryEventKind, entry: RegistryEntry) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, entry)
+            except Exception:
+                log.exception("registry view listener failed", extra={"instance": entry.instance_id})

@@ -1,0 +1,72 @@
+"""Readiness: does the registry hold a complete serving path? (docs/reliability.md)
+
+A path is complete with one fresh combined worker (the gateway reaches it even without a router), or
+with a fresh router, prefill worker and decode worker that has a KV transfer address (the gateway
+reaches prefill and decode only through the router's pick). `serving_path` is pure; `CachedListing`
+keeps probes (compose healthchecks, Kubernetes, load balancers polling every second) from each
+costing a registry scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from protos.messages import RegistryEntry, Role
+
+ListEntries = Callable[[], Awaitable[list[RegistryEntry]]]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    missing: tuple[str, ...] = ()  # what the disaggregated path lacks (when there is no combined worker)
+
+    @property
+    def reason(self) -> str:
+        """One sentence naming what is missing (empty when ready)."""
+        if self.ready:
+            return ""
+        return ("no complete serving path is registered: no combined worker, and the disaggregated path "
+                f"lacks {', '.join(self.missing)} (still starting or loading the model?)")
+
+
+def serving_path(entries: Iterable[RegistryEntry], now: float) -> Readiness:
+    """Pure: whether the fresh entries at unix time `now` form a complete serving path."""
+    fresh = [e for e in entries if e.fresh(now)]
+    roles = {e.role for e in fresh}
+    if Role.WORKER in roles:
+        return Readiness(True)
+    missing = []
+    if Role.ROUTER not in roles:
+        missing.append("a router")
+    if Role.PREFILL not in roles:
+        missing.append("a prefill worker")
+    if not any(e.role == Role.DECODE and e.address for e in fresh):
+        missing.append("a decode worker with a KV transfer address")
+    return Readiness(not missing, tuple(missing))
+
+
+class CachedListing:
+    """`list_entries()` reused for `max_age_s` seconds; concurrent callers share one registry read.
+    A failed read is not cached (the next probe tries again)."""
+
+    def __init__(self, list_entries: ListEntries, max_age_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_age_s < 0:
+            raise ValueError(f"max_age_s must be >= 0, got {max_age_s}")
+        self._list = list_entries
+        self._max_age_s = max_age_s
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._entries: list[RegistryEntry] = []
+        self._read_at: float | None = None
+
+    async def __call__(self) -> list[RegistryEntry]:
+        async with self._lock:
+            if self._read_at is None or self._clock() - self._read_at > self._max_age_s:
+                self._entries = await self._list()
+                self._read_at = self._clock()
+            return list(self._entries)

@@ -1,0 +1,125 @@
+"""KV-affinity routing end to end (#11): real nats-server, gateway, router(s) and workers as processes with
+the tiny model, 12 multi-turn chat sessions sent turn by turn through the `openai` client.
+
+The reference is one worker serving the same sessions alone: its cached share of the follow-up prompt
+tokens (`usage.prompt_tokens_details.cached_tokens`) is what a cluster would give if every turn found its
+cache. A cluster behind the KV-affinity router must keep at least 0.9 of it, while no worker serves more
+than 1.5x the mean number of requests (aggregated with one router, with two router replicas, and
+disaggregated with 2 prefill + 2 decode workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.fixtures.services import ServiceGroup
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+SESSIONS, TURNS = 12, 4
+ENGINE = {"WINDSERVE_PAGE_SIZE": "16", "WINDSERVE_NUM_FULL_PAGES": "1024", "WINDSERVE_NUM_SWA_PAGES": "512",
+          "WINDSERVE_BUCKET_EDGES": "[]"}
+MIN_SHARE_OF_ONE_WORKER = 0.9
+MAX_REQUESTS_OVER_MEAN = 1.5
+
+
+def session_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+
+
+async def run_sessions(url: str) -> tuple[int, int]:
+    """Send SESSIONS chats turn by turn (each turn of every session concurrently, then the next turn: a
+    follow-up repeats the whole conversation so far). Returns (cached, prompt) tokens of the follow-ups."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    rng = random.Random(11)
+    convs = [[{"role": "system", "content": f"You are agent {s}. " + session_text(rng, 300)}] for s in range(SESSIONS)]
+    cached = prompt = 0
+
+    async def turn(conv: list[dict[str, str]], t: int) -> tuple[int, int]:
+        conv.append({"role": "user", "content": session_text(rng, 60)})
+        resp = await client.chat.completions.create(model="windserve-tiny", messages=conv, max_tokens=12,
+                                                    temperature=0, seed=t)
+        conv.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
+        usage = resp.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0, usage.prompt_tokens
+
+    try:
+        for t in range(TURNS):
+            results = await asyncio.gather(*(turn(c, t) for c in convs))
+            if t:
+                cached += sum(r[0] for r in results)
+                prompt += sum(r[1] for r in results)
+    finally:
+        await client.close()
+    return cached, prompt
+
+
+def deploy(nats_url: str, logs, services: dict[str, str]) -> ServiceGroup:
+    group = ServiceGroup(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING", "UCX_TLS": "tcp,self",
+                                              "UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error", **ENGINE})
+    try:
+        for instance, service in services.items():
+            group.start(instance, service)
+        group.wait_ready(90)
+    except Exception:
+        group.stop()
+        raise
+    return group
+
+
+async def served(group: ServiceGroup, instances: list[str]) -> dict[str, int]:
+    return {i: int((await group.details(i))["accepted"]) for i in instances}
+
+
+@pytest.fixture(scope="module")
+def one_worker_share(nats_server, tmp_path_factory) -> Iterator[float]:
+    group = deploy(nats_server.url, tmp_path_factory.mktemp("aff-one"),
+                   {"gw": "gateway", "router": "router", "w0": "worker"})
+    try:
+        cached, prompt = asyncio.run(run_sessions(group.url))
+    finally:
+        group.stop()
+    assert cached > 0.3 * prompt, (cached, prompt)  # the reference itself reuses most of each conversation
+    yield cached / prompt
+
+
+@pytest.mark.parametrize("routers", [1, 2])
+async def test_four_workers_keep_one_workers_hits_and_share_the_load(nats_server, tmp_path, one_worker_share,
+                                                                     routers):
+    workers = [f"w{i}" for i in range(4)]
+    services = {"gw": "gateway", **{f"router{r}": "router" for r in range(routers)},
+                **{w: "worker" for w in workers}}
+    group = deploy(nats_server.url, tmp_path, services)
+    try:
+        cached, prompt = await run_sessions(group.url)
+        counts = await served(group, workers)
+    finally:
+        group.stop()
+    print(f"\naffinity e2e, 4 workers, {routers} router(s): cached share {cached / prompt:.3f} "
+          f"(one worker {one_worker_share:.3f}), requests per worker {counts}")
+    assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share)
+    mean = sum(counts.values()) / len(counts)
+    assert sum(counts.values()) == SESSIONS * TURNS and max(counts.values()) <= MAX_REQUESTS_OVER_MEAN * mean, counts
+
+
+async def test_disaggregated_pairs_keep_one_workers_hits(nats_server, tmp_path, one_worker_share):
+    prefills, decodes = ["p0", "p1"], ["d0", "d1"]
+    services = {"gw": "gateway", "router": "router", **{p: "prefill" for p in prefills},
+                **{d: "decode" for d in decodes}}
+    group = deploy(nats_server.url, tmp_path, services)
+    try:
+        cached, prompt = await run_sessions(group.url)
+        counts = await served(group, prefills)
+    finally:
+        group.stop()
+    print(f"\naffinity e2e, 2 prefill + 2 decode: cached share {cached / prompt:.3f} "
+          f"(one worker {one_worker_share:.3f}), requests per prefill {counts}")
+    assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share)
+    mean = sum(counts.values()) / len(counts)
+    assert max(counts.values()) <= MAX_REQUESTS_OVER_MEAN * mean, counts

@@ -1,0 +1,282 @@
+"""Gateway failover over a real nats-server, with workers that are small fakes on the bus (the failure
+modes are what is under test: gone, busy, dying before or after the first chunk, a router that ignores
+exclusions, no router, NATS down); plus the pure size check and fallback choice (services/gateway/failover.py).
+The same paths on real processes: tests/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import pytest
+
+from libs.bus import Bus
+from protos import subjects
+from protos.messages import (
+    AbortRequest,
+    AckStatus,
+    GenerateAck,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    RegistryEntry,
+    Role,
+    RouteReply,
+    RouteRequest,
+    ServiceState,
+    TokenChunk,
+    WireFinishReason,
+    WireSamplingParams,
+    WorkerLoad,
+)
+from services.gateway import metrics
+from services.gateway.backend import BackendConfig, BackendError, NatsBackend, PeerFailed
+from services.gateway.failover import Avoid, Registered, fallback_pick, too_large
+from tests.fixtures.nats import start_nats_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+NS = "fo"
+SAMPLING = WireSamplingParams(max_tokens=4)
+
+
+def entry(instance: str, role: Role = Role.WORKER, running: int = 0, **kw) -> RegistryEntry:
+    return RegistryEntry(role=role, instance_id=instance, load=WorkerLoad(running=running), **kw)
+
+
+class FakeWorker:
+    """A combined worker on the bus. mode: ok (4 tokens), busy (acks BUSY), silent (accepts, sends nothing),
+    first_then_die (one token, then its subjects go away), error (accepts, sends an error chunk)."""
+
+    def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
+        self.bus, self.instance, self.mode = bus, instance, mode
+        self.requests: list[str] = []
+        self.aborts: list[str] = []
+        self._subs: list = []
+
+    async def start(self) -> FakeWorker:
+        self._subs.append(await self.bus.serve(subjects.generate(NS, self.instance), GenerateRequest, self._generate))
+        self._subs.append(await self.bus.serve(subjects.health(NS, self.instance), HealthRequest, self._health))
+        aborts = await self.bus.subscribe(subjects.abort(NS), AbortRequest)
+        self._abort_task = asyncio.create_task(self._collect_aborts(aborts))
+        return self
+
+    async def _collect_aborts(self, sub) -> None:
+        async for msg in sub:
+            self.aborts.append(msg.request_id)
+
+    async def die(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs.clear()
+
+    async def _health(self, _: HealthRequest) -> HealthReply:
+        return HealthReply(role=Role.WORKER, instance_id=self.instance, state=ServiceState.RUNNING, uptime_s=1,
+                           in_flight=0)
+
+    async def _generate(self, req: GenerateRequest) -> GenerateAck:
+        self.requests.append(req.request_id)
+        if self.mode == "busy":
+            return GenerateAck(request_id=req.request_id, instance_id=self.instance, status=AckStatus.BUSY,
+                               message=f"{self.instance} is draining")
+        if self.mode != "silent":
+            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(self._stream(req)))
+        return GenerateAck(request_id=req.request_id, instance_id=self.instance)
+
+    async def _stream(self, req: GenerateRequest) -> None:
+        def chunk(**kw) -> TokenChunk:
+            return TokenChunk(request_id=req.request_id, instance_id=self.instance, **kw)
+        if self.mode == "error":
+            await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, error="engine broke"))
+            return
+        await self.bus.publish(req.stream_subject, chunk(token_ids=[1]))
+        if self.mode == "first_then_die":
+            await self.die()
+            return
+        await self.bus.publish(req.stream_subject, chunk(token_ids=[2, 3, 4], finish_reason=WireFinishReason.LENGTH))
+
+
+def backend(bus: Bus, entries: list[RegistryEntry], **kw) -> NatsBackend:
+    async def list_services() -> list[RegistryEntry]:
+        return entries
+    cfg = dict(namespace=NS, liveness_interval_s=0.2, liveness_misses=2, ack_timeout_s=2, route_timeout_s=1,
+               fleet_cache_s=0.0)
+    return NatsBackend(bus, list_services, BackendConfig(**{**cfg, **kw}))
+
+
+async def run(b: NatsBackend, request_id: str = "req") -> list[TokenChunk]:
+    return [c async for c in b.generate(request_id, [5, 6, 7], SAMPLING)]
+
+
+async def test_gone_worker_is_retried_on_a_live_one(bus):
+    """The registry still lists a SIGKILLed worker (no responders): the request goes to the survivor, under a new
+    attempt id; the dead one is listed idle, so the fallback choice picks it first."""
+    ok = await FakeWorker(bus, "w-ok").start()
+    before = metrics.FAILOVERS._value.get()
+    chunks = await run(backend(bus, [entry("w-dead"), entry("w-ok", running=3)]))
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4]
+    assert ok.requests == ["req-r1"] and metrics.FAILOVERS._value.get() == before + 1
+
+
+async def test_busy_worker_is_retried_on_another(bus):
+    busy = await FakeWorker(bus, "w-busy", "busy").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await run(backend(bus, [entry("w-busy"), entry("w-ok", running=3)]))
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH
+    assert busy.requests == ["req"] and ok.requests == ["req-r1"]
+
+
+async def test_worker_dying_before_the_first_chunk_is_retried_and_its_attempt_aborted(bus):
+    silent = await FakeWorker(bus, "w-silent", "silent").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    b = backend(bus, [entry("w-silent"), entry("w-ok", running=3)])
+    task = asyncio.create_task(run(b))
+    async with asyncio.timeout(10):
+        while not silent.requests:
+            await asyncio.sleep(0.02)
+    await silent.die()  # accepted, then gone: its health probes fail
+    chunks = await asyncio.wait_for(task, 10)
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["req-r1"]
+    async with asyncio.timeout(5):
+        while "req" not in ok.aborts:  # the failed attempt was aborted downstream (every worker hears it)
+            await asyncio.sleep(0.02)
+    assert "req-r1" not in ok.aborts
+
+
+async def test_worker_dying_after_the_first_chunk_fails_with_503_not_retried(bus):
+    dying = await FakeWorker(bus, "w-dying", "first_then_die").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    got: list[TokenChunk] = []
+    with pytest.raises(PeerFailed) as err:
+        async for chunk in backend(bus, [entry("w-dying"), entry("w-ok", running=3)]).generate("req", [5], SAMPLING):
+            got.append(chunk)
+    assert [c.token_ids for c in got] == [[1]] and dying.requests == ["req"] and not ok.requests
+    assert err.value.status == 503 and "w-dying is gone" in err.value.message and err.value.retry_after_s == 1
+
+
+async def test_error_chunk_of_a_live_worker_is_500_and_not_retried(bus):
+    broken = await FakeWorker(bus, "w-broken", "error").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("w-broken"), entry("w-ok", running=3)]))
+    assert err.value.status == 500 and "engine broke" in err.value.message
+    assert broken.requests == ["req"] and not ok.requests
+
+
+async def test_every_worker_gone_is_503_with_retry_after(bus):
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("w-a"), entry("w-b", running=1)]))
+    assert err.value.status == 503 and err.value.retry_after_s == 1
+    assert "w-a" in err.value.message and "w-b" in err.value.message
+
+
+async def test_a_router_that_ignores_exclusions_is_overridden(bus):
+    """The router keeps answering the dead worker (as one that ignores exclude_instances would): the gateway
+    chooses the live one from the registry."""
+    asked: list[RouteRequest] = []
+
+    async def route(req: RouteRequest) -> RouteReply:
+        asked.append(req)
+        return RouteReply(prefill_instance="w-dead", decode_instance="w-dead")
+
+    await bus.serve(subjects.route(NS), RouteRequest, route)
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await run(backend(bus, [entry("w-dead"), entry("w-ok", running=3)]))
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["req-r1"]
+    assert [r.exclude_instances for r in asked] == [[], ["w-dead"]]
+
+
+async def test_no_router_with_a_disaggregated_fleet_names_the_router(bus):
+    entries = [entry("p-0", Role.PREFILL), entry("d-0", Role.DECODE, address="tcp://127.0.0.1:1")]
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, entries))
+    assert err.value.status == 503 and err.value.code == "router_unavailable"
+    assert "no router is running" in err.value.message and "start a router" in err.value.message
+    assert "no live worker in the registry" not in err.value.message
+
+
+async def test_nats_down_names_the_control_plane_not_the_worker():
+    """NATS dies while a request waits for its first chunk (the worker is alive): the error names the control
+    plane after the reconnect bound; a request sent while NATS is down says so at once."""
+    nats = start_nats_server(tempfile.mkdtemp(prefix="fo-nats-"))
+    bus = await Bus.connect(nats.url, name="fo", timeout=5.0)
+    try:
+        await FakeWorker(bus, "w-silent", "silent").start()
+        b = backend(bus, [entry("w-silent")], reconnect_bound_s=1.0)
+        task = asyncio.create_task(run(b))
+        await asyncio.sleep(0.5)
+        nats.stop()
+        with pytest.raises(BackendError) as err:
+            await asyncio.wait_for(task, 15)
+        assert err.value.code == "control_plane_unavailable" and "NATS" in err.value.message, err.value.message
+        assert "gone" not in err.value.message
+        with pytest.raises(BackendError) as again:
+            await asyncio.wait_for(run(b, "req2"), 15)
+        assert again.value.status == 503 and again.value.code == "control_plane_unavailable"
+    finally:
+        nats.stop()
+        await bus.close()
+
+
+async def test_too_large_for_every_worker_is_413_before_anything_is_sent(bus):
+    worker = await FakeWorker(bus, "w-small").start()
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("w-small", max_tokens=5)]))
+    assert err.value.status == 413 and "limit of 5" in err.value.message and not worker.requests
+
+
+# --- pure decisions ---------------------------------------------------------------------------------
+
+
+def test_too_large_needs_one_candidate_of_each_needed_role():
+    fleet = Registered.of([entry("p", Role.PREFILL, max_tokens=4096),
+                           entry("d-small", Role.DECODE, max_tokens=4096, max_prompt_tokens=512),
+                           entry("d-big", Role.DECODE, max_tokens=8192, max_prompt_tokens=1024)], now=0)
+    assert too_large(fleet, 1000, 100) is None  # d-big holds it
+    reason = too_large(fleet, 2000, 100)
+    assert reason is not None and "limit of 1024 prompt tokens of every live decode worker" in reason
+    reason = too_large(fleet, 100, 4000)
+    assert reason is not None and "4100 tokens exceeds the limit of 4096 of every live prefill worker" in reason
+    assert too_large(Registered.of([], now=0), 10**6, 1) is None  # nothing registered: routing says so
+    # aggregated: combined workers only; 0 = unknown limit
+    assert too_large(Registered.of([entry("w", max_tokens=0)], now=0), 10**6, 1) is None
+
+
+def test_stale_entries_are_not_candidates():
+    stale = entry("w-old", max_tokens=10).model_copy(update={"heartbeat_at": 100.0, "ttl_s": 5})
+    fleet = Registered.of([stale, entry("w-new", max_tokens=100)], now=1000.0)
+    assert [e.instance_id for e in fleet.workers] == ["w-new"]
+
+
+def test_the_chain_is_hashed_with_the_workers_advertised_page_size_and_seed():
+    """A chain made with another page size or seed than the workers' matches nothing in the router's index."""
+    labelled = entry("w").model_copy(update={"labels": {"kv_page_size": "4", "kv_hash_seed": "7"}})
+    assert Registered.of([entry("bare"), labelled], now=0).hash_layout() == (4, 7)
+    assert Registered.of([entry("bare")], now=0).hash_layout() is None
+
+
+def test_fallback_pick_skips_failed_workers_and_names_the_cause():
+    from libs.routing import LengthBuckets
+
+    buckets = LengthBuckets(())
+    fleet = Registered.of([entry("a"), entry("b", running=5)], now=0)
+    assert fallback_pick(fleet, 10, buckets, "r", Avoid()) == "a"
+    assert fallback_pick(fleet, 10, buckets, "r", Avoid(instances={"a"})) == "b"
+    with pytest.raises(LookupError, match="besides"):
+        fallback_pick(fleet, 10, buckets, "r", Avoid(instances={"a", "b"}))
+    with pytest.raises(LookupError, match="no live worker in the registry"):
+        fallback_pick(Registered.of([], now=0), 10, buckets, "r", Avoid())
+
+
+def test_repick_avoids_failed_prefill_and_decode():
+    from libs.routing import LengthBuckets
+    from services.gateway.failover import repick
+
+    fleet = Registered.of([entry("p-a", Role.PREFILL), entry("p-b", Role.PREFILL, running=4),
+                           entry("d-a", Role.DECODE, address="tcp://h:1"),
+                           entry("d-b", Role.DECODE, address="tcp://h:2", running=4)], now=0)
+    buckets = LengthBuckets(())
+    assert repick(fleet, 10, buckets, "r", Avoid()) == ("p-a", "d-a")
+    assert repick(fleet, 10, buckets, "r", Avoid(instances={"p-a"}, decodes={"d-a"})) == ("p-b", "d-b")
+    with pytest.raises(LookupError, match="prefill worker in the registry besides"):
+        repick(fleet, 10, buckets, "r", Avoid(instances={"p-a", "p-b"}))

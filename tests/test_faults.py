@@ -1,0 +1,119 @@
+"""The fault suite: SIGKILL of each role under concurrent streams, on real processes (nats-server, gateway,
+router, prefill, decode, combined workers), through plain HTTP (tests/fixtures/faults.py).
+
+Each case asserts what the clients see: a stream the killed instance was already streaming ends with an
+explicit SSE error event (never a hang); every other stream finishes (one before its first token is retried
+on a survivor); the requests sent after the kill succeed on the survivors; no 500 anywhere; the survivors'
+KV pools are back at baseline. Plus: a prompt that no decode worker can ever hold is refused with 413 before
+any prefill compute, and a dead router is named as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.fixtures.faults import Deployment, FaultResult, complete, deployment, kill_under_load, prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+ERROR_BOUND_S = 10.0  # kill -> explicit error of a stream on the killed instance (0.5 s probes x 2; busy cores)
+RECOVERY_BOUND_S = 10.0  # kill -> first later request served (typically well under 1 s: bench.faults)
+
+
+def check(result: FaultResult, may_fail: int) -> None:
+    """The suite's assertions on one fault; `may_fail` = streams that cannot be saved (they had tokens)."""
+    failed = [o for o in result.outcomes[:result.in_flight] if not o.ok]
+    assert result.status_500 == 0, [o for o in result.outcomes if o.is_500]
+    assert result.lost == 0, [o for o in failed if o.lost]
+    assert len(failed) <= may_fail, (result.headline(), failed)
+    for o in failed:  # explicit errors (SSE error events after the stream started), in bounded time
+        assert o.status == 200 and o.code and o.tokens > 0, o
+        assert o.ended_at - o.sent_at < 120 and result.error_after_s < ERROR_BOUND_S, result.headline()
+    assert result.later_failed == 0 and result.recovery_s < RECOVERY_BOUND_S, (result.headline(), result.outcomes)
+
+
+def assert_baseline(details: dict[str, dict[str, str]]) -> None:
+    for instance, d in details.items():
+        assert (d["running"], d["waiting"], d["kv_full_used"], d["kv_swa_used"]) == ("0", "0", "0", "0"), (instance, d)
+
+
+@pytest.fixture(scope="module")
+def disagg(nats_server, tmp_path_factory):
+    """2 prefill + 2 decode behind one gateway and one router. The prefill computes in 16-token steps, so a
+    ~400-token prompt spends a while before its first token (the window of a prefill kill)."""
+    dep = deployment(nats_server.url, tmp_path_factory.mktemp("faults-disagg"))
+    try:
+        dep.start_all({"gateway": 1, "router": 1, "prefill": 2, "decode": 2},
+                      {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "16"}})
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="module")
+def aggregated(nats_server, tmp_path_factory):
+    dep = deployment(nats_server.url, tmp_path_factory.mktemp("faults-agg"))
+    try:
+        dep.start_all({"gateway": 1, "router": 1, "worker": 2})
+        yield dep
+    finally:
+        dep.stop()
+
+
+def survivors(dep: Deployment, *roles: str) -> list[str]:
+    return [i for i in dep.procs if i.split("-")[0] in roles]
+
+
+async def test_prompt_no_decode_can_hold_is_413_before_any_prefill(disagg):
+    """Each decode's SWA pool (512 pages of 4 tokens) holds the whole arriving prompt: a longer one can never land.
+    It used to get 503 'server is at capacity' (retry!) after the prefill asked the decode workers."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = {i: int((await disagg.details(i))["accepted"]) for i in survivors(disagg, "prefill")}
+        out = await complete(client, disagg.url, prompt(1, 2100), 4)
+        assert out.status == 413 and out.code == "context_length_exceeded", out
+        assert "limit of 2048 prompt tokens" in out.message
+        after = {i: int((await disagg.details(i))["accepted"]) for i in before}
+        assert after == before  # no prefill worker saw it
+        ok = await complete(client, disagg.url, prompt(2, 2000), 4)  # below the limit: served
+        assert ok.ok, ok
+
+
+async def test_sigkill_decode_under_load(disagg):
+    result = await kill_under_load(disagg, "decode", "decode", streams=6, prompt_len=40, max_tokens=400,
+                                   before_first_token=False)
+    check(result, may_fail=result.victim_streams)
+    assert result.failed >= 1, result.headline()  # it held streams that had tokens: they cannot move
+    assert_baseline(await disagg.settled(survivors(disagg, "prefill", "decode")))
+
+
+async def test_sigkill_prefill_before_first_tokens(disagg):
+    """Prompts queued and computing on the killed prefill have sent no token: all are retried on the survivor."""
+    result = await kill_under_load(disagg, "prefill", "prefill", streams=6, prompt_len=400, max_tokens=8,
+                                   before_first_token=True)
+    check(result, may_fail=0)
+    assert result.failed == 0 and result.in_flight >= 1 and result.retried >= 1, result.headline()
+    assert_baseline(await disagg.settled(survivors(disagg, "prefill", "decode")))
+
+
+async def test_router_killed_is_named_in_the_error(disagg):
+    disagg.kill("router-0")
+    async with httpx.AsyncClient(timeout=30) as client:
+        out = await complete(client, disagg.url, prompt(3, 20), 4)
+    assert out.status == 503 and out.code == "router_unavailable", out
+    assert "no router is running" in out.message and "no live worker in the registry" not in out.message
+
+
+async def test_sigkill_combined_worker_under_load(aggregated):
+    result = await kill_under_load(aggregated, "worker", "worker", streams=6, prompt_len=40, max_tokens=400,
+                                   before_first_token=False)
+    check(result, may_fail=result.victim_streams)
+    assert result.failed >= 1, result.headline()
+    assert_baseline(await aggregated.settled(survivors(aggregated, "worker")))
+    # the router gone too: combined workers are still served (the gateway's registry fallback)
+    aggregated.kill("router-0")
+    async with httpx.AsyncClient(timeout=30) as client:
+        outs = await asyncio.gather(*(complete(client, aggregated.url, prompt(20 + k, 16), 4) for k in range(3)))
+    assert all(o.ok for o in outs), outs

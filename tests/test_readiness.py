@@ -1,0 +1,107 @@
+"""Gateway liveness vs readiness: the serving-path rule (pure), the cached probe, and the three health
+endpoints over the ASGI app (no NATS)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from protos.messages import RegistryEntry, Role
+from services.gateway.handlers import build_app
+from services.gateway.readiness import CachedListing, serving_path
+from tests.test_gateway import FakeBackend, make_api
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+NOW = 1_000_000.0
+
+
+def entry(role: Role, iid: str, address: str = "", heartbeat_at: float = NOW) -> RegistryEntry:
+    return RegistryEntry(role=role, instance_id=iid, address=address, heartbeat_at=heartbeat_at, ttl_s=2)
+
+
+def test_serving_path_needs_a_worker_or_router_prefill_and_decode_with_an_address():
+    assert serving_path([], NOW).missing == ("a router", "a prefill worker", "a decode worker with a KV transfer address")
+    assert serving_path([entry(Role.WORKER, "w")], NOW).ready
+    disagg = [entry(Role.ROUTER, "r"), entry(Role.PREFILL, "p"), entry(Role.DECODE, "d", address="ucx://d")]
+    assert serving_path(disagg, NOW).ready
+    no_address = [*disagg[:2], entry(Role.DECODE, "d")]
+    path = serving_path(no_address, NOW)
+    assert not path.ready and path.missing == ("a decode worker with a KV transfer address",)
+    assert "lacks a decode worker with a KV transfer address" in path.reason
+    assert serving_path(disagg[1:], NOW).missing == ("a router",)  # the gateway reaches them only via the router
+    assert serving_path([entry(Role.GATEWAY, "g"), entry(Role.DECODE, "d", "ucx://d")], NOW).missing == (
+        "a router", "a prefill worker")
+
+
+def test_serving_path_ignores_stale_entries():
+    stale = entry(Role.WORKER, "ghost", heartbeat_at=NOW - 60)
+    assert not serving_path([stale], NOW).ready
+    assert serving_path([stale, entry(Role.WORKER, "w")], NOW).ready
+
+
+async def test_cached_listing_reads_the_registry_once_per_max_age_and_retries_failures():
+    calls = 0
+    clock = [0.0]
+
+    async def listing():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise TimeoutError("registry down")
+        return [entry(Role.WORKER, f"w{calls}")]
+
+    cached = CachedListing(listing, max_age_s=0.5, clock=lambda: clock[0])
+    assert [e.instance_id for e in await cached()] == ["w1"]
+    await asyncio.gather(cached(), cached())
+    assert calls == 1
+    clock[0] = 0.6
+    assert [e.instance_id for e in await cached()] == ["w2"] and calls == 2
+    clock[0] = 1.2
+    with pytest.raises(TimeoutError):
+        await cached()
+    assert [e.instance_id for e in await cached()] == ["w4"]  # the failure was not cached
+
+
+async def test_health_endpoints_tell_live_from_ready():
+    entries: list[RegistryEntry] = []
+
+    async def listing():
+        return list(entries)
+
+    app = build_app(listing, "gw-r", make_api(FakeBackend()))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        live = await c.get("/health/live")
+        assert live.status_code == 200 and live.json() == {"status": "live", "gateway": "gw-r"}
+        ready = await c.get("/health/ready")
+        assert ready.status_code == 503 and ready.headers["retry-after"] == "3"
+        assert ready.json()["status"] == "not_ready" and "a prefill worker" in ready.json()["missing"]
+        assert "no complete serving path" in ready.json()["error"]
+        health = await c.get("/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "3"
+        assert health.json()["ready"] is False and health.json()["services"] == {}
+
+        entries.extend([entry(Role.ROUTER, "r", heartbeat_at=time.time()),
+                        entry(Role.WORKER, "w", heartbeat_at=time.time() - 60)])  # a ghost worker
+        assert (await c.get("/health")).status_code == 503
+        entries.append(entry(Role.WORKER, "w2", heartbeat_at=time.time()))
+        health = await c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["ready"] is True
+        assert health.json()["services"]["worker"] == ["w", "w2"]  # the body lists what the registry listed
+        await asyncio.sleep(0.6)  # the readiness probe re-reads the registry after 0.5 s
+        ready = await c.get("/health/ready")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "gateway": "gw-r"}
+
+
+async def test_ready_is_503_with_the_cause_when_the_registry_is_unreachable():
+    async def broken():
+        raise TimeoutError("listing registry bucket windserve_registry took over 2s")
+
+    app = build_app(broken, "gw-r")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        ready = await c.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
+        assert "registry unreachable" in ready.json()["error"] and ready.headers["retry-after"] == "1"
+        assert (await c.get("/health/live")).status_code == 200
