@@ -3,10 +3,12 @@
 from libs.kvcache.cache import KVCache
 from libs.kvcache.config import (
     DEFAULT_HASH_SEED,
+    ArenaPlan,
     MIMO_V25_PRO,
     KVCacheConfig,
     KVLayout,
     PoolPlan,
+    plan_arena,
     plan_pools,
     rebuild_span,
 )
@@ -14,6 +16,8 @@ from libs.kvcache.hashing import block_hashes
 from libs.kvcache.retention import POLICIES, RetentionContext, RetentionPlan, register_policy
 from libs.kvcache.types import (
     AdmitResult,
+    ArenaStats,
+    CacheStats,
     Direction,
     EventKind,
     Group,
@@ -27,8 +31,9 @@ from libs.kvcache.types import (
 )
 
 __all__ = [
-    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "Direction", "EventKind", "Group", "KVCache",
+    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "ArenaPlan", "ArenaStats", "CacheStats",
+    "Direction", "EventKind", "Group", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
-    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "rebuild_span",
+    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_arena", "plan_pools", "rebuild_span",
     "register_policy",
 ]

@@ -86,6 +86,20 @@ class Evictor:
                 self._rebuild(heap)
         return None
 
+    def peek_full(self) -> Node | None:
+        """The next full-LRU victim, left on the heap (the arena compares it with the SWA side first)."""
+        return self._peek(self._full, full_evictable, full_key)
+
+    def peek_swa(self) -> Node | None:
+        """The next SWA victim, left on the heap."""
+        return self._peek(self._swa, swa_evictable, self.swa_key)
+
+    def _peek(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int]) -> Node | None:
+        node = self._pop(heap, ok, key)
+        if node is not None:
+            heapq.heappush(heap, (key(node), -node.start, node.nid, node))
+        return node
+
     def swa_top_key(self) -> float:
         """The SWA LRU key of the next victim (stale entries at the top fixed first), inf if none."""
         heap = self._swa

@@ -71,12 +71,14 @@ class Running:
             if entry:
                 self._index.unlock(entry[0], entry[1], swa=entry[2])
             name, need, avail, free, cached, reserved = short
-            return AdmitResult(False, f"{name} pool cannot hold {seq_id!r}: needs {need} pages for {len(tokens)} "
+            unit = "units" if name == "arena" else "pages"
+            return AdmitResult(False, f"{name} pool cannot hold {seq_id!r}: needs {need} {unit} for {len(tokens)} "
                                       f"prompt + {max_new_tokens} new tokens (hit {seq.num_computed}), available "
                                       f"{avail} = free {free} + evictable {cached} - promised to running sequences "
                                       f"{reserved}", seq.full_cap, seq.swa_cap)
         if hit.full_tokens > hit.tokens:
             self._stats.rebuild_admitted(hit.full_tokens - hit.tokens)
+        self._stats.admitted(min(hit.raw_tokens, (len(tokens) - 1) // self.P * self.P), hit.tokens)
         if block_hashes is not None:
             seq.hashes = block_hashes[:len(tokens) // self.P]  # a slice is a copy: the caller may reuse its list
         elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
@@ -140,7 +142,7 @@ class Running:
         return False (state unchanged) when the pools cannot provide them even after eviction."""
         ledger = self._ledger
         need_s = len(holes) + new
-        if new - seq.full_outstanding() > ledger.avail_full() or need_s - seq.swa_outstanding() > ledger.avail_swa():
+        if not ledger.fits(max(0, new - seq.full_outstanding()), max(0, need_s - seq.swa_outstanding())):
             return False
         if not ledger.has_free(new, need_s):
             self._make_room(new, need_s)
