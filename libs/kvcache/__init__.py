@@ -3,8 +3,8 @@
 from libs.kvcache.cache import KVCache
 from libs.kvcache.config import (
     DEFAULT_HASH_SEED,
-    ArenaPlan,
     MIMO_V25_PRO,
+    ArenaPlan,
     KVCacheConfig,
     KVLayout,
     PoolPlan,
