@@ -203,10 +203,10 @@ class KVCache:
             leaf = evictor.peek_full()
             if leaf is not None:
                 units = fu * leaf.npages + su * leaf.n_swa
-                if leaf.is_tombstone():  # kept for a rebuild hit at its end: it saves what the rebuild skips
-                    saved = float(max(0, min(leaf.npages * P, leaf.end * P - S)))
-                else:
-                    saved = leaf.npages * P * weight(leaf.kinds)
+                # Not scaled by its checkpoint's kind: a leaf's full KV also serves a rebuild hit or the prefix of a
+                # longer prompt whose own checkpoint is elsewhere. A tombstone leaf (kept for rebuilds) saves what a
+                # rebuild at its end skips.
+                saved = leaf.npages * P if not leaf.is_tombstone() else max(0, min(leaf.npages * P, leaf.end * P - S))
                 best = (saved / (units * (clock - leaf.access)), 0, leaf)
             node = evictor.peek_swa()
             lazy = running.lazy_key()
@@ -219,7 +219,7 @@ class KVCache:
                 prunes = not node.children and node.lock == 0 and not node.host_swa_count() and (
                     not index.keeps_tombstone(node))
                 units = su * node.n_swa + (fu * node.npages if prunes else 0)
-                saved = node.npages * P
+                saved = _gap(node) * P
                 if S and not prunes and node.end * P > S:
                     saved = min(saved, S)  # a rebuild at its end recovers all but S tokens
                 score = saved * weight(node.kinds) / (units * (clock - node.swa_access))
@@ -254,6 +254,15 @@ class KVCache:
 
 
 _COLD_VALUE = 0.1  # a lazy page's kind is cold: its checkpoint is worth this share of a warm one
+
+
+def _gap(node: Node) -> int:
+    """Pages from the nearest ancestor holding SWA KV (a checkpoint a hit could fall back to) to `node`'s end:
+    what a hit ending at `node` loses when its checkpoint goes."""
+    start, p = node.start, node.parent
+    while p is not None and p.parent is not None and not (p.n_swa or p.host_swa_count()):
+        start, p = p.start, p.parent
+    return node.end - start
 
 
 def _count(slot: list[int], freed: int) -> None:
