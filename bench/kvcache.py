@@ -107,7 +107,7 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
     running: list[tuple[float, str]] = []
     queue: list[int] = []
     hit_tokens = input_tokens = dropped = peak = 0
-    t_ops = 0.0
+    t_ops = wait = 0.0
     for i, req in enumerate(reqs):
         queue.append(i)
         now = req.t
@@ -131,6 +131,7 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
                     break
                 queue.pop(0)
                 admitted_any = True
+                wait += now - reqs[j].t
                 hit_tokens += hit
                 input_tokens += len(reqs[j].prompt)
                 busy = (len(reqs[j].prompt) - hit) / PREFILL_TOK_PER_S + len(reqs[j].output) * DECODE_S_PER_TOK
@@ -151,7 +152,7 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
     # in the uncached prompt of the timing model above too).
     return {"hit_rate": hit_tokens / max(input_tokens, 1), "peak_running": peak, "dropped": dropped,
             "us_per_request": 1e6 * t_ops / max(n, 1), "rebuild_hits": rb.admitted,
-            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1)}
+            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1), "mean_wait_s": wait / max(n, 1)}
 
 
 def replay_sequential(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
@@ -172,7 +173,7 @@ def replay_sequential(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
     rb = cache.rebuild_stats()
     return {"hit_rate": hit_tokens / max(input_tokens, 1), "peak_running": 1, "dropped": dropped,
             "us_per_request": 1e6 * t_ops / max(len(reqs) - dropped, 1), "rebuild_hits": rb.admitted,
-            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1)}
+            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1), "mean_wait_s": 0.0}
 
 
 # ---------------------------------------------------------------- systems under one byte budget
@@ -367,12 +368,15 @@ def arena_vs_static(name: str, reqs: list[Request], budgets_gib: list[float], se
         arena = run(cache, reqs)
         st, use = cache.cache_stats(), cache.usage().arena
         static: dict[str, float] = {}
+        extra: dict[str, tuple[float, float]] = {}  # checkpoints_per_seq -> (peak running, mean wait s)
         for c in sorted(set(ckpts) | {DEFAULT_CKPTS}):
             try:
                 cfg = windserve_cfg(b, "checkpoints", seq_tokens, max_running, c, rebuild=True)
             except ValueError:  # the peak's windows alone exceed the budget: size the running share by the mean
                 cfg = windserve_cfg(b, "checkpoints", seq_tokens, 0, c, rebuild=True)
-            static[str(c)] = run(KVCache(cfg), reqs)["hit_rate"]
+            res = run(KVCache(cfg), reqs)
+            static[str(c)] = res["hit_rate"]
+            extra[str(c)] = (res["peak_running"], res["mean_wait_s"])
         best_c = max(static, key=lambda k: static[k])
         best, default = static[best_c], static.get(str(DEFAULT_CKPTS))
         rows.append({"trace": name, "mode": "sequential" if sequential else "overlapped", "budget_gib": gib,
@@ -380,7 +384,9 @@ def arena_vs_static(name: str, reqs: list[Request], budgets_gib: list[float], se
                      "default_static": default, "arena_over_best_static": arena["hit_rate"] / best if best else None,
                      "arena_over_default": arena["hit_rate"] / default if default else None,
                      "static_by_ckpts": static, "arena_us_per_request": arena["us_per_request"],
-                     "arena_dropped": arena["dropped"],
+                     "arena_dropped": arena["dropped"], "arena_peak_running": arena["peak_running"],
+                     "arena_mean_wait_s": arena["mean_wait_s"], "best_static_peak_running": extra[best_c][0],
+                     "best_static_mean_wait_s": extra[best_c][1],
                      "arena_evictions": {k: {"victims": v[0], "freed": v[1]} for k, v in st.evictions.items()},
                      "arena_swa_lost_tokens_share": st.swa_lost_tokens / max(st.raw_hit_tokens, 1),
                      "arena_end_units": None if use is None else dataclasses.asdict(use)})

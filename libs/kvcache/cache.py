@@ -211,8 +211,11 @@ class KVCache:
             node = evictor.peek_swa()
             lazy = running.lazy_key()
             if lazy is not None and (node is None or lazy <= evictor.swa_key(node)):
-                # a cold checkpoint page of a running sequence: a window's worth of hit, at a cold kind's weight
-                score = _COLD_VALUE * self.cfg.window / (su * (clock - lazy))
+                # a checkpoint page of a running sequence (taking it drops its window): it saves the prefix up
+                # to it (at most S with rebuilds), at its kind's weight
+                kinds, j = running.lazy_head()
+                saved = (j + 1) * P if not S else min((j + 1) * P, S)
+                score = weight(kinds) * saved / (su * self.cfg.window_pages * (clock - lazy))
                 if score < best[0]:
                     best = (score, 2, None)
             elif node is not None:
@@ -251,9 +254,6 @@ class KVCache:
         self.ledger.check_invariants(tree, seqs)  # with an arena: units free + cached + in use == arena
         self.evictor.check_invariants()
         self.stats.check_invariants(self.cfg.rebuild_tokens)
-
-
-_COLD_VALUE = 0.1  # a lazy page's kind is cold: its checkpoint is worth this share of a warm one
 
 
 def _gap(node: Node) -> int:

@@ -188,7 +188,7 @@ class Running:
             self._free_scratch(seq, min(lo, seq.scratch_end))
         if seq.keep_all or lo <= seq.swa_lo:
             return
-        ledger, cold = self._ledger, self._cold
+        ledger, cold, arena = self._ledger, self._cold, self.cfg.arena
         before = seq.swa_outstanding()
         spare = ledger.avail_swa()  # frees below do not change it: each freed page is promised back to seq
         spare_free = ledger.spare_free_swa()  # ... the part that evicts nothing
@@ -200,7 +200,7 @@ class Running:
             if s < 0:
                 continue
             kinds = seq.keep_kinds.get(j, 0) if j in seq.keep else 0
-            if kinds and cold(kinds) and (kinds & ~SPECULATIVE or spare_free > 0):
+            if kinds and (cold(kinds) or arena) and (kinds & ~SPECULATIVE or spare_free > 0):
                 # A cold kind's page is kept lazily: it becomes cached memory, reclaimed in SWA LRU order
                 # with the tree's cold checkpoints (before any warm one), so it never crowds out a promise
                 # or warm KV. Speculative pages (periodic: many per sequence, never reused yet) only take
@@ -315,6 +315,11 @@ class Running:
             self._ledger.from_lazy(0, freed)
             return True
         return False
+
+    def lazy_head(self) -> tuple[int, int]:
+        """(checkpoint kinds, logical page) of the oldest live lazy page (call after `lazy_key`)."""
+        stamp, j, sid = self._lazy_q[0]
+        return self.seqs[sid].keep_kinds.get(j, 0), j
 
     def lazy_key(self) -> int | None:
         """SWA LRU key of the oldest live lazy page (a cold checkpoint's key: its stamp), None if none."""
