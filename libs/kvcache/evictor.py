@@ -95,10 +95,21 @@ class Evictor:
         return self._peek(self._swa, swa_evictable, self.swa_key)
 
     def _peek(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int]) -> Node | None:
-        node = self._pop(heap, ok, key)
-        if node is not None:
-            heapq.heappush(heap, (key(node), -node.start, node.nid, node))
-        return node
+        """The top victim, fixing stale entries at the top in place (no pop and push of a valid one)."""
+        for attempt in range(2):
+            while heap:
+                acc, _, _, node = heap[0]
+                if not ok(node):
+                    heapq.heappop(heap)
+                    continue
+                k = key(node)
+                if k != acc:
+                    heapq.heapreplace(heap, (k, -node.start, node.nid, node))
+                    continue
+                return node
+            if attempt == 0:
+                self._rebuild(heap)
+        return None
 
     def swa_top_key(self) -> float:
         """The SWA LRU key of the next victim (stale entries at the top fixed first), inf if none."""
