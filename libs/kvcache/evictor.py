@@ -73,18 +73,10 @@ class Evictor:
         return self._pop(self._swa, swa_evictable, self.swa_key)
 
     def _pop(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int]) -> Node | None:
-        for attempt in range(2):
-            while heap:
-                acc, _, _, node = heapq.heappop(heap)
-                if not ok(node):
-                    continue
-                if key(node) != acc:
-                    heapq.heappush(heap, (key(node), -node.start, node.nid, node))
-                    continue
-                return node
-            if attempt == 0:
-                self._rebuild(heap)
-        return None
+        node = self._peek(heap, ok, key)
+        if node is not None:
+            heapq.heappop(heap)
+        return node
 
     def peek_full(self) -> Node | None:
         """The next full-LRU victim, left on the heap (the arena compares it with the SWA side first)."""
