@@ -1,7 +1,8 @@
-"""KV-cache benchmark: capacity in a byte budget, hit rate vs KV budget on the conversation trace, and the
-bookkeeping cost per request against a cache-disabled path.
+"""KV-cache benchmark: capacity in a byte budget, hit rate vs KV budget on the conversation trace, the one
+byte arena against static full/SWA splits on the conversation and the agentic trace (overlapped and sequential
+replay), and the bookkeeping cost per request against a cache-disabled path.
 
-    python -m bench.kvcache [--requests 2000] [--quick]
+    python -m bench.kvcache [--requests 2000] [--agentic-requests 1500] [--quick]
 
 Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget).
 """
@@ -9,17 +10,28 @@ Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from libs.kvcache import MIMO_V25_PRO, KVCache, KVCacheConfig, block_hashes, plan_pools, rebuild_span
+from bench import traces
+from libs.kvcache import (
+    MIMO_V25_PRO,
+    KVCache,
+    KVCacheConfig,
+    block_hashes,
+    plan_arena,
+    plan_pools,
+    rebuild_span,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = traces.TRACE  # ../shared/traces/conversation_trace.jsonl beside the checkout (or one level up)
 OUT = ROOT / "bench" / "results"
 BLOCK = 512  # trace block size (tokens per hash id)
 PAGE = 64
@@ -95,7 +107,7 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
     running: list[tuple[float, str]] = []
     queue: list[int] = []
     hit_tokens = input_tokens = dropped = peak = 0
-    t_ops = 0.0
+    t_ops = wait = 0.0
     for i, req in enumerate(reqs):
         queue.append(i)
         now = req.t
@@ -119,6 +131,7 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
                     break
                 queue.pop(0)
                 admitted_any = True
+                wait += now - reqs[j].t
                 hit_tokens += hit
                 input_tokens += len(reqs[j].prompt)
                 busy = (len(reqs[j].prompt) - hit) / PREFILL_TOK_PER_S + len(reqs[j].output) * DECODE_S_PER_TOK
@@ -139,10 +152,39 @@ def replay(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
     # in the uncached prompt of the timing model above too).
     return {"hit_rate": hit_tokens / max(input_tokens, 1), "peak_running": peak, "dropped": dropped,
             "us_per_request": 1e6 * t_ops / max(n, 1), "rebuild_hits": rb.admitted,
-            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1)}
+            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1), "mean_wait_s": wait / max(n, 1)}
+
+
+def replay_sequential(cache: KVCache, reqs: list[Request]) -> dict[str, float]:
+    """One request at a time, in trace order: each is served to the end and finished before the next."""
+    hit_tokens = input_tokens = dropped = 0
+    t_ops = 0.0
+    for j, req in enumerate(reqs):
+        t0 = time.perf_counter()
+        ok, hit = run_request(cache, f"r{j}", req)
+        if ok:
+            cache.finish(f"r{j}")
+        t_ops += time.perf_counter() - t0
+        if not ok:
+            dropped += 1
+            continue
+        hit_tokens += hit
+        input_tokens += len(req.prompt)
+    rb = cache.rebuild_stats()
+    return {"hit_rate": hit_tokens / max(input_tokens, 1), "peak_running": 1, "dropped": dropped,
+            "us_per_request": 1e6 * t_ops / max(len(reqs) - dropped, 1), "rebuild_hits": rb.admitted,
+            "rebuilt_tokens_share": rb.rebuilt_tokens / max(input_tokens, 1), "mean_wait_s": 0.0}
 
 
 # ---------------------------------------------------------------- systems under one byte budget
+
+
+def arena_cfg(budget: int, rebuild: bool = True) -> KVCacheConfig:
+    """Both groups on one arena of the budget: nothing to split, nothing to tune."""
+    plan = plan_arena(budget, LAYOUT, PAGE)
+    return KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=0, num_swa_pages=0, arena_units=plan.units,
+                         full_page_units=plan.full_page_units, swa_page_units=plan.swa_page_units,
+                         retention="checkpoints", checkpoint_align=BLOCK, rebuild_tokens=REBUILD_TOKENS if rebuild else 0)
 
 
 def windserve_cfg(budget: int, retention: str, seq_tokens: int, max_running: int, ckpts: float,
@@ -180,11 +222,12 @@ def budget_for(target: float, points: list[tuple[float, float]]) -> float | None
 # ---------------------------------------------------------------- the three measurements
 
 
-def capacity(budget: int = 80 * GIB, seq_tokens: int = 32 * 1024) -> dict[str, float]:
-    """Concurrent 32K-token sequences admitted (and fully prefilled) in one byte budget."""
+def capacity(budget: int = 80 * GIB, seq_tokens: int = 32 * 1024, arena: bool = False) -> dict[str, float]:
+    """Concurrent 32K-token sequences admitted (and fully prefilled) in one byte budget (planner split, or the
+    arena)."""
     plan = plan_pools(budget, LAYOUT, PAGE, WINDOW, seq_tokens)
-    cache = KVCache(KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=plan.num_full_pages,
-                                  num_swa_pages=plan.num_swa_pages))
+    cache = KVCache(arena_cfg(budget, rebuild=False) if arena else KVCacheConfig(
+        page_size=PAGE, window=WINDOW, num_full_pages=plan.num_full_pages, num_swa_pages=plan.num_swa_pages))
     n = 0
     while True:
         prompt = tuple(range(n * seq_tokens, (n + 1) * seq_tokens - 1))
@@ -218,19 +261,23 @@ def no_reuse_overhead(reqs: list[Request], repeats: int = 15) -> dict[str, objec
     hashes = [tuple(block_hashes(r.prompt, PAGE)) for r in uniq]  # tuples, as the prompts: untracked by the GC
     budget = 256 * GIB
     cfg = windserve_cfg(budget, "checkpoints", 14_000, 64, 2.0, rebuild=True)
-    res: dict[str, list[float]] = {"on": [], "on_hashing": [], "off": []}  # us per request, per pass
-    ratio_of: dict[str, list[float]] = {"on": [], "on_hashing": []}
+    cfg_arena = arena_cfg(budget)  # the arena: on and off both on one arena
+    res: dict[str, list[float]] = {"on": [], "on_hashing": [], "off": [], "arena": [], "arena_off": []}
+    ratio_of: dict[str, list[float]] = {"on": [], "on_hashing": [], "arena": []}
     for _ in range(repeats):
-        for mode in ("on", "on_hashing"):
-            us, us_off = _interleaved_pass(cfg, uniq, hashes if mode == "on" else None)
+        for mode in ("on", "on_hashing", "arena"):
+            us, us_off = _interleaved_pass(cfg_arena if mode == "arena" else cfg, uniq,
+                                           None if mode == "on_hashing" else hashes)
             res[mode].append(us)
-            if mode == "on":
-                res["off"].append(us_off)
+            if mode in ("on", "arena"):
+                res["off" if mode == "on" else "arena_off"].append(us_off)
             ratio_of[mode].append(us / us_off)
-    ratios, ratios_h = sorted(ratio_of["on"]), sorted(ratio_of["on_hashing"])
+    ratios, ratios_h, ratios_a = sorted(ratio_of["on"]), sorted(ratio_of["on_hashing"]), sorted(ratio_of["arena"])
     return {"us_per_request_cache": min(res["on"]), "us_per_request_cache_hashing": min(res["on_hashing"]),
             "us_per_request_disabled": min(res["off"]), "ratio": ratios[len(ratios) // 2],
             "ratio_hashing": ratios_h[len(ratios_h) // 2], "ratio_per_repeat": ratios, "requests": len(uniq),
+            "us_per_request_arena": min(res["arena"]), "us_per_request_arena_disabled": min(res["arena_off"]),
+            "ratio_arena": ratios_a[len(ratios_a) // 2], "ratio_arena_per_repeat": ratios_a,
             "budget_gib": budget / GIB,
             "measures": "match + admit + reserve/commit (2048-token prefill chunks, decode a page per commit) + "
                         "finish + drain_events, per request (process CPU time, interleaved request by request "
@@ -261,8 +308,8 @@ def hit_rate_sweep(reqs: list[Request], budgets_gib: list[float], ckpts: float) 
     oracle = replay(KVCache(oracle_cfg()), reqs)
     max_running = int(oracle["peak_running"])
     print(f"  oracle hit {oracle['hit_rate']:.3f}, peak running {max_running} ({time.perf_counter() - t0:.1f}s)")
-    curves: dict[str, list[tuple[float, float]]] = {"windserve": [], "windserve_no_rebuild": [], "single_pool": [],
-                                                    "tombstone": []}
+    curves: dict[str, list[tuple[float, float]]] = {"windserve_arena": [], "windserve": [],
+                                                    "windserve_no_rebuild": [], "single_pool": [], "tombstone": []}
     rebuilds: list[dict[str, float]] = []
     us: list[float] = []
     for gib in budgets_gib:
@@ -270,6 +317,8 @@ def hit_rate_sweep(reqs: list[Request], budgets_gib: list[float], ckpts: float) 
         for name in curves:
             if name == "single_pool":
                 cfg = single_pool_cfg(b)
+            elif name == "windserve_arena":
+                cfg = arena_cfg(b)
             else:
                 try:
                     cfg = windserve_cfg(b, "none" if name == "tombstone" else "checkpoints", seq_tokens,
@@ -296,16 +345,73 @@ def hit_rate_sweep(reqs: list[Request], budgets_gib: list[float], ckpts: float) 
             "rebuild_tokens": REBUILD_TOKENS, "windserve_rebuilds": rebuilds,
             "budget_gib_for_90pct_oracle": need, "memory_efficiency_at_90pct_oracle": efficiency("windserve"),
             "memory_efficiency_no_rebuild": efficiency("windserve_no_rebuild"),
+            "memory_efficiency_arena": efficiency("windserve_arena"),
             "us_per_request_trace": sum(us) / len(us) if us else None}
 
 
-def plot(sweep: dict[str, object], path: Path) -> None:
+CKPT_SWEEP = (0.5, 1.0, 1.25, 2.0, 3.0, 5.0)  # checkpoints_per_seq of the static splits the arena is held against
+DEFAULT_CKPTS = 1.25  # today's default split (the bench's --checkpoints-per-seq default)
+
+
+def arena_vs_static(name: str, reqs: list[Request], budgets_gib: list[float], sequential: bool,
+                    ckpts: tuple[float, ...] = CKPT_SWEEP) -> list[dict[str, Any]]:
+    """Per budget: the arena's hit rate, every static split's (plan_pools at each checkpoints_per_seq, the
+    running share from the oracle's peak), the best of them and today's default; the arena's cache stats."""
+    run = replay_sequential if sequential else replay
+    seq_tokens = int(sum(len(r.prompt) + len(r.output) for r in reqs) / len(reqs))
+    max_running = 1 if sequential else int(replay(KVCache(oracle_cfg()), reqs)["peak_running"])
+    rows = []
+    for gib in budgets_gib:
+        b = int(gib * GIB)
+        t0 = time.perf_counter()
+        cache = KVCache(arena_cfg(b))
+        arena = run(cache, reqs)
+        st, use = cache.cache_stats(), cache.usage().arena
+        static: dict[str, float] = {}
+        extra: dict[str, tuple[float, float]] = {}  # checkpoints_per_seq -> (peak running, mean wait s)
+        for c in sorted(set(ckpts) | {DEFAULT_CKPTS}):
+            try:
+                cfg = windserve_cfg(b, "checkpoints", seq_tokens, max_running, c, rebuild=True)
+            except ValueError:  # the peak's windows alone exceed the budget: size the running share by the mean
+                cfg = windserve_cfg(b, "checkpoints", seq_tokens, 0, c, rebuild=True)
+            res = run(KVCache(cfg), reqs)
+            static[str(c)] = res["hit_rate"]
+            extra[str(c)] = (res["peak_running"], res["mean_wait_s"])
+        best_c = max(static, key=lambda k: static[k])
+        best, default = static[best_c], static.get(str(DEFAULT_CKPTS))
+        rows.append({"trace": name, "mode": "sequential" if sequential else "overlapped", "budget_gib": gib,
+                     "arena": arena["hit_rate"], "best_static": best, "best_static_ckpts": float(best_c),
+                     "default_static": default, "arena_over_best_static": arena["hit_rate"] / best if best else None,
+                     "arena_over_default": arena["hit_rate"] / default if default else None,
+                     "static_by_ckpts": static, "arena_us_per_request": arena["us_per_request"],
+                     "arena_dropped": arena["dropped"], "arena_peak_running": arena["peak_running"],
+                     "arena_mean_wait_s": arena["mean_wait_s"], "best_static_peak_running": extra[best_c][0],
+                     "best_static_mean_wait_s": extra[best_c][1],
+                     "arena_evictions": {k: {"victims": v[0], "freed": v[1]} for k, v in st.evictions.items()},
+                     "arena_swa_lost_tokens_share": st.swa_lost_tokens / max(st.raw_hit_tokens, 1),
+                     "arena_end_units": None if use is None else dataclasses.asdict(use)})
+        print(f"  {name:12s} {rows[-1]['mode']:10s} {gib:6.0f} GiB: arena {arena['hit_rate']:.4f}  best static "
+              f"{best:.4f} (ckpts {best_c})  default {default if default is None else round(default, 4)}  -> "
+              f"{rows[-1]['arena_over_best_static']:.3f}x best  ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return rows
+
+
+def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8))
+    labels = [f"{r['trace'][:4]} {r['mode'][:3]}\n{r['budget_gib']:.0f}G" for r in compare]
+    x = range(len(compare))
+    for off, key, lab in ((-0.27, "arena", "arena"), (0.0, "best_static", "best static split (ckpt sweep)"),
+                          (0.27, "default_static", "default static split")):
+        bx.bar([i + off for i in x], [r[key] or 0 for r in compare], width=0.27, label=lab)  # type: ignore[misc]
+    bx.set_xticks(list(x), labels, fontsize=7)
+    bx.set_ylabel("hit tokens / input tokens")
+    bx.set_title("One arena vs static full/SWA splits")
+    bx.legend(fontsize=8)
     for name, pts in sweep["curves"].items():  # type: ignore[attr-defined]
         ax.plot([p["budget_gib"] for p in pts], [p["hit_rate"] for p in pts], marker="o", label=name)
     ax.axhline(sweep["oracle_hit_rate"], color="k", ls="--", label="unlimited-memory oracle")  # type: ignore[arg-type]
@@ -325,23 +431,35 @@ def main() -> None:
     ap.add_argument("--checkpoints-per-seq", type=float, default=1.25,
                     help="planner share of SWA checkpoints (hit at 512 GiB: 1.1: 0.253, 1.2: 0.259, 1.25: 0.260, "
                          "1.3: 0.258, 1.5: 0.258, 2: 0.257, 3: 0.248)")
+    ap.add_argument("--agentic-requests", type=int, default=1500, help="requests of the generated agentic trace")
     ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     reqs = load_trace(args.requests)
     print(f"kvcache bench: {len(reqs)} trace requests, page {PAGE}, window {WINDOW}, MiMo-V2.5-Pro bytes")
     cap = capacity()
+    cap_arena = capacity(arena=True)
     print(f"  capacity: {cap['admitted']} x 32K sequences in {cap['budget_gib']:.0f} GiB, "
-          f"theory {cap['theoretical_max']:.1f} -> ratio {cap['capacity_ratio_to_limit']:.3f}")
+          f"theory {cap['theoretical_max']:.1f} -> ratio {cap['capacity_ratio_to_limit']:.3f} (arena: "
+          f"{cap_arena['admitted']} -> {cap_arena['capacity_ratio_to_limit']:.3f})")
     over = no_reuse_overhead(reqs[:500])
     print(f"  no-reuse: {over['us_per_request_cache']:.0f} us/request with cache "
           f"({over['us_per_request_cache_hashing']:.0f} us hashing itself), {over['us_per_request_disabled']:.0f} us "
-          f"disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x)")
+          f"disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x); arena {over['us_per_request_arena']:.0f}"
+          f" vs {over['us_per_request_arena_disabled']:.0f} us -> {over['ratio_arena']:.2f}x")
     # Finer around the two 90%-of-oracle crossings (windserve ~0.5-1 TiB, single pool ~2-4 TiB): the budget
     # needed is interpolated log-linearly between neighbouring points.
     budgets = [64, 256, 1024, 4096] if args.quick else [32, 64, 128, 256, 384, 448, 512, 576, 640, 768, 1024,
                                                          1536, 2048, 2560, 3072, 3584, 4096, 8192]
     sweep = hit_rate_sweep(reqs, budgets, args.checkpoints_per_seq)
+    agentic = traces.agentic(args.agentic_requests)
+    conv = reqs[:500] if args.quick else reqs
+    compare: list[dict[str, Any]] = []
+    for sequential in (False, True):
+        compare += arena_vs_static("agentic", agentic, [4, 16] if args.quick else [4, 16, 64], sequential)  # type: ignore[arg-type]
+        compare += arena_vs_static("conversation", conv, [64, 256] if args.quick else [64, 256, 1024], sequential)
+    ratios = [r["arena_over_best_static"] for r in compare if r["arena_over_best_static"] is not None]
+    ratios_d = [r["arena_over_default"] for r in compare if r["arena_over_default"] is not None]
     result = {
         "trace": {"file": "shared/traces/conversation_trace.jsonl", "requests_used": len(reqs),
                   "note": f"first {len(reqs)} of 12,031 requests; block id b -> tokens b*512..b*512+511"},
@@ -349,12 +467,20 @@ def main() -> None:
                    "rebuild_tokens": REBUILD_TOKENS,
                    "checkpoints_per_seq": args.checkpoints_per_seq, "prefill_tok_per_s": PREFILL_TOK_PER_S,
                    "decode_s_per_tok": DECODE_S_PER_TOK, "prefill_chunk": PREFILL_CHUNK},
-        "capacity": cap, "capacity_ratio_to_limit": cap["capacity_ratio_to_limit"],
+        "capacity": cap, "capacity_ratio_to_limit": cap["capacity_ratio_to_limit"], "capacity_arena": cap_arena,
+        "capacity_ratio_to_limit_arena": cap_arena["capacity_ratio_to_limit"],
         "hit_rate": sweep, "memory_efficiency_at_90pct_oracle": sweep["memory_efficiency_at_90pct_oracle"],
         "no_reuse": over, "us_per_request": sweep["us_per_request_trace"],
+        "arena_over_best_static_min": min(ratios), "arena_over_default_min": min(ratios_d),  # type: ignore[type-var]
+        "arena_over_default_max": max(ratios_d),  # type: ignore[type-var]
+        "memory_efficiency_arena": sweep["memory_efficiency_arena"], "no_reuse_ratio": over["ratio"],
+        "no_reuse_ratio_arena": over["ratio_arena"],
+        "arena_vs_static": compare,
+        "agentic_trace": {"generator": "bench.traces.agentic", "requests": len(agentic),
+                          "ckpts_sweep": list(CKPT_SWEEP), "default_ckpts": DEFAULT_CKPTS},
     }
     (OUT / "kvcache.json").write_text(json.dumps(result, indent=2))
-    plot(sweep, OUT / "kvcache.png")
+    plot(sweep, OUT / "kvcache.png", compare)
     print(f"  oracle {sweep['oracle_hit_rate']:.4f}; budget for 90% of oracle: {sweep['budget_gib_for_90pct_oracle']}"
           f" -> memory efficiency {sweep['memory_efficiency_at_90pct_oracle']} (no rebuild: "
           f"{sweep['memory_efficiency_no_rebuild']})")

@@ -76,7 +76,7 @@ def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str
         names.append(sid)
         res = o.admit(sid, tokens, hit, r % 5)
         if not res.ok:
-            assert res.reason and ("full pool" in res.reason or "swa pool" in res.reason)
+            assert res.reason and any(f"{p} pool" in res.reason for p in ("full", "swa", "arena"))
         elif op in ("serve", "bserve"):  # the whole request at once: the tree fills with what later ops share
             _run_to_end(o, sid, 1 + r % 6)
             if cache.num_computed(sid) == len(o.running[sid].tokens):
@@ -180,6 +180,38 @@ def test_rebuild_hits_read_only_cached_full_kv_and_their_own_window(cfg: KVCache
     reference (full KV below E, R > any valid hit), every span read by the oracle engine (full < E cached, SWA
     >= R in the window), and scratch SWA KV of a span must never be read by a later hit."""
     _run(Oracle(KVCache(audit_tokens=True, config=cfg)), ops, _long_prompt)
+
+
+ARENA_SETTINGS = settings(SETTINGS, max_examples=150)
+
+ARENA_CONFIGS = st.builds(
+    lambda host, window, layers, **kw: KVCacheConfig(
+        num_host_full_pages=host, num_host_swa_pages=host // 2, window=window, num_full_pages=0, num_swa_pages=0,
+        rebuild_tokens=-(-(layers + 1) * window // 4) * 4 if layers else 0, **kw),
+    host=st.sampled_from([0, 24]),
+    page_size=st.sampled_from([4]),
+    window=st.sampled_from([4, 6, 8]),
+    layers=st.sampled_from([0, 1, 3]),  # 0: no rebuilds; else S = (layers + 1) windows (tombstone leaves kept)
+    arena_units=st.integers(30, 100),
+    full_page_units=st.sampled_from([1, 2]),
+    swa_page_units=st.sampled_from([1, 3, 6]),  # MiMo: an SWA page is 6 full pages' bytes
+    retention=st.sampled_from(["checkpoints", "none", "all"]),
+    checkpoint_align=st.sampled_from([0, 8]),
+    checkpoint_every_pages=st.sampled_from([0, 1, 3]),
+)
+
+
+@ARENA_SETTINGS
+@given(cfg=ARENA_CONFIGS, ops=REBUILD_OPS)
+def test_arena_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, ops: list[tuple[str, int]]) -> None:
+    """Both groups on one arena: the interleavings of the tests above (with and without rebuilds), with units
+    free + cached + in use == arena and promises within free + cached after every step (the ledger's audit),
+    SWA per running sequence <= window + page, every hit and read checked by the oracle, nothing leaked."""
+    o = Oracle(KVCache(audit_tokens=True, config=cfg))
+    _run(o, ops, _long_prompt if cfg.rebuild_tokens else _prompt)
+    a = o.cache.usage().arena
+    assert a is not None and a.full_in_use == a.swa_in_use == a.reserved == 0
+    assert a.free + a.full_cached + a.swa_cached == a.units == cfg.arena_units
 
 
 def _oracle_hit(tokens: list[int], cached: list[tuple[list[int], set[int]]], P: int, wp: int) -> tuple[int, int]:

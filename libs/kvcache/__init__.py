@@ -4,9 +4,11 @@ from libs.kvcache.cache import KVCache
 from libs.kvcache.config import (
     DEFAULT_HASH_SEED,
     MIMO_V25_PRO,
+    ArenaPlan,
     KVCacheConfig,
     KVLayout,
     PoolPlan,
+    plan_arena,
     plan_pools,
     rebuild_span,
 )
@@ -14,8 +16,10 @@ from libs.kvcache.hashing import block_hashes
 from libs.kvcache.retention import POLICIES, RetentionContext, RetentionPlan, register_policy
 from libs.kvcache.types import (
     AdmitResult,
+    ArenaStats,
     BlockHeld,
     CacheSnapshot,
+    CacheStats,
     Direction,
     EventKind,
     Group,
@@ -29,8 +33,9 @@ from libs.kvcache.types import (
 )
 
 __all__ = [
-    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "BlockHeld", "CacheSnapshot", "Direction", "EventKind", "Group", "KVCache",
+    "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "ArenaPlan", "ArenaStats", "BlockHeld",
+    "CacheSnapshot", "CacheStats", "Direction", "EventKind", "Group", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
-    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_pools", "rebuild_span",
+    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "plan_arena", "plan_pools", "rebuild_span",
     "register_policy",
 ]

@@ -19,13 +19,14 @@ running sequence its lifetime growth (`reserved`), and nothing is handed out unl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from libs.kvcache.config import KVCacheConfig
 from libs.kvcache.events import EventLog
 from libs.kvcache.evictor import Evictor
 from libs.kvcache.index import PrefixIndex
-from libs.kvcache.ledger import PageLedger
+from libs.kvcache.ledger import ArenaLedger, PageLedger
 from libs.kvcache.retention import ReuseStats
 from libs.kvcache.running import Running
 from libs.kvcache.sequence import SeqAllocation
@@ -34,6 +35,7 @@ from libs.kvcache.tree import Node, held_blocks
 from libs.kvcache.types import (
     AdmitResult,
     CacheSnapshot,
+    CacheStats,
     KVEvent,
     PageCopy,
     PoolUsage,
@@ -41,15 +43,20 @@ from libs.kvcache.types import (
     RebuildStats,
 )
 
+EVICTION_REASONS = ("full", "swa", "swa_leaf", "lazy", "tombstone_pruned")
+
 
 class KVCache:
     def __init__(self, config: KVCacheConfig, audit_tokens: bool = False) -> None:
         """`audit_tokens` (tests): remember each cached page's tokens so `check_invariants` can recompute every
         node's hash chain (the tree itself stores only hashes)."""
         self.cfg = config
-        self.stats = ReuseStats()
+        self.stats = ReuseStats(censor=config.arena)
         self.events = EventLog(config.max_pending_events, config.window_pages)
-        self.ledger = PageLedger(config.num_full_pages, config.num_swa_pages)
+        self.arena = ArenaLedger(config.arena_units, config.full_page_units, config.swa_page_units) if (
+            config.arena) else None
+        self.ledger: PageLedger = self.arena or PageLedger(config.num_full_pages, config.num_swa_pages)
+        self._evictions: dict[str, list[int]] = {r: [0, 0] for r in EVICTION_REASONS}  # reason -> victims, freed
         self.host = HostTier(config.num_host_full_pages, config.num_host_swa_pages, self.events) if (
             config.num_host_full_pages) else None
         self.tiers: tuple[LowerTier, ...] = (self.host,) if self.host is not None else ()
@@ -151,7 +158,16 @@ class KVCache:
     def usage(self) -> PoolUsage:
         full, swa = self.ledger.usage()
         host_full, host_swa = self.host.usage() if self.host is not None else NO_TIER_USAGE
-        return PoolUsage(full=full, swa=swa, host_full=host_full, host_swa=host_swa)
+        return PoolUsage(full=full, swa=swa, host_full=host_full, host_swa=host_swa,
+                         arena=self.arena.arena_stats() if self.arena is not None else None)
+
+    def cache_stats(self) -> CacheStats:
+        """Evictions by reason (victims, units freed with an arena, pages without; "tombstone_pruned": device
+        full pages that left the tree because their SWA KV had gone), and the hit tokens admitted requests
+        lost to missing SWA KV (full-KV match - valid hit)."""
+        ev = {r: (v[0], v[1]) for r, v in self._evictions.items()}
+        ev["tombstone_pruned"] = (0, self.index.pruned_full_pages)
+        return CacheStats(ev, self.stats.raw_hit_tokens, self.stats.valid_hit_tokens)
 
     def rebuild_stats(self) -> RebuildStats:
         """SWA window rebuild hits returned by match, admitted, and the tokens the admitted ones recompute."""
@@ -167,21 +183,87 @@ class KVCache:
     def _make_room(self, nf: int, ns: int) -> None:
         """Evict until the free lists hold nf full and ns SWA pages (the ledger promised they can). Tree victims
         come from the evictor; running sequences' lazy pages compete with the tree's SWA in one LRU order."""
-        ledger, evictor, index, running = self.ledger, self.evictor, self.index, self.sequences
+        if self.arena is not None:
+            self._make_room_arena(nf, ns)
+            return
+        ledger, evictor, index, running, ev = self.ledger, self.evictor, self.index, self.sequences, self._evictions
         while ledger.free_full() < nf:
             node = evictor.pop_full()
             if node is None:
                 raise AssertionError(f"full pool: need {nf} free pages, accounting promised them, none evictable")
+            _count(ev["full"], node.npages + node.n_swa)
             index.evict_device(node)
         while ledger.free_swa() < ns:
             lazy = running.lazy_key()
             if lazy is not None and (lazy <= evictor.swa_top_key()) and running.reclaim_lazy():
+                _count(ev["lazy"], 1)
                 continue
             node = evictor.pop_swa()
             if node is not None:
-                index.evict_swa(node)
+                n_swa, npages = node.n_swa, node.npages
+                left = index.evict_swa(node)
+                _count(ev["swa_leaf" if left else "swa"], n_swa + (npages if left else 0))
             elif not running.reclaim_lazy():
                 raise AssertionError(f"swa pool: need {ns} free pages, accounting promised them, none evictable")
+            else:
+                _count(ev["lazy"], 1)
+
+    def _make_room_arena(self, nf: int, ns: int) -> None:
+        """One arena: evict, cheapest first, until the free units hold the pages. Three candidates: the full-LRU
+        leaf (drops its full KV and checkpoint), the next SWA victim (a checkpoint; the node keeps its full KV
+        as a tombstone, or leaves if it is a leaf nothing can use) and the oldest lazy page. Each is scored by
+        the recompute it saves per unit it holds, times the chance it is used again: tokens a hit would skip,
+        scaled by the checkpoint kind's learned reuse ratio, over (units x LRU age)."""
+        arena, evictor, index, running, ev = self.arena, self.evictor, self.index, self.sequences, self._evictions
+        assert arena is not None
+        need = arena.units_of(nf, ns)
+        P, S, fu, su = self.cfg.page_size, self.cfg.rebuild_tokens, self.cfg.full_page_units, self.cfg.swa_page_units
+        weight = self.stats.weight
+        while arena.free_units() < need:
+            clock = index.clock + 1
+            best: tuple[float, int, Node | None] = (math.inf, -1, None)
+            leaf = evictor.peek_full()
+            if leaf is not None:
+                units = fu * leaf.npages + su * leaf.n_swa
+                # Not scaled by its checkpoint's kind: a leaf's full KV also serves a rebuild hit or the prefix of a
+                # longer prompt whose own checkpoint is elsewhere. A tombstone leaf (kept for rebuilds) saves what a
+                # rebuild at its end skips.
+                saved = leaf.npages * P if not leaf.is_tombstone() else max(0, min(leaf.npages * P, leaf.end * P - S))
+                best = (saved / (units * (clock - leaf.access)), 0, leaf)
+            node = evictor.peek_swa()
+            lazy = running.lazy_key()
+            if lazy is not None and (node is None or lazy <= evictor.swa_key(node)):
+                # a checkpoint page of a running sequence (taking it drops its window): it saves the prefix up
+                # to it (at most S with rebuilds), at its kind's weight
+                kinds, j = running.lazy_head()
+                saved = (j + 1) * P if not S else min((j + 1) * P, S)
+                score = weight(kinds) * saved / (su * self.cfg.window_pages * (clock - lazy))
+                if score < best[0]:
+                    best = (score, 2, None)
+            elif node is not None:
+                prunes = not node.children and node.lock == 0 and not node.host_swa_count() and (
+                    not index.keeps_tombstone(node))
+                units = su * node.n_swa + (fu * node.npages if prunes else 0)
+                saved = _gap(node) * P
+                if S and not prunes and node.end * P > S:
+                    saved = min(saved, S)  # a rebuild at its end recovers all but S tokens
+                score = saved * weight(node.kinds) / (units * (clock - node.swa_access))
+                if score < best[0]:
+                    best = (score, 1, node)
+            kind, victim = best[1], best[2]
+            if kind == 0:
+                assert victim is not None
+                _count(ev["full"], fu * victim.npages + su * victim.n_swa)
+                index.evict_device(victim)
+            elif kind == 1:
+                assert victim is not None
+                units, npages = su * victim.n_swa, victim.npages
+                left = index.evict_swa(victim)
+                _count(ev["swa_leaf" if left else "swa"], units + (fu * npages if left else 0))
+            elif kind == 2 and running.reclaim_lazy():
+                _count(ev["lazy"], su)
+            else:
+                raise AssertionError(f"arena: need {need} free units, accounting promised them, none evictable")
 
     def check_invariants(self) -> None:
         """Each part audits its own state; the ledger checks the pages the tree and the sequences say they hold
@@ -191,6 +273,20 @@ class KVCache:
         for tier in self.tiers:
             tier.check_invariants(nodes)
         seqs = self.sequences.check_invariants()
-        self.ledger.check_invariants(tree, seqs)
+        self.ledger.check_invariants(tree, seqs)  # with an arena: units free + cached + in use == arena
         self.evictor.check_invariants()
         self.stats.check_invariants(self.cfg.rebuild_tokens)
+
+
+def _gap(node: Node) -> int:
+    """Pages from the nearest ancestor holding SWA KV (a checkpoint a hit could fall back to) to `node`'s end:
+    what a hit ending at `node` loses when its checkpoint goes."""
+    start, p = node.start, node.parent
+    while p is not None and p.parent is not None and not (p.n_swa or p.host_swa_count()):
+        start, p = p.start, p.parent
+    return node.end - start
+
+
+def _count(slot: list[int], freed: int) -> None:
+    slot[0] += 1
+    slot[1] += freed

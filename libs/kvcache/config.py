@@ -34,6 +34,12 @@ class KVCacheConfig:
     hash_seed: int = DEFAULT_HASH_SEED
     max_pending_events: int = 1 << 16
     """Undrained events kept; older ones are dropped (consumers see a gap in event ids)."""
+    arena_units: int = 0
+    """One device arena shared by both groups, in units (0 = the two static pools `num_full_pages` /
+    `num_swa_pages`, which must then be 0 with an arena). A full page takes `full_page_units` units and an SWA
+    page `swa_page_units`; any free unit serves either group (docs/kvcache.md, "One arena")."""
+    full_page_units: int = 1
+    swa_page_units: int = 1
     rebuild_tokens: int = 0
     """S, tokens an SWA window rebuild recomputes (0 = off): when full KV is cached up to E but no SWA checkpoint
     is near E, `match` may return a rebuild hit that skips only R = E - S tokens (see `PrefixHit`). The engine
@@ -43,7 +49,10 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         _positive(self, "page_size", "window", "max_pending_events")
         _non_negative(self, "num_full_pages", "num_swa_pages", "num_host_full_pages", "num_host_swa_pages",
-                      "checkpoint_align", "checkpoint_every_pages", "rebuild_tokens")
+                      "checkpoint_align", "checkpoint_every_pages", "rebuild_tokens", "arena_units")
+        _positive(self, "full_page_units", "swa_page_units")
+        if self.arena_units and (self.num_full_pages or self.num_swa_pages):
+            raise ValueError("an arena (arena_units > 0) replaces num_full_pages / num_swa_pages: set them to 0")
         if self.rebuild_tokens and (self.rebuild_tokens % self.page_size or self.rebuild_tokens < self.window):
             raise ValueError(f"rebuild_tokens={self.rebuild_tokens} must be a multiple of page_size="
                              f"{self.page_size} and >= window={self.window} (or 0 = off)")
@@ -66,6 +75,10 @@ class KVCacheConfig:
     def seq_swa_pages(self) -> int:
         """Most SWA pages a running sequence holds for its own window: window + one page, in pages."""
         return self.window_pages + 1
+
+    @property
+    def arena(self) -> bool:
+        return self.arena_units > 0
 
     @property
     def align(self) -> int:
@@ -144,6 +157,33 @@ def plan_pools(budget_bytes: int, layout: KVLayout, page_size: int, window: int,
     swa = running * (wp + 1) + math.floor(cached_seqs * checkpoints_per_seq * wp)
     full = (budget_bytes - swa * spb) // fpb
     return PoolPlan(num_full_pages=int(full), num_swa_pages=int(swa), max_running=int(running))
+
+
+@dataclass(frozen=True)
+class ArenaPlan:
+    """One byte arena for both groups: `units` of `unit_bytes` each; a full page is `full_page_units` units, an
+    SWA page `swa_page_units` (unit = the greatest common divisor of the two page sizes, so no byte is lost)."""
+
+    units: int
+    unit_bytes: int
+    full_page_units: int
+    swa_page_units: int
+
+    def config_fields(self) -> dict[str, int]:
+        """The `KVCacheConfig` fields of this arena."""
+        return {"num_full_pages": 0, "num_swa_pages": 0, "arena_units": self.units,
+                "full_page_units": self.full_page_units, "swa_page_units": self.swa_page_units}
+
+
+def plan_arena(budget_bytes: int, layout: KVLayout, page_size: int) -> ArenaPlan:
+    """Size the one arena from a byte budget: no ratio to choose, the split between the groups follows the
+    workload (the cache's eviction decides it)."""
+    if budget_bytes <= 0:
+        raise ValueError("plan_arena: budget must be > 0")
+    fpb, spb = layout.full_page_bytes(page_size), layout.swa_page_bytes(page_size)
+    unit = math.gcd(fpb, spb) if fpb and spb else max(fpb, spb)
+    return ArenaPlan(units=budget_bytes // unit, unit_bytes=unit, full_page_units=max(1, fpb // unit),
+                     swa_page_units=max(1, spb // unit))
 
 
 def rebuild_span(swa_layers: int, window: int, page_size: int) -> int:

@@ -73,13 +73,30 @@ class Evictor:
         return self._pop(self._swa, swa_evictable, self.swa_key)
 
     def _pop(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int]) -> Node | None:
+        node = self._peek(heap, ok, key)
+        if node is not None:
+            heapq.heappop(heap)
+        return node
+
+    def peek_full(self) -> Node | None:
+        """The next full-LRU victim, left on the heap (the arena compares it with the SWA side first)."""
+        return self._peek(self._full, full_evictable, full_key)
+
+    def peek_swa(self) -> Node | None:
+        """The next SWA victim, left on the heap."""
+        return self._peek(self._swa, swa_evictable, self.swa_key)
+
+    def _peek(self, heap: list[_HeapEntry], ok: Callable[[Node], bool], key: Callable[[Node], int]) -> Node | None:
+        """The top victim, fixing stale entries at the top in place (no pop and push of a valid one)."""
         for attempt in range(2):
             while heap:
-                acc, _, _, node = heapq.heappop(heap)
+                acc, _, _, node = heap[0]
                 if not ok(node):
+                    heapq.heappop(heap)
                     continue
-                if key(node) != acc:
-                    heapq.heappush(heap, (key(node), -node.start, node.nid, node))
+                k = key(node)
+                if k != acc:
+                    heapq.heapreplace(heap, (k, -node.start, node.nid, node))
                     continue
                 return node
             if attempt == 0:

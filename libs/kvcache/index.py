@@ -57,6 +57,10 @@ class PrefixIndex:
         # remember each cached page's tokens so `check_invariants` can recompute every node's hash chain (tests)
         self._audit: dict[int, tuple[int, ...]] | None = {} if audit_tokens else None
         self._hits: dict[int, HitLock] = {}  # hit id -> its locks, while the hit holds them
+        # With an arena and rebuilds, a tombstone leaf's full KV still serves a rebuild hit at its end (and heals
+        # a later insert): it stays until the arena's value order evicts it, instead of leaving with its SWA.
+        self._rebuild_end = cfg.rebuild_tokens // self.P if cfg.arena and cfg.rebuild_tokens else -1
+        self.pruned_full_pages = 0  # device full pages that left with a tombstone (their SWA KV had gone)
         self._hit_ids = count(1)
         self._clock = 0
 
@@ -160,17 +164,18 @@ class PrefixIndex:
         loads = [n for n in reversed(chain) if n.full is None]
         load_f = sum(n.npages for n in loads)
         load_s = sum(n.host_swa_count() for n in loads)
-        if lock_f + load_f > self._ledger.avail_full() or lock_s + load_s > self._ledger.avail_swa():
+        if not self._ledger.fits(lock_f + load_f, lock_s + load_s):
             return None
         self._lock(deepest, ws)
         copies = self._load(loads, load_f, load_s)
+        age = self._clock - deepest.swa_access
         for n in chain:
             n.access = self._clock
             if n.start >= ws:
                 n.swa_access = self._clock
         hid = next(self._hit_ids)
         self._hits[hid] = (deepest, hit_len, not rebuild)
-        if not rebuild and self._stats.reused(deepest):
+        if not rebuild and self._stats.reused(deepest, age):
             self._evictor.rekey_swa()
         full_pages: list[int] = []
         swa_pages: list[int] = []
@@ -384,14 +389,22 @@ class PrefixIndex:
             self._remove_subtree(node)
         self._prune_tombstones(parent)  # type: ignore[arg-type]
 
-    def evict_swa(self, node: Node) -> None:
-        """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree."""
+    def evict_swa(self, node: Node) -> bool:
+        """SWA-LRU victim: drop the node's SWA pages (a tombstone); a tombstone leaf leaves the tree (unless it
+        is kept for rebuild hits, `keeps_tombstone`). True if the node left the tree."""
         self._ledger.free_tree_swa(live(node.swa, node.n_swa))  # type: ignore[arg-type]
+        self._stats.evicted(node, self._clock - node.swa_access)
         node.swa = no_pages(node.npages)
         node.n_swa = 0
-        if node.children or node.lock or not node.is_tombstone():  # the blocks stay: say their SWA went
-            self._events.emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)
-        self._prune_tombstones(node)  # else the node leaves now and REMOVED says it all
+        if node.children or node.lock or not node.is_tombstone() or self.keeps_tombstone(node):
+            self._events.emit(EventKind.SWA_REMOVED, Tier.DEVICE, node)  # the blocks stay: say their SWA went
+            return False
+        self._prune_tombstones(node)  # the node leaves now and REMOVED says it all
+        return True
+
+    def keeps_tombstone(self, node: Node) -> bool:
+        """A device tombstone leaf stays (arena with rebuilds): a rebuild hit at its end skips tokens."""
+        return 0 <= self._rebuild_end < node.end and node.full is not None
 
     def lower_copy_dropped(self, node: Node) -> None:
         """A lower tier dropped its copy of `node`. A node that lived only there (a leaf) leaves the tree; one
@@ -426,7 +439,9 @@ class PrefixIndex:
         """Remove unlocked tombstone leaves upward from `node`; note a parent that became a device leaf."""
         while node.parent is not None:
             parent = node.parent
-            if not node.children and node.lock == 0 and node.is_tombstone():
+            if not node.children and node.lock == 0 and node.is_tombstone() and not self.keeps_tombstone(node):
+                if node.full is not None:
+                    self.pruned_full_pages += node.npages
                 self._remove_subtree(node)
             elif node.full is not None and node.lock == 0 and not node.has_device_child():
                 self._evictor.push_full(node)
@@ -473,7 +488,7 @@ class PrefixIndex:
                     _fail(f"{where}: neither on device nor on host")
                 elif n.n_swa:
                     _fail(f"{where}: host-only node counts device SWA pages")
-                if not n.children and n.is_tombstone() and n.lock == 0:
+                if not n.children and n.is_tombstone() and n.lock == 0 and not self.keeps_tombstone(n):
                     _fail(f"{where}: unlocked tombstone leaf (no SWA KV anywhere, nothing below)")
                 self._check_chain(parent, n, where)
                 if self.nodes.get(n.nid) is not n:

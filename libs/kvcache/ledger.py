@@ -20,7 +20,9 @@ growth; nothing is handed out unless free + cached stays >= reserved (`avail_*`)
 Callers pair a transition with their own record of where the pages went (a node, a sequence's page table)
 within one cache operation; the ledger checks both agree in `check_invariants`. Transitions are per operation
 (counts and page arrays), never per page. The two static pools sit behind this interface: one byte arena
-shared by both groups (issue #13) replaces them here without changing the callers.
+shared by both groups (issue #13) is `ArenaLedger`: the same transitions and page ids, but one unit budget
+decides what fits (`fits`, `has_free`, `avail_*`), so the callers did not change beyond asking `fits` for
+both groups at once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from libs.kvcache.pool import PagePool
-from libs.kvcache.types import PoolStats
+from libs.kvcache.types import ArenaStats, PoolStats
 
 
 @dataclass(slots=True)
@@ -72,6 +74,11 @@ class PageLedger:
     def has_free(self, nf: int, ns: int) -> bool:
         """Both free lists hold this many pages now (nothing to evict)."""
         return self._full.num_free >= nf and self._swa.num_free >= ns
+
+    def fits(self, nf: int, ns: int) -> bool:
+        """nf full and ns SWA pages more can be handed out (after evicting unlocked cache) without breaking a
+        promise."""
+        return nf <= self.avail_full() and ns <= self.avail_swa()
 
     def free_full(self) -> int:
         return self._full.num_free
@@ -179,6 +186,11 @@ class PageLedger:
 
     # ------------------------------------------------------------------ audit
 
+    def check_units(self) -> None:
+        """Per pool free + cached + in_use == capacity and free + cached >= promised."""
+        for name, st in zip(("full", "swa"), self.usage(), strict=True):
+            check_pool_stats(name, st)
+
     def check_invariants(self, tree: Held, seqs: Held) -> None:
         """The counters equal what the tree and the running sequences hold (recomputed by them); per pool free +
         cached + in_use == capacity and free + cached >= promised; every page id is in exactly one place."""
@@ -192,10 +204,98 @@ class PageLedger:
         if (self._reserved_f, self._reserved_s) != (seqs.reserved_full, seqs.reserved_swa):
             raise AssertionError(f"reserved counters {(self._reserved_f, self._reserved_s)} != recomputed "
                                  f"{(seqs.reserved_full, seqs.reserved_swa)}")
-        for name, st in zip(("full", "swa"), self.usage(), strict=True):
-            check_pool_stats(name, st)
+        self.check_units()
         check_pool_ids(self._full, tree.full + seqs.full)
         check_pool_ids(self._swa, tree.swa + seqs.swa + seqs.lazy_swa)
+
+
+class ArenaLedger(PageLedger):
+    """Both groups on one arena of `units`: a full page takes `fu` units, an SWA page `su`, and any free unit
+    serves either group. The page ids stay per group (id pools as large as the arena could hold of that
+    group, so ids never run out before units do); free units are derived from the pages handed out, so the
+    transitions are the static ledger's and only the reads below differ.
+
+    Units free + cached + in use == arena; promises (`reserved`) are held in units too, so a promise of SWA
+    pages can be kept with bytes that full KV had cached, and the other way round."""
+
+    __slots__ = ("_units", "_fu", "_su")
+
+    def __init__(self, units: int, fu: int, su: int) -> None:
+        super().__init__(units // fu, units // su)
+        self._units, self._fu, self._su = units, fu, su
+
+    def free_units(self) -> int:
+        f, s = self._full, self._swa
+        return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)
+
+    def _cached_units(self) -> int:
+        return self._fu * (self._tree_f - self._locked_f) + self._su * (self._tree_s - self._locked_s + self._lazy_s)
+
+    def _reserved_units(self) -> int:
+        return self._fu * self._reserved_f + self._su * self._reserved_s
+
+    def avail_units(self) -> int:
+        """Units that can be handed out: free + evictable - promised."""
+        return self.free_units() + self._cached_units() - self._reserved_units()
+
+    def avail_full(self) -> int:
+        return self.avail_units() // self._fu
+
+    def avail_swa(self) -> int:
+        return self.avail_units() // self._su
+
+    def fits(self, nf: int, ns: int) -> bool:
+        return self._fu * nf + self._su * ns <= self.avail_units()
+
+    def has_free(self, nf: int, ns: int) -> bool:
+        return self._fu * nf + self._su * ns <= self.free_units()
+
+    def units_of(self, nf: int, ns: int) -> int:
+        return self._fu * nf + self._su * ns
+
+    def free_full(self) -> int:
+        return self.free_units() // self._fu
+
+    def free_swa(self) -> int:
+        return self.free_units() // self._su
+
+    def spare_free_swa(self) -> int:
+        return (self.free_units() - self._reserved_units()) // self._su
+
+    def shortfall(self, need_full: int, need_swa: int) -> tuple[str, int, int, int, int, int] | None:
+        """None if the promise fits; else ("arena", need, available, free, evictable, promised)."""
+        need = self.units_of(need_full, need_swa)
+        avail = self.avail_units()
+        if need <= avail:
+            return None
+        return "arena", need, max(avail, 0), self.free_units(), self._cached_units(), self._reserved_units()
+
+    def usage(self) -> tuple[PoolStats, PoolStats]:
+        """Per group: pages in use and cached, and as free the pages of that group the free units would hold
+        (so free + cached + in_use == capacity per group, capacity moving with the other group's use)."""
+        full, swa = super().usage()
+        fr = self.free_units()
+        return (PoolStats(full.in_use + full.cached + fr // self._fu, fr // self._fu, full.cached, full.in_use,
+                          full.reserved),
+                PoolStats(swa.in_use + swa.cached + fr // self._su, fr // self._su, swa.cached, swa.in_use,
+                          swa.reserved))
+
+    def arena_stats(self) -> ArenaStats:
+        full, swa = super().usage()
+        fu, su = self._fu, self._su
+        return ArenaStats(self._units, self.free_units(), fu * full.in_use, fu * full.cached, su * swa.in_use,
+                          su * swa.cached, self._reserved_units())
+
+    def check_units(self) -> None:
+        """Units free + cached + in use == arena and free + cached >= promised (a group's promise may be kept
+        with units the other group caches, so there is no per-group bound)."""
+        st = self.arena_stats()
+        used = st.full_in_use + st.full_cached + st.swa_in_use + st.swa_cached
+        if st.free < 0 or st.free + used != st.units:
+            raise AssertionError(f"arena: free {st.free} + full/swa in use/cached {used} != {st.units} units")
+        if st.free + st.full_cached + st.swa_cached < st.reserved:
+            raise AssertionError(f"arena: promised {st.reserved} units but only "
+                                 f"{st.free + st.full_cached + st.swa_cached} free or evictable")
 
 
 def check_pool_stats(name: str, st: PoolStats) -> None:

@@ -151,14 +151,22 @@ class ReuseStats:
     return True when the cold kinds changed: the SWA eviction order depends on them and must be rebuilt."""
 
     __slots__ = ("_stored", "_hits", "_cold", "_counted", "_rebuild_matched", "_rebuild_admitted",
-                 "_rebuilt_tokens")
+                 "_rebuilt_tokens", "_censor", "_reuse_age", "_weight", "censored", "raw_hit_tokens",
+                 "valid_hit_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, censor: bool = False) -> None:
+        """`censor` (the arena): a checkpoint evicted unreused younger than its kind's mean reuse age is taken
+        out of the kind's stored count: it had no chance to be reused, so it is no evidence against the kind."""
         self._stored = dict.fromkeys(_KIND_BITS, 0)
         self._hits = dict.fromkeys(_KIND_BITS, 0)
+        self._censor = censor
+        self._reuse_age = dict.fromkeys(_KIND_BITS, 0.0)  # mean LRU-clock age at first reuse, per kind
+        self._weight = dict.fromkeys(_KIND_BITS, 1.0)  # hit ratio relative to the best kind's (arena eviction)
         self._cold = self._cold_mask()  # kinds this workload does not reuse (at first: the speculative kinds)
         self._counted = 0
         self._rebuild_matched = self._rebuild_admitted = self._rebuilt_tokens = 0
+        self.censored = 0  # checkpoints taken out of the stored counts (censor)
+        self.raw_hit_tokens = self.valid_hit_tokens = 0  # admitted requests: full-KV match, valid hit
 
     def learn(self, node: _Checkpoint, kinds: int) -> bool:
         """`node` now holds SWA KV of the checkpoint(s) `kinds`: count the kinds it did not carry yet."""
@@ -166,14 +174,43 @@ class ReuseStats:
         node.kinds |= kinds
         return self._count(self._stored, new)
 
-    def reused(self, node: _Checkpoint) -> bool:
-        """A hit ends at `node`. The hit ratio of a kind is the share of its checkpoints ever reused, so each
-        checkpoint counts once."""
+    def reused(self, node: _Checkpoint, age: int = 0) -> bool:
+        """A hit ends at `node`, `age` LRU ticks after its SWA KV was last used or stored. The hit ratio of a
+        kind is the share of its checkpoints ever reused, so each checkpoint counts once."""
         if node.kinds & _REUSED:
             return False
+        if self._censor:
+            ages = self._reuse_age
+            for bit in _BITS_OF[node.kinds & _ALL_KINDS]:
+                ages[bit] += (age - ages[bit]) / 16 if ages[bit] else age
         changed = self._count(self._hits, node.kinds)
         node.kinds |= _REUSED
         return changed
+
+    def evicted(self, node: _Checkpoint, age: int) -> None:
+        """`node`'s SWA KV is evicted `age` ticks after its last use. Unreused and younger than its kind's mean
+        reuse age (censor on): it is taken out of the stored count, so a kind whose checkpoints the cache
+        drops early (memory short) is not learned as never reused: that would drop them earlier still."""
+        if not self._censor or node.kinds & _REUSED:
+            return
+        stored, hits, ages = self._stored, self._hits, self._reuse_age
+        for bit in _BITS_OF[node.kinds & _ALL_KINDS]:
+            if hits[bit] and age < ages[bit] and stored[bit] > hits[bit]:
+                stored[bit] -= 1
+                self.censored += 1
+
+    def weight(self, kinds: int) -> float:
+        """Relative value of a checkpoint of `kinds` (its best kind's hit ratio over the best kind's, in (0, 1];
+        1 for no known kind): the arena scales the expected recompute a checkpoint saves by it."""
+        kinds &= _ALL_KINDS
+        if not kinds:
+            return 1.0
+        w = self._weight
+        return max(w[b] for b in _BITS_OF[kinds])
+
+    def admitted(self, raw: int, valid: int) -> None:
+        self.raw_hit_tokens += raw
+        self.valid_hit_tokens += valid
 
     def cold(self, kinds: int) -> bool:
         """Every kind of a checkpoint is cold. No known kind (inside a hit's window, `all` retention) is warm."""
@@ -218,7 +255,10 @@ class ReuseStats:
         before enough evidence, the speculative kinds."""
         hits, stored = self._hits, self._stored
         ratio = [(hits[b] + 1) / (stored[b] + 2) for b in _KIND_BITS]
-        bar = _COLD_FRACTION * max(ratio)
+        best = max(ratio)
+        bar = _COLD_FRACTION * best
+        for b, r in zip(_KIND_BITS, ratio, strict=True):
+            self._weight[b] = r / best
         cold = 0
         for b, r in zip(_KIND_BITS, ratio, strict=True):
             if (r < bar) if stored[b] >= _COLD_EVIDENCE else b & SPECULATIVE:

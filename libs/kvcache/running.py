@@ -71,12 +71,14 @@ class Running:
             if entry:
                 self._index.unlock(entry[0], entry[1], swa=entry[2])
             name, need, avail, free, cached, reserved = short
-            return AdmitResult(False, f"{name} pool cannot hold {seq_id!r}: needs {need} pages for {len(tokens)} "
+            unit = "units" if name == "arena" else "pages"
+            return AdmitResult(False, f"{name} pool cannot hold {seq_id!r}: needs {need} {unit} for {len(tokens)} "
                                       f"prompt + {max_new_tokens} new tokens (hit {seq.num_computed}), available "
                                       f"{avail} = free {free} + evictable {cached} - promised to running sequences "
                                       f"{reserved}", seq.full_cap, seq.swa_cap)
         if hit.full_tokens > hit.tokens:
             self._stats.rebuild_admitted(hit.full_tokens - hit.tokens)
+        self._stats.admitted(min(hit.raw_tokens, (len(tokens) - 1) // self.P * self.P), hit.tokens)
         if block_hashes is not None:
             seq.hashes = block_hashes[:len(tokens) // self.P]  # a slice is a copy: the caller may reuse its list
         elif entry is not None:  # the hit path's hashes: insert then hashes only the pages after the hit
@@ -140,7 +142,7 @@ class Running:
         return False (state unchanged) when the pools cannot provide them even after eviction."""
         ledger = self._ledger
         need_s = len(holes) + new
-        if new - seq.full_outstanding() > ledger.avail_full() or need_s - seq.swa_outstanding() > ledger.avail_swa():
+        if not ledger.fits(max(0, new - seq.full_outstanding()), max(0, need_s - seq.swa_outstanding())):
             return False
         if not ledger.has_free(new, need_s):
             self._make_room(new, need_s)
@@ -186,7 +188,7 @@ class Running:
             self._free_scratch(seq, min(lo, seq.scratch_end))
         if seq.keep_all or lo <= seq.swa_lo:
             return
-        ledger, cold = self._ledger, self._cold
+        ledger, cold, arena = self._ledger, self._cold, self.cfg.arena
         before = seq.swa_outstanding()
         spare = ledger.avail_swa()  # frees below do not change it: each freed page is promised back to seq
         spare_free = ledger.spare_free_swa()  # ... the part that evicts nothing
@@ -198,7 +200,7 @@ class Running:
             if s < 0:
                 continue
             kinds = seq.keep_kinds.get(j, 0) if j in seq.keep else 0
-            if kinds and cold(kinds) and (kinds & ~SPECULATIVE or spare_free > 0):
+            if kinds and (cold(kinds) or arena) and (kinds & ~SPECULATIVE or spare_free > 0):
                 # A cold kind's page is kept lazily: it becomes cached memory, reclaimed in SWA LRU order
                 # with the tree's cold checkpoints (before any warm one), so it never crowds out a promise
                 # or warm KV. Speculative pages (periodic: many per sequence, never reused yet) only take
@@ -313,6 +315,11 @@ class Running:
             self._ledger.from_lazy(0, freed)
             return True
         return False
+
+    def lazy_head(self) -> tuple[int, int]:
+        """(checkpoint kinds, logical page) of the oldest live lazy page (call after `lazy_key`)."""
+        stamp, j, sid = self._lazy_q[0]
+        return self.seqs[sid].keep_kinds.get(j, 0), j
 
     def lazy_key(self) -> int | None:
         """SWA LRU key of the oldest live lazy page (a cold checkpoint's key: its stamp), None if none."""

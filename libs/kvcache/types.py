@@ -145,8 +145,42 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ArenaStats:
+    """The one device arena (`KVCacheConfig.arena_units`), in units: free + full and SWA in use / cached ==
+    units. `reserved` is the part of free + cached promised to running sequences."""
+
+    units: int
+    free: int
+    full_in_use: int
+    full_cached: int
+    swa_in_use: int
+    swa_cached: int
+    reserved: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolUsage:
     full: PoolStats
     swa: PoolStats
     host_full: PoolStats
     host_swa: PoolStats
+    arena: ArenaStats | None = None
+    """Set with an arena; `full` / `swa` then count pages of each group (free: what the free units would hold)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Why hits were lost (`KVCache.cache_stats`). Evictions by reason, each (victims, device units or pages
+    freed): "full" (a device leaf and its SWA, LRU), "swa" (a checkpoint dropped, the node's full KV stays:
+    a tombstone), "swa_leaf" (a checkpoint dropped and its leaf's full KV pruned with it), "lazy" (a running
+    sequence's lazily kept checkpoint page taken back). Units with an arena, pages (full + SWA) without.
+    Hit tokens of admitted requests: `raw_hit_tokens` the full-KV match (capped below the prompt's last token),
+    `valid_hit_tokens` what the hit skipped; the difference is lost to missing SWA KV."""
+
+    evictions: dict[str, tuple[int, int]]
+    raw_hit_tokens: int
+    valid_hit_tokens: int
+
+    @property
+    def swa_lost_tokens(self) -> int:
+        return self.raw_hit_tokens - self.valid_hit_tokens
