@@ -98,10 +98,21 @@ def parse_services(spec: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and not handed out before by this process: ports are chosen before their services bind
+    them, so a port the kernel gives out again meanwhile would go to two services (seen in the test suite: a
+    worker's metrics server on the gateway's port)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port that was not handed out already")
 
 
 def nats_server_binary() -> str:
