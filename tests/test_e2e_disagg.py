@@ -160,6 +160,10 @@ async def test_prefill_and_decode_export_the_worker_metrics(pair2):
             for name in ("windserve_worker_prompt_tokens", "windserve_worker_prefix_hit_tokens",
                          "windserve_worker_preemptions"):
                 value(samples, name)
+            raw, valid = (value(samples, "windserve_worker_kv_hit_tokens", kind=k) for k in ("raw", "valid"))
+            assert raw >= valid >= 0
+            for reason in ("full", "swa", "swa_leaf", "lazy", "tombstone_pruned"):
+                assert value(samples, "windserve_worker_kv_evictions", reason=reason) >= 0
 
         def total(role: str, name: str, **labels: str) -> float:
             return sum(value(scraped[iid], name, **labels) for iid in roles[role])

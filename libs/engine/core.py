@@ -21,7 +21,7 @@ from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
-from libs.kvcache.types import PoolUsage
+from libs.kvcache.types import CacheStats, PoolUsage
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class EngineLoad:
     prompt_tokens: int  # prompt tokens admitted since start
     hit_tokens: int  # of which served from the prefix cache
     preemptions: int  # sequences preempted (recomputed later) since start
+    cache: CacheStats | None = None  # evictions by reason, hit tokens lost to missing SWA KV (since start)
 
 
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
@@ -224,7 +225,7 @@ class EngineCore:
         sch = self.scheduler
         return EngineLoad(running=len(sch.running), waiting=sch.num_waiting, usage=self.cache.usage(),
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
-                          preemptions=sch.stats.preemptions)
+                          preemptions=sch.stats.preemptions, cache=self.cache.cache_stats())
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -20,6 +20,9 @@ REQUESTS = Gauge("windserve_worker_requests", "Requests in the engine by state",
 OUTCOMES = Gauge("windserve_worker_requests_done", "Requests since start by outcome", ["outcome"])
 PROMPT_TOKENS = Gauge("windserve_worker_prompt_tokens", "Prompt tokens admitted by the engine since start")
 HIT_TOKENS = Gauge("windserve_worker_prefix_hit_tokens", "Prompt tokens served from the prefix cache since start")
+KV_EVICTIONS = Gauge("windserve_worker_kv_evictions", "Cache evictions since start by reason (victims)", ["reason"])
+KV_HIT_KINDS = Gauge("windserve_worker_kv_hit_tokens", "Prompt tokens of admitted requests since start: the full-KV "
+                     "match (raw) and the valid hit it gave (valid); raw - valid was lost to missing SWA KV", ["kind"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 
 _PAGE_STATES = ("free", "cached", "in_use", "reserved")
@@ -62,3 +65,8 @@ def export(load: EngineLoad, outcomes: Mapping[str, int]) -> None:
     PROMPT_TOKENS.set(load.prompt_tokens)
     HIT_TOKENS.set(load.hit_tokens)
     PREEMPTIONS.set(load.preemptions)
+    if load.cache is not None:
+        for reason, (victims, _) in load.cache.evictions.items():
+            KV_EVICTIONS.labels(reason).set(victims)
+        KV_HIT_KINDS.labels("raw").set(load.cache.raw_hit_tokens)
+        KV_HIT_KINDS.labels("valid").set(load.cache.valid_hit_tokens)
