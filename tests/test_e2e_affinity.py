@@ -89,37 +89,34 @@ def one_worker_share(nats_server, tmp_path_factory) -> Iterator[float]:
     yield cached / prompt
 
 
-@pytest.mark.parametrize("routers", [1, 2])
-async def test_four_workers_keep_one_workers_hits_and_share_the_load(nats_server, tmp_path, one_worker_share,
-                                                                     routers):
-    workers = [f"w{i}" for i in range(4)]
-    services = {"gw": "gateway", **{f"router{r}": "router" for r in range(routers)},
-                **{w: "worker" for w in workers}}
-    group = deploy(nats_server.url, tmp_path, services)
+async def serve_and_check(nats_url: str, logs, services: dict[str, str], counted: list[str], one_worker_share: float,
+                          label: str) -> None:
+    """Run the sessions on `services`; check the cached share against one worker's and the requests per
+    instance of `counted` (every request is counted once there) against their mean."""
+    group = deploy(nats_url, logs, services)
     try:
         cached, prompt = await run_sessions(group.url)
-        counts = await served(group, workers)
+        counts = await served(group, counted)
     finally:
         group.stop()
-    print(f"\naffinity e2e, 4 workers, {routers} router(s): cached share {cached / prompt:.3f} "
-          f"(one worker {one_worker_share:.3f}), requests per worker {counts}")
+    print(f"\naffinity e2e, {label}: cached share {cached / prompt:.3f} (one worker {one_worker_share:.3f}), "
+          f"requests per instance {counts}")
     assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share)
     mean = sum(counts.values()) / len(counts)
     assert sum(counts.values()) == SESSIONS * TURNS and max(counts.values()) <= MAX_REQUESTS_OVER_MEAN * mean, counts
 
 
+@pytest.mark.parametrize("routers", [1, 2])
+async def test_four_workers_keep_one_workers_hits_and_share_the_load(nats_server, tmp_path, one_worker_share,
+                                                                     routers):
+    workers = [f"w{i}" for i in range(4)]
+    services = {"gw": "gateway", **{f"router{r}": "router" for r in range(routers)}, **{w: "worker" for w in workers}}
+    await serve_and_check(nats_server.url, tmp_path, services, workers, one_worker_share,
+                          f"4 workers, {routers} router(s)")
+
+
 async def test_disaggregated_pairs_keep_one_workers_hits(nats_server, tmp_path, one_worker_share):
-    prefills, decodes = ["p0", "p1"], ["d0", "d1"]
+    prefills = ["p0", "p1"]
     services = {"gw": "gateway", "router": "router", **{p: "prefill" for p in prefills},
-                **{d: "decode" for d in decodes}}
-    group = deploy(nats_server.url, tmp_path, services)
-    try:
-        cached, prompt = await run_sessions(group.url)
-        counts = await served(group, prefills)
-    finally:
-        group.stop()
-    print(f"\naffinity e2e, 2 prefill + 2 decode: cached share {cached / prompt:.3f} "
-          f"(one worker {one_worker_share:.3f}), requests per prefill {counts}")
-    assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share)
-    mean = sum(counts.values()) / len(counts)
-    assert max(counts.values()) <= MAX_REQUESTS_OVER_MEAN * mean, counts
+                "d0": "decode", "d1": "decode"}
+    await serve_and_check(nats_server.url, tmp_path, services, prefills, one_worker_share, "2 prefill + 2 decode")
