@@ -62,6 +62,7 @@ from protos.messages import (
 )
 from services.gateway import metrics
 from services.gateway.failover import Avoid, Registered, fallback_pick, repick, too_large
+from services.gateway.readiness import CachedListing
 
 log = logging.getLogger("windserve.gateway")
 
@@ -146,11 +147,12 @@ class NatsBackend:
 
     def __init__(self, bus: Bus, list_services: ListServices, config: BackendConfig) -> None:
         self._bus = bus
-        self._list_services = list_services
+        # the gateway passes its shared listing; a bare function gets a cache of its own
+        self._listing = (list_services if isinstance(list_services, CachedListing)
+                         else CachedListing(list_services, config.fleet_cache_s))
         self.config = config
         self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
-        self._fleet_cache: tuple[float, Registered] | None = None
 
     # --- errors -----------------------------------------------------------------------------------
 
@@ -181,18 +183,13 @@ class NatsBackend:
 
     async def fleet(self, fresh: bool = False) -> Registered:
         """The registry's live entries by role (a listing at most `fleet_cache_s` old unless `fresh`)."""
-        now = time.monotonic()
-        if not fresh and self._fleet_cache is not None and now - self._fleet_cache[0] < self.config.fleet_cache_s:
-            return self._fleet_cache[1]
         try:
             async with asyncio.timeout(self.config.registry_timeout_s):
-                entries = await self._list_services()
+                entries = await self._listing(fresh=fresh)
         except Exception as exc:
             raise self._control_plane("listing the registry", exc) or self.unavailable(
                 f"the registry could not be read: {exc!r}") from exc
-        fleet = Registered.of(entries, time.time())
-        self._fleet_cache = (now, fleet)
-        return fleet
+        return Registered.of(entries, time.time())
 
     async def _check_fits(self, num_tokens: int, max_tokens: int) -> None:
         """413 before anything computes when no live path can ever hold the request (skipped when the registry

@@ -401,7 +401,9 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
     _add_docs(app, api)
 
     retry_after = str(api.retry_after_s if api is not None else 1)
-    probe = CachedListing(list_services)  # readiness probes poll often: one registry read per 0.5 s
+    # readiness probes poll often: one registry read per 0.5 s (the service passes the listing its backend
+    # shares)
+    probe = list_services if isinstance(list_services, CachedListing) else CachedListing(list_services)
 
     @app.get("/health/live", responses={200: _HEALTH_DOC["live"], **_errors()})
     async def live() -> Response:

@@ -51,7 +51,8 @@ def serving_path(entries: Iterable[RegistryEntry], now: float) -> Readiness:
 
 class CachedListing:
     """`list_entries()` reused for `max_age_s` seconds; concurrent callers share one registry read.
-    A failed read is not cached (the next probe tries again)."""
+    A failed read is not cached (the next probe tries again). One instance serves the gateway's readiness
+    probes and its backend (size checks, chain layout, fallbacks), so they share their reads."""
 
     def __init__(self, list_entries: ListEntries, max_age_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -64,9 +65,10 @@ class CachedListing:
         self._entries: list[RegistryEntry] = []
         self._read_at: float | None = None
 
-    async def __call__(self) -> list[RegistryEntry]:
+    async def __call__(self, fresh: bool = False) -> list[RegistryEntry]:
+        """The entries, read again when older than `max_age_s` or when `fresh` (after a failure)."""
         async with self._lock:
-            if self._read_at is None or self._clock() - self._read_at > self._max_age_s:
+            if fresh or self._read_at is None or self._clock() - self._read_at > self._max_age_s:
                 self._entries = await self._list()
                 self._read_at = self._clock()
             return list(self._entries)

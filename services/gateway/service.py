@@ -20,6 +20,7 @@ from services.gateway.backend import BackendConfig, NatsBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Limits
 from services.gateway.protocol import error_body
+from services.gateway.readiness import CachedListing
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -63,6 +64,8 @@ class GatewayService(Service):
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.backend: NatsBackend | None = None
+        # one registry listing, reused for 0.5 s, shared by readiness probes and the backend
+        self._listing = CachedListing(self._list_services, BackendConfig.fleet_cache_s)
 
     async def _list_services(self) -> list[RegistryEntry]:
         assert self.registry is not None
@@ -74,7 +77,7 @@ class GatewayService(Service):
         cfg = self.config
         assert self.bus is not None
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model or None)
-        self.backend = NatsBackend(self.bus, self._list_services, BackendConfig(
+        self.backend = NatsBackend(self.bus, self._listing, BackendConfig(
             page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
             liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
@@ -91,7 +94,7 @@ class GatewayService(Service):
         )
 
     async def setup(self) -> None:
-        app = handlers.build_app(self._list_services, self.config.instance_id, await self._build_api(),
+        app = handlers.build_app(self._listing, self.config.instance_id, await self._build_api(),
                                  self.config.max_header_bytes)
         uv_config = http_config(app, self.config.http_host, self.config.http_port, self.config.max_header_bytes)
         self._http = _EmbeddedServer(uv_config)
