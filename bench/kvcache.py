@@ -58,17 +58,13 @@ def load_trace(n: int) -> list[Request]:
     """Block id b expands to tokens b*512 .. b*512+511 (deterministic, distinct per block); the prompt is cut to
     input_length. Outputs get tokens no prompt uses, distinct per request."""
     reqs = []
-    with TRACE.open() as f:
-        for i, line in enumerate(f):
-            if i >= n:
-                break
-            row = json.loads(line)
-            toks: list[int] = []
-            for b in row["hash_ids"]:
-                toks.extend(range(b * BLOCK, (b + 1) * BLOCK))
-            out0 = 3_000_000_000 + i * 65_536
-            reqs.append(Request(row["timestamp"] / 1000.0, tuple(toks[:row["input_length"]]),
-                                tuple(range(out0, out0 + row["output_length"]))))
+    for i, row in enumerate(traces.trace_rows(n, TRACE)):
+        toks: list[int] = []
+        for b in row["hash_ids"]:
+            toks.extend(range(b * BLOCK, (b + 1) * BLOCK))
+        out0 = 3_000_000_000 + i * 65_536
+        reqs.append(Request(row["timestamp"] / 1000.0, tuple(toks[:row["input_length"]]),
+                            tuple(range(out0, out0 + row["output_length"]))))
     return reqs
 
 

@@ -9,8 +9,10 @@ a generated agentic trace.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -38,18 +40,22 @@ def _segment(seed: int, n: int = BLOCK) -> tuple[int, ...]:
     return tuple(np.random.default_rng(seed).integers(0, VOCAB, n).tolist())
 
 
+def trace_rows(n: int, path: Path = TRACE) -> Iterator[dict]:
+    """The first `n` rows of the trace (timestamp ms, hash_ids of 512-token blocks, input / output lengths);
+    each benchmark expands the block ids into tokens its own way."""
+    with path.open() as f:
+        for line in itertools.islice(f, n):
+            yield json.loads(line)
+
+
 def conversation(n: int, path: Path = TRACE) -> list[Request]:
     out = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if i >= n:
-                break
-            row = json.loads(line)
-            toks: list[int] = []
-            for b in row["hash_ids"]:
-                toks.extend(_segment(b))
-            out.append(Request(row["timestamp"] / 1000.0, tuple(toks[:row["input_length"]]),
-                               _segment(1 << 40 | i, row["output_length"])))
+    for i, row in enumerate(trace_rows(n, path)):
+        toks: list[int] = []
+        for b in row["hash_ids"]:
+            toks.extend(_segment(b))
+        out.append(Request(row["timestamp"] / 1000.0, tuple(toks[:row["input_length"]]),
+                           _segment(1 << 40 | i, row["output_length"])))
     return out
 
 
