@@ -94,6 +94,8 @@ def _check(index: ClusterPrefixIndex, w: _Worker, tokens: list[int], hashes: lis
 def _match(index: ClusterPrefixIndex, w: _Worker, tokens: list[int], rebuild: bool, stats: dict[str, int]) -> PrefixHit:
     hashes = block_hashes(tokens, P)
     cands = index.candidates(hashes, len(tokens), rebuild=rebuild).get(w.name, [NO_HIT])
+    # the one-walk pair the disaggregated route uses answers the same
+    assert index.predict_both(hashes, len(tokens))[0 if rebuild else 1].get(w.name, NO_HIT) == cands[0]
     hit = w.cache.match(tokens, hashes, rebuild=rebuild)
     _check(index, w, tokens, hashes, hit, cands, stats)
     return hit

@@ -102,6 +102,11 @@ class HitPredictor(Protocol):
     def predict(self, block_hashes: Sequence[int], num_tokens: int, rebuild: bool = True
                 ) -> dict[str, PredictedHit]: ...
 
+    def predict_both(self, block_hashes: Sequence[int], num_tokens: int
+                     ) -> tuple[dict[str, PredictedHit], dict[str, PredictedHit]]:
+        """(`predict` with rebuild hits, without them), from one walk of the chain."""
+        ...
+
 
 class AffinityRouter:
     """`Router.route`'s call with the KV-affinity policy: the index predicts every worker's hit, the cost
@@ -131,11 +136,15 @@ class AffinityRouter:
         else:
             raise LookupError("no live worker in the registry" if not fleet.prefills and not fleet.decodes else
                               "disaggregated mode needs prefill and decode workers")
-        hits = self.index.predict(block_hashes, num_tokens) if block_hashes else {}
+        hits: Mapping[str, PredictedHit] = {}
+        dhits: Mapping[str, PredictedHit] = {}
+        if block_hashes and decodes:  # decode never takes a rebuild hit: both predictions, one walk
+            hits, dhits = self.index.predict_both(block_hashes, num_tokens)
+        elif block_hashes:
+            hits = self.index.predict(block_hashes, num_tokens)
         prefill, hit = self._pick_prefill(prefills, request_id, num_tokens, hits, now, record=not exclude_decodes)
         if not decodes:
             return Route(prefill, prefill, predicted_hit=hit.tokens)
-        dhits = self.index.predict(block_hashes, num_tokens, rebuild=False) if block_hashes else {}
         costs = {d.instance_id: decode_cost(d, num_tokens, dhits.get(d.instance_id, NO_HIT), self.weights)
                  for d in decodes}
         decode = choose(costs, request_id, self.weights.temperature, max(1, num_tokens))

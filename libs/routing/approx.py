@@ -75,6 +75,12 @@ class ApproxIndex:
         for h in [h for h, held in self._blocks.items() if worker in held]:
             self._drop(h, worker)
 
+    def predict_both(self, block_hashes: Sequence[int], num_tokens: int
+                     ) -> tuple[dict[str, PredictedHit], dict[str, PredictedHit]]:
+        """`predict` with and without rebuild hits (the same here: this index predicts no rebuild hits)."""
+        hits = self.predict(block_hashes, num_tokens)
+        return hits, hits
+
     def predict(self, block_hashes: Sequence[int], num_tokens: int, rebuild: bool = True) -> dict[str, PredictedHit]:
         """Per worker with a routed prefix of the chain: that prefix, capped like `match` (`rebuild` unused)."""
         P = self._page_size

@@ -295,6 +295,16 @@ class ClusterPrefixIndex:
         the hit; when it has not, `match` falls back along `candidates`."""
         return {w: c[0] for w, c in self.candidates(block_hashes, num_tokens, rebuild).items()}
 
+    def predict_both(self, block_hashes: Sequence[int], num_tokens: int
+                     ) -> tuple[dict[str, PredictedHit], dict[str, PredictedHit]]:
+        """(`predict(..., rebuild=True)`, `predict(..., rebuild=False)`) from one walk of the chain: the
+        disaggregated route needs both (prefill may take a rebuild hit, decode never does)."""
+        walked = self._walk(block_hashes, num_tokens)
+
+        def first(rebuild: bool) -> dict[str, PredictedHit]:
+            return {self._owner[s]: self._choices(*v, num_tokens, rebuild)[0] for s, v in walked.items()}
+        return first(True), first(False)
+
     def candidates(self, block_hashes: Sequence[int], num_tokens: int,
                    rebuild: bool = True) -> dict[str, list[PredictedHit]]:
         """Per worker, the hits `match` tries in order (rebuild at the full match's end, at the device part's

@@ -121,8 +121,7 @@ class RouterService(Service):
         route = self.policy.route(fleet, req.request_id, req.num_tokens, now, exclude_decodes=req.exclude_decodes,
                                   block_hashes=req.block_hashes, exclude_instances=req.exclude_instances)
         if isinstance(self.policy, Router) and req.block_hashes:  # least-loaded: still say what it will hit
-            hits = predictor.predict(req.block_hashes, req.num_tokens)
-            dhits = predictor.predict(req.block_hashes, req.num_tokens, rebuild=False)
+            hits, dhits = predictor.predict_both(req.block_hashes, req.num_tokens)
             route = Route(route.prefill, route.decode, hits[route.prefill].tokens if route.prefill in hits else 0,
                           dhits[route.decode].tokens if route.decode != route.prefill and route.decode in dhits else 0)
         if not req.exclude_decodes:
