@@ -53,6 +53,16 @@ class WorkerLoad(WireModel):
     updated_at: float = Field(default=0.0, description="unix time of this snapshot")
 
 
+class CacheUsage(WireModel):
+    """A storage node's tiers, refreshed in its registry entry every heartbeat."""
+
+    memory_used: int = Field(default=0, ge=0, description="bytes of committed values in the memory tier")
+    memory_capacity: int = Field(default=0, ge=0)
+    disk_used: int = Field(default=0, ge=0, description="bytes of committed values in the disk tier")
+    disk_capacity: int = Field(default=0, ge=0)
+    keys: int = Field(default=0, ge=0, description="committed values (both tiers)")
+
+
 class RegistryEntry(WireModel):
     """One live service instance, as stored in the JetStream KV registry."""
 
@@ -69,6 +79,7 @@ class RegistryEntry(WireModel):
         default=0, ge=0, description="most prompt tokens one request may bring (a decode worker's SWA pool holds the "
         "whole prompt while its KV arrives); 0 = only max_tokens limits it")
     load: WorkerLoad | None = None
+    cache: CacheUsage | None = Field(default=None, description="a GCache storage node's tiers (role cache)")
     heartbeat_at: float = Field(default=0.0, description="unix time of the put that stored this entry; 0 = unknown")
     ttl_s: int = Field(default=0, ge=0, description="the entry is stale once heartbeat_at + ttl_s has passed")
 
@@ -390,3 +401,56 @@ class KVCommitRequest(WireModel):
 
 class KVCommitReply(WireModel):
     request_id: str
+
+
+# --- GCache (L3): storage nodes and the SDK (#12) ---------------------------------------------------
+# Control goes over NATS (small messages); value bytes go directly between SDK and node over the transfer engine
+# (UCX, TCP fallback), one transfer per batch, each value one or more chunk "layers" (docs/gcache.md).
+
+
+class CacheExistsRequest(WireModel):
+    keys: list[str] = Field(min_length=1, max_length=4096)
+
+
+class CacheExistsReply(WireModel):
+    present: list[bool] = Field(description="one per requested key: committed and readable")
+
+
+class CacheGetRequest(WireModel):
+    """Ask a node to send the values of `keys` it holds to the client's transfer engine at `address`, as the
+    incoming transfer `transfer_id` (the client calls `expect(transfer_id, ...)` before sending this)."""
+
+    transfer_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    keys: list[str] = Field(min_length=1, max_length=4096)
+    address: str = Field(min_length=1, description="the client's transfer address (ucx://… / tcp://…)")
+    chunk_bytes: int = Field(default=4 << 20, ge=4096, description="largest transfer layer (a value is sliced)")
+
+
+class CacheGetReply(WireModel):
+    """Sizes of the values the node will send, in key order (-1: a miss — absent, or failed its checksum). The
+    transfer's layers are the found values in key order, each sliced into chunks of at most `chunk_bytes`;
+    no transfer follows when every key missed."""
+
+    sizes: list[int]
+
+
+class CachePutItem(WireModel):
+    key: str = Field(min_length=1, max_length=512)
+    size: int = Field(ge=0)
+    checksum: int = Field(ge=0, description="xxh64 (seed GCACHE_CHECKSUM_SEED) of the value bytes")
+
+
+class CachePutRequest(WireModel):
+    """Announce a batch of values the client will send as transfer `transfer_id`. The node answers which it
+    accepts (not already stored or being stored, room in its tiers) and expects the transfer; the client then
+    sends only the accepted values, in order, sliced into chunks of at most `chunk_bytes`. A value becomes
+    visible when its bytes arrived complete and match their checksum; an unfinished transfer leaves nothing."""
+
+    transfer_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    items: list[CachePutItem] = Field(min_length=1, max_length=4096)
+    chunk_bytes: int = Field(default=4 << 20, ge=4096)
+
+
+class CachePutReply(WireModel):
+    accepted: list[bool] = Field(description="one per item")
+    address: str = Field(default="", description="the node's transfer address to send the accepted values to")

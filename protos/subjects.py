@@ -99,3 +99,20 @@ def kv_commit(ns: str, instance_id: str) -> str:
     """Disaggregated mode: prefill tells the decode worker holding a kv_prepare reservation the first token,
     or cancels it (request/reply, `KVCommitRequest` -> `KVCommitReply`)."""
     return f"{_base(ns)}.worker.{token(instance_id)}.kv_commit"
+
+
+def cache_exists(ns: str, instance_id: str) -> str:
+    """GCache: which keys one storage node holds (request/reply, `CacheExistsRequest` -> `CacheExistsReply`)."""
+    return f"{_base(ns)}.cache.{token(instance_id)}.exists"
+
+
+def cache_get(ns: str, instance_id: str) -> str:
+    """GCache: ask one storage node to send values to the client's transfer engine (`CacheGetRequest` ->
+    `CacheGetReply`, then the bytes over UCX / TCP, never NATS)."""
+    return f"{_base(ns)}.cache.{token(instance_id)}.get"
+
+
+def cache_put(ns: str, instance_id: str) -> str:
+    """GCache: announce values to one storage node (`CachePutRequest` -> `CachePutReply`, then the bytes over
+    UCX / TCP to the node's transfer address)."""
+    return f"{_base(ns)}.cache.{token(instance_id)}.put"

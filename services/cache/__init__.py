@@ -1,0 +1,1 @@
+"""GCache storage node (docs/gcache.md)."""
