@@ -22,6 +22,11 @@ class MemoryBlockStore:
         self.gets += 1
         return [self.values.get(k) for k in keys]
 
+    async def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        out = [k not in self.values for k, _ in items]
+        self.put_nowait(items)
+        return out
+
     def put_nowait(self, items: Sequence[tuple[str, Buffer]]) -> bool:
         for k, v in items:
             self.values.setdefault(k, bytes(v))
