@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from pydantic import Field, model_validator
 
 from libs.service import ServiceConfig
@@ -12,7 +14,8 @@ class CacheConfig(ServiceConfig):
 
     memory_bytes: int = Field(default=1 << 30, ge=0, description="byte budget of the memory tier")
     disk_bytes: int = Field(default=0, ge=0, description="byte budget of the disk tier; 0 = no disk tier")
-    disk_dir: str = Field(default="", description="directory of the disk tier (needed when disk_bytes > 0)")
+    disk_dir: str = Field(default="", description="directory of the disk tier (needed when disk_bytes > 0); "
+                          "'{hostname}' in it becomes this host's name (compose: one directory per replica)")
     put_timeout_s: float = Field(default=30.0, gt=0, description="an unfinished put older than this is reaped "
                                  "(its client died); also the bound of one put's transfer")
     reap_interval_s: float = Field(default=1.0, gt=0, description="how often unfinished puts are reaped")
@@ -27,6 +30,11 @@ class CacheConfig(ServiceConfig):
         if self.disk_bytes and not self.disk_dir:
             raise ValueError("disk_bytes > 0 needs disk_dir (WINDSERVE_DISK_DIR)")
         return self
+
+    @property
+    def disk_path(self) -> str:
+        """`disk_dir` with `{hostname}` filled in ("" without a disk tier)."""
+        return self.disk_dir.replace("{hostname}", socket.gethostname())
 
     @property
     def capacity_bytes(self) -> int:

@@ -28,7 +28,7 @@ class CacheService(Service):
         super().__init__(config)
         # UCX or the TCP fallback (a bad WINDSERVE_TRANSFER fails here, before any IO)
         self.transfer: KVTransferEngine = create_engine()
-        self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_dir or None,
+        self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_path or None,
                                put_timeout_s=config.put_timeout_s)
         self.node: CacheNode | None = None
 
