@@ -44,13 +44,13 @@ def _value(rng: random.Random, size: int) -> bytes:
 
 async def test_random_values_round_trip_byte_equal_with_batch_semantics_and_immutable_keys(pair):
     rng = random.Random(12)
-    client = await pair.client()
+    client = await pair.client(io_threads=2)  # calls alternate between two IO threads
     try:
         sizes = [MiB, 64 * MiB, rng.randint(MiB, 64 * MiB), 3, 0]
         values = {f"rt:{i}": _value(rng, n) for i, n in enumerate(sizes)}
         assert await bounded(client.exists(list(values)), HANG) == [False] * len(values)
         assert await bounded(client.put(list(values.items())), HANG) == [True] * len(values)
-        homes = {client._workers[0].ring.home(k) for k in values}
+        homes = {client.home(k) for k in values}
         assert homes == {"node-a", "node-b"}  # the batch was split over both nodes (one request each)
 
         keys = [*values, "rt:absent"]
@@ -104,7 +104,7 @@ asyncio.run(main(*sys.argv[1:6]))
 async def test_a_client_killed_mid_put_leaves_no_visible_key_and_the_node_reclaims_it(pair, stage):
     client = await pair.client()
     key = f"dying:{stage}"
-    node = client._workers[0].ring.home(key)
+    node = client.home(key)
     child = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, pair.nats_url, pair.namespace, node, key, stage],
                              cwd=ROOT, env={**os.environ, **UCX_ENV}, stdout=subprocess.PIPE, text=True)
     try:
@@ -144,8 +144,7 @@ async def test_a_node_killed_during_gets_gives_misses_within_the_bound_and_repli
         assert await single.put(list(values.items())) == [True] * len(values)
         both = {f"rep:{k}": v for k, v in values.items()}
         assert await replicated.put(list(both.items())) == [True] * len(both)
-        ring = single._workers[0].ring
-        on_x = {k for k in values if ring.home(k) == "node-x"}
+        on_x = {k for k in values if single.home(k) == "node-x"}
         assert on_x and len(on_x) < len(values)
 
         stop = asyncio.Event()

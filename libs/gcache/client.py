@@ -148,8 +148,12 @@ class GCacheClient:
 
     @property
     def nodes(self) -> frozenset[str]:
-        """The storage nodes on the ring (the first IO thread's view)."""
-        return self._workers[0].ring.nodes
+        """The storage nodes on the ring of every IO thread (each keeps its own registry view)."""
+        return frozenset.intersection(*(w.ring.nodes for w in self._workers))
+
+    def home(self, key: str) -> str | None:
+        """The node `key` lives on (its first successor), as the first IO thread's ring says."""
+        return self._workers[0].ring.home(key)
 
     def stats(self) -> GCacheStats:
         return self._counters.snapshot()

@@ -15,6 +15,7 @@ replica (replication factor 2).
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import xxhash
@@ -23,6 +24,7 @@ RING_SEED = 0x67636163_68657269  # "gcacheri": node points
 PROBE_SEED = 0x67636163_68657072  # "gcachepr": key probes (probe i uses PROBE_SEED + i)
 PROBES = 16
 _RING = 1 << 64
+_MEMO = 1 << 16  # placements remembered (a key is usually asked again: exists, then get); cleared on change
 
 
 def node_points(node: str, virtual_nodes: int) -> list[int]:
@@ -45,6 +47,7 @@ class HashRing:
         self._nodes: set[str] = set()
         self._points: list[int] = []  # sorted
         self._owners: list[str] = []  # owner of each point
+        self._memo: OrderedDict[tuple[str, int], list[str]] = OrderedDict()
         for node in nodes:
             self.add(node)
 
@@ -79,18 +82,41 @@ class HashRing:
         pairs = sorted((p, n) for n in self._nodes for p in node_points(n, self.virtual_nodes))
         self._points = [p for p, _ in pairs]
         self._owners = [n for _, n in pairs]
+        self._memo.clear()
 
     def successors(self, key: str, n: int = 1) -> list[str]:
         """Up to `n` distinct nodes for `key`, nearest first (fewer when the ring has fewer nodes)."""
         n = min(n, len(self._nodes))
         if n <= 0:
             return []
+        memo = self._memo.get((key, n))
+        if memo is not None:
+            self._memo.move_to_end((key, n))
+            return list(memo)
+        found = self._rank(key, n)
+        self._memo[(key, n)] = found
+        if len(self._memo) > _MEMO:
+            self._memo.popitem(last=False)
+        return list(found)
+
+    def _rank(self, key: str, n: int) -> list[str]:
+        if n == 1:  # the common case, without the walk's bookkeeping
+            return [self._nearest(key)]
         best: dict[str, int] = {}
         for probe in key_probes(key, self.probes):
             for node, dist in self._walk(probe, n):
                 if dist < best.get(node, _RING):
                     best[node] = dist
         return sorted(best, key=lambda node: (best[node], node))[:n]
+
+    def _nearest(self, key: str) -> str:
+        points, owners, size = self._points, self._owners, len(self._points)
+        top = (_RING, "")
+        for probe in key_probes(key, self.probes):
+            i = bisect.bisect_left(points, probe)
+            i = i if i < size else 0
+            top = min(top, ((points[i] - probe) % _RING, owners[i]))
+        return top[1]
 
     def _walk(self, probe: int, n: int) -> list[tuple[str, int]]:
         """The first `n` distinct nodes clockwise from `probe`, with their distance (exact top-n per probe, so
@@ -116,3 +142,4 @@ class HashRing:
         assert self._points == sorted(self._points)
         assert len(self._points) == len(self._owners) == self.virtual_nodes * len(self._nodes)
         assert set(self._owners) == self._nodes
+        assert all(self._rank(key, n) == found for (key, n), found in self._memo.items())
