@@ -466,20 +466,22 @@ class _IOWorker:
 
 
 class _Landing:
-    """Buffers of one get's incoming transfer, laid out from its header: one bytearray per value, each chunk
-    layer a view into it (no copy after the bytes land)."""
+    """Buffers of one get's incoming transfer, laid out from its header: one uninitialised uint8 tensor per
+    value (no zero fill: every byte is received), each chunk layer a slice of it; the values handed out are
+    memoryviews of those tensors (no copy after the bytes land)."""
 
     def __init__(self) -> None:
-        self.buffers: dict[int, bytearray] = {}
+        self.buffers: dict[int, memoryview] = {}
 
     def allocate(self, header: TransferHeader) -> list[torch.Tensor]:
         sizes = wire.value_sizes(header.layers)
-        self.buffers = {pos: bytearray(size) for pos, size in sizes.items()}
+        tensors = {pos: torch.empty(size, dtype=torch.uint8) for pos, size in sizes.items()}
+        self.buffers = {pos: memoryview(t.numpy()) for pos, t in tensors.items()}
         offsets = dict.fromkeys(sizes, 0)
         views = []
         for spec in header.layers:
             n, pos = spec.shape[0], spec.layer_index
-            views.append(torch.frombuffer(self.buffers[pos], dtype=torch.uint8, count=n, offset=offsets[pos]))
+            views.append(tensors[pos][offsets[pos]:offsets[pos] + n])
             offsets[pos] += n
         return views
 
