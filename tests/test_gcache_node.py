@@ -70,6 +70,26 @@ async def test_random_values_round_trip_byte_equal_with_batch_semantics_and_immu
         await client.close()
 
 
+async def test_write_back_is_queued_without_blocking_and_dropped_when_the_queue_is_full(pair):
+    client = await pair.client(write_queue=1)
+    try:
+        batches = [[(f"wb:{i}", bytes([i]) * (8 * MiB))] for i in range(3)]
+        queued = [client.put_nowait(b) for b in batches]  # back to back: the first is still being written
+        assert queued[0] and not all(queued)
+        assert client.stats().dropped == queued.count(False)
+        keys = [b[0][0] for b, q in zip(batches, queued, strict=True) if q]
+
+        async def written() -> bool:
+            return await client.exists(keys) == [True] * len(keys)
+        async with asyncio.timeout(HANG):
+            while not await written():
+                await asyncio.sleep(0.05)
+        assert [bytes(v) for v in await client.get(keys[:1])] == [batches[0][0][1]]
+    finally:
+        await client.close()
+    assert client.put_nowait([("wb:late", b"x")]) is False  # closed: dropped, never raises
+
+
 DYING_CLIENT = r"""
 import asyncio, sys
 from libs.bus import Bus

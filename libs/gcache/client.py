@@ -40,6 +40,7 @@ import torch
 
 from libs.bus import Bus, BusError, Registry, RegistryEventKind, RegistryView, ViewConfig
 from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address, create_engine
+from libs.transfer.buffers import host_bytes
 from protos import subjects
 from protos.base import ProtocolError
 from protos.messages import (
@@ -476,7 +477,7 @@ class _Landing:
     def allocate(self, header: TransferHeader) -> list[torch.Tensor]:
         sizes = wire.value_sizes(header.layers)
         tensors = {pos: torch.empty(size, dtype=torch.uint8) for pos, size in sizes.items()}
-        self.buffers = {pos: memoryview(t.numpy()) for pos, t in tensors.items()}
+        self.buffers = {pos: host_bytes(t) for pos, t in tensors.items()}
         offsets = dict.fromkeys(sizes, 0)
         views = []
         for spec in header.layers:

@@ -21,8 +21,11 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import torch
+
 from libs.gcache import wire
-from libs.transfer import KVTransferEngine, TransferError
+from libs.transfer import IncomingTransfer, KVTransferEngine, TransferError, TransferHeader
+from libs.transfer.transfers import DestinationFactory
 from protos.messages import (
     CacheExistsReply,
     CacheExistsRequest,
@@ -80,7 +83,7 @@ class CacheNode:
                 self._commit(slot)
         return CachePutReply(accepted=[s is not None for s in slots], address=self.address)
 
-    async def _receive(self, incoming: Any, slots: list[PutSlot]) -> None:
+    async def _receive(self, incoming: IncomingTransfer, slots: list[PutSlot]) -> None:
         try:
             await incoming.wait(timeout=self.config.put_timeout_s)
         except TransferError as exc:
@@ -161,13 +164,13 @@ class CacheNode:
                 **{k: str(v) for k, v in self.store.stats().items()}}
 
 
-def _destinations(slots: list[PutSlot], chunk_bytes: int, positions: list[int]) -> Any:
+def _destinations(slots: list[PutSlot], chunk_bytes: int, positions: list[int]) -> DestinationFactory:
     """The expected transfer's destinations: each accepted slot's buffer in chunk views, checked against the
     header (a sender announcing other sizes or positions is rejected by the engine: ValueError)."""
     views = [view for slot in slots for view in wire.chunk_views(slot.buffer, chunk_bytes)]
     want = {pos: slot.size for pos, slot in zip(positions, slots, strict=True) if slot.size}
 
-    def allocate(header: Any) -> list[Any]:
+    def allocate(header: TransferHeader) -> list[torch.Tensor]:
         if wire.value_sizes(header.layers) != want or len(header.layers) != len(views):
             raise ValueError(f"transfer {header.request_id}: layers do not match the accepted values")
         return views
