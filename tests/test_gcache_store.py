@@ -255,13 +255,14 @@ def test_restart_reindexes_and_drops_broken_files(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_bytes(b"not ours either")
     (tmp_path / file_name("elsewhere")).write_bytes((tmp_path / file_name("k0")).read_bytes())  # a wrong name
     s2 = NodeStore(100, 10_000, tmp_path)
+    survivors = ["k0", "k1", "k2", "k0-pusher", "k1-pusher", "k2-pusher"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(file_name(k) for k in survivors)
+    assert s2.stats()["removed_files"] == 5 and s2.usage().disk_used == 600
+    assert [k for k in survivors if s2.exists(k)] == survivors
+    assert not s2.exists("k3") and not s2.exists("k3-pusher")  # truncated; only ever in memory
+    assert not s2.exists("elsewhere")
     for i in range(3):
         assert bytes(s2.get(f"k{i}") or b"") == value(i, 100)
-    assert not s2.exists("k3") and s2.exists("k0-pusher")  # the last pusher was in memory: gone with it
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(file_name(k) for k in
-                                                                ["k0", "k1", "k2", "k0-pusher", "k1-pusher",
-                                                                 "k2-pusher"] if on_disk(tmp_path, k))
-    assert not s2.exists("elsewhere") and s2.stats()["removed_files"] == 5
     s2.check_invariants()
 
 
