@@ -1,6 +1,7 @@
 """GCache with real storage-node processes (`python -m services.cache`), a real nats-server and real ucxx
-(UCX over tcp): values round-trip byte-equal, batches, immutability, a client SIGKILLed mid-put, a node
-SIGKILLed during gets, and (in network namespaces) a link cut."""
+(UCX over tcp): values round-trip byte-equal, batches, immutability, write-back, a client SIGKILLed mid-put, a
+node SIGKILLed during gets, a restarted node serving its disk, a corrupted file, and (in network namespaces) a
+link cut."""
 
 import asyncio
 import json
@@ -193,6 +194,71 @@ async def test_a_node_killed_during_gets_gives_misses_within_the_bound_and_repli
         for c in (single, replicated):
             if c is not None:
                 await c.close()
+        nodes.stop()
+
+
+# --- the disk tier at the process level ------------------------------------------------------------------
+
+
+def _disk_node(nodes: CacheNodes, instance: str, disk_dir) -> None:
+    # memory holds one 1 MiB value: every earlier one is demoted to disk
+    nodes.start(instance, env={"WINDSERVE_MEMORY_BYTES": str(3 * MiB // 2), "WINDSERVE_DISK_BYTES": str(64 * MiB),
+                               "WINDSERVE_DISK_DIR": str(disk_dir)})
+
+
+def _disk_values() -> dict[str, bytes]:
+    rng = random.Random(7)
+    return {f"disk:{i}": rng.randbytes(MiB) for i in range(4)}
+
+
+async def test_a_restarted_node_serves_its_disk_values(nats_server, tmp_path):
+    nodes = CacheNodes(nats_server.url, tmp_path / "logs")
+    _disk_node(nodes, "node-d", tmp_path / "disk")
+    values = _disk_values()
+    client = await nodes.client()
+    try:
+        for item in values.items():  # one at a time: a batch reserves memory for all its values at once
+            assert await client.put([item]) == [True]
+        assert len(list((tmp_path / "disk").glob("*.gcv"))) == 3  # the last one is in memory
+        nodes.kill("node-d")
+        _disk_node(nodes, "node-d", tmp_path / "disk")  # same id and directory: a restart
+
+        async def served() -> bool:
+            return (await client.exists(list(values)))[:3] == [True] * 3
+        async with asyncio.timeout(60):
+            while not await served():
+                nodes.alive()
+                await asyncio.sleep(0.2)
+        got = await client.get(list(values))
+        assert [bytes(g) for g in got[:3]] == list(values.values())[:3]
+        assert got[3] is None  # it was only in memory: gone with the process
+        assert (await nodes.details("node-d"))["keys"] == "3"
+    finally:
+        await client.close()
+        nodes.stop()
+
+
+async def test_a_corrupted_file_is_a_miss_never_wrong_bytes(nats_server, tmp_path):
+    from services.cache.disk_tier import file_name
+
+    nodes = CacheNodes(nats_server.url, tmp_path / "logs")
+    _disk_node(nodes, "node-c", tmp_path / "disk")
+    values = _disk_values()
+    client = await nodes.client()
+    try:
+        for item in values.items():
+            assert await client.put([item]) == [True]
+        victim = tmp_path / "disk" / file_name("disk:1")
+        raw = bytearray(victim.read_bytes())
+        raw[-100] ^= 0xFF  # one flipped bit pattern inside the value, header intact
+        victim.write_bytes(bytes(raw))
+        got = await client.get(list(values))
+        assert got[1] is None
+        assert [bytes(got[i]) for i in (0, 2, 3)] == [values[f"disk:{i}"] for i in (0, 2, 3)]
+        assert await client.exists(["disk:1"]) == [False]  # dropped at the failed read
+        assert int((await nodes.details("node-c"))["checksum_failures"]) == 1
+    finally:
+        await client.close()
         nodes.stop()
 
 

@@ -54,8 +54,8 @@ class CacheNode:
         self.engine = engine
         self.address = address
         self._spawn = spawn
-        self.inflight_puts = 0
         self.inflight_gets = 0
+        """Gets whose values are being sent (in-flight puts are the store's `inflight()`)."""
 
     # ------------------------------------------------------------------ exists
 
@@ -76,7 +76,6 @@ class CacheNode:
             except (ValueError, RuntimeError):  # a duplicate transfer id: refuse the whole batch
                 self._abort(taken, "the transfer could not be expected")
                 raise
-            self.inflight_puts += 1
             self._spawn(self._receive(incoming, taken), f"put-{req.transfer_id}")
         else:
             for slot in taken:  # 0-byte values: no transfer
@@ -92,8 +91,6 @@ class CacheNode:
         except BaseException:
             self._abort(slots, "node shutting down")
             raise
-        finally:
-            self.inflight_puts -= 1
         metrics.BYTES.labels("in").inc(sum(s.size for s in slots))
         for slot in slots:
             self._commit(slot)
@@ -141,8 +138,7 @@ class CacheNode:
 
     def reap(self) -> int:
         reaped = self.store.reap()
-        if reaped:
-            metrics.REAPED.inc(reaped)
+        if reaped:  # counted by the store (`windserve_cache_store{counter="reaped"}`)
             log.info("reaped unfinished puts", extra={"count": reaped})
         return reaped
 
@@ -159,7 +155,7 @@ class CacheNode:
     def details(self) -> dict[str, str]:
         usage = self.store.usage()
         return {"address": self.address, "keys": str(usage.keys), "memory_used": str(usage.memory_used),
-                "disk_used": str(usage.disk_used), "inflight_puts": str(self.inflight_puts),
+                "disk_used": str(usage.disk_used), "inflight_puts": str(self.store.inflight()),
                 "inflight_gets": str(self.inflight_gets),
                 **{k: str(v) for k, v in self.store.stats().items()}}
 

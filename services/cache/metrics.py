@@ -9,7 +9,6 @@ PUTS = Counter("windserve_cache_puts_total", "Put items by outcome: accepted / r
                "stored, no room) at announce; committed / dropped (checksum mismatch) / aborted (transfer failed)",
                ["outcome"])
 SEND_FAILURES = Counter("windserve_cache_send_failures_total", "Get transfers that failed (client gone or slow)")
-REAPED = Counter("windserve_cache_reaped_total", "Unfinished puts reaped after put_timeout_s")
 USAGE = Gauge("windserve_cache_usage_bytes", "Bytes of committed values and capacity per tier", ["tier", "kind"])
 KEYS = Gauge("windserve_cache_keys", "Committed values (both tiers)")
 STORE = Gauge("windserve_cache_store", "The store's own counters since start (checksum_failures, demotions, "
