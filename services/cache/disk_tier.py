@@ -43,14 +43,14 @@ def encode_header(key: str, size: int, checksum: int) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class Header:
+class FileHeader:
     key: str
     size: int
     checksum: int
     length: int  # bytes before the value
 
 
-def parse_header(raw: bytes) -> Header | None:
+def parse_header(raw: bytes) -> FileHeader | None:
     """The header at the start of `raw` (which holds at least the fixed part and the key), or None if corrupt."""
     if len(raw) < _FIXED.size:
         return None
@@ -64,10 +64,10 @@ def parse_header(raw: bytes) -> Header | None:
         key = kb.decode()
     except UnicodeDecodeError:
         return None
-    return Header(key, size, checksum, _FIXED.size + key_len)
+    return FileHeader(key, size, checksum, _FIXED.size + key_len)
 
 
-def _read_header(f: BinaryIO) -> Header | None:
+def _read_header(f: BinaryIO) -> FileHeader | None:
     fixed = f.read(_FIXED.size)
     if len(fixed) < _FIXED.size:
         return None
