@@ -1,0 +1,220 @@
+"""The torch side of GCache (L3): the byte layout of L3 values, copying a finishing sequence's KV out (the
+write-back's engine-thread half) and writing fetched values into host-tier pages (the import's).
+
+Values, per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`):
+- full value `F:<hash of b>`: the block's page of every full-attention layer, K then V, each [full layers,
+  page, kv heads, head dim] in the pool dtype, as one contiguous byte string (`ValueLayout.full_bytes`);
+- SWA checkpoint `S:<hash of b>`: the SWA layers' K then V of the window's pages ending at b, each [SWA layers,
+  w, page, kv heads, head dim], w = min(window pages, b + 1) (`ValueLayout.swa_bytes(w)`).
+The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/l3.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from libs.gcache.api import Buffer
+from libs.gcache.keys import full_key, model_namespace, swa_key
+from libs.kvcache import KVCacheConfig, KVLayout
+from libs.model.paged import KVPools
+
+if TYPE_CHECKING:
+    from libs.engine.scheduler import Seq
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Buffer", "KnownBlocks", "L3Export", "ValueLayout", "WriteBack", "kv_layout", "l3_namespace",
+           "write_host_blocks"]
+
+
+@dataclass(frozen=True)
+class ValueLayout:
+    """Byte sizes of L3 values for one engine's pools."""
+
+    page_size: int
+    window_pages: int
+    full_bytes: int  # one block's full value
+    swa_page_bytes: int  # one page of a checkpoint
+
+    @classmethod
+    def of(cls, kv: KVPools, window_pages: int) -> ValueLayout:
+        def page(t: torch.Tensor) -> int:
+            return t.shape[0] * t[0, 0].numel() * t.element_size()
+        return cls(kv.page_size, window_pages, page(kv.full_k) + page(kv.full_v),
+                   page(kv.swa_k) + page(kv.swa_v))
+
+    def swa_bytes(self, end: int) -> int:
+        """Bytes of the checkpoint ending at page `end` (exclusive): min(window pages, end) SWA pages."""
+        return min(self.window_pages, end) * self.swa_page_bytes
+
+
+def kv_layout(model_config, dtype: torch.dtype) -> KVLayout:
+    """The model's KV byte layout (libs.kvcache.KVLayout) in the pool dtype: what `l3_footprint` needs."""
+    es = torch.empty((), dtype=dtype).element_size()
+    per_head = (model_config.qk_head_dim + model_config.v_head_dim) * es
+    return KVLayout(len(model_config.full_layers), len(model_config.swa_layers),
+                    model_config.kv_heads_full * per_head, model_config.kv_heads_swa * per_head)
+
+
+def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str) -> str:
+    """The GCache namespace of one model's KV: name, layout (layer kinds, KV heads, head dims, window, sinks),
+    page size, dtype and hash seed, so two models (or two layouts of one) never read each other's bytes."""
+    mc = model_config
+    layout = (f"layers={''.join('S' if s else 'F' for s in mc.layer_is_swa)};kv={mc.kv_heads_full},{mc.kv_heads_swa};"
+              f"head={mc.qk_head_dim},{mc.v_head_dim};window={mc.sliding_window};"
+              f"sinks={int(mc.swa_sinks)},{int(mc.full_sinks)}")
+    return model_namespace(model or "tiny", layout, cache.page_size, dtype, cache.hash_seed)
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+
+def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
+    """[len(pages), bytes per page over every layer, K then V] uint8 (a copy, on the pools' device)."""
+    idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
+    rows = [t.index_select(1, idx).transpose(0, 1).contiguous().view(len(pages), -1).view(torch.uint8)
+            for t in (k, v)]
+    return torch.cat(rows, dim=1)
+
+
+def _scatter(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int], data: torch.Tensor) -> None:
+    """The inverse of `_gather`: write `data` [len(pages), bytes per page] into the pools' pages."""
+    idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
+    off = 0
+    for t in (k, v):
+        n = t.shape[0] * t[0, 0].numel() * t.element_size()
+        part = data[:, off:off + n].contiguous().view(t.dtype).view(len(pages), t.shape[0], *t.shape[2:])
+        t.index_copy_(1, idx, part.transpose(0, 1).to(t.device))
+        off += n
+
+
+def write_host_blocks(host: KVPools | None, full_ids: Sequence[int], full_values: Sequence[Buffer],
+                      swa_ids: Sequence[int], swa_value: Buffer) -> None:
+    """Write fetched L3 values into host-tier pages: block j's full value into full page `full_ids[j]`, the
+    checkpoint (its pages in order) into `swa_ids`. One copy of the bytes, on the calling (engine) thread."""
+    if host is None:
+        raise RuntimeError("a GCache import needs the engine's host tier")
+    full = torch.frombuffer(bytearray(b"".join(full_values[:len(full_ids)])), dtype=torch.uint8)
+    _scatter(host.full_k, host.full_v, full_ids, full.view(len(full_ids), -1))
+    swa = torch.frombuffer(bytearray(swa_value), dtype=torch.uint8)
+    _scatter(host.swa_k, host.swa_v, swa_ids, swa.view(len(swa_ids), -1))
+
+
+# ---------------------------------------------------------------------------------------------- write-back
+
+class KnownBlocks:
+    """A bounded LRU set of L3 values this worker wrote or imported (block hash, full or checkpoint): the
+    write-back skips them. Engine thread only."""
+
+    _SWA = 1 << 64  # checkpoint entries: the hash shifted out of the 64-bit range of full entries
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def has_full(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def has_swa(self, block_hash: int) -> bool:
+        return block_hash | self._SWA in self._lru
+
+    def add(self, full_hashes: Sequence[int], swa_hash: int | None = None) -> None:
+        lru = self._lru
+        for h in (*full_hashes, *(() if swa_hash is None else (swa_hash | self._SWA,))):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.max_entries:
+            lru.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+@dataclass
+class WriteBack:
+    """One finished sequence's values on their way to the store: `full` row j is the value of `full_keys[j]`;
+    `swa` (one row per window page, or None) the checkpoint under `swa_key`. The tensors are copies (on the
+    pools' device); `ready` (CUDA) is recorded after the copies, so another thread waits on it."""
+
+    full_keys: list[str]
+    full: torch.Tensor | None
+    swa_key: str | None
+    swa: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self.full, self.swa) if t is not None)
+
+    def items(self) -> list[tuple[str, Buffer]]:
+        """(key, value) pairs for `BlockStore.put_nowait`; copies to host memory (call off the engine thread)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        out: list[tuple[str, Buffer]] = []
+        if self.full is not None:
+            rows = self.full.cpu().numpy()
+            out += [(k, rows[j].data) for j, k in enumerate(self.full_keys)]
+        if self.swa is not None and self.swa_key is not None:
+            out.append((self.swa_key, self.swa.cpu().numpy().reshape(-1).data))
+        return out
+
+
+class L3Export:
+    """The scheduler's `on_finish` hook: copies a finishing sequence's new L3 values out of the device pools and
+    hands them to `sink` (the worker's bounded write-back queue; False = full, the batch is dropped).
+
+    What it writes: the full value of every page-aligned computed block not in `known`, and the checkpoint at
+    the last full block (the window a finished sequence always still holds). Engine-thread cost per finish: the
+    block hashes (cached on the sequence), a lookup per block in `known`, and one gather per pool tensor of the
+    new blocks (on CUDA four indexed-copy kernels and an event, asynchronous; on CPU a memcpy of their bytes)."""
+
+    def __init__(self, kv: KVPools, cache, namespace: str, known: KnownBlocks,
+                 sink: Callable[[WriteBack], bool]) -> None:
+        self.kv = kv
+        self.cache = cache
+        self.namespace = namespace
+        self.known = known
+        self.sink = sink
+        self.queued = 0  # write-back batches handed to the sink
+        self.dropped = 0  # batches the sink refused (queue full)
+        self.failed = 0  # finishes whose copy-out raised (logged; the finish goes on)
+
+    def __call__(self, seq: Seq) -> None:
+        try:
+            self._export(seq)
+        except Exception:  # the write-back is best effort: a finish must never fail for it
+            self.failed += 1
+            log.exception("GCache write-back of %s failed", seq.req_id)
+
+    def _export(self, seq: Seq) -> None:
+        cfg = self.cache.cfg
+        P, wp = cfg.page_size, cfg.window_pages
+        npg = seq.num_computed // P
+        if npg == 0:
+            return
+        hashes = seq.block_hashes(P, cfg.hash_seed)
+        full, swa = self.cache.page_tables(seq.req_id)
+        known = self.known
+        new = [j for j in range(npg) if not known.has_full(hashes[j])]
+        lo, last = max(0, npg - wp), hashes[npg - 1]
+        ckpt = not known.has_swa(last) and all(s >= 0 for s in swa[lo:npg])
+        if not new and not ckpt:
+            return
+        kv, ns = self.kv, self.namespace
+        job = WriteBack([full_key(ns, hashes[j]) for j in new],
+                        _gather(kv.full_k, kv.full_v, [full[j] for j in new]) if new else None,
+                        swa_key(ns, last) if ckpt else None,
+                        _gather(kv.swa_k, kv.swa_v, swa[lo:npg]) if ckpt else None)
+        if kv.full_k.is_cuda:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        if not self.sink(job):
+            self.dropped += 1
+            return
+        self.queued += 1
+        known.add([hashes[j] for j in new], last if ckpt else None)

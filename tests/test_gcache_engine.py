@@ -1,0 +1,328 @@
+"""GCache (L3) in the engine: the import / export bookkeeping of libs/kvcache (pure), and with the real tiny
+model and real engines: prefixes that come from L3 (alone, or after local L1 pages) give the outputs of a
+cache-disabled run, a hanging store is a miss after the lookup bound, a full write-back queue drops without
+stalling decoding, and two combined workers over a real nats-server share one store
+(docs/kvcache.md, "Engine integration (L3)")."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from libs.engine import AsyncEngine, EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine.l3 import kv_layout, l3_namespace
+from libs.gcache.api import Buffer
+from libs.gcache.memory import MemoryBlockStore
+from libs.kvcache import KVCache, KVCacheConfig, l3_footprint, l3_hit_end
+from libs.model import load_model, load_tokenizer
+from libs.worker.gcache import GCacheLink
+
+PAGE = 4  # the tiny model's window is 16: 4 pages per checkpoint
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+# ------------------------------------------------------------------------------------------ pure
+@pytest.mark.unit
+def test_l3_hit_end_takes_the_longest_run_whose_checkpoint_window_lies_in_the_import() -> None:
+    full = [True] * 10
+    swa = [False] * 10
+    swa[3] = swa[7] = True
+    assert l3_hit_end(0, full, swa, 2, 10) == 8
+    assert l3_hit_end(0, full, swa, 2, 7) == 4  # a hit stays below the prompt's last token
+    assert l3_hit_end(6, full, swa, 2, 10) == 8  # window [6, 8) starts at the local end: fine
+    assert l3_hit_end(7, full, swa, 2, 10) == 0  # window [6, 8) reaches into local pages: refused
+    full[5] = False
+    assert l3_hit_end(0, full, swa, 2, 10) == 4  # the full values must be contiguous from the local end
+    assert l3_hit_end(6, full, swa, 2, 10) == 8
+    assert l3_hit_end(0, [True], [True], 4, 1) == 1  # a window clamped at page 0
+
+
+@pytest.mark.unit
+def test_l3_footprint_is_the_dual_layout_limit_when_the_window_is_whole_pages() -> None:
+    layout = kv_layout(load_model(None)[1], torch.bfloat16)
+    stored, limit = l3_footprint(layout, 4, 16, 100, [49, 99])
+    assert stored == limit == (100 * 4 * layout.full_layers * layout.full_bytes_per_token_layer
+                               + 2 * 16 * layout.swa_layers * layout.swa_bytes_per_token_layer)
+    stored, limit = l3_footprint(layout, 4, 14, 100, [99])  # 14 tokens round up to 4 pages = 16
+    assert stored - limit == 2 * layout.swa_layers * layout.swa_bytes_per_token_layer
+
+
+def _cache(host: int = 64) -> KVCache:
+    return KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=64, num_swa_pages=32,
+                                 num_host_full_pages=host, num_host_swa_pages=host // 2), audit_tokens=True)
+
+
+def _serve(c: KVCache, sid: str, toks: list[int]) -> int:
+    hit = c.match(toks)
+    assert c.admit(sid, toks, hit, 2).ok
+    assert c.reserve(sid, len(toks) - hit.tokens)
+    c.commit(sid, len(toks) - hit.tokens, [7])
+    c.finish(sid)
+    c.check_invariants()
+    return hit.tokens
+
+
+def _at_baseline(c: KVCache) -> None:
+    u = c.usage()
+    for pool in (u.full, u.swa, u.host_full, u.host_swa):
+        assert pool.in_use == 0 and pool.free + pool.cached == pool.capacity, pool
+    c.check_invariants()
+
+
+@pytest.mark.unit
+def test_import_blocks_hangs_host_only_nodes_that_match_loads_and_counts_as_l3_once() -> None:
+    c = _cache()
+    t = tokens(1, 60)
+    _serve(c, "a", t[:18])  # the tree holds pages 0..3 (full KV) of t
+    assert c.cached_pages(t) == 4
+    imp = c.import_blocks(t, None, 2, 12)  # fetched from page 2; the tree holds 0..3 by now: import 4..11
+    assert imp is not None and (imp.start, imp.end, len(imp.full), len(imp.swa)) == (4, 12, 8, 2)
+    assert c.usage().host_full.cached == 8 and c.usage().host_swa.cached == 2
+    c.check_invariants()
+    assert c.cached_pages(t) == 12
+    hit = c.match(t)
+    assert (hit.tokens, hit.host_tokens, hit.l3_tokens) == (48, 32, 32)
+    assert len(hit.load_copies) == 8 + 2
+    c.release_hit(hit)  # (released or not, the load moved them on device: the next hit is an L1 hit)
+    c.check_invariants()
+    again = c.match(t)
+    assert (again.tokens, again.host_tokens, again.l3_tokens) == (48, 0, 0)
+    c.release_hit(again)
+    assert _serve(c, "b", t) == 48
+    _at_baseline(c)
+
+
+@pytest.mark.unit
+def test_import_blocks_refuses_what_it_cannot_import_correctly() -> None:
+    t = tokens(2, 60)
+    assert KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=64, num_swa_pages=32)).import_blocks(
+        t, None, 0, 4) is None  # no host tier
+    c = _cache()
+    _serve(c, "a", t[:18])
+    assert c.import_blocks(t, None, 4, 5) is None  # the window [3, 5) reaches into local pages
+    assert c.import_blocks(t, None, 5, 10) is None  # fetched from page 5, the tree holds only 4: a gap
+    assert c.import_blocks(t, None, 0, 16) is None  # more pages than the prompt has
+    assert c.usage().host_full.cached == 0
+    _at_baseline(c)
+    small = _cache(host=4)
+    assert small.import_blocks(t, None, 0, 6) is None  # 6 host pages do not fit in 4
+    assert small.import_blocks(t, None, 0, 4) is not None
+    assert small.import_blocks(tokens(3, 60), None, 0, 4) is not None  # makes room: drops the LRU import
+    assert small.cached_pages(t) == 0
+    _at_baseline(small)
+
+
+# ------------------------------------------------------------------------------------------ engines
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, cfg = load_model(None)
+    return model, cfg, load_tokenizer(None)
+
+
+def make_core(tiny, **overrides) -> EngineCore:
+    model, cfg, tok = tiny
+    opts = dict(page_size=PAGE, num_full_pages=256, num_swa_pages=96, max_num_batched_tokens=64,
+                bucket_edges=(), max_num_seqs=8, num_host_full_pages=128, num_host_swa_pages=32)
+    opts.update(overrides)
+    return EngineCore(EngineConfig(**opts), model, cfg, tok)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+class Served:
+    """One engine with its GCache link, over `store`."""
+
+    def __init__(self, tiny, store, **kw) -> None:
+        self.core = make_core(tiny, **{k: v for k, v in kw.items() if k not in _LINK_ARGS})
+        self.engine = AsyncEngine(self.core)
+        ns = l3_namespace("", tiny[1], self.core.cache.cfg, "float32")
+        self.link = GCacheLink(self.engine, store, ns, **{k: v for k, v in kw.items() if k in _LINK_ARGS})
+        self.link.attach()
+        self.engine.start()
+
+    async def generate(self, rid: str, prompt: list[int], n: int) -> tuple[list[int], int]:
+        out: list[int] = []
+        cached = -1
+        async for o in self.engine.generate(Request(rid, prompt, greedy(n))):
+            out += o.new_token_ids
+            cached = o.num_cached_tokens
+        return out, cached
+
+    async def close(self) -> None:
+        load = await self.engine.call(lambda core: (core.check_invariants(), core.load())[1], timeout_s=30)
+        for pool in (load.usage.full, load.usage.swa, load.usage.host_full, load.usage.host_swa):
+            assert pool.in_use == 0 and pool.free + pool.cached == pool.capacity, pool
+        self.link.close()
+        await asyncio.to_thread(self.engine.shutdown)
+        self.core.close()
+
+
+_LINK_ARGS = ("lookup_timeout_s", "write_queue", "write_queue_bytes")
+
+
+async def until(cond, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.02)
+
+
+async def reference(tiny, prompt: list[int], n: int) -> list[int]:
+    core = make_core(tiny, enable_prefix_cache=False, num_host_full_pages=0, num_host_swa_pages=0)
+    async with AsyncEngine(core) as engine:
+        out = [t async for o in engine.generate(Request("ref", prompt, greedy(n))) for t in o.new_token_ids]
+    core.close()
+    return out
+
+
+@pytest.mark.integration
+async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny):
+    store = MemoryBlockStore()
+    first = tokens(10, 70)
+    a = Served(tiny, store)
+    out1, _ = await a.generate("t1", first, 12)  # 70 + 12 tokens: 81 computed, 20 pages written back
+    await until(lambda: a.link.counts()["writebacks"] == 1)
+    await a.close()
+    assert len(store.values) == 20 + 1  # 20 full values, one checkpoint (at block 19), no SWA for every token
+    turn2 = [*first, *out1, *tokens(11, 9)]
+    b = Served(tiny, store)  # its own cache is empty
+    out2, cached = await b.generate("t2", turn2, 10)
+    assert cached == 80  # the first turn's prompt + output, page aligned: all of it from L3
+    assert out2 == await reference(tiny, turn2, 10)
+    counts = b.link.counts()
+    assert (counts["lookups"], counts["hits"], counts["imported_tokens"]) == (1, 1, 80)
+    load = await b.engine.call(lambda core: core.load())
+    assert (load.hit_tokens, load.l3_hit_tokens, load.host_hit_tokens) == (80, 80, 0)
+    await until(lambda: b.link.counts()["writebacks"] == 1)
+    assert b.link.counts()["written_values"] == 6  # only the new blocks 20..24 and their checkpoint
+    await b.close()
+
+
+@pytest.mark.integration
+async def test_full_pages_from_l1_and_l3_with_the_checkpoint_from_l3(tiny):
+    store = MemoryBlockStore()
+    first = tokens(20, 70)
+    a = Served(tiny, store)
+    out1, _ = await a.generate("t1", first, 12)
+    await until(lambda: a.link.counts()["writebacks"] == 1)
+    await a.close()
+    turn2 = [*first, *out1, *tokens(21, 9)]
+    b = Served(tiny, store)
+    await b.generate("short", first[:22], 2)  # B's tree: pages 0..4 of the prompt (full KV, device)
+    imported_before = b.link.counts()["imported_tokens"]
+    out2, cached = await b.generate("t2", turn2, 10)
+    assert cached == 80
+    assert b.link.counts()["imported_tokens"] - imported_before == (20 - 5) * PAGE  # pages 5..19 from L3
+    assert out2 == await reference(tiny, turn2, 10)
+    load = await b.engine.call(lambda core: core.load())
+    assert load.l3_hit_tokens == 60 and load.hit_tokens - load.l3_hit_tokens - load.host_hit_tokens == 20
+    await b.close()
+
+
+class HangingStore(MemoryBlockStore):
+    """Every lookup call waits forever (a node that accepted the connection and never answers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.calls += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.integration
+async def test_a_hanging_store_is_a_miss_after_the_lookup_bound(tiny):
+    store = HangingStore()
+    prompt = tokens(30, 40)
+    s = Served(tiny, store, lookup_timeout_s=0.3)
+    out, cached = await s.generate("q", prompt, 8)
+    assert store.calls == 1 and s.link.counts()["timeouts"] == 1 and cached == 0
+    assert out == await reference(tiny, prompt, 8)
+    await s.close()
+
+
+class StuckWriter(MemoryBlockStore):
+    """put_nowait blocks the writer thread until released (a client whose IO thread is wedged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def put_nowait(self, items: Sequence[tuple[str, Buffer]]) -> bool:
+        self.entered.set()
+        self.release.wait(60)
+        return super().put_nowait(items)
+
+
+@pytest.mark.integration
+async def test_a_full_write_back_queue_drops_and_never_stalls_decoding(tiny):
+    store = StuckWriter()
+    s = Served(tiny, store, write_queue=1)
+    try:
+        out, _ = await s.generate("w0", tokens(40, 24), 4)  # its batch wedges the writer thread
+        await asyncio.to_thread(store.entered.wait, 10)
+        for i in range(1, 4):  # the 2nd batch fills the queue, the 3rd and 4th are dropped
+            await s.generate(f"w{i}", tokens(40 + i, 24), 4)
+        assert s.link.counts()["dropped"] == 2
+        prompt = tokens(50, 30)
+        assert (await s.generate("after", prompt, 6))[0] == await reference(tiny, prompt, 6)
+    finally:
+        store.release.set()
+    await until(lambda: s.link.counts()["writebacks"] == 2)
+    await s.close()
+
+
+# ------------------------------------------------------------------------------------------ services
+@pytest.mark.integration
+async def test_two_workers_share_gcache_second_turn_elsewhere_is_cached(bus, nats_url):
+    from protos import subjects
+    from protos.messages import GenerateAck
+    from services.worker.config import WorkerConfig
+    from services.worker.service import WorkerService
+    from tests.test_worker import generate_request, stream
+
+    ns = f"g_{uuid.uuid4().hex[:8]}"
+    engine = dict(page_size=PAGE, num_full_pages=256, num_swa_pages=96, max_num_batched_tokens=64, max_num_seqs=8,
+                  bucket_edges=[])
+    store = MemoryBlockStore()
+    svcs = []
+    for _ in range(2):
+        svc = WorkerService(WorkerConfig(nats_url=nats_url, namespace=ns, registry_ttl_s=2, heartbeat_interval_s=0.3,
+                                         load_interval_s=0.1, gcache=True, gcache_host_full_pages=128,
+                                         gcache_host_swa_pages=32, **engine))
+        svc.gcache_store = store
+        await svc.start()
+        svcs.append(svc)
+    try:
+        first = tokens(60, 50)
+        outs = []
+        for svc, rid, prompt in ((svcs[0], "turn1", first), (svcs[1], "turn2", None)):
+            prompt = prompt if prompt is not None else [*first, *outs[0], *tokens(61, 7)]
+            reader = await stream(bus, ns, rid)
+            ack = await bus.request(subjects.generate(ns, svc.config.instance_id), generate_request(ns, rid, prompt, 6),
+                                    GenerateAck, 10)
+            assert ack.status.value == "accepted"
+            final = await reader.final()
+            outs.append([t for c in reader.chunks for t in c.token_ids])
+            if rid == "turn1":
+                await until(lambda: svcs[0].gcache.counts()["writebacks"] == 1)
+        assert final.usage.cached_tokens == (50 + 6 - 1) // PAGE * PAGE  # turn 1's prompt + output, page aligned
+        details = svcs[1].health_details()
+        assert details["gcache_hits"] == "1" and details["gcache_imported_tokens"] == str(final.usage.cached_tokens)
+    finally:
+        for svc in svcs:
+            await svc.stop()
