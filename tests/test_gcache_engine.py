@@ -121,6 +121,43 @@ def test_import_blocks_refuses_what_it_cannot_import_correctly() -> None:
     _at_baseline(small)
 
 
+@pytest.mark.unit
+def test_imports_mixed_with_serving_backups_and_eviction_keep_the_invariants() -> None:
+    """Random serve / import / backup rounds on a small cache (device and host pressure): invariants after every
+    operation, every import either refused or matched, pools back to baseline."""
+    import random
+
+    rng = random.Random(5)
+    c = _cache(host=12)
+    stems = [tokens(100 + i, 40) for i in range(3)]
+    imported = 0
+    for i in range(300):
+        t = [*rng.choice(stems)[:rng.randrange(8, 40)], *tokens(200 + i, rng.randrange(1, 12))]
+        op = rng.random()
+        if op < 0.4:
+            hit = c.match(t)
+            if c.admit(f"s{i}", t, hit, 2).ok and c.reserve(f"s{i}", len(t) - hit.tokens):
+                c.commit(f"s{i}", len(t) - hit.tokens, [7])
+                c.finish(f"s{i}")
+            elif f"s{i}" in c.running():
+                c.abort(f"s{i}")
+        elif op < 0.85:
+            e, end = c.cached_pages(t), rng.randrange(1, (len(t) - 1) // 4 + 1)
+            imp = c.import_blocks(t, None, e, end)
+            if imp is not None:
+                imported += 1
+                hit = c.match(t)
+                assert hit.raw_tokens >= end * 4  # the walk finds the imported node
+                # a valid hit at its end, loaded from L3, unless the device pools cannot take the loads now
+                assert (hit.tokens >= end * 4 and hit.l3_tokens == (end - imp.start) * 4) or hit.l3_tokens == 0
+                c.release_hit(hit)
+        else:
+            c.backup_to_host(rng.randrange(1, 8))
+        c.check_invariants()
+    assert imported >= 10
+    _at_baseline(c)
+
+
 # ------------------------------------------------------------------------------------------ engines
 @pytest.fixture(scope="module")
 def tiny():

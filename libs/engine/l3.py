@@ -200,7 +200,7 @@ class L3Export:
         hashes = seq.block_hashes(P, cfg.hash_seed)
         full, swa = self.cache.page_tables(seq.req_id)
         known = self.known
-        new = [j for j in range(npg) if not known.has_full(hashes[j])]
+        new = [j for j in range(npg) if full[j] >= 0 and not known.has_full(hashes[j])]
         lo, last = max(0, npg - wp), hashes[npg - 1]
         ckpt = not known.has_swa(last) and all(s >= 0 for s in swa[lo:npg])
         if not new and not ckpt:

@@ -96,6 +96,8 @@ class HostTier(LowerTier):
                 continue
             if not self._make_room(n.npages, n.n_swa, nodes, fresh, dropped):
                 break
+            if not n.alive or n.full is None:
+                continue  # dropping a host-only child left `n` an unlocked tombstone leaf: it was pruned
             n.host_full = ids(self._full.alloc(n.npages))
             n.host_swa = no_pages(n.npages)
             copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]

@@ -38,7 +38,8 @@ class GCacheStats:
 
     lookups: int = 0  # prompts looked up (longer than one page)
     hits: int = 0  # lookups that imported an L3 hit into the host tier
-    misses: int = 0  # no valid L3 hit beyond the local cache, a value missing at get, or the import refused
+    misses: int = 0  # no valid L3 hit beyond the local cache, or a value missing at get
+    refused: int = 0  # hits fetched that the engine did not import (its tree changed meanwhile, no host room)
     timeouts: int = 0  # lookups slower than their bound (a miss)
     errors: int = 0  # lookups that failed otherwise (a miss)
     imported_tokens: int = 0  # tokens of imported hits
@@ -165,7 +166,7 @@ class GCacheLink:
         """Engine thread, right before add_request."""
         pages = core.import_l3(hit.tokens, hit.hashes, hit.first, hit.end, hit.full, hit.swa)
         if not pages:
-            self.stats.misses += 1
+            self.stats.refused += 1  # (counted on the engine thread; the loop counts the other misses)
             return
         self.stats.hits += 1
         self.stats.imported_tokens += pages * self.layout.page_size

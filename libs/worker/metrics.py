@@ -26,7 +26,7 @@ KV_HIT_KINDS = Gauge("windserve_worker_kv_hit_tokens", "Prompt tokens of admitte
 HIT_TIER_TOKENS = Gauge("windserve_worker_prefix_hit_tier_tokens", "Prompt tokens served from the prefix cache since "
                         "start, by the tier the KV came from: device (L1), host (L2), gcache (L3, imported into L2)",
                         ["tier"])
-GCACHE = Gauge("windserve_worker_gcache", "GCache (L3) since start: lookups, hits, misses, timeouts, errors, "
+GCACHE = Gauge("windserve_worker_gcache", "GCache (L3) since start: lookups, hits, misses, refused, timeouts, errors, "
                "imported_tokens, writebacks, written_values, dropped, writeback_failures", ["event"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 
