@@ -324,42 +324,66 @@ async def test_a_full_write_back_queue_drops_and_never_stalls_decoding(tiny):
 
 
 # ------------------------------------------------------------------------------------------ services
+def _gcache_service(cls, config_cls, nats_url: str, ns: str, store):
+    from tests.test_worker import service_config
+
+    svc = cls(service_config(config_cls, nats_url, namespace=ns, gcache=True, gcache_host_full_pages=128,
+                             gcache_host_swa_pages=32))
+    svc.gcache_store = store
+    return svc
+
+
 @pytest.mark.integration
 async def test_two_workers_share_gcache_second_turn_elsewhere_is_cached(bus, nats_url):
-    from protos import subjects
-    from protos.messages import GenerateAck
     from services.worker.config import WorkerConfig
     from services.worker.service import WorkerService
-    from tests.test_worker import generate_request, stream
+    from tests.test_kv_events import serve
 
     ns = f"g_{uuid.uuid4().hex[:8]}"
-    engine = dict(page_size=PAGE, num_full_pages=256, num_swa_pages=96, max_num_batched_tokens=64, max_num_seqs=8,
-                  bucket_edges=[])
     store = MemoryBlockStore()
-    svcs = []
-    for _ in range(2):
-        svc = WorkerService(WorkerConfig(nats_url=nats_url, namespace=ns, registry_ttl_s=2, heartbeat_interval_s=0.3,
-                                         load_interval_s=0.1, gcache=True, gcache_host_full_pages=128,
-                                         gcache_host_swa_pages=32, **engine))
-        svc.gcache_store = store
+    svcs = [_gcache_service(WorkerService, WorkerConfig, nats_url, ns, store) for _ in range(2)]
+    for svc in svcs:
         await svc.start()
-        svcs.append(svc)
     try:
         first = tokens(60, 50)
-        outs = []
-        for svc, rid, prompt in ((svcs[0], "turn1", first), (svcs[1], "turn2", None)):
-            prompt = prompt if prompt is not None else [*first, *outs[0], *tokens(61, 7)]
-            reader = await stream(bus, ns, rid)
-            ack = await bus.request(subjects.generate(ns, svc.config.instance_id), generate_request(ns, rid, prompt, 6),
-                                    GenerateAck, 10)
-            assert ack.status.value == "accepted"
-            final = await reader.final()
-            outs.append([t for c in reader.chunks for t in c.token_ids])
-            if rid == "turn1":
-                await until(lambda: svcs[0].gcache.counts()["writebacks"] == 1)
+        _, out = await serve(bus, svcs[0], "turn1", first, 6)
+        await until(lambda: svcs[0].gcache.counts()["writebacks"] == 1)
+        final, _ = await serve(bus, svcs[1], "turn2", [*first, *out, *tokens(61, 7)], 6)
         assert final.usage.cached_tokens == (50 + 6 - 1) // PAGE * PAGE  # turn 1's prompt + output, page aligned
         details = svcs[1].health_details()
         assert details["gcache_hits"] == "1" and details["gcache_imported_tokens"] == str(final.usage.cached_tokens)
     finally:
         for svc in svcs:
+            await svc.stop()
+
+
+@pytest.mark.integration
+async def test_disaggregated_second_turn_on_the_other_prefill_worker_is_cached(bus, nats_url, monkeypatch):
+    """2 prefill + 1 decode over one store: prefill writes the prompt back at hand-off, decode prompt + output."""
+    from services.decode.config import DecodeConfig
+    from services.decode.service import DecodeService
+    from services.prefill.config import PrefillConfig
+    from services.prefill.service import PrefillService
+    from tests.test_kv_events import serve
+
+    monkeypatch.setenv("WINDSERVE_TRANSFER", "tcp")
+    ns = f"gd_{uuid.uuid4().hex[:8]}"
+    store = MemoryBlockStore()
+    decode = _gcache_service(DecodeService, DecodeConfig, nats_url, ns, store)
+    prefills = [_gcache_service(PrefillService, PrefillConfig, nats_url, ns, store) for _ in range(2)]
+    for svc in (decode, *prefills):
+        await svc.start()
+    try:
+        did = decode.config.instance_id
+        first = tokens(70, 45)
+        _, out = await serve(bus, prefills[0], "turn1", first, 8, decode=did)
+        await until(lambda: decode.gcache.counts()["writebacks"] == 1 and prefills[0].gcache.counts()["writebacks"] == 1)
+        turn2 = [*first, *out, *tokens(71, 6)]
+        final, out2 = await serve(bus, prefills[1], "turn2", turn2, 8, decode=did)
+        assert final.usage.cached_tokens >= (45 + 8 - 1) // PAGE * PAGE
+        assert prefills[1].gcache.counts()["hits"] == 1
+        tiny_ref = (decode.engine.core.runner.model, decode.engine.core.model_config, None)
+        assert out2 == await reference(tiny_ref, turn2, 8)
+    finally:
+        for svc in (*prefills, decode):
             await svc.stop()
