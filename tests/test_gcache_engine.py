@@ -14,15 +14,17 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from libs.engine import AsyncEngine, EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine import AsyncEngine, EngineCore, Request, SamplingParams
 from libs.engine.l3 import kv_layout, l3_namespace
 from libs.gcache.api import Buffer
 from libs.gcache.memory import MemoryBlockStore
 from libs.kvcache import KVCache, KVCacheConfig, l3_footprint, l3_hit_end
 from libs.model import load_model, load_tokenizer
 from libs.worker.gcache import GCacheLink
+from tests.test_engine import PAGE
+from tests.test_engine import make_core as engine_core
 
-PAGE = 4  # the tiny model's window is 16: 4 pages per checkpoint
+# PAGE = 4 (tests/test_engine.py): the tiny model's window is 16, 4 pages per checkpoint
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -161,17 +163,13 @@ def test_imports_mixed_with_serving_backups_and_eviction_keep_the_invariants() -
 # ------------------------------------------------------------------------------------------ engines
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model, cfg = load_model(None)
-    return model, cfg, load_tokenizer(None)
+    return (*load_model(None), load_tokenizer(None))
 
 
 def make_core(tiny, **overrides) -> EngineCore:
-    model, cfg, tok = tiny
-    opts = dict(page_size=PAGE, num_full_pages=256, num_swa_pages=96, max_num_batched_tokens=64,
-                bucket_edges=(), max_num_seqs=8, num_host_full_pages=128, num_host_swa_pages=32)
-    opts.update(overrides)
-    return EngineCore(EngineConfig(**opts), model, cfg, tok)
+    opts = dict(num_full_pages=256, num_swa_pages=96, max_num_seqs=8, num_host_full_pages=128,
+                num_host_swa_pages=32)
+    return engine_core(tiny, **{**opts, **overrides})
 
 
 def greedy(n: int) -> SamplingParams:
@@ -185,7 +183,9 @@ class Served:
         self.core = make_core(tiny, **{k: v for k, v in kw.items() if k not in _LINK_ARGS})
         self.engine = AsyncEngine(self.core)
         ns = l3_namespace("", tiny[1], self.core.cache.cfg, "float32")
-        self.link = GCacheLink(self.engine, store, ns, **{k: v for k, v in kw.items() if k in _LINK_ARGS})
+        # a generous lookup bound (a busy CI box must not turn the hits these tests expect into timeouts)
+        link_args = {"lookup_timeout_s": 10.0, **{k: v for k, v in kw.items() if k in _LINK_ARGS}}
+        self.link = GCacheLink(self.engine, store, ns, **link_args)
         self.link.attach()
         self.engine.start()
 
@@ -328,7 +328,7 @@ def _gcache_service(cls, config_cls, nats_url: str, ns: str, store):
     from tests.test_worker import service_config
 
     svc = cls(service_config(config_cls, nats_url, namespace=ns, gcache=True, gcache_host_full_pages=128,
-                             gcache_host_swa_pages=32))
+                             gcache_host_swa_pages=32, gcache_lookup_timeout_s=10.0))
     svc.gcache_store = store
     return svc
 
