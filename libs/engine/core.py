@@ -16,7 +16,7 @@ import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
-from libs.engine.l3 import Buffer, ValueLayout, write_host_blocks
+from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask
@@ -143,19 +143,17 @@ class EngineCore:
         return ValueLayout.of(self.runner.kv, self.cache.cfg.window_pages)
 
     def import_l3(self, tokens: Sequence[int], block_hashes: Sequence[int], first: int, end: int,
-                  full_values: Sequence[Buffer], swa_value: Buffer) -> int:
+                  values: StagedValues) -> int:
         """Import the L3 hit [first, end) of `tokens` (the full values of those blocks and the SWA checkpoint at
-        block end - 1, bytes in the layout of libs/engine/l3.py) into the host tier; pages imported (0: the
-        cache refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
-        layout = self.l3_layout()
-        if len(full_values) != end - first or any(memoryview(v).nbytes != layout.full_bytes for v in full_values) or (
-                memoryview(swa_value).nbytes != layout.swa_bytes(end)):
-            raise ValueError(f"GCache import of pages [{first}, {end}): value sizes do not match this engine's "
-                             f"layout ({layout})")
+        block end - 1, staged by `libs.engine.l3.stage_values`) into the host tier; pages imported (0: the cache
+        refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
+        if values.blocks != end - first or values.swa_pages != min(self.cache.cfg.window_pages, end):
+            raise ValueError(f"GCache import of pages [{first}, {end}): {values.blocks} blocks and "
+                             f"{values.swa_pages} checkpoint pages staged")
         imp = self.cache.import_blocks(tokens, block_hashes, first, end)
         if imp is None:
             return 0
-        write_host_blocks(self.runner.host, imp.full, full_values[imp.start - first:], imp.swa, swa_value)
+        write_host_blocks(self.runner.host, imp.full, imp.swa, values, skip=imp.start - first)
         return imp.end - imp.start
 
     def close(self) -> None:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Buffer", "KnownBlocks", "L3Export", "ValueLayout", "WriteBack", "kv_layout", "l3_namespace",
-           "write_host_blocks"]
+__all__ = ["Buffer", "KnownBlocks", "L3Export", "StagedValues", "ValueLayout", "WriteBack", "kv_layout",
+           "l3_namespace", "stage_values", "write_host_blocks"]
 
 
 @dataclass(frozen=True)
@@ -82,27 +82,60 @@ def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> torch.Ten
     return torch.cat(rows, dim=1)
 
 
-def _scatter(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int], data: torch.Tensor) -> None:
-    """The inverse of `_gather`: write `data` [len(pages), bytes per page] into the pools' pages."""
-    idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
+def _unpack(k: torch.Tensor, v: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_gather`: `data` [pages, bytes per page] as K and V [layers, pages, page, heads, dim],
+    contiguous, in the pools' dtype (on the CPU)."""
+    out = []
     off = 0
     for t in (k, v):
         n = t.shape[0] * t[0, 0].numel() * t.element_size()
-        part = data[:, off:off + n].contiguous().view(t.dtype).view(len(pages), t.shape[0], *t.shape[2:])
-        t.index_copy_(1, idx, part.transpose(0, 1).to(t.device))
+        part = data[:, off:off + n].contiguous().view(t.dtype).view(len(data), t.shape[0], *t.shape[2:])
+        out.append(part.transpose(0, 1).contiguous())
         off += n
+    return out[0], out[1]
 
 
-def write_host_blocks(host: KVPools | None, full_ids: Sequence[int], full_values: Sequence[Buffer],
-                      swa_ids: Sequence[int], swa_value: Buffer) -> None:
-    """Write fetched L3 values into host-tier pages: block j's full value into full page `full_ids[j]`, the
-    checkpoint (its pages in order) into `swa_ids`. One copy of the bytes, on the calling (engine) thread."""
+@dataclass(frozen=True)
+class StagedValues:
+    """Fetched L3 values as host-pool-shaped tensors (`stage_values`, off the engine thread): full K / V
+    [full layers, blocks, ...] and the checkpoint's SWA K / V [SWA layers, window pages, ...]."""
+
+    full_k: torch.Tensor
+    full_v: torch.Tensor
+    swa_k: torch.Tensor
+    swa_v: torch.Tensor
+
+    @property
+    def blocks(self) -> int:
+        return self.full_k.shape[1]
+
+    @property
+    def swa_pages(self) -> int:
+        return self.swa_k.shape[1]
+
+
+def stage_values(host: KVPools, layout: ValueLayout, full_values: Sequence[Buffer], swa_value: Buffer,
+                 end: int) -> StagedValues:
+    """Check the fetched values' sizes against this engine's layout (the checkpoint ends at page `end`) and lay
+    them out like the host pools, so the engine thread only runs one indexed copy per pool tensor. ValueError
+    on a size mismatch (another layout under the same namespace would be a bug: a miss, never wrong bytes)."""
+    if any(memoryview(v).nbytes != layout.full_bytes for v in full_values) or (
+            memoryview(swa_value).nbytes != layout.swa_bytes(end)):
+        raise ValueError(f"GCache values do not have this engine's layout sizes ({layout})")
+    full = torch.frombuffer(bytearray(b"".join(full_values)), dtype=torch.uint8).view(len(full_values), -1)
+    swa = torch.frombuffer(bytearray(swa_value), dtype=torch.uint8).view(min(layout.window_pages, end), -1)
+    return StagedValues(*_unpack(host.full_k, host.full_v, full), *_unpack(host.swa_k, host.swa_v, swa))
+
+
+def write_host_blocks(host: KVPools | None, full_ids: Sequence[int], swa_ids: Sequence[int], staged: StagedValues,
+                      skip: int = 0) -> None:
+    """Write staged L3 values into host-tier pages: staged block `skip + j` into full page `full_ids[j]`, the
+    checkpoint's pages into `swa_ids`. One indexed copy per pool tensor, on the calling (engine) thread."""
     if host is None:
         raise RuntimeError("a GCache import needs the engine's host tier")
-    full = torch.frombuffer(bytearray(b"".join(full_values[:len(full_ids)])), dtype=torch.uint8)
-    _scatter(host.full_k, host.full_v, full_ids, full.view(len(full_ids), -1))
-    swa = torch.frombuffer(bytearray(swa_value), dtype=torch.uint8)
-    _scatter(host.swa_k, host.swa_v, swa_ids, swa.view(len(swa_ids), -1))
+    for dst, src, pages in ((host.full_k, staged.full_k[:, skip:], full_ids), (host.full_v, staged.full_v[:, skip:], full_ids),
+                            (host.swa_k, staged.swa_k, swa_ids), (host.swa_v, staged.swa_v, swa_ids)):
+        dst.index_copy_(1, torch.tensor(list(pages), dtype=torch.int64), src)
 
 
 # ---------------------------------------------------------------------------------------------- write-back

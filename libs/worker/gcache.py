@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from libs.engine.async_engine import AsyncEngine, Prefetched
 from libs.engine.core import EngineCore
-from libs.engine.l3 import KnownBlocks, L3Export, ValueLayout, WriteBack
+from libs.engine.l3 import KnownBlocks, L3Export, StagedValues, ValueLayout, WriteBack, stage_values
 from libs.engine.request import Request
-from libs.gcache.api import BlockStore, Buffer
+from libs.gcache.api import BlockStore
 from libs.gcache.keys import full_key, swa_key
 from libs.kvcache import block_hashes, l3_hit_end
 
@@ -57,8 +57,7 @@ class _Hit:
     hashes: list[int]
     first: int
     end: int
-    full: list[Buffer]
-    swa: Buffer
+    values: StagedValues
 
 
 class GCacheLink:
@@ -155,16 +154,13 @@ class GCacheLink:
         values = await self.store.get([*fkeys[local:end], skeys[end - 1]])
         if any(v is None for v in values):
             return None  # a value left (or failed its checksum) since exists: a miss, never a partial hit
-        layout = self.layout
-        full, swa = values[:-1], values[-1]
-        if any(memoryview(v).nbytes != layout.full_bytes for v in full) or (  # type: ignore[arg-type]
-                memoryview(swa).nbytes != layout.swa_bytes(end)):  # type: ignore[arg-type]
-            raise ValueError(f"GCache values under {ns} do not have this engine's layout sizes")
-        return _Hit(tokens, hashes, local, end, full, swa)  # type: ignore[arg-type]
+        host = self.engine.core.runner.host
+        staged = await asyncio.to_thread(stage_values, host, self.layout, values[:-1], values[-1], end)  # type: ignore[arg-type]
+        return _Hit(tokens, hashes, local, end, staged)
 
     def _import(self, core: EngineCore, hit: _Hit) -> None:
         """Engine thread, right before add_request."""
-        pages = core.import_l3(hit.tokens, hit.hashes, hit.first, hit.end, hit.full, hit.swa)
+        pages = core.import_l3(hit.tokens, hit.hashes, hit.first, hit.end, hit.values)
         if not pages:
             self.stats.refused += 1  # (counted on the engine thread; the loop counts the other misses)
             return
