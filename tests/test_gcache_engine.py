@@ -58,6 +58,55 @@ def test_l3_footprint_is_the_dual_layout_limit_when_the_window_is_whole_pages() 
     assert stored - limit == 2 * layout.swa_layers * layout.swa_bytes_per_token_layer
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_round_trip_from_device_pages_to_host_pages(dtype) -> None:
+    """Write-back bytes of some pages, staged and written into other host pages, are those pages' K and V."""
+    from libs.engine.l3 import KnownBlocks, L3Export, ValueLayout, WriteBack, stage_values, write_host_blocks
+    from libs.model.paged import KVPools
+
+    cfg = load_model(None)[1]
+    dev, host = (KVPools.allocate(cfg, 8, 8, PAGE, dtype) for _ in range(2))
+    for t in (dev.full_k, dev.full_v, dev.swa_k, dev.swa_v):
+        t.copy_(torch.randn(t.shape))
+    layout = ValueLayout.of(dev, 4)
+    jobs: list[WriteBack] = []
+
+    class Cache:  # the two things L3Export reads from the cache
+        cfg = KVCacheConfig(page_size=PAGE, window=16, num_full_pages=8, num_swa_pages=8)
+        swa = [-1, 3, 6]
+
+        @classmethod
+        def page_tables(cls, _):
+            return [5, 2, 7], cls.swa
+
+    class Seq:
+        req_id, num_computed = "s", 3 * PAGE + 1
+
+        @staticmethod
+        def block_hashes(_page, _seed):
+            return [11, 12, 13, 14]
+
+    export = L3Export(dev, Cache, "ns", KnownBlocks(8), lambda job: jobs.append(job) or True)
+    export(Seq)  # a window page without SWA KV: the full values go, no checkpoint
+    assert jobs[0].swa_key is None and len(jobs[0].items()) == 3
+    Cache.swa = [4, 3, 6]
+    export(Seq)  # the full values are known now: only the checkpoint
+    assert jobs[1].full_keys == [] and jobs[1].swa_key == "ns:S:000000000000000d"
+    job, items = jobs[0], {**dict(jobs[0].items()), **dict(jobs[1].items())}
+    assert all(memoryview(items[k]).nbytes == layout.full_bytes for k in job.full_keys)
+    full = [items[k] for k in job.full_keys]
+    staged = stage_values(host, layout, full[1:], items[jobs[1].swa_key], 3)  # blocks 1..2, window pages 0..2
+    write_host_blocks(host, [0, 4], [1, 2, 3], staged)
+    for t_dev, t_host, pairs in ((dev.full_k, host.full_k, ((2, 0), (7, 4))), (dev.full_v, host.full_v, ((2, 0), (7, 4))),
+                                 (dev.swa_k, host.swa_k, ((4, 1), (3, 2), (6, 3))),
+                                 (dev.swa_v, host.swa_v, ((4, 1), (3, 2), (6, 3)))):
+        for d, h in pairs:
+            assert torch.equal(t_dev[:, d], t_host[:, h])
+    with pytest.raises(ValueError, match="layout sizes"):
+        stage_values(host, layout, full[1:], items[jobs[1].swa_key], 4)
+
+
 def _cache(host: int = 64) -> KVCache:
     return KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=64, num_swa_pages=32,
                                  num_host_full_pages=host, num_host_swa_pages=host // 2), audit_tokens=True)
