@@ -158,6 +158,12 @@ class EngineWorkerService(Service):
                                  feed.answer_snapshot)
 
     async def teardown(self) -> None:
+        try:
+            await self._stop_engine()
+        finally:
+            await self.close_gcache()  # also when setup failed between starting the client and the engine
+
+    async def _stop_engine(self) -> None:
         await self.tasks.drain(self.config.drain_timeout_s)
         if self.engine is None:
             return
@@ -168,9 +174,9 @@ class EngineWorkerService(Service):
         if self.kv_feed is not None:
             self.kv_feed.detach()
         await asyncio.to_thread(self.engine.shutdown)
-        await self.close_gcache()
 
     async def close_gcache(self) -> None:
+        """Stop the write-back, then close the client this service built (after the engine stopped)."""
         if self.gcache is not None:
             await asyncio.to_thread(self.gcache.close)
         if self._gcache_client is not None:
