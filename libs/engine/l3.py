@@ -1,11 +1,11 @@
 """The torch side of GCache (L3): the byte layout of L3 values, copying a finishing sequence's KV out (the
 write-back's engine-thread half) and writing fetched values into host-tier pages (the import's).
 
-Values, per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`):
-- full value `F:<hash of b>`: the block's page of every full-attention layer, K then V, each [full layers,
-  page, kv heads, head dim] in the pool dtype, as one contiguous byte string (`ValueLayout.full_bytes`);
-- SWA checkpoint `S:<hash of b>`: the SWA layers' K then V of the window's pages ending at b, each [SWA layers,
-  w, page, kv heads, head dim], w = min(window pages, b + 1) (`ValueLayout.swa_bytes(w)`).
+Values, per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`), made of page records (one
+page of a layer group: its K [layers, page, kv heads, head dim], then its V, in the pool dtype):
+- full value `F:<hash of b>`: the record of block b's full-attention page (`ValueLayout.full_bytes`);
+- SWA checkpoint `S:<hash of b>`: the records of the SWA pages of the window ending at b, in page order,
+  w = min(window pages, b + 1) of them (`ValueLayout.swa_bytes`).
 The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/l3.py.
 """
 
@@ -74,16 +74,22 @@ def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str) -> 
 
 # ---------------------------------------------------------------------------------------------- bytes
 
-def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
-    """[len(pages), bytes per page over every layer, K then V] uint8 (a copy, on the pools' device)."""
+def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on the
+    pools' device (one indexed copy per tensor: page record j is K[j] then V[j])."""
     idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
-    rows = [t.index_select(1, idx).transpose(0, 1).contiguous().view(len(pages), -1).view(torch.uint8)
-            for t in (k, v)]
-    return torch.cat(rows, dim=1)
+    return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
+
+
+def _records(k: torch.Tensor, v: torch.Tensor) -> list[list[memoryview]]:
+    """Per page, the (K, V) byte views of a `_gather` result copied to host memory."""
+    rows = [t.cpu().contiguous().view(len(t), -1).view(torch.uint8).numpy() for t in (k, v)]
+    return [[rows[0][j].data, rows[1][j].data] for j in range(len(k))]
 
 
 def _unpack(k: torch.Tensor, v: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `_gather`: `data` [pages, bytes per page] as K and V [layers, pages, page, heads, dim],
+    """The inverse of the write-back's records: `data` [pages, bytes per page: K then V] as K and V [layers,
+    pages, page, heads, dim],
     contiguous, in the pools' dtype (on the CPU)."""
     out = []
     off = 0
@@ -170,30 +176,31 @@ class KnownBlocks:
 
 @dataclass
 class WriteBack:
-    """One finished sequence's values on their way to the store: `full` row j is the value of `full_keys[j]`;
-    `swa` (one row per window page, or None) the checkpoint under `swa_key`. The tensors are copies (on the
-    pools' device); `ready` (CUDA) is recorded after the copies, so another thread waits on it."""
+    """One finished sequence's values on their way to the store: `full` (K, V page-major, `_gather`) row j is
+    the value of `full_keys[j]`; `swa` (one row per window page, or None) the checkpoint under `swa_key`. The
+    tensors are copies (on the pools' device); `ready` (CUDA) is recorded after the copies, so another thread
+    waits on it."""
 
     full_keys: list[str]
-    full: torch.Tensor | None
+    full: tuple[torch.Tensor, torch.Tensor] | None
     swa_key: str | None
-    swa: torch.Tensor | None
+    swa: tuple[torch.Tensor, torch.Tensor] | None
     ready: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() for t in (self.full, self.swa) if t is not None)
+        return sum(t.numel() * t.element_size() for kv in (self.full, self.swa) if kv is not None for t in kv)
 
     def items(self) -> list[tuple[str, Buffer]]:
-        """(key, value) pairs for `BlockStore.put_nowait`; copies to host memory (call off the engine thread)."""
+        """(key, value) pairs for `BlockStore.put_nowait`: host copies joined into one byte string per value
+        (call off the engine thread)."""
         if self.ready is not None:
             self.ready.synchronize()
         out: list[tuple[str, Buffer]] = []
         if self.full is not None:
-            rows = self.full.cpu().numpy()
-            out += [(k, rows[j].data) for j, k in enumerate(self.full_keys)]
+            out += [(k, b"".join(rec)) for k, rec in zip(self.full_keys, _records(*self.full), strict=True)]
         if self.swa is not None and self.swa_key is not None:
-            out.append((self.swa_key, self.swa.cpu().numpy().reshape(-1).data))
+            out.append((self.swa_key, b"".join(b for rec in _records(*self.swa) for b in rec)))
         return out
 
 
