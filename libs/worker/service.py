@@ -134,7 +134,7 @@ class EngineWorkerService(Service):
             # the real SDK (storage nodes over the registry); imported only when GCache is on
             from libs.gcache.client import GCacheClient
 
-            client = GCacheClient(cfg.nats_url, namespace, cfg.gcache_config())
+            client = GCacheClient(cfg.nats_url, cfg.namespace, cfg.gcache_config())  # the deployment's registry; keys carry the model namespace
             await client.start()
             self._gcache_client = store = client
         self.gcache = GCacheLink(engine, store, namespace, lookup_timeout_s=cfg.gcache_lookup_timeout_s,
