@@ -33,7 +33,7 @@ _CLOSE_TIMEOUT_S = 5.0  # the writer thread finishing the batch in hand at close
 
 
 @dataclass
-class GCacheStats:
+class GCacheLinkStats:
     """L3 counts since start (health details, `windserve_worker_gcache{event}`)."""
 
     lookups: int = 0  # prompts looked up (longer than one page)
@@ -74,7 +74,7 @@ class GCacheLink:
         self.namespace = namespace
         self.lookup_timeout_s = lookup_timeout_s
         self.write_queue_bytes = write_queue_bytes
-        self.stats = GCacheStats()
+        self.stats = GCacheLinkStats()
         core = engine.core
         self.layout: ValueLayout = core.l3_layout()
         self.known = KnownBlocks(known_blocks)
