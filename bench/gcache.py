@@ -16,8 +16,8 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
    worst ratio over sizes >= 4 MiB, both client counts and every transport measured.
 2. Cluster simulation (bench.router's simulator, pure): N workers with their own KV caches, with and without a
-   pooled L3 of finite capacity that every worker writes finished sequences to (full pages per block, an SWA
-   checkpoint every CKPT_TOKENS and at the end) and reads misses from; hit tokens as a share of the pooled oracle
+   pooled L3 of finite capacity that every worker writes prompts and finished sequences to (full pages per
+   block, an SWA checkpoint at the end) and reads misses from; hit tokens as a share of the pooled oracle
    (one cache of N budgets): gcache_cluster_hit_share (goal >= 0.95), no_gcache_cluster_hit_share.
 3. Engine figures on a real topology (gateway, router, worker, cache nodes; WINDSERVE_GCACHE=1):
    l3_hit_ttft_ratio (goal <= 0.5) and l3_bytes_per_token_ratio (goal <= 1.05); null, with the reason, where the
@@ -62,7 +62,7 @@ OP_TIMEOUT_S = 120.0  # bound of one round (a 2-core CI box moving 4 x 64 MiB th
 HEADLINE_MIN_MIB = 4
 # The storage nodes' tiers for the bench: memory only, room for more than any round writes (older keys are
 # evicted LRU; a get reads the keys of its own round).
-NODE_ENV = {"WINDSERVE_CACHE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_CACHE_DISK_BYTES": "0"}
+NODE_ENV = {"WINDSERVE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_DISK_BYTES": "0"}
 GOALS = {"put_vs_raw_ucx": ">= 0.8", "get_vs_raw_ucx": ">= 0.8", "put_vs_redis": ">= 3", "get_vs_redis": ">= 3",
          "gcache_cluster_hit_share": ">= 0.95", "l3_hit_ttft_ratio": "<= 0.5", "l3_bytes_per_token_ratio": "<= 1.05"}
 HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share")
@@ -215,7 +215,8 @@ class GCacheBackend:
 
         client_cls = importlib.import_module("libs.gcache.client").GCacheClient  # wave4-node's module
         self.src = np.random.default_rng(self.client).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
-        self.gc = client_cls(self.nats_url, NAMESPACE, config=GCacheConfig())
+        # The bench measures throughput, not failure bounds: a round on a loaded 2-core box may take seconds.
+        self.gc = client_cls(self.nats_url, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2))
         await self.gc.start()
         self.last: list[Any] = []
         return "-"
@@ -572,17 +573,20 @@ def worst_ratio(by_transport: dict[str, list[dict]], op: str, field: str) -> flo
 # ============================================================================ 2. cluster simulation (pure)
 
 
-CKPT_TOKENS = 512  # an SWA checkpoint every this many tokens (the workers' checkpoint_align) and at the end
+ALIGNED_CKPT_TOKENS = 512  # the variant: checkpoints also at the workers' checkpoint_align (trace blocks)
 L3_GBPS = 2.0  # timing model: L3 bytes per second into a worker (below what the throughput part measures)
 
 
 class PooledL3:
-    """The simulation's GCache: one pooled LRU store of `capacity` bytes. A finished sequence writes one full
-    value per page-aligned block and an SWA checkpoint (one window of SWA pages) every CKPT_TOKENS and at its
-    last full page; keys are immutable (a write of a stored key only refreshes it)."""
+    """The simulation's GCache: one pooled LRU store of `capacity` bytes. A written sequence (a prompt at the end
+    of its prefill, prompt + output when it finishes) stores one full value per page-aligned block and an SWA
+    checkpoint (one window of SWA pages) at its last full page, as the engine does (libs/engine/l3.py), and with
+    `ckpt_every` > 0 also every that many pages (what a prefix shared by different prompts needs); keys are
+    immutable (a write of a stored key only refreshes it)."""
 
-    def __init__(self, capacity: int, page: int, full_bytes: int, swa_bytes: int) -> None:
+    def __init__(self, capacity: int, page: int, full_bytes: int, swa_bytes: int, ckpt_every: int = 0) -> None:
         self.capacity, self.page, self.full_bytes, self.swa_bytes = capacity, page, full_bytes, swa_bytes
+        self.ckpt_every = ckpt_every
         self.used = 0
         self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()
         self.evicted = 0
@@ -599,10 +603,9 @@ class PooledL3:
             self.evicted += 1
 
     def write(self, hashes: Sequence[int]) -> None:
-        every = max(1, CKPT_TOKENS // self.page)
         for i, h in enumerate(hashes):
             self._put(("F", h), self.full_bytes)
-            if (i + 1) % every == 0 or i == len(hashes) - 1:
+            if i == len(hashes) - 1 or self.ckpt_every and (i + 1) % self.ckpt_every == 0:
                 self._put(("S", h), self.swa_bytes)
 
     def hit(self, hashes: Sequence[int], prompt_len: int) -> int:
@@ -648,8 +651,10 @@ def l3_sim_class():
     return L3Sim
 
 
-def cluster(traces: dict[str, list], n: int, policies: Sequence[str], budget: int, l3_bytes: int) -> dict:
-    """Per trace and policy: hit tokens with and without the pooled L3, each over the pooled oracle's."""
+def cluster(traces: dict[str, list], n: int, policies: Sequence[str], budget: int, l3_bytes: int,
+            aligned_ckpt_tokens: int = 0) -> dict:
+    """Per trace and policy: hit tokens with and without the pooled L3, each over the pooled oracle's; with
+    `aligned_ckpt_tokens`, also an L3 that stores SWA checkpoints every that many tokens besides the ends."""
     from bench.kvcache import FULL_PAGE_B, PAGE, SWA_PAGE_B, WINDOW
     from bench.router import Job, Sim, jobs_for, policy
 
@@ -670,15 +675,20 @@ def cluster(traces: dict[str, list], n: int, policies: Sequence[str], budget: in
             l3 = PooledL3(l3_bytes, PAGE, FULL_PAGE_B, swa_ckpt)
             sim = L3Sim(n, 1, budget, policy(p), l3)
             shared = sim.run(fresh())
+            aligned = {}
+            if aligned_ckpt_tokens:
+                a = L3Sim(n, 1, budget, policy(p), PooledL3(l3_bytes, PAGE, FULL_PAGE_B, swa_ckpt,
+                                                            aligned_ckpt_tokens // PAGE)).run(fresh())
+                aligned = {f"gcache_ckpt{aligned_ckpt_tokens}_hit_share": a.hit / max(oracle.hit, 1)}
             row[p] = {"no_gcache_hit_share": plain.hit / max(oracle.hit, 1),
                       "gcache_hit_share": shared.hit / max(oracle.hit, 1),
                       "no_gcache_hit_rate": plain.hit / max(plain.prompt, 1),
                       "gcache_hit_rate": shared.hit / max(shared.prompt, 1),
                       "l3_hit_tokens": sim.l3_tokens, "l3_used_gib": l3.used / GIB, "l3_evicted_values": l3.evicted,
                       "gcache_ttft_p50_s": statistics.median(shared.ttft),
-                      "no_gcache_ttft_p50_s": statistics.median(plain.ttft)}
+                      "no_gcache_ttft_p50_s": statistics.median(plain.ttft), **aligned}
             print(f"[gcache] sim {tname} N={n} {p}: share {row[p]['no_gcache_hit_share']:.3f} -> "
-                  f"{row[p]['gcache_hit_share']:.3f}", flush=True)
+                  f"{row[p]['gcache_hit_share']:.3f} {aligned}", flush=True)
         out[tname] = row
     return out
 
@@ -697,45 +707,166 @@ def simulate(n_requests: int, n: int, policies: Sequence[str], l3_bytes: int | N
     conv = conversation(n_requests)
     traces = {"conversation": conv, "agentic": agentic_like(conv, n_requests)}
     l3_bytes = l3_bytes if l3_bytes is not None else n * BUDGET
-    grid = cluster(traces, n, policies, BUDGET, l3_bytes)
+    grid = cluster(traces, n, policies, BUDGET, l3_bytes, ALIGNED_CKPT_TOKENS)
     with_l3, without, trace = cluster_headline(grid, policies[0])
     return {"gcache_cluster_hit_share": with_l3, "no_gcache_cluster_hit_share": without, "headline_trace": trace,
             "headline_policy": policies[0], "workers": n, "requests_per_trace": n_requests,
-            "budget_gib_per_worker": BUDGET / GIB, "l3_capacity_gib": l3_bytes / GIB, "ckpt_tokens": CKPT_TOKENS,
+            "budget_gib_per_worker": BUDGET / GIB, "l3_capacity_gib": l3_bytes / GIB,
+            "l3_values": "full value per block, SWA checkpoint at the end of each written prompt and sequence",
             "l3_gbps_model": L3_GBPS, "grid": grid}
 
 
 # ============================================================================ 3. engine figures (real topology)
 
 ENGINE_REASON = "needs wave4-engine/wave4-node"
+ENGINE_SERVICES = "gateway,router,worker,cache=2"
+ENGINE_ENV = {"WINDSERVE_GCACHE": "1", "WINDSERVE_MEMORY_BYTES": str(1 * GIB), "WINDSERVE_DISK_BYTES": "0",
+              "WINDSERVE_GCACHE_LOOKUP_TIMEOUT_S": "5", "WINDSERVE_GCACHE_OP_TIMEOUT_S": "10"}
+ENGINE_OUTPUT = 4  # output tokens of each long request (ignore_eos)
 
 
 def engine_missing() -> str | None:
     """Why the engine figures cannot run here: the node and client (wave4-node) and the engine's L3 wiring and
-    stored-bytes helper (wave4-engine) must all be in this checkout."""
-    if gcache_missing():
-        return f"{ENGINE_REASON}: {gcache_missing()}"
-    if importlib.util.find_spec("libs.engine.gcache") is None:
-        return f"{ENGINE_REASON}: the engine's L3 integration (libs/engine/gcache.py) is not in this checkout"
+    its stored-bytes helper (wave4-engine) must all be in this checkout."""
+    if (why := gcache_missing()) is not None:
+        return f"{ENGINE_REASON}: {why}"
+    for mod in ("libs.engine.l3", "libs.kvcache.l3", "libs.worker.gcache"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{ENGINE_REASON}: the engine's L3 integration ({mod}) is not in this checkout"
     return None
 
 
 def engine_figures(quick: bool) -> dict[str, Any]:
     """l3_hit_ttft_ratio and l3_bytes_per_token_ratio, or null with the reason."""
     why = engine_missing()
-    if why is not None:
-        return {"l3_hit_ttft_ratio": None, "l3_bytes_per_token_ratio": None,
-                "engine": {"l3_hit_ttft_ratio": why, "l3_bytes_per_token_ratio": why}}
+    if why is None:
+        try:
+            return asyncio.run(_engine_run(quick))
+        except Exception as exc:  # a topology that does not come up is a reported figure, not a crash of the bench
+            why = f"engine topology failed: {exc!r}"
+    return {"l3_hit_ttft_ratio": None, "l3_bytes_per_token_ratio": None,
+            "engine": {"l3_hit_ttft_ratio": why, "l3_bytes_per_token_ratio": why}}
+
+
+async def _stream(client: Any, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """TTFT of one streamed completion and its usage's cached_tokens."""
+    from bench.serving import MODEL
+
+    start = time.perf_counter()
+    first, cached = None, -1
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for ev in stream:
+        if first is None and any(getattr(c, "token_ids", None) for c in ev.choices):
+            first = time.perf_counter()
+        if ev.usage is not None and ev.usage.prompt_tokens_details is not None:
+            cached = ev.usage.prompt_tokens_details.cached_tokens or 0
+    return {"ttft_s": (first or time.perf_counter()) - start, "cached_tokens": cached}
+
+
+async def _cache_usage(nats_url: str) -> tuple[int, int]:
+    """(bytes, keys) the storage nodes hold, from their registry entries."""
+    from libs.bus import Bus, Registry
+    from protos import subjects
+    from scripts.run import namespace
+
+    bus = await Bus.connect(nats_url, name="bench-gcache", timeout=5)
     try:
-        return asyncio.run(_engine_run(quick))
-    except Exception as exc:  # a topology that does not come up is a reported figure, not a crash of the bench
-        reason = f"engine topology failed: {exc!r}"
-        return {"l3_hit_ttft_ratio": None, "l3_bytes_per_token_ratio": None,
-                "engine": {"l3_hit_ttft_ratio": reason, "l3_bytes_per_token_ratio": reason}}
+        entries = await (await Registry.open(bus, subjects.registry_bucket(namespace()))).list(timeout=5)
+        usage = [e.cache for e in entries if e.cache is not None]
+        return sum(u.memory_used + u.disk_used for u in usage), sum(u.keys for u in usage)
+    finally:
+        await bus.close()
+
+
+async def _settled_usage(nats_url: str, expect_keys: int, timeout: float = 60.0) -> tuple[int, int]:
+    """Node usage once the write-back landed: the expected key count, or no change for 5 s (bounded)."""
+    deadline = time.monotonic() + timeout
+    last, since = (-1, -1), time.monotonic()
+    while time.monotonic() < deadline:
+        now = await _cache_usage(nats_url)
+        if now[1] >= expect_keys:
+            return now
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > 5.0 and now[1] > 0:
+            return now
+        await asyncio.sleep(0.5)
+    return last
+
+
+async def _restart_worker(system: Any, timeout: float = 120.0) -> None:
+    """SIGKILL the worker; the supervisor starts a fresh one (empty L1 and L2); back when it serves again."""
+    import signal
+
+    sup = system.sup
+    (child,) = [c for c in sup.children if c.service == "worker"]
+    os.killpg(child.popen.pid, signal.SIGKILL)
+    child.popen.wait(30)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sup.supervise(time.monotonic())
+        if child not in sup.children and sup.serving_again():
+            return
+        await asyncio.sleep(0.3)
+    raise TimeoutError(f"the worker did not serve again within {timeout:.0f} s")
 
 
 async def _engine_run(quick: bool) -> dict[str, Any]:
-    raise NotImplementedError("wired once wave4-engine and wave4-node are merged")
+    """A long prompt whose prefix is only in L3 (computed once, written back, then the worker restarted) vs a
+    prompt of the same length computed from scratch on the same fresh worker, alternated; and the bytes the
+    nodes hold per cached token over the dual-layout limit (libs.kvcache.l3.l3_footprint) for those tokens."""
+    import torch
+
+    from bench.serving import ENGINE_ENV as SERVING_ENV
+    from bench.serving import LONG_CHUNKS, System, block_tokens
+    from libs.model import ModelConfig
+
+    kv_layout = importlib.import_module("libs.engine.l3").kv_layout  # wave4-engine's
+    l3_footprint = importlib.import_module("libs.kvcache.l3").l3_footprint
+
+    page = int(SERVING_ENV["WINDSERVE_PAGE_SIZE"])
+    n_tok = LONG_CHUNKS * int(SERVING_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
+    count = 2 if quick else 4
+    cached_p = [block_tokens(950_000 + i, n_tok) for i in range(count)]
+    fresh_q = [block_tokens(960_000 + i, n_tok) for i in range(count)]
+    saved = dict(os.environ)
+    os.environ.update(child_env("tcp"), **ENGINE_ENV)
+    try:
+        with tempfile.TemporaryDirectory(prefix="windserve-gcache-e2e-") as tmp, \
+                System(Path(tmp) / "run", ENGINE_SERVICES) as system:
+            client = system.client()
+            await _stream(client, block_tokens(940_000, 8), 2)  # warm-up below one page: nothing stored
+            first = [await _stream(client, p, ENGINE_OUTPUT) for p in cached_p]
+            blocks_each = (n_tok + ENGINE_OUTPUT - 1) // page  # KV of prompt + output but the last token
+            stored, keys = await _settled_usage(system.sup.nats_url, count * (blocks_each + 1))
+            await _restart_worker(system)
+            await _stream(client, block_tokens(940_001, 8), 2)
+            l3_rows, fresh_rows = [], []
+            for p, q in zip(cached_p, fresh_q, strict=True):
+                fresh_rows.append(await _stream(client, q, ENGINE_OUTPUT))
+                l3_rows.append(await _stream(client, p, ENGINE_OUTPUT))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    cfg = ModelConfig.tiny()
+    layout = kv_layout(cfg, torch.bfloat16)
+    full_values = count * blocks_each
+    ckpts = max(0, keys - full_values)  # every other stored value is an SWA checkpoint
+    _, limit = l3_footprint(layout, page, cfg.sliding_window, full_values, [1 << 30] * ckpts)
+    ttft_l3 = statistics.median(r["ttft_s"] for r in l3_rows)
+    ttft_fresh = statistics.median(r["ttft_s"] for r in fresh_rows)
+    hit = all(r["cached_tokens"] > 0 for r in l3_rows)
+    return {"l3_hit_ttft_ratio": ttft_l3 / ttft_fresh if hit else None,
+            "l3_bytes_per_token_ratio": stored / limit if stored and limit else None,
+            "engine": {"services": ENGINE_SERVICES, "prompt_tokens": n_tok, "prompts": count, "page": page,
+                       "first_pass": first, "after_restart_l3": l3_rows, "after_restart_recomputed": fresh_rows,
+                       "ttft_l3_s": ttft_l3, "ttft_recomputed_s": ttft_fresh,
+                       "nodes_bytes": stored, "nodes_keys": keys, "full_values_expected": full_values,
+                       "checkpoints_inferred": ckpts, "dual_layout_limit_bytes": limit,
+                       **({} if hit else {"l3_hit_ttft_ratio": "no L3 hit after the restart (cached_tokens 0)"}),
+                       **({} if stored else {"l3_bytes_per_token_ratio": "the nodes hold nothing"})}}
 
 
 # ============================================================================ results

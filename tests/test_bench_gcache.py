@@ -7,15 +7,17 @@ import json
 from bench import gcache
 from bench.kvcache import PAGE
 from bench.router import BUDGET
-from bench.traces import conversation
+from bench.traces import agentic
 
 
 def test_pooled_l3_hit_needs_full_blocks_up_to_a_checkpoint() -> None:
     l3 = gcache.PooledL3(capacity=100, page=PAGE, full_bytes=1, swa_bytes=1)
-    chain = list(range(1, 13))  # 12 pages; checkpoints at page 8 (CKPT_TOKENS) and at the end (12)
+    chain = list(range(1, 13))  # 12 pages; the SWA checkpoint at the end (page 12) only
     l3.write(chain)
     assert l3.hit(chain, 12 * PAGE + 1) == 12 * PAGE
-    assert l3.hit(chain, 12 * PAGE) == 8 * PAGE  # one prompt token must stay to compute
+    assert l3.hit(chain, 12 * PAGE) == 0  # one prompt token must stay to compute, and no earlier checkpoint
+    l3.write(chain[:8])  # a prompt that ended at page 8
+    assert l3.hit(chain, 12 * PAGE) == 8 * PAGE
     assert l3.hit(chain[:5] + [99] + chain[6:], 12 * PAGE + 1) == 0  # a missing full block: no checkpoint before
     small = gcache.PooledL3(capacity=3, page=PAGE, full_bytes=1, swa_bytes=1)
     small.write(chain)  # LRU keeps the last 3 values: the tail, not the prefix
@@ -23,10 +25,11 @@ def test_pooled_l3_hit_needs_full_blocks_up_to_a_checkpoint() -> None:
 
 
 def test_cluster_share_with_gcache_at_least_without() -> None:
-    grid = gcache.cluster({"conversation": conversation(60)}, 4, ("round_robin",), BUDGET, 4 * BUDGET)
-    cell = grid["conversation"]["round_robin"]
+    grid = gcache.cluster({"agentic": agentic(60)}, 4, ("round_robin",), BUDGET, 4 * BUDGET, 512)
+    cell = grid["agentic"]["round_robin"]
     assert cell["gcache_hit_share"] >= cell["no_gcache_hit_share"]
-    assert cell["l3_hit_tokens"] > 0  # round robin spreads a conversation's turns: some come from the L3
+    assert cell["l3_hit_tokens"] > 0  # round robin spreads a session's turns: the next turn's prefix is in L3
+    assert cell["gcache_ckpt512_hit_share"] >= cell["gcache_hit_share"] - 1e-9
 
 
 def test_results_have_every_headline_key(tmp_path) -> None:
