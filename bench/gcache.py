@@ -285,6 +285,13 @@ class RedisBackend:
         self.r.close()
 
 
+MARK = "@gcache-bench@"  # starts every protocol line: UCX and ucxx may print to stdout too
+
+
+def reply(*words: object) -> None:
+    print(MARK, *words, flush=True)
+
+
 async def child_main(args: argparse.Namespace) -> None:
     """A bench child process: a line protocol on stdin / stdout (READY <addr>; peers ...; put|get size n it ->
     T <start> <end> <ok> [verified]; expect put|get client size n it -> OK)."""
@@ -297,17 +304,17 @@ async def child_main(args: argparse.Namespace) -> None:
         backend = GCacheBackend(args.index, args.nats_url)
     else:
         backend = RedisBackend(args.index, args.redis_port)
-    print("READY", await asyncio.wait_for(backend.start(), 60), flush=True)
+    reply("READY", await asyncio.wait_for(backend.start(), 60))
     loop = asyncio.get_running_loop()
     try:
         while words := (await loop.run_in_executor(None, sys.stdin.readline)).split():
             cmd, rest = words[0], words[1:]
             if cmd == "peers":
                 await asyncio.wait_for(backend.peers(rest), 60)
-                print("OK", flush=True)
+                reply("OK")
             elif cmd == "expect":
                 backend.expect(rest[0], *map(int, rest[1:]))
-                print("OK", flush=True)
+                reply("OK")
             else:
                 size, n, it = map(int, rest)
                 t0 = time.monotonic()
@@ -316,7 +323,7 @@ async def child_main(args: argparse.Namespace) -> None:
                 verified = backend.verify(size, n) if cmd == "get" and hasattr(backend, "verify") and ok == n else ""
                 if cmd == "get" and hasattr(backend, "forget"):
                     backend.forget(size, n, it)
-                print("T", t0, t1, ok, verified, flush=True)
+                reply("T", t0, t1, ok, verified)
     finally:
         await backend.close()
 
@@ -338,11 +345,19 @@ class Child:
         self.addr = ""
 
     async def read(self, timeout: float = OP_TIMEOUT_S) -> list[str]:
+        """The next protocol line's words (other output is passed on to stderr), within `timeout`."""
         assert self.proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
-        if not line:
-            raise RuntimeError(f"{self.name} exited (rc {self.proc.poll()}); see {self.log.name}")
-        return line.split()
+        async with asyncio.timeout(timeout):
+            while True:
+                line = await asyncio.to_thread(self.proc.stdout.readline)
+                if not line:
+                    self.log.flush()
+                    tail = Path(self.log.name).read_text(errors="replace").strip().splitlines()[-3:]
+                    raise RuntimeError(f"{self.name} exited (rc {self.proc.poll()}): {' | '.join(tail)}")
+                words = line.split()
+                if words and words[0] == MARK:
+                    return words[1:]
+                print(f"[{self.name}] {line.rstrip()}", file=sys.stderr, flush=True)
 
     def order(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -535,25 +550,43 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
     missing = gcache_missing()
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    errors: dict[str, str] = {}
+
+    async def attempt(label: str, run: Any) -> dict:
+        """One system's measurement; a failure is recorded (its rows stay empty), not fatal to the bench."""
+        try:
+            res = await run
+        except Exception as exc:
+            errors[label] = repr(exc)
+            print(f"[gcache] {label}: FAILED {exc!r}", flush=True)
+            return {}
+        print(f"[gcache] {label}: {_brief(res)}", flush=True)
+        return res
+
     redis_res: dict[int, dict] = {}
-    with redis_server(work) as port:
-        for n in clients:
-            redis_res[n] = await measure_redis(n, sizes, iters, round_bytes, logs, port)
-            print(f"[gcache] redis clients={n}: {_brief(redis_res[n])}", flush=True)
+    try:
+        with redis_server(work) as port:
+            for n in clients:
+                redis_res[n] = await attempt(f"redis clients={n}", measure_redis(n, sizes, iters, round_bytes, logs,
+                                                                                 port))
+    except Exception as exc:
+        errors["redis-server"] = repr(exc)
     by_transport: dict[str, list[dict]] = {}
     for t in transports:
         raw_res, gc_res = {}, {}
         for n in clients:
-            raw_res[n] = await measure_raw(t, n, sizes, iters, round_bytes, logs)
-            print(f"[gcache] raw ucx {t} clients={n}: {_brief(raw_res[n])}", flush=True)
+            raw_res[n] = await attempt(f"raw ucx {t} clients={n}", measure_raw(t, n, sizes, iters, round_bytes, logs))
         if missing is None:
-            with cache_nodes(t, work / f"run-{t}") as url:
-                for n in clients:
-                    gc_res[n] = await measure_gcache(t, n, sizes, iters, round_bytes, logs, url)
-                    print(f"[gcache] gcache {t} clients={n}: {_brief(gc_res[n])}", flush=True)
+            try:
+                with cache_nodes(t, work / f"run-{t}") as url:
+                    for n in clients:
+                        gc_res[n] = await attempt(f"gcache {t} clients={n}",
+                                                  measure_gcache(t, n, sizes, iters, round_bytes, logs, url))
+            except Exception as exc:
+                errors[f"cache nodes {t}"] = repr(exc)
         by_transport[t] = [row for n in clients for row in table(
-            {"gcache": gc_res.get(n, {}), "raw_ucx": raw_res[n], "redis": redis_res[n]}, n)]
-    return {"by_transport": by_transport, "gcache_missing": missing,
+            {"gcache": gc_res.get(n, {}), "raw_ucx": raw_res[n], "redis": redis_res.get(n, {})}, n)]
+    return {"by_transport": by_transport, "gcache_missing": missing, "errors": errors,
             "ucx_tls": {t: child_env(t).get("UCX_TLS") for t in transports}}
 
 
@@ -947,7 +980,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
                         ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", label=label)
         ax.set(title=f"{op}: aggregate GB/s", xlabel="value size (MiB)", xscale="log")
         ax.set_xscale("log", base=2)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     ax = axes[2]
     sim = out.get("cluster")
     if sim:
