@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -453,9 +453,10 @@ async def measure_raw(transport: str, n_clients: int, sizes: Sequence[int], iter
             k.stop()
 
 
-@contextlib.contextmanager
-def cache_nodes(transport: str, run_dir: Path) -> Iterator[str]:
-    """nats-server + NODES storage nodes as processes (scripts.run's supervisor); yields the NATS URL."""
+@contextlib.asynccontextmanager
+async def cache_nodes(transport: str, run_dir: Path) -> AsyncIterator[str]:
+    """nats-server + NODES storage nodes as processes (scripts.run's supervisor, driven from a thread: without a
+    gateway its readiness check runs its own event loop); yields the NATS URL."""
     from scripts.run import RunConfig, StopFlag, Supervisor
 
     saved = dict(os.environ)
@@ -465,10 +466,10 @@ def cache_nodes(transport: str, run_dir: Path) -> Iterator[str]:
     try:
         sup.start_nats()
         sup.start_services()
-        sup.wait_ready(StopFlag())
+        await asyncio.to_thread(sup.wait_ready, StopFlag())
         yield sup.nats_url
     finally:
-        sup.stop_all()
+        await asyncio.to_thread(sup.stop_all)
         os.environ.clear()
         os.environ.update(saved)
 
@@ -578,7 +579,7 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
             raw_res[n] = await attempt(f"raw ucx {t} clients={n}", measure_raw(t, n, sizes, iters, round_bytes, logs))
         if missing is None:
             try:
-                with cache_nodes(t, work / f"run-{t}") as url:
+                async with cache_nodes(t, work / f"run-{t}") as url:
                     for n in clients:
                         gc_res[n] = await attempt(f"gcache {t} clients={n}",
                                                   measure_gcache(t, n, sizes, iters, round_bytes, logs, url))
