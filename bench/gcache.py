@@ -787,16 +787,38 @@ async def _stream(client: Any, prompt: list[int], max_tokens: int) -> dict[str, 
     from bench.serving import MODEL
 
     start = time.perf_counter()
-    first, cached = None, -1
+    first, cached, ids = None, -1, []
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True, "return_token_ids": True})
     async for ev in stream:
-        if first is None and any(getattr(c, "token_ids", None) for c in ev.choices):
-            first = time.perf_counter()
+        for c in ev.choices:
+            got = getattr(c, "token_ids", None) or []
+            if got and first is None:
+                first = time.perf_counter()
+            ids += got
         if ev.usage is not None and ev.usage.prompt_tokens_details is not None:
             cached = ev.usage.prompt_tokens_details.cached_tokens or 0
-    return {"ttft_s": (first or time.perf_counter()) - start, "cached_tokens": cached}
+    return {"ttft_s": (first or time.perf_counter()) - start, "cached_tokens": cached, "output": ids}
+
+
+async def _worker_gcache_details(nats_url: str) -> dict[str, str]:
+    """The combined worker's GCache counters from its health details (gcache_*)."""
+    from libs.bus import Bus, Registry
+    from protos import subjects
+    from protos.messages import HealthReply, HealthRequest
+    from scripts.run import namespace
+
+    ns = namespace()
+    bus = await Bus.connect(nats_url, name="bench-gcache", timeout=5)
+    try:
+        for e in await (await Registry.open(bus, subjects.registry_bucket(ns))).list(timeout=5):
+            if e.role.value == "worker":
+                reply = await bus.request(subjects.health(ns, e.instance_id), HealthRequest(), HealthReply, 5)
+                return {k: v for k, v in reply.details.items() if k.startswith("gcache") or "hit" in k}
+        return {}
+    finally:
+        await bus.close()
 
 
 async def _cache_usage(nats_url: str) -> tuple[int, int]:
@@ -848,57 +870,67 @@ async def _restart_worker(system: Any, timeout: float = 120.0) -> None:
 
 
 async def _engine_run(quick: bool) -> dict[str, Any]:
-    """A long prompt whose prefix is only in L3 (computed once, written back, then the worker restarted) vs a
-    prompt of the same length computed from scratch on the same fresh worker, alternated; and the bytes the
-    nodes hold per cached token over the dual-layout limit (libs.kvcache.l3.l3_footprint) for those tokens."""
+    """A second turn whose prefix (the first turn's long prompt + output) is only in L3 — the first turn computed
+    and written back, then the worker restarted — vs a prompt of the same length computed from scratch on the
+    same fresh worker, alternated; and the bytes the nodes hold per cached token over the dual-layout limit
+    (libs.kvcache.l3.l3_footprint) of what the first turns wrote. The engine stores an SWA checkpoint where a
+    sequence ended, so the L3 hit is a continuation's prefix (a repeat of the same prompt could not use it: one
+    prompt token must stay to compute)."""
     import torch
 
     from bench.serving import ENGINE_ENV as SERVING_ENV
     from bench.serving import LONG_CHUNKS, System, block_tokens
     from libs.model import ModelConfig
+    from libs.worker.config import EngineServiceConfig
 
     kv_layout = importlib.import_module("libs.engine.l3").kv_layout  # wave4-engine's
     l3_footprint = importlib.import_module("libs.kvcache.l3").l3_footprint
-
     page = int(SERVING_ENV["WINDSERVE_PAGE_SIZE"])
     n_tok = LONG_CHUNKS * int(SERVING_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
     count = 2 if quick else 4
-    cached_p = [block_tokens(950_000 + i, n_tok) for i in range(count)]
-    fresh_q = [block_tokens(960_000 + i, n_tok) for i in range(count)]
+    turn1 = [block_tokens(950_000 + i, n_tok) for i in range(count)]
     saved = dict(os.environ)
     os.environ.update(child_env("tcp"), **ENGINE_ENV)
     try:
         with tempfile.TemporaryDirectory(prefix="windserve-gcache-e2e-") as tmp, \
                 System(Path(tmp) / "run", ENGINE_SERVICES) as system:
             client = system.client()
+            url = system.sup.nats_url
             await _stream(client, block_tokens(940_000, 8), 2)  # warm-up below one page: nothing stored
-            first = [await _stream(client, p, ENGINE_OUTPUT) for p in cached_p]
+            first = [await _stream(client, p, ENGINE_OUTPUT) for p in turn1]
             blocks_each = (n_tok + ENGINE_OUTPUT - 1) // page  # KV of prompt + output but the last token
-            stored, keys = await _settled_usage(system.sup.nats_url, count * (blocks_each + 1))
+            stored, keys = await _settled_usage(url, count * (blocks_each + 1))
+            details_before = await _worker_gcache_details(url)
             await _restart_worker(system)
             await _stream(client, block_tokens(940_001, 8), 2)
             l3_rows, fresh_rows = [], []
-            for p, q in zip(cached_p, fresh_q, strict=True):
-                fresh_rows.append(await _stream(client, q, ENGINE_OUTPUT))
-                l3_rows.append(await _stream(client, p, ENGINE_OUTPUT))
+            for i, (p, r) in enumerate(zip(turn1, first, strict=True)):
+                turn2 = p + r["output"] + block_tokens(970_000 + i, 64)
+                fresh_rows.append(await _stream(client, block_tokens(960_000 + i, len(turn2)), ENGINE_OUTPUT))
+                l3_rows.append(await _stream(client, turn2, ENGINE_OUTPUT))
+            details_after = await _worker_gcache_details(url)
     finally:
         os.environ.clear()
         os.environ.update(saved)
     cfg = ModelConfig.tiny()
-    layout = kv_layout(cfg, torch.bfloat16)
+    dtype = os.environ.get("WINDSERVE_DTYPE", EngineServiceConfig.model_fields["dtype"].default)
+    layout = kv_layout(cfg, getattr(torch, dtype))
     full_values = count * blocks_each
     ckpts = max(0, keys - full_values)  # every other stored value is an SWA checkpoint
     _, limit = l3_footprint(layout, page, cfg.sliding_window, full_values, [1 << 30] * ckpts)
     ttft_l3 = statistics.median(r["ttft_s"] for r in l3_rows)
     ttft_fresh = statistics.median(r["ttft_s"] for r in fresh_rows)
     hit = all(r["cached_tokens"] > 0 for r in l3_rows)
+    for r in (*first, *l3_rows, *fresh_rows):
+        r.pop("output")
     return {"l3_hit_ttft_ratio": ttft_l3 / ttft_fresh if hit else None,
             "l3_bytes_per_token_ratio": stored / limit if stored and limit else None,
             "engine": {"services": ENGINE_SERVICES, "prompt_tokens": n_tok, "prompts": count, "page": page,
-                       "first_pass": first, "after_restart_l3": l3_rows, "after_restart_recomputed": fresh_rows,
-                       "ttft_l3_s": ttft_l3, "ttft_recomputed_s": ttft_fresh,
+                       "dtype": dtype, "first_turns": first, "after_restart_l3": l3_rows,
+                       "after_restart_recomputed": fresh_rows, "ttft_l3_s": ttft_l3, "ttft_recomputed_s": ttft_fresh,
                        "nodes_bytes": stored, "nodes_keys": keys, "full_values_expected": full_values,
                        "checkpoints_inferred": ckpts, "dual_layout_limit_bytes": limit,
+                       "worker_gcache_before_restart": details_before, "worker_gcache_after": details_after,
                        **({} if hit else {"l3_hit_ttft_ratio": "no L3 hit after the restart (cached_tokens 0)"}),
                        **({} if stored else {"l3_bytes_per_token_ratio": "the nodes hold nothing"})}}
 
