@@ -105,6 +105,25 @@ def spread(client: int, n: int, servers: int) -> dict[int, list[int]]:
     return out
 
 
+def source(seed: int) -> np.ndarray:
+    """A client's value bytes: one round's worth, random (xxh64 and the wire see no pattern)."""
+    return np.random.default_rng(seed).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
+
+
+def landed(values: Sequence[Any], size: int) -> int:
+    """How many of a get's values came back whole."""
+    return sum(1 for v in values if v is not None and len(v) == size)
+
+
+class KVBackend:
+    """A key-value client of the bench (GCache, Redis): `start` connects, `put` / `get` move one batch."""
+
+    def __init__(self, client: int, where: Any) -> None:
+        self.client, self.where = client, where
+        self.src = source(client)
+        self.last: list[Any] = []
+
+
 class RawClient:
     """A client of the raw ucxx baseline: values as tagged messages on a transfer engine's own UCX worker."""
 
@@ -118,7 +137,7 @@ class RawClient:
 
         self.engine = create_engine(TransferConfig(), TransferBackend.UCX)  # UCX settings from the environment
         await self.engine.start()
-        self.src = np.random.default_rng(self.client).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
+        self.src = source(self.client)
         self.dst = np.empty(ROUND_BYTES, dtype=np.uint8)
         return raw_address(self.engine)
 
@@ -204,21 +223,17 @@ class RawServer:
         await self.engine.close()
 
 
-class GCacheBackend:
-    """A client of the real thing: GCacheClient over the storage nodes in the bench's registry."""
-
-    def __init__(self, client: int, nats_url: str) -> None:
-        self.client, self.nats_url = client, nats_url
+class GCacheBackend(KVBackend):
+    """A client of the real thing: GCacheClient over the storage nodes in the bench's registry (`where`: the
+    NATS URL)."""
 
     async def start(self) -> str:
         from libs.gcache import GCacheConfig
 
         client_cls = importlib.import_module("libs.gcache.client").GCacheClient  # wave4-node's module
-        self.src = np.random.default_rng(self.client).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
         # The bench measures throughput, not failure bounds: a round on a loaded 2-core box may take seconds.
-        self.gc = client_cls(self.nats_url, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2))
+        self.gc = client_cls(self.where, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2))
         await self.gc.start()
-        self.last: list[Any] = []
         return "-"
 
     def _items(self, size: int, n: int, it: int) -> list[tuple[str, memoryview]]:
@@ -230,7 +245,7 @@ class GCacheBackend:
 
     async def get(self, size: int, n: int, it: int) -> int:
         self.last = await self.gc.get([k for k, _ in self._items(size, n, it)])
-        return sum(1 for v in self.last if v is not None and len(v) == size)
+        return landed(self.last, size)
 
     def verify(self, size: int, n: int) -> bool:
         """After a get (outside its timing): the first and last values are byte-equal to what was put."""
@@ -242,19 +257,14 @@ class GCacheBackend:
         await self.gc.close()
 
 
-class RedisBackend:
-    """SET / GET of the same values with redis-py, one pipeline per batch."""
-
-    def __init__(self, client: int, port: int) -> None:
-        self.client, self.port = client, port
+class RedisBackend(KVBackend):
+    """SET / GET of the same values with redis-py, one pipeline per batch (`where`: the loopback port)."""
 
     async def start(self) -> str:
         import redis
 
-        self.src = np.random.default_rng(self.client).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
-        self.r = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=OP_TIMEOUT_S)
+        self.r = redis.Redis(host="127.0.0.1", port=self.where, socket_timeout=OP_TIMEOUT_S)
         self.r.ping()
-        self.last: list[Any] = []
         return "-"
 
     def _keys(self, size: int, n: int, it: int) -> list[str]:
@@ -271,7 +281,7 @@ class RedisBackend:
         for k in self._keys(size, n, it):
             pipe.get(k)
         self.last = pipe.execute()
-        return sum(1 for v in self.last if v is not None and len(v) == size)
+        return landed(self.last, size)
 
     def verify(self, size: int, n: int) -> bool:
         ok = bytes(self.last[0]) == self.src[:size].tobytes()
@@ -331,6 +341,17 @@ async def child_main(args: argparse.Namespace) -> None:
 # ============================================================================ 1. throughput: the driver
 
 
+def stop_process(proc: subprocess.Popen, terminate: bool = True, grace: float = 15.0) -> None:
+    """SIGTERM (or, for a child told to stop by closing its stdin, nothing) and a bounded wait, then SIGKILL."""
+    if terminate and proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 class Child:
     """A bench child process driven line by line; every read is bounded."""
 
@@ -371,11 +392,7 @@ class Child:
     def stop(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()  # type: ignore[union-attr]
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, terminate=False)
         self.log.close()
 
 
@@ -474,9 +491,10 @@ async def cache_nodes(transport: str, run_dir: Path) -> AsyncIterator[str]:
         os.environ.update(saved)
 
 
-async def measure_gcache(transport: str, n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int,
-                         log_dir: Path, nats_url: str) -> dict:
-    clients = await start_children("gcache", n_clients, child_env(transport), log_dir, nats_url=nats_url)
+async def measure_clients(role: str, env: dict[str, str], n_clients: int, sizes: Sequence[int], iters: int,
+                          round_bytes: int, log_dir: Path, **where: Any) -> dict:
+    """The rounds of `n_clients` client processes of a key-value system (gcache: nats_url=, redis: redis_port=)."""
+    clients = await start_children(role, n_clients, env, log_dir, **where)
     try:
         return await run_rounds(clients, [], sizes, iters, round_bytes)
     finally:
@@ -509,22 +527,7 @@ def redis_server(work: Path) -> Iterator[int]:
                 time.sleep(0.1)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-async def measure_redis(n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int, log_dir: Path,
-                        port: int) -> dict:
-    clients = await start_children("redis", n_clients, child_env(None), log_dir, redis_port=port)
-    try:
-        return await run_rounds(clients, [], sizes, iters, round_bytes)
-    finally:
-        for k in clients:
-            k.stop()
+        stop_process(proc)
 
 
 def table(results: dict[str, dict[tuple[str, int], dict]], clients: int) -> list[dict[str, Any]]:
@@ -568,8 +571,8 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
     try:
         with redis_server(work) as port:
             for n in clients:
-                redis_res[n] = await attempt(f"redis clients={n}", measure_redis(n, sizes, iters, round_bytes, logs,
-                                                                                 port))
+                redis_res[n] = await attempt(f"redis clients={n}", measure_clients(
+                    "redis", child_env(None), n, sizes, iters, round_bytes, logs, redis_port=port))
     except Exception as exc:
         errors["redis-server"] = repr(exc)
     by_transport: dict[str, list[dict]] = {}
@@ -582,7 +585,8 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
                 async with cache_nodes(t, work / f"run-{t}") as url:
                     for n in clients:
                         gc_res[n] = await attempt(f"gcache {t} clients={n}",
-                                                  measure_gcache(t, n, sizes, iters, round_bytes, logs, url))
+                                                  measure_clients("gcache", child_env(t), n, sizes, iters,
+                                                                  round_bytes, logs, nats_url=url))
             except Exception as exc:
                 errors[f"cache nodes {t}"] = repr(exc)
         by_transport[t] = [row for n in clients for row in table(
@@ -1065,6 +1069,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     sizes = (1, 4) if a.quick else SIZES_MIB
     clients = (1,) if a.quick else CLIENTS
     transports = ("tcp",) if a.quick else tuple(t for t in a.transports.split(",") if t)
@@ -1082,7 +1087,7 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
     setup = {"quick": a.quick, "sizes_mib": list(sizes), "clients": list(clients), "transports": list(transports),
              "iters": iters, "round_bytes_per_client": round_bytes, "nodes": NODES, "node_env": NODE_ENV,
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
-             "cpus": os.cpu_count()}
+             "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(tp, sim, eng, setup)
     out["runtime_s"] = time.perf_counter() - t0
     write_results(out, a.out, a.out.with_suffix(".png"))
