@@ -227,12 +227,15 @@ class GCacheBackend(KVBackend):
     """A client of the real thing: GCacheClient over the storage nodes in the bench's registry (`where`: the
     NATS URL)."""
 
+    chunk_mib = 0  # GCacheConfig.chunk_bytes in MiB (0: its default)
+
     async def start(self) -> str:
         from libs.gcache import GCacheConfig
 
         client_cls = importlib.import_module("libs.gcache.client").GCacheClient  # wave4-node's module
         # The bench measures throughput, not failure bounds: a round on a loaded 2-core box may take seconds.
-        self.gc = client_cls(self.where, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2))
+        chunk = {"chunk_bytes": self.chunk_mib * MIB} if self.chunk_mib else {}
+        self.gc = client_cls(self.where, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2, **chunk))
         await self.gc.start()
         return "-"
 
@@ -312,6 +315,7 @@ async def child_main(args: argparse.Namespace) -> None:
         backend = RawClient(args.index, args.servers)
     elif args.role == "gcache":
         backend = GCacheBackend(args.index, args.nats_url)
+        backend.chunk_mib = args.chunk_mib
     else:
         backend = RedisBackend(args.index, args.redis_port)
     reply("READY", await asyncio.wait_for(backend.start(), 60))
@@ -549,7 +553,7 @@ def table(results: dict[str, dict[tuple[str, int], dict]], clients: int) -> list
 
 
 async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: Sequence[int], iters: int,
-                     round_bytes: int, work: Path) -> dict[str, Any]:
+                     round_bytes: int, work: Path, chunk_mib: int = 0) -> dict[str, Any]:
     """Every system, transport and client count; {"by_transport": {t: [rows]}, "gcache_missing": reason}."""
     missing = gcache_missing()
     logs = work / "logs"
@@ -586,7 +590,8 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
                     for n in clients:
                         gc_res[n] = await attempt(f"gcache {t} clients={n}",
                                                   measure_clients("gcache", child_env(t), n, sizes, iters,
-                                                                  round_bytes, logs, nats_url=url))
+                                                                  round_bytes, logs, nats_url=url,
+                                                                  chunk_mib=chunk_mib))
             except Exception as exc:
                 errors[f"cache nodes {t}"] = repr(exc)
         by_transport[t] = [row for n in clients for row in table(
@@ -1049,6 +1054,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: 1 and 4 MiB, 1 client, tcp, 1 round of "
                    "8 MiB; simulation on 200 requests at N = 8")
     p.add_argument("--transports", default="sm,tcp", help="UCX transports (bench.transfer.TRANSPORTS)")
+    p.add_argument("--sizes", default="", help="value sizes in MiB, comma list (default 1,4,16,64)")
+    p.add_argument("--clients", default="", help="concurrent client processes, comma list (default 1,4)")
+    p.add_argument("--chunk-mib", type=int, default=0, help="GCacheConfig.chunk_bytes in MiB (0: its default)")
     p.add_argument("--iters", type=int, default=ITERS)
     p.add_argument("--requests", type=int, default=1500, help="simulation: requests per trace")
     p.add_argument("--workers", type=int, default=16, help="simulation: prefill workers N")
@@ -1067,25 +1075,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _ints(csv: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in csv.split(",") if x)
+
+
 def main(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_before = os.getloadavg()
-    sizes = (1, 4) if a.quick else SIZES_MIB
-    clients = (1,) if a.quick else CLIENTS
+    sizes = _ints(a.sizes) or ((1, 4) if a.quick else SIZES_MIB)
+    clients = _ints(a.clients) or ((1,) if a.quick else CLIENTS)
     transports = ("tcp",) if a.quick else tuple(t for t in a.transports.split(",") if t)
     iters = 1 if a.quick else a.iters
     round_bytes = 8 * MIB if a.quick else ROUND_BYTES
     tp = sim = eng = None
     if not a.skip_throughput:
         with tempfile.TemporaryDirectory(prefix="windserve-gcache-") as tmp:
-            tp = asyncio.run(throughput(transports, sizes, clients, iters, round_bytes, Path(tmp)))
+            tp = asyncio.run(throughput(transports, sizes, clients, iters, round_bytes, Path(tmp), a.chunk_mib))
     if not a.skip_sim:
         sim = simulate(200 if a.quick else a.requests, 8 if a.quick else a.workers, ("windserve", "round_robin"),
                        None if a.l3_gib is None else int(a.l3_gib * GIB))
     if not a.skip_engine:
         eng = engine_figures(a.quick)
     setup = {"quick": a.quick, "sizes_mib": list(sizes), "clients": list(clients), "transports": list(transports),
-             "iters": iters, "round_bytes_per_client": round_bytes, "nodes": NODES, "node_env": NODE_ENV,
+             "iters": iters, "round_bytes_per_client": round_bytes, "gcache_chunk_mib": a.chunk_mib or None,
+             "nodes": NODES, "node_env": NODE_ENV,
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
              "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(tp, sim, eng, setup)
