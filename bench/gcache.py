@@ -1088,12 +1088,26 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
     iters = 1 if a.quick else a.iters
     round_bytes = 8 * MIB if a.quick else ROUND_BYTES
     tp = sim = eng = None
-    if not a.skip_throughput:
+    failed: dict[str, str] = {}  # a part that raised: its figures stay null, the other parts still run
+
+    def part(name: str, run: Any) -> Any:
+        try:
+            return run()
+        except Exception as exc:
+            failed[name] = f"{name} failed: {exc!r}"
+            print(f"[gcache] {failed[name]}", flush=True)
+            return None
+
+    def run_throughput() -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="windserve-gcache-") as tmp:
-            tp = asyncio.run(throughput(transports, sizes, clients, iters, round_bytes, Path(tmp), a.chunk_mib))
+            return asyncio.run(throughput(transports, sizes, clients, iters, round_bytes, Path(tmp), a.chunk_mib))
+
+    if not a.skip_throughput:
+        tp = part("throughput", run_throughput)
     if not a.skip_sim:
-        sim = simulate(200 if a.quick else a.requests, 8 if a.quick else a.workers, ("windserve", "round_robin"),
-                       None if a.l3_gib is None else int(a.l3_gib * GIB))
+        sim = part("simulation", lambda: simulate(200 if a.quick else a.requests, 8 if a.quick else a.workers,
+                                                  ("windserve", "round_robin"),
+                                                  None if a.l3_gib is None else int(a.l3_gib * GIB)))
     if not a.skip_engine:
         eng = engine_figures(a.quick)
     setup = {"quick": a.quick, "sizes_mib": list(sizes), "clients": list(clients), "transports": list(transports),
@@ -1102,6 +1116,10 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
              "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(tp, sim, eng, setup)
+    for name, keys in (("throughput", ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis")),
+                       ("simulation", ("gcache_cluster_hit_share", "no_gcache_cluster_hit_share"))):
+        if name in failed:
+            out["null_reasons"].update(dict.fromkeys(keys, failed[name]))
     out["runtime_s"] = time.perf_counter() - t0
     write_results(out, a.out, a.out.with_suffix(".png"))
     print(json.dumps({k: out[k] for k in (*HEADLINE_KEYS, "null_reasons")}, indent=1))
