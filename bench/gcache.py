@@ -958,6 +958,9 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
         for op in ("put", "get"):
             out[f"{op}_vs_raw_ucx"] = worst_ratio(bt, op, "gcache_over_raw_ucx")
             out[f"{op}_vs_redis"] = worst_ratio(bt, op, "gcache_over_redis")
+        out["headline_by_transport"] = {
+            t: {f"{op}_vs_{base}": worst_ratio({t: rows}, op, f"gcache_over_{base}")
+                for op in ("put", "get") for base in ("raw_ucx", "redis")} for t, rows in bt.items()}
         for k in ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis"):
             if out[k] is None:
                 reasons[k] = tp.get("gcache_missing") or "a GCache round failed (see throughput)"
