@@ -1,11 +1,12 @@
 """`make run`: start nats-server (JetStream) and windserve services as supervised processes.
 
-    python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2]
+    python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2,cache=2]
                           [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
 
 Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
 model directory holds a checkpoint) and names the cause. Every child runs in its own process group
-with its log in <run-dir>/logs/<name>.log. The registry bucket of the namespace is emptied when
+with its log in <run-dir>/logs/<name>.log; a GCache storage node (`cache`) keeps its disk tier in
+<run-dir>/cache/<name>. The registry bucket of the namespace is emptied when
 nats-server is up (entries left by an earlier run are ghosts: docs/reliability.md). The supervisor
 waits until the gateway's /health lists every started instance and /health/ready is 200 (or the
 registry lists them, without a gateway), then prints "ready". A child that exits during startup
@@ -43,6 +44,7 @@ DEFAULT_SERVICES = "gateway,router,prefill,decode"
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a child up this long counts as healthy again: its next restart waits BACKOFF_FIRST_S
+CACHE_DISK_BYTES = 8 << 30  # disk tier of each storage node unless WINDSERVE_DISK_BYTES says otherwise
 
 
 class RunError(Exception):
@@ -287,7 +289,12 @@ class Supervisor:
             print(f"windserve: could not clear the registry of an earlier run ({exc!r}); continuing", flush=True)
             return 0
 
-    def service_env(self, name: str, instance_id: str) -> dict[str, str]:
+    def cache_dir(self, label: str) -> Path:
+        """A storage node's disk tier: one directory per node name, kept across its restarts (a restarted
+        node indexes its disk again and serves what it held)."""
+        return self.cfg.run_dir / "cache" / label
+
+    def service_env(self, name: str, instance_id: str, label: str = "") -> dict[str, str]:
         env = {
             **os.environ,
             "WINDSERVE_NATS_URL": self.nats_url,
@@ -297,7 +304,12 @@ class Supervisor:
         }
         if self.cfg.model:
             env["WINDSERVE_MODEL"] = self.cfg.model
-        if name in ("prefill", "decode"):
+        if name == "cache":
+            disk = self.cache_dir(label or instance_id)
+            disk.mkdir(parents=True, exist_ok=True)
+            env["WINDSERVE_DISK_DIR"] = str(disk)
+            env.setdefault("WINDSERVE_DISK_BYTES", str(CACHE_DISK_BYTES))
+        if name in ("prefill", "decode", "cache"):
             # KV moves prefill -> decode over UCX; on one host TCP over loopback works everywhere (shared
             # memory, UCX_TLS=sm,self, is faster where allowed). An operator's UCX_* settings win.
             if "UCX_TLS" not in os.environ:
@@ -315,7 +327,7 @@ class Supervisor:
         # gets a new one (it is a new instance: empty KV cache, new transfer address).
         iid = f"{label}-{secrets.token_hex(3)}"
         cmd = [sys.executable, "-m", f"services.{service}"]
-        return self._spawn(label, cmd, self.service_env(service, iid), iid, service)
+        return self._spawn(label, cmd, self.service_env(service, iid, label), iid, service)
 
     def start_services(self) -> None:
         self.http_port = self.cfg.http_port or free_port()

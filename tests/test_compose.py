@@ -11,7 +11,7 @@ import yaml
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLES = {"gateway", "router", "prefill", "decode"}
+ROLES = {"gateway", "router", "prefill", "decode", "cache"}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def test_dockerfile_installs_cpu_torch_before_the_project():
 
 
 def test_kv_transfer_engines_listen_on_the_compose_network(spec):
-    # prefill -> decode KV goes container to container; each replica advertises its own IP in the registry
-    for role in ("prefill", "decode"):
+    # prefill -> decode KV (and GCache values) go container to container; each replica advertises its own IP
+    for role in ("prefill", "decode", "cache"):
         assert spec["services"][role]["environment"]["WINDSERVE_TRANSFER_HOST"] == "0.0.0.0"
     assert "WINDSERVE_TRANSFER_HOST" not in spec["services"]["gateway"]["environment"]
 
@@ -150,3 +150,12 @@ def test_cluster_nats_conf_is_accepted_by_nats_server(tmp_path):
                           timeout=30, env={**os.environ, "NATS_SERVER_NAME": "nats-0"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "routes: [nats://nats:6222, nats://nats-1:6222, nats://nats-2:6222]" in conf
+
+
+def test_cache_nodes_keep_their_disk_tier_on_a_volume_one_directory_per_replica(spec):
+    cache = spec["services"]["cache"]
+    mount = next(v for v in cache["volumes"] if v.startswith("cache-data:"))
+    assert "cache-data" in spec["volumes"]
+    disk_dir = cache["environment"]["WINDSERVE_DISK_DIR"]
+    assert disk_dir.startswith(mount.split(":")[1] + "/") and "{hostname}" in disk_dir  # --scale: no two share
+    assert int(cache["environment"]["WINDSERVE_DISK_BYTES"].split(":-")[1].rstrip("}")) > 0

@@ -7,7 +7,7 @@ module layout, the protocol, failure semantics and UCX settings.
 from .api import KVTransferEngine
 from .buffers import Payload
 from .config import TransferBackend, TransferConfig, select_backend, ucx_available
-from .engine import TcpTransferEngine, UcxTransferEngine, create_engine
+from .engine import TcpTransferEngine, UcxTransferEngine, advertised_address, create_engine
 from .errors import PeerDisconnected, TransferAborted, TransferError, TransferRejected, TransferTimeout
 from .protocol import LayerSpec, TransferHeader, parse_address
 from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState, TransferStats
@@ -16,5 +16,5 @@ __all__ = [
     "Destinations", "IncomingTransfer", "KVTransferEngine", "LayerSpec", "OutgoingTransfer", "Payload",
     "PeerDisconnected", "TcpTransferEngine", "TransferAborted", "TransferBackend", "TransferConfig", "TransferError",
     "TransferHeader", "TransferRejected", "TransferState", "TransferStats", "TransferTimeout", "UcxTransferEngine",
-    "create_engine", "parse_address", "select_backend", "ucx_available",
+    "advertised_address", "create_engine", "parse_address", "select_backend", "ucx_available",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -247,3 +248,14 @@ def create_engine(config: TransferConfig | None = None, backend: TransferBackend
     """The engine for ``backend`` (default: ``WINDSERVE_TRANSFER`` / whether ucxx is installed)."""
     chosen = backend or select_backend()
     return UcxTransferEngine(config) if chosen is TransferBackend.UCX else TcpTransferEngine(config)
+
+
+def advertised_address(bound: str, advertise_host: str = "") -> str:
+    """The transfer address peers dial: the bound one, with `advertise_host` in it when set, or this host's IP
+    when binding all interfaces (under compose every replica has the same service name but its own IP)."""
+    scheme, host, port = parse_address(bound)
+    if advertise_host:
+        host = advertise_host
+    elif host in ("0.0.0.0", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{scheme}://{host}:{port}"

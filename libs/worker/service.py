@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import Callable
 from typing import ClassVar
@@ -28,7 +27,7 @@ from typing import ClassVar
 from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
 from libs.service import Service
-from libs.transfer import KVTransferEngine, create_engine, parse_address
+from libs.transfer import KVTransferEngine, advertised_address, create_engine
 from libs.worker import metrics
 from libs.worker.config import DisaggServiceConfig, EngineServiceConfig
 from libs.worker.engine import build_async_engine
@@ -240,7 +239,8 @@ class DisaggWorkerService(EngineWorkerService):
         self.transfer: KVTransferEngine = create_engine()
 
     async def setup(self) -> None:
-        self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host), self.config)
+        self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host),
+                                          self.config.advertise_host)
         await super().setup()
 
     async def teardown(self) -> None:
@@ -248,17 +248,6 @@ class DisaggWorkerService(EngineWorkerService):
             await super().teardown()
         finally:
             await self.transfer.close()
-
-
-def advertised_address(bound: str, config: DisaggServiceConfig) -> str:
-    """The transfer address peers dial: the bound one, with the advertised host when binding all interfaces
-    (this host's IP: under compose every replica has the same service name but its own IP)."""
-    scheme, host, port = parse_address(bound)
-    if config.advertise_host:
-        host = config.advertise_host
-    elif host in ("0.0.0.0", "::"):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"{scheme}://{host}:{port}"
 
 
 def _noop(core: EngineCore) -> None:

@@ -1,0 +1,72 @@
+"""Wiring of a GCache storage node (role cache): a `NodeStore`, a transfer engine, the three cache subjects.
+
+Serves `windserve.<ns>.cache.<id>.{exists,get,put}` (`handlers.CacheNode`). Its registry entry carries the
+transfer address (clients send and receive values there), the total byte budget as capacity, and the
+store's usage, refreshed every heartbeat. Background: `reap` of unfinished puts every `reap_interval_s`.
+Shutdown: stop serving, drain handlers, then close the engine (transfers in flight fail: their puts abort)
+and the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.service import Service
+from libs.transfer import KVTransferEngine, advertised_address, create_engine
+from protos import subjects
+from protos.messages import CacheExistsRequest, CacheGetRequest, CachePutRequest, RegistryEntry, Role
+from services.cache.config import CacheConfig
+from services.cache.handlers import CacheNode
+from services.cache.store import NodeStore
+
+
+class CacheService(Service):
+    role = Role.CACHE
+    config: CacheConfig
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        # UCX or the TCP fallback (a bad WINDSERVE_TRANSFER fails here, before any IO)
+        self.transfer: KVTransferEngine = create_engine()
+        self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_path or None,
+                               put_timeout_s=config.put_timeout_s)
+        self.node: CacheNode | None = None
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        cfg = self.config
+        bound = await self.transfer.start(host=cfg.transfer_host, port=cfg.transfer_port)
+        self.node = CacheNode(cfg, self.store, self.transfer, advertised_address(bound, cfg.advertise_host),
+                              lambda coro, name: self.spawn(coro, name=name))
+        ns, iid = cfg.namespace, cfg.instance_id
+        await self.bus.serve(subjects.cache_exists(ns, iid), CacheExistsRequest, self.node.exists)
+        await self.bus.serve(subjects.cache_put(ns, iid), CachePutRequest, self.node.put)
+        await self.bus.serve(subjects.cache_get(ns, iid), CacheGetRequest, self.node.get)
+        self.spawn(self._upkeep_loop(), name="cache-upkeep")
+
+    async def teardown(self) -> None:
+        try:
+            await self.transfer.close()
+        finally:
+            self.store.close()
+
+    def registry_entry(self) -> RegistryEntry:
+        return super().registry_entry().model_copy(update={
+            "address": self.node.address if self.node is not None else "",
+            "capacity": self.config.capacity_bytes,
+            "cache": self.store.usage(),
+        })
+
+    def health_details(self) -> dict[str, str]:
+        return self.node.details() if self.node is not None else {}
+
+    async def _upkeep_loop(self) -> None:
+        """Reap unfinished puts; refresh the usage the next heartbeat publishes, and the metrics."""
+        assert self.node is not None
+        cfg = self.config
+        interval = min(cfg.reap_interval_s, cfg.heartbeat_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            self.node.reap()
+            self.node.export_metrics()
+            self.refresh_registration()
