@@ -11,13 +11,17 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from libs.engine.core import EngineCore
 from libs.engine.request import Request, RequestOutput
 
 log = logging.getLogger(__name__)
+
+# What a prefetch hook returns: work for the engine thread to run right before the request is added (the GCache
+# import into the host tier), or None.
+Prefetched = Callable[[EngineCore], None] | None
 
 
 class EngineDeadError(RuntimeError):
@@ -46,6 +50,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._step_hook: Callable[[EngineCore, bool], None] | None = None
+        self._prefetch: Callable[[Request], Awaitable[Prefetched]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -81,6 +86,13 @@ class AsyncEngine:
         worker's KV event publisher): it must be quick, and an exception is logged, never stops the loop."""
         self._step_hook = hook
 
+    def set_prefetch(self, hook: Callable[[Request], Awaitable[Prefetched]] | None) -> None:
+        """Await `hook(req)` on the caller's loop before `generate` adds a request; what it returns runs on the
+        engine thread in the same command as `add_request`, right before it (the GCache lookup fetches an L3
+        hit, then imports it into the host tier: libs/worker/gcache.py). The hook bounds its own time and
+        never raises (a failure is a miss); an exception from either part is logged and the request goes on."""
+        self._prefetch = hook
+
     async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float | None = None, *,
                    urgent: bool = False) -> Any:
         """Run fn(core) on the engine thread between steps and return its result. `urgent` lets it stop a
@@ -105,7 +117,8 @@ class AsyncEngine:
             self._streams[req.req_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
-            await self.call(lambda core: core.add_request(req), urgent=self.core.is_urgent(req))
+            action = await self._prefetched(req)
+            await self.call(lambda core: _add(core, req, action), urgent=self.core.is_urgent(req))
             while not finished:
                 item = await self._next(stream, req.req_id)
                 finished = item.finished
@@ -115,6 +128,15 @@ class AsyncEngine:
                 self._streams.pop(req.req_id, None)
             if not finished and self.is_running:
                 self._commands.put((lambda: self.core.abort(req.req_id), concurrent.futures.Future()))
+
+    async def _prefetched(self, req: Request) -> Prefetched:
+        if self._prefetch is None:
+            return None
+        try:
+            return await self._prefetch(req)
+        except Exception:
+            log.exception("prefetch of request %s failed; it goes on without", req.req_id)
+            return None
 
     async def _next(self, stream: asyncio.Queue, req_id: str) -> RequestOutput:
         try:
@@ -204,3 +226,12 @@ class AsyncEngine:
                 return
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError("engine stopped before running the command"))
+
+
+def _add(core: EngineCore, req: Request, prefetched: Prefetched) -> None:
+    if prefetched is not None:
+        try:
+            prefetched(core)
+        except Exception:  # a failed import is a miss, never a failed request
+            log.exception("importing the prefetched KV of request %s failed", req.req_id)
+    core.add_request(req)

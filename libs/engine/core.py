@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
+from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask
@@ -48,6 +49,8 @@ class EngineLoad:
     hit_tokens: int  # of which served from the prefix cache
     preemptions: int  # sequences preempted (recomputed later) since start
     cache: CacheStats | None = None  # evictions by reason, hit tokens lost to missing SWA KV (since start)
+    host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2)
+    l3_hit_tokens: int = 0  # of hit_tokens, imported from GCache (L3) into the host tier and loaded from there
 
 
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
@@ -133,6 +136,25 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ GCache (L3)
+    def l3_layout(self) -> ValueLayout:
+        """Byte sizes of this engine's GCache values (libs/engine/l3.py)."""
+        return ValueLayout.of(self.runner.kv, self.cache.cfg.window_pages)
+
+    def import_l3(self, tokens: Sequence[int], block_hashes: Sequence[int], first: int, end: int,
+                  values: StagedValues) -> int:
+        """Import the L3 hit [first, end) of `tokens` (the full values of those blocks and the SWA checkpoint at
+        block end - 1, staged by `libs.engine.l3.stage_values`) into the host tier; pages imported (0: the cache
+        refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
+        if values.blocks != end - first or values.swa_pages != min(self.cache.cfg.window_pages, end):
+            raise ValueError(f"GCache import of pages [{first}, {end}): {values.blocks} blocks and "
+                             f"{values.swa_pages} checkpoint pages staged")
+        imp = self.cache.import_blocks(tokens, block_hashes, first, end)
+        if imp is None:
+            return 0
+        write_host_blocks(self.runner.host, imp.full, imp.swa, values, skip=imp.start - first)
+        return imp.end - imp.start
 
     def close(self) -> None:
         """Detach from the model (its layer hooks) and stop helper threads; also happens on GC."""
@@ -225,7 +247,8 @@ class EngineCore:
         sch = self.scheduler
         return EngineLoad(running=len(sch.running), waiting=sch.num_waiting, usage=self.cache.usage(),
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
-                          preemptions=sch.stats.preemptions, cache=self.cache.cache_stats())
+                          preemptions=sch.stats.preemptions, cache=self.cache.cache_stats(),
+                          host_hit_tokens=sch.stats.host_hit_tokens, l3_hit_tokens=sch.stats.l3_hit_tokens)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -136,6 +136,10 @@ class Seq:
     full_from: int = 0
     swa_from: int = 0
     finish_reason: FinishReason | None = None
+    # host-tier tokens the matches of this request loaded, and of those the ones imported from GCache (L3):
+    # how its first admission's hit splits across tiers (a classification probe may load them before admit)
+    loaded_host: int = 0
+    loaded_l3: int = 0
     # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
     _hashes: list[int] = field(default_factory=list)
     _hashed_len: int = -1
@@ -179,6 +183,8 @@ class SchedulerStats:
     loaded_pages: int = 0
     admitted: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2) ...
+    l3_hit_tokens: int = 0  # ... or imported from GCache (L3) into it and loaded from there
     prompt_tokens: int = 0
 
 
@@ -218,6 +224,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         # first admissions and their hits, for the worker's hit reports; None = nobody reads them
         self.admissions: deque[AdmittedHit] | None = None
+        # called with a sequence that finishes into the prefix cache, right before cache.finish (its pages still
+        # its own): the GCache write-back copies its KV out here (libs/engine/l3.py)
+        self.on_finish: Callable[[Seq], None] | None = None
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
@@ -259,6 +268,8 @@ class Scheduler:
         seq = self.seqs.get(req_id)
         if seq is None or seq.status is not SeqStatus.HELD:
             raise KeyError(f"release({req_id!r}): no prefill-only request holds KV under that id")
+        if cache and self.on_finish is not None:
+            self.on_finish(seq)
         self.cache.finish(req_id, cache=cache)
         del self.seqs[req_id]
         seq.status = SeqStatus.FINISHED
@@ -383,6 +394,8 @@ class Scheduler:
         # its copies must run whatever happens next.
         st.load_copies.extend(hit.load_copies)
         self.stats.loaded_pages += len(hit.load_copies)
+        seq.loaded_host += hit.host_tokens
+        seq.loaded_l3 += hit.l3_tokens
         actual_bucket = self.buckets.classify(len(seq.token_ids) - hit.tokens)
         chunk = self._chunk_size(len(seq.token_ids) - hit.tokens, actual_bucket, shorter_waiting, st, hit.tokens)
         if chunk <= 0:
@@ -403,6 +416,9 @@ class Scheduler:
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = hit.tokens
             self.stats.hit_tokens += hit.tokens
+            l3 = min(seq.loaded_l3, hit.tokens)
+            self.stats.l3_hit_tokens += l3
+            self.stats.host_hit_tokens += min(seq.loaded_host, hit.tokens) - l3
             self.stats.prompt_tokens += seq.num_prompt
             if self.admissions is not None:
                 self.admissions.append(AdmittedHit(seq.req_id, seq.num_prompt, hit.tokens))
@@ -498,6 +514,8 @@ class Scheduler:
         hit = self.cache.match(seq.token_ids, self._hashes(seq))
         self._probe_loads.extend(hit.load_copies)
         self.stats.loaded_pages += len(hit.load_copies)
+        seq.loaded_host += hit.host_tokens
+        seq.loaded_l3 += hit.l3_tokens
         self.cache.release_hit(hit)
         return self.buckets.classify(len(seq.token_ids) - hit.tokens)
 
@@ -533,6 +551,8 @@ class Scheduler:
         reason = check_stop(seq.token_ids, seq.num_prompt, seq.req.params, self.eos_token_ids, self.decode)
         if reason is not None:
             self.running.remove(seq)
+            if self.on_finish is not None:
+                self.on_finish(seq)
             self.cache.finish(seq.req_id, cache=True)
             self._finish(seq, reason)
         return self._output(seq, (tok.token_id,), logprobs)

@@ -36,6 +36,7 @@ from libs.kvcache.types import (
     AdmitResult,
     CacheSnapshot,
     CacheStats,
+    HostImport,
     KVEvent,
     PageCopy,
     PoolUsage,
@@ -83,6 +84,22 @@ class KVCache:
         `rebuild=False`: never a rebuild hit (a caller that receives the KV instead of computing it, e.g. a
         disaggregated decode worker, must not have its tree's full pages written)."""
         return self.index.match(tokens, block_hashes, rebuild)
+
+    def cached_pages(self, tokens: Sequence[int], block_hashes: Sequence[int] | None = None) -> int:
+        """Leading pages of `tokens` whose full KV is cached (device or host tier); changes nothing."""
+        return self.index.cached_pages(tokens, block_hashes)
+
+    def import_blocks(self, tokens: Sequence[int], block_hashes: Sequence[int] | None, first: int,
+                      end: int) -> HostImport | None:
+        """Import the blocks [e, end) of `tokens` (fetched from GCache, L3, from page `first` on) into the host tier
+        as a host-only tree node, e = the pages cached now; the full pages of every block and the SWA checkpoint
+        window ending at `end` are held. The caller writes the bytes into the host pages returned before the
+        next cache call; then match, the valid-hit rule and the layer-by-layer load-back serve them like any L2
+        copy. None (no host tier, the tree changed so the import no longer fits, the window reaches below e, no
+        host room): nothing imported."""
+        if self.host is None:
+            return None
+        return self.index.import_blocks(tokens, block_hashes, first, end, self.host)
 
     def release_hit(self, hit: PrefixHit) -> None:
         """Give back the locks of a hit that will not be admitted."""

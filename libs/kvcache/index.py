@@ -18,7 +18,7 @@ from libs.kvcache.hashing import chain_hashes
 from libs.kvcache.ledger import Held, PageLedger
 from libs.kvcache.retention import END, ReuseStats
 from libs.kvcache.sequence import SeqAllocation
-from libs.kvcache.tiers import LowerTier
+from libs.kvcache.tiers import HostTier, LowerTier
 from libs.kvcache.tree import (
     Node,
     PromptHashes,
@@ -31,7 +31,7 @@ from libs.kvcache.tree import (
     split,
     walk,
 )
-from libs.kvcache.types import EventKind, PageCopy, PrefixHit, Tier
+from libs.kvcache.types import EventKind, HostImport, PageCopy, PrefixHit, Tier
 
 HitLock = tuple[Node, int, bool]  # (deepest node, hit tokens L or E, holds SWA locks)
 _NO_HIT = PrefixHit(0, 0, 0)
@@ -77,8 +77,9 @@ class PrefixIndex:
                 block_hashes and block_hashes[0] not in self.root.children):  # no-reuse fast path
             return _NO_HIT
         path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
-        # (The tier seam: a lower tier holding blocks the tree does not know, GCache / L3, extends the path here
-        # through `LowerTier.lookup`; the host tier's copies hang on tree nodes, so the walk finds them.)
+        # (GCache / L3 does not extend the path here: a network lookup cannot run inside match on the engine
+        # thread. Its blocks are imported into the host tier before the request arrives, `import_blocks`, and
+        # the walk finds them like any host copy.)
         if not path:
             return _NO_HIT
         raw = sum(m for _, m in path) * self.P
@@ -91,6 +92,49 @@ class PrefixIndex:
         if hit is None and best_dev:
             hit = self._take_hit(path, best_dev, raw)
         return hit or PrefixHit(0, raw, 0)
+
+    def cached_pages(self, tokens: Sequence[int], block_hashes: Sequence[int] | None) -> int:
+        """Leading pages of `tokens` whose full KV the tree holds (device or host). No side effect: no LRU
+        stamp, no lock, no split (the GCache lookup asks it before fetching what lies beyond)."""
+        if not self.root.children:
+            return 0
+        path = walk(self.root, PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes), len(tokens) // self.P)
+        return sum(m for _, m in path)
+
+    def import_blocks(self, tokens: Sequence[int], block_hashes: Sequence[int] | None, first: int, end: int,
+                      host: HostTier) -> HostImport | None:
+        """Hang the blocks [e, end) of `tokens` under the tree as one host-only node, e = the pages the tree holds
+        now (>= `first`, what the caller fetched from): full pages for every block, SWA pages for the checkpoint
+        window ending at `end`. None (nothing changed but freed host copies) when e < first (the blocks before
+        the import are gone), when the window reaches below e (the local pages there may lack SWA KV: the
+        simplest correct rule is to import only hits whose window lies wholly in the import) or when the host
+        tier cannot make room."""
+        hashes = PromptHashes(tokens, self.P, self.cfg.hash_seed, block_hashes)
+        swa_from = max(0, end - self.wp)
+        path = walk(self.root, hashes, end)
+        e = sum(m for _, m in path)
+        if not first <= e <= swa_from or end * self.P > len(tokens):
+            return None
+        keep = {n.nid for n, _ in path}
+        if not host.make_room(end - e, end - swa_from, self.nodes.values(), keep, self.lower_copy_dropped):
+            return None
+        path = walk(self.root, hashes, end)  # making room may have pruned a tombstone leaf the path ended in
+        if sum(m for _, m in path) != e:
+            return None
+        parent = self.root
+        if path:
+            last, m = path[-1]
+            parent = last if m == last.npages else self._split(last, m)
+        self._clock += 1
+        h = hashes.upto(end)
+        node = Node(e, parent, None, None, h[e:end], self._clock)
+        parent.children[node.hashes[0]] = node
+        self.nodes[node.nid] = node
+        if self._audit is not None:
+            P = self.P
+            self._audit.update((h[j], tuple(tokens[j * P:(j + 1) * P])) for j in range(e, end))
+        full, swa = host.adopt(node, swa_from)
+        return HostImport(e, end, tuple(full), tuple(swa))
 
     def release_hit(self, hit: PrefixHit) -> None:
         entry = self._hits.pop(hit.hit_id, None)
@@ -167,7 +211,7 @@ class PrefixIndex:
         if not self._ledger.fits(lock_f + load_f, lock_s + load_s):
             return None
         self._lock(deepest, ws)
-        copies = self._load(loads, load_f, load_s)
+        copies, l3_pages = self._load(loads, load_f, load_s)
         age = self._clock - deepest.swa_access
         for n in chain:
             n.access = self._clock
@@ -183,7 +227,7 @@ class PrefixIndex:
             full_pages += n.full  # type: ignore[arg-type]
             swa_pages += n.swa if n.start >= ws else no_pages(n.npages)  # type: ignore[arg-type]
         return PrefixHit(skip if rebuild else hit_len, raw, load_f * self.P, tuple(full_pages),
-                         tuple(swa_pages), tuple(copies), hid, hit_len)
+                         tuple(swa_pages), tuple(copies), hid, hit_len, l3_pages * self.P)
 
     def _split_at(self, last: Node, end: int) -> Node:
         """Split so a node on `last`'s chain ends exactly at page `end` (node starts survive earlier splits,
@@ -210,20 +254,24 @@ class PrefixIndex:
             self._evictor.push_swa(head)
         return head
 
-    def _load(self, loads: list[Node], nf: int, ns: int) -> list[PageCopy]:
-        """Give lower-tier nodes (already locked) device pages; the copies are for the engine to run."""
+    def _load(self, loads: list[Node], nf: int, ns: int) -> tuple[list[PageCopy], int]:
+        """Give lower-tier nodes (already locked) device pages: (the copies for the engine to run, pages of them
+        imported from GCache and loaded for the first time)."""
         if not loads:
-            return []
+            return [], 0
         self._make_room(nf, ns)
-        tier = self._tiers[0]  # nodes off the device live in L2 (the only lower tier the tree holds today)
+        tier = self._tiers[0]  # nodes off the device live in L2 (GCache imports into L2 as well)
         copies: list[PageCopy] = []
+        l3_pages = 0
         for n in loads:
+            if tier.from_store(n):
+                l3_pages += n.npages
             full, swa = self._ledger.load(n.npages, tier.swa_count(n), n.swa_lock > 0)
             dev_swa, cps = tier.restore(n, full, swa)
             n.full, n.swa, n.n_swa = full, ids(dev_swa), len(swa)
             copies += cps
             self._events.emit(EventKind.STORED, Tier.DEVICE, n)
-        return copies
+        return copies, l3_pages
 
     # ------------------------------------------------------------------ locks
 

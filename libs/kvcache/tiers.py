@@ -43,6 +43,10 @@ class LowerTier(ABC):
         """Pages from `start_page` on whose blocks the tier holds although the tree does not (a shared store
         fed by other workers). 0 for a tier whose copies all hang on tree nodes."""
 
+    def from_store(self, node: Node) -> bool:
+        """Was the tier's copy of `node` imported from the shared store (GCache, L3) and not loaded since?"""
+        return False
+
     @abstractmethod
     def swa_count(self, node: Node) -> int:
         """SWA pages with KV in the tier's copy of `node` (0 if it holds none)."""
@@ -78,6 +82,7 @@ class HostTier(LowerTier):
         self._full = PagePool("host_full", num_full_pages)
         self._swa = PagePool("host_swa", num_swa_pages)
         self._events = events
+        self._imported: set[int] = set()  # nids of host-only copies imported from GCache (L3), not loaded yet
 
     def backup(self, nodes: Collection[Node], max_pages: int, dropped: Callable[[Node], None]) -> list[PageCopy]:
         if max_pages <= 0:
@@ -91,6 +96,8 @@ class HostTier(LowerTier):
                 continue
             if not self._make_room(n.npages, n.n_swa, nodes, fresh, dropped):
                 break
+            if not n.alive or n.full is None:
+                continue  # dropping a host-only child left `n` an unlocked tombstone leaf: it was pruned
             n.host_full = ids(self._full.alloc(n.npages))
             n.host_swa = no_pages(n.npages)
             copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
@@ -101,6 +108,27 @@ class HostTier(LowerTier):
             fresh.add(n.nid)
             self._events.emit(EventKind.STORED, Tier.HOST, n)
         return copies
+
+    def make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
+                  dropped: Callable[[Node], None]) -> bool:
+        """Free host pages for an import (see `_make_room`); False if the copies left are all locked or kept."""
+        return self._make_room(nf, ns, nodes, keep, dropped)
+
+    def adopt(self, node: Node, swa_from: int) -> tuple[list[int], list[int]]:
+        """Give a new host-only node (imported from GCache) host pages: full pages for every page, SWA pages from
+        global page `swa_from` on (its checkpoint window). The caller made room (`make_room`) and writes the
+        bytes into the pages returned: (full ids, SWA ids in page order)."""
+        assert node.full is None and node.host_full is None and node.start <= swa_from < node.end
+        k = swa_from - node.start
+        node.host_full = ids(self._full.alloc(node.npages))
+        swa = self._swa.alloc(node.npages - k)
+        node.host_swa = no_pages(k) + ids(swa)
+        self._imported.add(node.nid)
+        self._events.emit(EventKind.STORED, Tier.HOST, node)
+        return list(node.host_full), list(swa)
+
+    def from_store(self, node: Node) -> bool:
+        return node.nid in self._imported
 
     def _make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
                    dropped: Callable[[Node], None]) -> bool:
@@ -123,6 +151,7 @@ class HostTier(LowerTier):
         return node.host_swa_count()
 
     def restore(self, node: Node, full: Iterable[int], swa: Iterable[int]) -> tuple[list[int], list[PageCopy]]:
+        self._imported.discard(node.nid)  # on the device from now on: a later hit on it is an L1 hit
         copies = [PageCopy(Group.FULL, h, d, "h2d") for h, d in zip(node.host_full, full, strict=True)]  # type: ignore[arg-type]
         dev_swa = [-1] * node.npages
         free_swa = iter(swa)
@@ -133,6 +162,8 @@ class HostTier(LowerTier):
         return dev_swa, copies
 
     def split(self, head: Node, tail: Node, k: int) -> None:
+        if tail.nid in self._imported:
+            self._imported.add(head.nid)
         if tail.host_full is not None:
             head.host_full, head.host_swa = tail.host_full[:k], tail.host_swa[:k]  # type: ignore[index]
             tail.host_full, tail.host_swa = tail.host_full[k:], tail.host_swa[k:]  # type: ignore[index]
@@ -141,6 +172,7 @@ class HostTier(LowerTier):
         if node.host_full is None:
             return
         self._events.emit(EventKind.REMOVED, Tier.HOST, node)
+        self._imported.discard(node.nid)
         self._full.free(node.host_full)
         self._swa.free(s for s in node.host_swa if s >= 0)  # type: ignore[union-attr]
         node.host_full = node.host_swa = None
@@ -149,9 +181,13 @@ class HostTier(LowerTier):
         return _host_stats(self._full), _host_stats(self._swa)
 
     def check_invariants(self, nodes: Collection[Node]) -> None:
-        """Per host pool: every page is free or in exactly one node's copy; copies are as long as their node."""
+        """Per host pool: every page is free or in exactly one node's copy; copies are as long as their node;
+        imported copies are live host-only nodes."""
         full: list[int] = []
         swa: list[int] = []
+        host_only = {n.nid for n in nodes if n.full is None and n.host_full is not None}
+        if not self._imported <= host_only:
+            raise AssertionError(f"imported copies {sorted(self._imported - host_only)} are not live host-only nodes")
         for n in nodes:
             if n.host_full is None:
                 if n.host_swa is not None:

@@ -53,6 +53,9 @@ class PrefixHit:
     hit_id: int = 0
     full_tokens: int = -1
     """E: full KV is valid for [0, E). Equal to `tokens` for a normal hit (the default -1 means that)."""
+    l3_tokens: int = 0
+    """Of `host_tokens`, the tokens whose host copies were imported from GCache (L3) and are loaded for the
+    first time by this match (the per-tier hit accounting)."""
 
     def __post_init__(self) -> None:
         if self.full_tokens < 0:
@@ -61,6 +64,18 @@ class PrefixHit:
     @property
     def is_rebuild(self) -> bool:
         return self.full_tokens > self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class HostImport:
+    """Host pages `KVCache.import_blocks` gave the blocks of [start, end) (host-only tree nodes): `full` one per
+    page, `swa` one per page of the checkpoint window [end - len(swa), end). The caller writes the imported
+    bytes into them before the next cache call."""
+
+    start: int
+    end: int
+    full: tuple[int, ...]
+    swa: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from libs.engine.config import EngineConfig
+from libs.gcache.config import GCacheConfig
 from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
 
@@ -43,6 +44,25 @@ class EngineServiceConfig(ServiceConfig):
     kv_events_interval_s: float = Field(
         default=0.005, ge=0, description="most time between KV event batches while the engine is busy")
     kv_events_max_blocks: int = Field(default=1024, ge=1, description="block hashes per KV event batch at most")
+    num_host_full_pages: int = Field(default=0, ge=0, description="host-tier (L2) full-attention pages; 0 = no host "
+                                     "tier (unless GCache sizes one)")
+    num_host_swa_pages: int = Field(default=0, ge=0, description="host-tier (L2) SWA pages (set with the full ones)")
+    gcache: bool = Field(default=False, description="use GCache (L3): prefetch L3 hits into the host tier, write "
+                         "finished sequences back")
+    gcache_lookup_timeout_s: float = Field(
+        default=0.5, gt=0, description="bound of one request's L3 lookup and fetch (slower: a miss)")
+    gcache_write_queue: int = Field(default=64, ge=1, description="finished sequences' write-back batches queued at "
+                                    "most (beyond: dropped, never waited for)")
+    gcache_write_queue_mib: int = Field(default=256, ge=1, description="bytes the write-back queue holds at most, MiB")
+    gcache_host_full_pages: int = Field(default=1024, ge=1, description="host-tier full pages GCache sizes when no "
+                                        "host tier is configured (L3 hits are imported there)")
+    gcache_host_swa_pages: int = Field(default=256, ge=1, description="host-tier SWA pages GCache sizes then")
+    gcache_op_timeout_s: float = Field(default=2.0, gt=0, description="bound of one GCache SDK exists / get / put")
+    gcache_replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: both successors)")
+    gcache_transfer_host: str = Field(default="127.0.0.1", description="bind address of the GCache SDK's transfer "
+                                      "engine")
+    gcache_advertise_host: str = Field(default="", description="host storage nodes dial to send values (empty: "
+                                       "gcache_transfer_host)")
 
     @model_validator(mode="after")
     def _buckets_in_range(self) -> EngineServiceConfig:
@@ -52,6 +72,24 @@ class EngineServiceConfig(ServiceConfig):
             raise ValueError(f"served_buckets {bad} outside [0, {num_buckets}) for bucket_edges {self.bucket_edges}")
         return self
 
+    @model_validator(mode="after")
+    def _host_tier_pair(self) -> EngineServiceConfig:
+        if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
+            raise ValueError("set both num_host_full_pages and num_host_swa_pages, or neither")
+        return self
+
+    @property
+    def host_pages(self) -> tuple[int, int]:
+        """(full, SWA) host-tier pages: as configured, or GCache's default when it is on and none is."""
+        if self.gcache and not self.num_host_full_pages:
+            return self.gcache_host_full_pages, self.gcache_host_swa_pages
+        return self.num_host_full_pages, self.num_host_swa_pages
+
+    def gcache_config(self) -> GCacheConfig:
+        return GCacheConfig(op_timeout_s=self.gcache_op_timeout_s, replication=self.gcache_replication,
+                            write_queue=self.gcache_write_queue, transfer_host=self.gcache_transfer_host,
+                            advertise_host=self.gcache_advertise_host)
+
     @property
     def max_request_tokens(self) -> int:
         """Prompt + output tokens that one request can ever hold (the whole full pool)."""
@@ -60,6 +98,7 @@ class EngineServiceConfig(ServiceConfig):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             page_size=self.page_size, num_full_pages=self.num_full_pages, num_swa_pages=self.num_swa_pages,
+            num_host_full_pages=self.host_pages[0], num_host_swa_pages=self.host_pages[1],
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=self.enable_prefix_cache, bucket_edges=tuple(self.bucket_edges),
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,

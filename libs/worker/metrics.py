@@ -23,6 +23,11 @@ HIT_TOKENS = Gauge("windserve_worker_prefix_hit_tokens", "Prompt tokens served f
 KV_EVICTIONS = Gauge("windserve_worker_kv_evictions", "Cache evictions since start by reason (victims)", ["reason"])
 KV_HIT_KINDS = Gauge("windserve_worker_kv_hit_tokens", "Prompt tokens of admitted requests since start: the full-KV "
                      "match (raw) and the valid hit it gave (valid); raw - valid was lost to missing SWA KV", ["kind"])
+HIT_TIER_TOKENS = Gauge("windserve_worker_prefix_hit_tier_tokens", "Prompt tokens served from the prefix cache since "
+                        "start, by the tier the KV came from: device (L1), host (L2), gcache (L3, imported into L2)",
+                        ["tier"])
+GCACHE = Gauge("windserve_worker_gcache", "GCache (L3) since start: lookups, hits, misses, refused, timeouts, errors, "
+               "imported_tokens, writebacks, written_values, dropped, writeback_failures", ["event"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 
 _PAGE_STATES = ("free", "cached", "in_use", "reserved")
@@ -51,8 +56,8 @@ class Outcomes:
         return dataclasses.asdict(self)
 
 
-def export(load: EngineLoad, outcomes: Mapping[str, int]) -> None:
-    """Set every gauge from one load snapshot and the outcome counts."""
+def export(load: EngineLoad, outcomes: Mapping[str, int], gcache: Mapping[str, int] | None = None) -> None:
+    """Set every gauge from one load snapshot, the outcome counts and the GCache counts (None: GCache off)."""
     usage = load.usage
     for pool, tier, stats in (("full", "device", usage.full), ("swa", "device", usage.swa),
                               ("full", "host", usage.host_full), ("swa", "host", usage.host_swa)):
@@ -64,6 +69,11 @@ def export(load: EngineLoad, outcomes: Mapping[str, int]) -> None:
         OUTCOMES.labels(outcome).set(n)
     PROMPT_TOKENS.set(load.prompt_tokens)
     HIT_TOKENS.set(load.hit_tokens)
+    for tier, n in (("device", load.hit_tokens - load.host_hit_tokens - load.l3_hit_tokens),
+                    ("host", load.host_hit_tokens), ("gcache", load.l3_hit_tokens)):
+        HIT_TIER_TOKENS.labels(tier).set(n)
+    for event, n in (gcache or {}).items():
+        GCACHE.labels(event).set(n)
     PREEMPTIONS.set(load.preemptions)
     if load.cache is not None:
         for reason, (victims, _) in load.cache.evictions.items():

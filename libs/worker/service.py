@@ -9,6 +9,9 @@ serves its subject; everything else is here:
   the abort broadcast is subscribed before the role serves anything; the load snapshot is taken;
 - aborts: `windserve.<ns>.abort` cancels the request's task in `self.tasks` (or remembers the id: see
   libs/worker/tasks.py);
+- GCache (L3, `WINDSERVE_GCACHE`): the client is built and started before the engine starts, a `GCacheLink`
+  (libs/worker/gcache.py) prefetches L3 hits into the host tier and writes finished sequences back; closed
+  after the engine stops;
 - load: every `load_interval_s`, `EngineCore.load()` on the engine thread -> registry entry (`load`),
   health details and the Prometheus gauges (libs/worker/metrics.py);
 - `publish(subject, chunk)`: the role's stream output, counting final chunks as outcomes;
@@ -26,11 +29,14 @@ from typing import ClassVar
 
 from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
+from libs.engine.l3 import l3_namespace
+from libs.gcache.api import BlockStore
 from libs.service import Service
 from libs.transfer import KVTransferEngine, advertised_address, create_engine
 from libs.worker import metrics
 from libs.worker.config import DisaggServiceConfig, EngineServiceConfig
 from libs.worker.engine import build_async_engine
+from libs.worker.gcache import GCacheLink
 from libs.worker.kv_events import KVFeed
 from libs.worker.kv_wire import layout_labels
 from libs.worker.metrics import Outcomes
@@ -69,6 +75,11 @@ class EngineWorkerService(Service):
         self.outcomes = Outcomes()
         self.load = WorkerLoad()
         self.address = config.data_address
+        # GCache (L3): a test injects its BlockStore here before setup; else, with `gcache` on, setup builds the
+        # real client (and closes it at teardown)
+        self.gcache_store: BlockStore | None = None
+        self.gcache: GCacheLink | None = None
+        self._gcache_client = None
 
     # --- hooks for the roles ----------------------------------------------------------------------
 
@@ -103,6 +114,8 @@ class EngineWorkerService(Service):
         cfg = self.config
         engine = await asyncio.to_thread(build_async_engine, cfg.model or None, cfg.engine_config(),
                                          core_class=self.core_class, output_timeout_s=cfg.output_timeout_s)
+        if cfg.gcache:
+            await self.start_gcache(engine)
         engine.start()
         self.engine = engine
         aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
@@ -111,6 +124,22 @@ class EngineWorkerService(Service):
         await self.refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
         await self.setup_role()
+
+    async def start_gcache(self, engine: AsyncEngine) -> None:
+        """The GCache link over the injected store or the real client (engine built, not started yet)."""
+        cfg, core = self.config, engine.core
+        namespace = l3_namespace(cfg.model, core.model_config, core.cache.cfg, cfg.dtype)
+        store = self.gcache_store
+        if store is None:
+            # the real SDK (storage nodes over the registry); imported only when GCache is on
+            from libs.gcache.client import GCacheClient
+
+            client = GCacheClient(cfg.nats_url, namespace, cfg.gcache_config())
+            await client.start()
+            self._gcache_client = store = client
+        self.gcache = GCacheLink(engine, store, namespace, lookup_timeout_s=cfg.gcache_lookup_timeout_s,
+                                 write_queue=cfg.gcache_write_queue, write_queue_bytes=cfg.gcache_write_queue_mib << 20)
+        self.gcache.attach()
 
     async def start_kv_feed(self) -> None:
         """The KV-affinity feed (libs/worker/kv_events.py): the cache's events, snapshots, hit reports."""
@@ -128,6 +157,12 @@ class EngineWorkerService(Service):
                                  feed.answer_snapshot)
 
     async def teardown(self) -> None:
+        try:
+            await self._stop_engine()
+        finally:
+            await self.close_gcache()  # also when setup failed between starting the client and the engine
+
+    async def _stop_engine(self) -> None:
         await self.tasks.drain(self.config.drain_timeout_s)
         if self.engine is None:
             return
@@ -138,6 +173,14 @@ class EngineWorkerService(Service):
         if self.kv_feed is not None:
             self.kv_feed.detach()
         await asyncio.to_thread(self.engine.shutdown)
+
+    async def close_gcache(self) -> None:
+        """Stop the write-back, then close the client this service built (after the engine stopped)."""
+        if self.gcache is not None:
+            await asyncio.to_thread(self.gcache.close)
+        if self._gcache_client is not None:
+            client, self._gcache_client = self._gcache_client, None
+            await client.close()
 
     async def _abort_loop(self, aborts) -> None:
         async for msg in aborts:
@@ -189,7 +232,7 @@ class EngineWorkerService(Service):
         assert self.engine is not None
         load = await self.engine.call(lambda core: core.load(), timeout_s=_LOAD_TIMEOUT_S)
         self.load = load_from(load, time.time())
-        metrics.export(load, self.outcome_counts())
+        metrics.export(load, self.outcome_counts(), self.gcache.counts() if self.gcache is not None else None)
 
     async def _load_loop(self) -> None:
         while True:
@@ -224,6 +267,8 @@ class EngineWorkerService(Service):
         details["in_flight_requests"] = str(len(self.tasks))
         if self.kv_feed is not None and self.kv_feed.enabled:
             details.update(self.kv_feed.stats.as_details())
+        if self.gcache is not None:
+            details.update({f"gcache_{k}": str(v) for k, v in self.gcache.counts().items()})
         details.update(self.role_details())
         return details
 

@@ -65,6 +65,8 @@ class RemoteRequest(Request):
 class _Pending:
     req: RemoteRequest
     hit_tokens: int
+    host_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2) ...
+    l3_tokens: int = 0  # ... or imported there from GCache (L3)
 
 
 class DisaggEngineCore(EngineCore):
@@ -105,7 +107,8 @@ class DisaggEngineCore(EngineCore):
         if not cache.reserve(req.req_id, len(prompt) - hit.tokens):
             cache.abort(req.req_id)
             raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
-        self.pending[req.req_id] = _Pending(req, hit.tokens)
+        l3 = min(hit.l3_tokens, hit.tokens)
+        self.pending[req.req_id] = _Pending(req, hit.tokens, min(hit.host_tokens, hit.tokens) - l3, l3)
         if sch.admissions is not None:  # the decode-side hit: the pages prefill does not ship
             sch.admissions.append(AdmittedHit(req.req_id, len(prompt), hit.tokens))
         full, swa = cache.page_tables(req.req_id)
@@ -127,6 +130,8 @@ class DisaggEngineCore(EngineCore):
         sch.running.append(seq)
         sch.stats.admitted += 1
         sch.stats.hit_tokens += p.hit_tokens
+        sch.stats.host_hit_tokens += p.host_tokens
+        sch.stats.l3_hit_tokens += p.l3_tokens
         sch.stats.prompt_tokens += len(prompt)
 
     def abort(self, req_id: str) -> bool:
