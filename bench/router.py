@@ -106,6 +106,7 @@ class Sim:
                 self._start(w)
             elif kind == "prefilled":
                 w, job = x  # type: ignore[misc]
+                self.on_prefilled(w, job)
                 w.busy -= 1
                 w.decoding += 1
                 self._at(self.now + len(job.req.output) * DECODE_S_PER_TOK, "done", (w, job))
@@ -114,8 +115,20 @@ class Sim:
                 w, job = x  # type: ignore[misc]
                 w.decoding -= 1
                 w.cache.finish(f"r{job.rid}")
+                self.on_finished(w, job)
                 self._start(w)
         return self.stats
+
+    # Hooks for a shared tier beside the workers' own caches (bench.gcache's L3); the plain cluster has none.
+    def remote_hit(self, w: Worker, job: Job, local_tokens: int) -> tuple[int, float]:
+        """(prompt tokens a shared tier adds beyond the local hit, seconds to load them)."""
+        return 0, 0.0
+
+    def on_prefilled(self, w: Worker, job: Job) -> None:
+        """A prefill finished (its prompt's KV is complete)."""
+
+    def on_finished(self, w: Worker, job: Job) -> None:
+        """A sequence finished (prompt + output)."""
 
     def _at(self, t: float, kind: str, x: object) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, x))
@@ -131,9 +144,10 @@ class Sim:
                 self.stats.dropped += 1
             else:
                 compute(w.cache, sid, req, PREFILL_CHUNK)  # the cache's state at finish is the same
-                uncached = len(req.prompt) - hit.tokens
-                dur = uncached / PREFILL_TOK_PER_S + hit.host_tokens / HOST_TOK_PER_S
-                self._account(w, job, hit.tokens, uncached, dur)
+                extra, extra_s = self.remote_hit(w, job, hit.tokens)
+                uncached = len(req.prompt) - hit.tokens - extra
+                dur = uncached / PREFILL_TOK_PER_S + hit.host_tokens / HOST_TOK_PER_S + extra_s
+                self._account(w, job, hit.tokens + extra, uncached, dur)
                 w.busy += 1
                 self._at(self.now + dur, "prefilled", (w, job))
             w.queue.popleft()

@@ -53,10 +53,52 @@ def raw_tag(iteration: int, layer: int) -> int:
     return RAW_TAG + iteration * 4096 + layer
 
 
-# -- sender (child process) ----------------------------------------------------------------
-async def sender(args: argparse.Namespace) -> None:
+# -- the raw ucxx path (shared with bench.gcache: the baseline every engine is measured against) ---------
+def ucx_env(transport: str) -> dict[str, str]:
+    """The UCX_* variables of a transport, for processes that take their UCX settings from the environment."""
+    return {f"UCX_{k}": v for k, v in TRANSPORTS[transport]}
+
+
+def raw_address(engine) -> str:
+    """The engine's UCX worker address, base64 (what a raw peer dials)."""
+    return base64.b64encode(bytes(engine.ucx_context.worker_address)).decode()
+
+
+async def raw_connect(engine, peer: str):
+    """A raw endpoint from the engine's own UCX worker to a peer's (base64) worker address."""
     import ucxx
 
+    return await engine.ucx_context.create_endpoint_from_worker_address(
+        ucxx.get_ucx_address_from_buffer(base64.b64decode(peer)),
+        endpoint_error_handling=engine.config.endpoint_error_handling())
+
+
+async def raw_send(ep, bufs, tag0: int) -> None:
+    """Send the buffers one after another as tagged messages tag0, tag0 + 1, ..."""
+    for i, b in enumerate(bufs):
+        await ep.send(b, tag=tag0 + i, force_tag=True)
+
+
+def raw_post_recvs(engine, bufs, tag0: int) -> list[asyncio.Future]:
+    """Post one tagged receive per buffer on the engine's worker (any peer), tags tag0, tag0 + 1, ..."""
+    return [asyncio.ensure_future(engine.ucx_context.recv(b, tag=tag0 + i)) for i, b in enumerate(bufs)]
+
+
+async def raw_ack(ep, tag: int) -> None:
+    await ep.send(torch.ones(1, dtype=torch.uint8).numpy(), tag=tag, force_tag=True)
+
+
+async def raw_wait_ack(engine, tag: int) -> None:
+    await engine.ucx_context.recv(torch.zeros(1, dtype=torch.uint8).numpy(), tag=tag)
+
+
+def as_bytes(t: torch.Tensor):
+    """A tensor's bytes as a flat uint8 numpy view (what ucxx sends and receives into)."""
+    return t.view(torch.uint8).numpy().reshape(-1)
+
+
+# -- sender (child process) ----------------------------------------------------------------
+async def sender(args: argparse.Namespace) -> None:
     specs = layer_specs(args.mib, args.layers)
     src = make_layers(specs)
     engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(args.transport, ())),
@@ -64,11 +106,8 @@ async def sender(args: argparse.Namespace) -> None:
     await engine.start()
     ep = None
     if args.backend == "ucx":
-        ctx = engine.ucx_context  # the raw path uses the very same UCX worker as the engine
-        print("ADDR", base64.b64encode(bytes(ctx.worker_address)).decode(), flush=True)
-        peer = ucxx.get_ucx_address_from_buffer(base64.b64decode(args.peer))
-        ep = await ctx.create_endpoint_from_worker_address(
-            peer, endpoint_error_handling=engine.config.endpoint_error_handling())
+        print("ADDR", raw_address(engine), flush=True)  # the raw path uses the very same UCX worker as the engine
+        ep = await raw_connect(engine, args.peer)
     else:
         print("ADDR -", flush=True)
     loop = asyncio.get_running_loop()
@@ -78,22 +117,18 @@ async def sender(args: argparse.Namespace) -> None:
         if method == "engine":
             await engine.send(args.address, f"it{iteration}", specs, src)
         else:
-            for i, t in enumerate(src):
-                await ep.send(t.view(torch.uint8).numpy().reshape(-1), tag=raw_tag(iteration, i), force_tag=True)
-            ack = torch.zeros(1, dtype=torch.uint8)
-            await engine.ucx_context.recv(ack.numpy(), tag=ACK_TAG + iteration)
+            await raw_send(ep, [as_bytes(t) for t in src], raw_tag(iteration, 0))
+            await raw_wait_ack(engine, ACK_TAG + iteration)
         print("T", method, iteration, time.perf_counter() - start, flush=True)
     await engine.close()
 
 
 # -- receiver (this process) -----------------------------------------------------------------
 async def measure(backend: str, transport: str, mib: int, layers: int, iters: int) -> dict[str, list[float]]:
-    import ucxx
-
     specs = layer_specs(mib, layers)
     engine = create_engine(TransferConfig(ucx_options=TRANSPORTS.get(transport, ())), TransferBackend(backend))
     await engine.start()
-    peer = base64.b64encode(bytes(engine.ucx_context.worker_address)).decode() if backend == "ucx" else "-"
+    peer = raw_address(engine) if backend == "ucx" else "-"
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.transfer", "--role", "sender", "--backend", backend, "--transport", transport,
@@ -112,9 +147,7 @@ async def measure(backend: str, transport: str, mib: int, layers: int, iters: in
         _, child_addr = await read()
         ep = None
         if backend == "ucx":
-            ep = await engine.ucx_context.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(base64.b64decode(child_addr)),
-                endpoint_error_handling=engine.config.endpoint_error_handling())
+            ep = await raw_connect(engine, child_addr)
         dests = [torch.empty(s.shape, dtype=torch.bfloat16) for s in specs]
         for it in range(iters + 1):  # round 0 warms both paths up and is not reported
             inc = engine.expect(f"it{it}", dests)
@@ -123,11 +156,10 @@ async def measure(backend: str, transport: str, mib: int, layers: int, iters: in
             times["engine"].append(float((await read())[3]))
             if ep is None:
                 continue
-            recvs = [asyncio.ensure_future(engine.ucx_context.recv(d.view(torch.uint8).numpy().reshape(-1),
-                                                                   tag=raw_tag(it, i))) for i, d in enumerate(dests)]
+            recvs = raw_post_recvs(engine, [as_bytes(d) for d in dests], raw_tag(it, 0))
             order("raw", it)
             await asyncio.wait_for(asyncio.gather(*recvs), 60)
-            await ep.send(torch.ones(1, dtype=torch.uint8).numpy(), tag=ACK_TAG + it, force_tag=True)
+            await raw_ack(ep, ACK_TAG + it)
             times["raw"].append(float((await read())[3]))
         reference = make_layers(specs)
         if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))

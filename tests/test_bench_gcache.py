@@ -1,0 +1,50 @@
+"""bench.gcache's pure parts: the cluster simulation with a pooled L3 and the results writer (seconds)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gcache
+from bench.kvcache import PAGE
+from bench.router import BUDGET
+from bench.traces import agentic
+
+
+def test_pooled_l3_hit_needs_full_blocks_up_to_a_checkpoint() -> None:
+    l3 = gcache.PooledL3(capacity=100, page=PAGE, full_bytes=1, swa_bytes=1)
+    chain = list(range(1, 13))  # 12 pages; the SWA checkpoint at the end (page 12) only
+    l3.write(chain)
+    assert l3.hit(chain, 12 * PAGE + 1) == 12 * PAGE
+    assert l3.hit(chain, 12 * PAGE) == 0  # one prompt token must stay to compute, and no earlier checkpoint
+    l3.write(chain[:8])  # a prompt that ended at page 8
+    assert l3.hit(chain, 12 * PAGE) == 8 * PAGE
+    assert l3.hit(chain[:5] + [99] + chain[6:], 12 * PAGE + 1) == 0  # a missing full block: no checkpoint before
+    small = gcache.PooledL3(capacity=3, page=PAGE, full_bytes=1, swa_bytes=1)
+    small.write(chain)  # LRU keeps the last 3 values: the tail, not the prefix
+    assert small.hit(chain, 12 * PAGE + 1) == 0 and small.used <= 3 and small.evicted > 0
+
+
+def test_cluster_share_with_gcache_at_least_without() -> None:
+    grid = gcache.cluster({"agentic": agentic(60)}, 4, ("round_robin",), BUDGET, 4 * BUDGET, 512)
+    cell = grid["agentic"]["round_robin"]
+    assert cell["gcache_hit_share"] >= cell["no_gcache_hit_share"]
+    assert cell["l3_hit_tokens"] > 0  # round robin spreads a session's turns: the next turn's prefix is in L3
+    assert cell["gcache_ckpt512_hit_share"] >= cell["gcache_hit_share"] - 1e-9
+
+
+def test_results_have_every_headline_key(tmp_path) -> None:
+    rows = [{"op": op, "size_mib": mib, "clients": 1, "gcache_gbps": 2.0, "raw_ucx_gbps": g, "redis_gbps": 0.5,
+             "gcache_over_raw_ucx": 2.0 / g, "gcache_over_redis": 4.0}
+            for op in ("put", "get") for mib, g in ((1, 10.0), (4, 2.5), (64, 2.0))]
+    tp = {"by_transport": {"sm": rows}, "gcache_missing": None}
+    sim = {"gcache_cluster_hit_share": 0.97, "no_gcache_cluster_hit_share": 0.6, "grid": {}, "workers": 4}
+    eng = {"l3_hit_ttft_ratio": 0.4, "l3_bytes_per_token_ratio": None, "engine": {"l3_bytes_per_token_ratio": "x"}}
+    out = gcache.build_results(tp, sim, eng, {"quick": True})
+    gcache.write_results(out, tmp_path / "gcache.json", None)
+    data = json.loads((tmp_path / "gcache.json").read_text())
+    assert set(gcache.HEADLINE_KEYS) <= set(data)
+    assert data["put_vs_raw_ucx"] == 0.8  # the worst over sizes >= 4 MiB (the 1 MiB row is not counted)
+    assert data["get_vs_redis"] == 4.0 and data["met"]["get_vs_redis"] is True
+    assert data["gcache_cluster_hit_share"] == 0.97 and data["met"]["gcache_cluster_hit_share"] is True
+    assert data["l3_hit_ttft_ratio"] == 0.4 and data["met"]["l3_hit_ttft_ratio"] is True
+    assert data["l3_bytes_per_token_ratio"] is None and data["null_reasons"]["l3_bytes_per_token_ratio"] == "x"
