@@ -309,9 +309,12 @@ class Supervisor:
             disk.mkdir(parents=True, exist_ok=True)
             env["WINDSERVE_DISK_DIR"] = str(disk)
             env.setdefault("WINDSERVE_DISK_BYTES", str(CACHE_DISK_BYTES))
-        if name in ("prefill", "decode", "cache"):
-            # KV moves prefill -> decode over UCX; on one host TCP over loopback works everywhere (shared
-            # memory, UCX_TLS=sm,self, is faster where allowed). An operator's UCX_* settings win.
+        gcache = any(n == "cache" for n, _ in self.cfg.services)
+        if gcache and name in ("prefill", "decode", "worker"):
+            env.setdefault("WINDSERVE_GCACHE", "1")  # storage nodes in the topology: the engines use them
+        if name in ("prefill", "decode", "cache") or (gcache and name == "worker"):
+            # KV moves prefill -> decode (and to / from GCache) over UCX; on one host TCP over loopback works
+            # everywhere (shared memory, UCX_TLS=sm,self, is faster where allowed). An operator's UCX_* settings win.
             if "UCX_TLS" not in os.environ:
                 env["UCX_TLS"] = "tcp,self"
                 env.setdefault("UCX_NET_DEVICES", "lo")

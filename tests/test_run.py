@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from scripts.run import RunConfig, Supervisor, parse_services
 from tests.fixtures.nats import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -225,3 +226,17 @@ def test_cache_nodes_come_up_each_with_its_own_disk_dir_kept_across_a_restart(tm
         wait_for_line(proc, "cache-0 restarted as cache-0-", timeout=30)
         again = [p for p in _descendants_named(proc, "services.cache") if p.pid != victim.pid]
         assert {p.environ()["WINDSERVE_DISK_DIR"] for p in again} == dirs  # the restarted node finds its disk
+
+
+def test_storage_nodes_in_the_topology_turn_gcache_on_in_the_engines(tmp_path, monkeypatch):
+    monkeypatch.delenv("WINDSERVE_GCACHE", raising=False)
+    with_cache = Supervisor(RunConfig(parse_services("gateway,router,worker,prefill,decode,cache=2"),
+                                      run_dir=tmp_path))
+    for role in ("worker", "prefill", "decode"):
+        env = with_cache.service_env(role, f"{role}-1")
+        assert env["WINDSERVE_GCACHE"] == "1" and "UCX_TLS" in env, role
+    assert "WINDSERVE_GCACHE" not in with_cache.service_env("gateway", "gateway-1")
+    without = Supervisor(RunConfig(parse_services("gateway,router,worker"), run_dir=tmp_path))
+    assert "WINDSERVE_GCACHE" not in without.service_env("worker", "worker-1")
+    monkeypatch.setenv("WINDSERVE_GCACHE", "0")  # an operator's setting wins
+    assert with_cache.service_env("worker", "worker-1")["WINDSERVE_GCACHE"] == "0"
