@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
@@ -55,6 +55,9 @@ from protos.messages import (
     WorkerLoad,
 )
 
+if TYPE_CHECKING:  # the SDK (and its IO stack) is imported only when GCache is on
+    from libs.gcache.client import GCacheClient
+
 Refusal = tuple[AckStatus, str]
 
 _LOAD_TIMEOUT_S = 10.0  # one load snapshot (waits for the current engine step)
@@ -79,7 +82,7 @@ class EngineWorkerService(Service):
         # real client (and closes it at teardown)
         self.gcache_store: BlockStore | None = None
         self.gcache: GCacheLink | None = None
-        self._gcache_client = None
+        self._gcache_client: GCacheClient | None = None  # the real client this service started (it closes it)
 
     # --- hooks for the roles ----------------------------------------------------------------------
 
