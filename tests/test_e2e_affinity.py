@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.fixtures.services import ServiceGroup
+from tests.fixtures.services import ServiceGroup, start_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -61,16 +61,8 @@ async def run_sessions(url: str) -> tuple[int, int]:
 
 
 def deploy(nats_url: str, logs, services: dict[str, str]) -> ServiceGroup:
-    group = ServiceGroup(nats_url, logs, env={"WINDSERVE_LOG_LEVEL": "WARNING", "UCX_TLS": "tcp,self",
-                                              "UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error", **ENGINE})
-    try:
-        for instance, service in services.items():
-            group.start(instance, service)
-        group.wait_ready(90)
-    except Exception:
-        group.stop()
-        raise
-    return group
+    return start_group(nats_url, logs, services, {"WINDSERVE_LOG_LEVEL": "WARNING", "UCX_TLS": "tcp,self",
+                                                  "UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error", **ENGINE})
 
 
 async def served(group: ServiceGroup, instances: list[str]) -> dict[str, int]:

@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from tests.fixtures.services import ServiceGroup
+from tests.fixtures.services import ServiceGroup, start_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -29,15 +29,7 @@ COMMON = {"WINDSERVE_LOG_LEVEL": "WARNING", "UCX_TLS": "tcp,self", "UCX_NET_DEVI
 
 
 def start(nats_url: str, logs, services: dict[str, str], env: dict[str, str]) -> ServiceGroup:
-    group = ServiceGroup(nats_url, logs, env={**COMMON, **env})
-    try:
-        for instance, service in services.items():
-            group.start(instance, service)
-        group.wait_ready(90)
-    except Exception:
-        group.stop()
-        raise
-    return group
+    return start_group(nats_url, logs, services, {**COMMON, **env})
 
 
 async def complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
