@@ -44,10 +44,8 @@ class ValueLayout:
 
     @classmethod
     def of(cls, kv: KVPools, window_pages: int) -> ValueLayout:
-        def page(t: torch.Tensor) -> int:
-            return t.shape[0] * t[0, 0].numel() * t.element_size()
-        return cls(kv.page_size, window_pages, page(kv.full_k) + page(kv.full_v),
-                   page(kv.swa_k) + page(kv.swa_v))
+        return cls(kv.page_size, window_pages, _page_bytes(kv.full_k) + _page_bytes(kv.full_v),
+                   _page_bytes(kv.swa_k) + _page_bytes(kv.swa_v))
 
     def swa_bytes(self, end: int) -> int:
         """Bytes of the checkpoint ending at page `end` (exclusive): min(window pages, end) SWA pages."""
@@ -74,6 +72,11 @@ def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str) -> 
 
 # ---------------------------------------------------------------------------------------------- bytes
 
+def _page_bytes(t: torch.Tensor) -> int:
+    """Bytes of one page of a pool tensor [layers, pages, page, heads, dim] across its layers."""
+    return t.shape[0] * t[0, 0].numel() * t.element_size()
+
+
 def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on the
     pools' device (one indexed copy per tensor: page record j is K[j] then V[j])."""
@@ -94,7 +97,7 @@ def _unpack(k: torch.Tensor, v: torch.Tensor, data: torch.Tensor) -> tuple[torch
     out = []
     off = 0
     for t in (k, v):
-        n = t.shape[0] * t[0, 0].numel() * t.element_size()
+        n = _page_bytes(t)
         part = data[:, off:off + n].contiguous().view(t.dtype).view(len(data), t.shape[0], *t.shape[2:])
         out.append(part.transpose(0, 1).contiguous())
         off += n
@@ -128,7 +131,8 @@ def stage_values(host: KVPools, layout: ValueLayout, full_values: Sequence[Buffe
     if any(memoryview(v).nbytes != layout.full_bytes for v in full_values) or (
             memoryview(swa_value).nbytes != layout.swa_bytes(end)):
         raise ValueError(f"GCache values do not have this engine's layout sizes ({layout})")
-    full = torch.frombuffer(bytearray(b"".join(full_values)), dtype=torch.uint8).view(len(full_values), -1)
+    # bytearray().join: one copy of the fetched values, writable (torch.frombuffer)
+    full = torch.frombuffer(bytearray().join(full_values), dtype=torch.uint8).view(len(full_values), -1)
     swa = torch.frombuffer(bytearray(swa_value), dtype=torch.uint8).view(min(layout.window_pages, end), -1)
     return StagedValues(*_unpack(host.full_k, host.full_v, full), *_unpack(host.swa_k, host.swa_v, swa))
 

@@ -246,7 +246,6 @@ class _IOWorker:
         self.counters = client._counters
         self.loop = asyncio.new_event_loop()
         self.ring = HashRing(virtual_nodes=self.config.virtual_nodes)
-        self.members: dict[str, RegistryEntry] = {}
         self.address = ""
         self.bus: Bus | None = None
         self.view: RegistryView | None = None
@@ -314,11 +313,9 @@ class _IOWorker:
     def _on_member(self, kind: RegistryEventKind, entry: RegistryEntry) -> None:
         iid = entry.instance_id
         if kind is RegistryEventKind.JOIN and entry.address:
-            self.members[iid] = entry
             self.ring.add(iid)
             log.info("gcache node joined", extra={"instance": iid, "address": entry.address})
         elif kind is RegistryEventKind.LEAVE:
-            self.members.pop(iid, None)
             if self.ring.remove(iid):
                 log.info("gcache node left", extra={"instance": iid})
 
@@ -354,16 +351,19 @@ class _IOWorker:
     def _placement(self, keys: Sequence[str]) -> list[list[str]]:
         return [self.ring.successors(k, self.config.replication) for k in keys]
 
+    async def _any_replica(self, keys: Sequence[str],
+                           call: Callable[[str, list[int]], Awaitable[list[bool]]]) -> list[bool]:
+        """`call(node, indices)` on every replica of the keys (batched per node); per key, True if any said so."""
+        by_node = _group((i, node) for i, nodes in enumerate(self._placement(keys)) for node in nodes)
+        out = [False] * len(keys)
+        for idxs, answers in await self._each(by_node, call):
+            for i, a in zip(idxs, answers, strict=True):
+                out[i] = out[i] or a
+        return out
+
     async def exists(self, keys: list[str]) -> list[bool]:
         deadline = self._deadline()
-        placed = self._placement(keys)
-        by_node = _group((i, node) for i, nodes in enumerate(placed) for node in nodes)
-        out = [False] * len(keys)
-        for idxs, present in await self._each(by_node, lambda node, idxs: self._exists_at(node, keys, idxs,
-                                                                                          deadline)):
-            for i, p in zip(idxs, present, strict=True):
-                out[i] = out[i] or p
-        return out
+        return await self._any_replica(keys, lambda node, idxs: self._exists_at(node, keys, idxs, deadline))
 
     async def _exists_at(self, node: str, keys: list[str], idxs: list[int], deadline: float) -> list[bool]:
         assert self.bus is not None
@@ -414,13 +414,8 @@ class _IOWorker:
     async def put(self, items: list[tuple[str, Buffer]]) -> list[bool]:
         deadline = self._deadline()
         sums = [value_checksum(v) for _, v in items]
-        placed = self._placement([k for k, _ in items])
-        by_node = _group((i, node) for i, nodes in enumerate(placed) for node in nodes)
-        out = [False] * len(items)
-        for idxs, stored in await self._each(by_node, lambda node, idxs: self._put_at(node, items, sums, idxs,
-                                                                                   deadline)):
-            for i, s in zip(idxs, stored, strict=True):
-                out[i] = out[i] or s
+        out = await self._any_replica([k for k, _ in items],
+                                      lambda node, idxs: self._put_at(node, items, sums, idxs, deadline))
         stored_n = sum(out)
         self.counters.add(stored=stored_n, refused=len(out) - stored_n,
                           bytes_written=sum(len(items[i][1]) for i, s in enumerate(out) if s))
