@@ -91,7 +91,7 @@ async def test_sigkill_decode_under_load(disagg):
 
 async def test_sigkill_prefill_before_first_tokens(disagg):
     """Prompts queued and computing on the killed prefill have sent no token: all are retried on the survivor."""
-    result = await kill_under_load(disagg, "prefill", "prefill", streams=6, prompt_len=400, max_tokens=8,
+    result = await kill_under_load(disagg, "prefill", "prefill", streams=8, prompt_len=1000, max_tokens=8,
                                    before_first_token=True)
     check(result, may_fail=0)
     assert result.failed == 0 and result.in_flight >= 1 and result.retried >= 1, result.headline()
