@@ -169,6 +169,24 @@ class WireSamplingParams(WireModel):
         return self.sampled_logprob or self.logprobs > 0
 
 
+class MMKind(StrEnum):
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class WireMMItem(WireModel):
+    """One image or video of a prompt (#16). Its embedding rows fill prompt positions [offset, offset + num_tokens),
+    where `token_ids` carries the pseudo tokens `libs.mm.spec.mm_token(mm_hash, k)`; the rows are fetched from
+    `encoder_instance` by `mm_hash` (`EmbedFetchRequest`)."""
+
+    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.spec.content_hash of the bytes + preprocessing")
+    kind: MMKind = MMKind.IMAGE
+    offset: int = Field(ge=0, description="index in token_ids of the first embedding row")
+    num_tokens: int = Field(ge=1)
+    grid_thw: list[int] = Field(min_length=3, max_length=3, description="patch grid (t, h, w) before the merge")
+    encoder_instance: str = Field(min_length=1, description="the encoder that holds the embedding")
+
+
 class GenerateRequest(WireModel):
     """gateway → worker. Large prompts are carried by the bus's large-payload path."""
 
@@ -177,6 +195,7 @@ class GenerateRequest(WireModel):
     sampling: WireSamplingParams = Field(default_factory=WireSamplingParams)
     stream_subject: str
     decode_instance: str = Field(default="", description="disaggregated mode: where KV goes next")
+    mm_items: list[WireMMItem] = Field(default_factory=list, description="images / videos, in prompt order")
 
 
 class AckStatus(StrEnum):
@@ -369,6 +388,8 @@ class KVPrepareRequest(WireModel):
     kv_dtype: str = Field(description="torch dtype name of the shipped KV (must match decode)")
     segment_pages: int = Field(default=0, ge=0, description="full-layer pages per streamed segment; 0 = one segment")
     prefill_instance: str
+    mm_items: list[WireMMItem] = Field(default_factory=list, description="the prompt's images (a recompute on "
+                                       "decode fetches their embeddings)")
 
 
 class KVPrepareReply(WireModel):
@@ -454,3 +475,45 @@ class CachePutRequest(WireModel):
 class CachePutReply(WireModel):
     accepted: list[bool] = Field(description="one per item")
     address: str = Field(default="", description="the node's transfer address to send the accepted values to")
+
+
+# --- Encoder (#16): images / videos -> embeddings ----------------------------------------------------------
+# The gateway sends the input bytes (base64 over NATS; large ones take the bus's large-payload path) to the
+# encoder its content hash maps to; the encoder decodes, preprocesses, runs the vision tower (dynamic batches)
+# and keeps the embedding in its cache; prefill fetches the rows by hash over the transfer engine (UCX / TCP).
+
+
+class EncodeRequest(WireModel):
+    request_id: str
+    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.spec.content_hash of `data` (the encoder checks)")
+    kind: MMKind = MMKind.IMAGE
+    data_b64: str = Field(min_length=1, description="the image / video file bytes, base64")
+
+
+class EncodeReply(WireModel):
+    """The embedding is cached on the encoder (kept at least `lease_s` from now); or `error` with a client-facing
+    reason (bad or oversized input: the gateway answers 400)."""
+
+    mm_hash: int = Field(ge=0, lt=1 << 64)
+    num_tokens: int = Field(default=0, ge=0)
+    grid_thw: list[int] = Field(default_factory=list)
+    cached: bool = Field(default=False, description="the embedding was already in the cache")
+    lease_s: float = Field(default=0.0, ge=0)
+    error: str = ""
+
+
+class EmbedFetchRequest(WireModel):
+    """prefill → encoder: send the embeddings of `mm_hashes` to the transfer engine at `address` as transfer
+    `transfer_id` (one layer per item, float rows ``[num_tokens, hidden]`` in `dtype`)."""
+
+    transfer_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    mm_hashes: list[int] = Field(min_length=1, max_length=64)
+    address: str = Field(min_length=1)
+    dtype: str = Field(default="float32", description="torch dtype name the rows are sent in")
+
+
+class EmbedFetchReply(WireModel):
+    """Bytes per item in request order (-1: not in the cache; no transfer follows when every item missed)."""
+
+    sizes: list[int]
+    hidden: int = Field(default=0, ge=0)

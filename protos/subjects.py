@@ -116,3 +116,14 @@ def cache_put(ns: str, instance_id: str) -> str:
     """GCache: announce values to one storage node (`CachePutRequest` -> `CachePutReply`, then the bytes over
     UCX / TCP to the node's transfer address)."""
     return f"{_base(ns)}.cache.{token(instance_id)}.put"
+
+
+def encoder_encode(ns: str, instance_id: str) -> str:
+    """Encoder: embed one image / video and keep it (request/reply, `EncodeRequest` -> `EncodeReply`)."""
+    return f"{_base(ns)}.encoder.{token(instance_id)}.encode"
+
+
+def encoder_fetch(ns: str, instance_id: str) -> str:
+    """Encoder: send cached embeddings to a worker's transfer engine (`EmbedFetchRequest` -> `EmbedFetchReply`,
+    then the rows over UCX / TCP)."""
+    return f"{_base(ns)}.encoder.{token(instance_id)}.fetch"

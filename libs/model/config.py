@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from libs.model.vision_config import VisionConfig
+
 SUPPORTED_MODEL_TYPES = ("mimo_v2_flash", "mimo_v2")
 
 
@@ -61,6 +63,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 131072
     model_type: str = "mimo_v2_flash"
+    vision: VisionConfig | None = None
+    """The vision tower (multimodal checkpoints, and the tiny model); None = text only."""
+    image_token_id: int | None = None
+    """``<|image_pad|>``: one per merged image token; the LM's embedding step puts the tower's output there."""
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +139,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        vision = d.get("vision_config") if isinstance(d.get("vision_config"), dict) else None
         if isinstance(d.get("text_config"), dict):  # multimodal wrapper (V2.5): the LM lives in text_config
             d = {**d, **d["text_config"]}
         model_type = d.get("model_type", "mimo_v2_flash")
@@ -141,7 +151,8 @@ class ModelConfig:
             raise ValueError("attention_bias=true is not supported")
         n = d["num_hidden_layers"]
         kv = d.get("num_key_value_heads", d["num_attention_heads"])
-        return cls(**_parse_shapes(d, n, kv), **_parse_rope(d), **_parse_moe(d, n), **_parse_misc(d, model_type))
+        return cls(**_parse_shapes(d, n, kv), **_parse_rope(d), **_parse_moe(d, n), **_parse_misc(d, model_type),
+                   **_parse_vision(vision, d["hidden_size"], d))
 
     @classmethod
     def tiny(cls) -> ModelConfig:
@@ -153,7 +164,8 @@ class ModelConfig:
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, rope_theta_full=1_000_000.0,
             rope_theta_swa=10_000.0, partial_rotary_factor=0.5, attention_value_scale=0.707, swa_sinks=True,
             num_mtp_layers=3, bos_token_id=None, eos_token_ids=(258, 256), max_position_embeddings=4096,
-            model_type="mimo_v2_flash",
+            model_type="mimo_v2_flash", vision=VisionConfig.tiny(out_hidden_size=64),
+            vision_start_token_id=260, vision_end_token_id=261, image_token_id=262, video_token_id=263,
         )
 
     def with_(self, **changes: Any) -> ModelConfig:
@@ -239,3 +251,11 @@ def _parse_misc(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         max_position_embeddings=d.get("max_position_embeddings", 131072), model_type=model_type,
         extra={k: v for k, v in d.items() if k in ("torch_dtype", "dtype", "quantization_config")},
     )
+
+
+def _parse_vision(vision: dict[str, Any] | None, hidden: int, d: dict[str, Any]) -> dict[str, Any]:
+    if vision is None:
+        return {}
+    return dict(vision=VisionConfig.from_hf_dict(vision, hidden),
+                **{k: d[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                     "vision_end_token_id") if isinstance(d.get(k), int)})

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+# the tiny model's vision tokens (ids 260..263, ModelConfig.tiny()); Qwen2.5-VL / MiMo-V2.5 names
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -104,16 +106,18 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -
 
 
 class ByteTokenizer(_TemplateMixin):
-    """ids 0..255 are raw UTF-8 bytes; ChatML specials follow at 256.. (recognised inside text)."""
+    """ids 0..255 are raw UTF-8 bytes; ChatML specials follow at 256.., then the vision specials (recognised
+    inside text)."""
 
     def __init__(self, template: str | None = None) -> None:
-        self.special_tokens = {tok: 256 + i for i, tok in enumerate(CHATML_SPECIALS)}
+        specials = CHATML_SPECIALS + VISION_SPECIALS
+        self.special_tokens = {tok: 256 + i for i, tok in enumerate(specials)}
         self._by_id = {v: k for k, v in self.special_tokens.items()}
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in CHATML_SPECIALS) + ")")
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in specials) + ")")
         self.eos_token_ids: tuple[int, ...] = (self.special_tokens["<|im_end|>"],
                                                self.special_tokens["<|endoftext|>"])
         self.template = template
-        self.vocab_size = 256 + len(CHATML_SPECIALS)
+        self.vocab_size = 256 + len(specials)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -1,0 +1,88 @@
+"""Vision tower configuration (MiMo-V2.5; Qwen2.5-VL style ViT), parsed from the ``vision_config`` of an HF
+``config.json``.
+
+The tower: patch embedding over ``temporal_patch_size`` × ``patch_size`` × ``patch_size`` RGB patches (an image
+is repeated in time), ``depth`` blocks with 2-D rotary positions, window attention over ``window_size`` pixels
+(a window of (window_size / patch_size / merge)² merged tokens) in every block except ``full_attention_blocks``,
+then a ``spatial_merge_size``² patch merger to the LM's hidden size (``out_hidden_size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int = 28
+    hidden_size: int = 1280
+    intermediate_size: int = 4608
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 128  # pixels per side of an attention window (Qwen2.5-VL: 112 = 8 merged tokens of 14 px)
+    full_attention_blocks: tuple[int, ...] = (7, 15, 23, 27)
+    out_hidden_size: int = 4096
+    in_channels: int = 3
+    rms_norm_eps: float = 1e-6
+    min_pixels: int = 32 * 32 * 4
+    max_pixels: int = 32 * 32 * 1024
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    video_fps: float = 2.0
+    video_max_frames: int = 64
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            problems.append(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.hidden_size % self.num_heads:
+            problems.append(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if any(not 0 <= b < self.depth for b in self.full_attention_blocks):
+            problems.append(f"full_attention_blocks {self.full_attention_blocks} outside 0..{self.depth - 1}")
+        if self.window_size % self.factor:
+            problems.append(f"window_size={self.window_size} must be a multiple of {self.factor}")
+        if problems:
+            raise ValueError("invalid vision config: " + "; ".join(problems))
+
+    @property
+    def factor(self) -> int:
+        """Image sides are resized to multiples of this (patch × merge; 32 for MiMo-V2.5)."""
+        return self.patch_size * self.spatial_merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: channels × temporal patch × patch²."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def tiny(cls, out_hidden_size: int = 64) -> VisionConfig:
+        """Built-in tiny tower (random weights): 4 blocks, one of them full attention."""
+        return cls(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, patch_size=8,
+                   window_size=32, full_attention_blocks=(3,), out_hidden_size=out_hidden_size,
+                   min_pixels=16 * 16 * 4, max_pixels=16 * 16 * 256, video_max_frames=8)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], out_hidden_size: int) -> VisionConfig:
+        """From an HF ``vision_config`` (Qwen2.5-VL / MiMo-V2.5 field names); unknown fields keep defaults."""
+        base = cls(out_hidden_size=int(d.get("out_hidden_size", out_hidden_size)))
+        fields: dict[str, Any] = {}
+        for ours, theirs in (("depth", "depth"), ("hidden_size", "hidden_size"),
+                             ("intermediate_size", "intermediate_size"), ("num_heads", "num_heads"),
+                             ("num_kv_heads", "num_key_value_heads"), ("patch_size", "patch_size"),
+                             ("temporal_patch_size", "temporal_patch_size"),
+                             ("spatial_merge_size", "spatial_merge_size"), ("window_size", "window_size"),
+                             ("in_channels", "in_chans")):
+            if theirs in d:
+                fields[ours] = int(d[theirs])
+        if "fullatt_block_indexes" in d:
+            fields["full_attention_blocks"] = tuple(int(i) for i in d["fullatt_block_indexes"])
+        if "num_kv_heads" not in fields:
+            fields["num_kv_heads"] = fields.get("num_heads", base.num_kv_heads)
+        return replace(base, **fields)
