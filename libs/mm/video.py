@@ -21,7 +21,8 @@ def decode_video(data: bytes, vc: VisionConfig, workers: int = 1) -> np.ndarray:
         cap = cv2.VideoCapture(f.name)
         fps = cap.get(cv2.CAP_PROP_FPS) or vc.video_fps
         step = max(1, round(fps / vc.video_fps))
-        frames, i = [], 0
+        frames: list[np.ndarray] = []
+        i = 0
         while len(frames) < vc.video_max_frames:
             ok, frame = cap.read()
             if not ok:
