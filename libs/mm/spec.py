@@ -84,3 +84,9 @@ def hash_view(token_ids: Sequence[int], items: Sequence[tuple[int, int, int]]) -
             raise ValueError(f"multimodal item at [{offset}, {offset + n}) outside a prompt of {len(out)} tokens")
         out[offset:offset + n] = [mm_token(mm_hash, k) for k in range(n)]
     return out
+
+
+def model_token_ids(ids, pad_id: int):
+    """Token-id tensor with every pseudo token replaced by the model's pad id (`pad_id`): what the embedding layer
+    may look up. The rows at those positions are then overwritten by the tower's embeddings."""
+    return ids.masked_fill(ids >= MM_TOKEN_FLAG, pad_id)
