@@ -1,9 +1,24 @@
-"""Video decoding (CONTRACT STUB: the vision work adds parallel frame decode, fps sampling and limits)."""
+"""Video decoding for the encoder tier: frames sampled at ``vc.video_fps`` (at most ``vc.video_max_frames``, spread
+evenly over the clip when more would be sampled), decoded in parallel by a thread pool.
+
+opencv needs a file, so the bytes go to a temporary file that is always removed. The sampled frame indices are
+split into ``workers`` contiguous segments; each worker opens its own capture, seeks to its segment's first frame
+and walks forward (``grab`` for frames it skips, ``retrieve`` for frames it keeps). opencv's FFmpeg decode releases
+the GIL, so the workers run in parallel on as many cores.
+
+Limits (bytes, seconds, source frames, pixels per frame) are checked on the container's header before decoding
+and raise :class:`EncodeError`, as does a file opencv cannot open or with no decodable frame.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -12,27 +27,121 @@ from libs.mm.api import EncodeError
 from libs.model.vision_config import VisionConfig
 
 
-def decode_video(data: bytes, vc: VisionConfig, workers: int = 1) -> np.ndarray:
-    """File bytes (mp4 and the like) -> RGB uint8 frames ``[T, H, W, 3]`` sampled at ``vc.video_fps``, at most
-    ``vc.video_max_frames``; EncodeError when no frame decodes."""
-    with tempfile.NamedTemporaryFile(suffix=".video", delete=False) as f:
-        f.write(data)
+@dataclass(frozen=True)
+class VideoHeader:
+    frames: int
+    fps: float
+    width: int
+    height: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+
+def sample_indices(frames: int, fps: float, target_fps: float, max_frames: int) -> list[int]:
+    """Source frame indices to keep: one every ``fps / target_fps`` frames from the first; when that gives more
+    than `max_frames`, `max_frames` indices spread evenly over the whole clip (first and last included)."""
+    if frames <= 0:
+        return []
+    n = max(1, math.ceil(frames * target_fps / fps))
+    if n <= max_frames:
+        picked = [min(frames - 1, round(k * fps / target_fps)) for k in range(n)]
+    else:
+        picked = np.linspace(0, frames - 1, max_frames).round().astype(int).tolist()
+    return sorted(set(picked))
+
+
+def split_segments(indices: Sequence[int], workers: int) -> list[list[int]]:
+    """`indices` in at most `workers` contiguous, nearly equal, non-empty runs."""
+    k = max(1, min(workers, len(indices)))
+    bounds = np.linspace(0, len(indices), k + 1).round().astype(int)
+    return [list(indices[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+@contextmanager
+def _temp_file(data: bytes) -> Iterator[str]:
+    fd, path = tempfile.mkstemp(suffix=".video", prefix="windserve-")
     try:
-        cap = cv2.VideoCapture(f.name)
-        fps = cap.get(cv2.CAP_PROP_FPS) or vc.video_fps
-        step = max(1, round(fps / vc.video_fps))
-        frames: list[np.ndarray] = []
-        i = 0
-        while len(frames) < vc.video_max_frames:
-            ok, frame = cap.read()
-            if not ok:
-                break
-            if i % step == 0:
-                frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-            i += 1
-        cap.release()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        yield path
     finally:
-        os.unlink(f.name)
+        os.unlink(path)
+
+
+@contextmanager
+def _capture(path: str) -> Iterator[cv2.VideoCapture]:
+    # one FFmpeg thread per capture: parallelism is the pool's (`workers`), not FFmpeg's own frame threads, so
+    # an encoder's CPU use is what its config says
+    cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, 1])
+    try:
+        if not cap.isOpened():
+            raise EncodeError("the video could not be opened (not a video, or an unsupported container / codec)")
+        yield cap
+    finally:
+        cap.release()
+
+
+def probe_video(path: str) -> VideoHeader:
+    with _capture(path) as cap:
+        header = VideoHeader(int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS)),
+                             int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)))
+    if header.frames <= 0 or not header.fps > 0 or header.width <= 0 or header.height <= 0:
+        raise EncodeError(f"the video header gives no usable frame count / fps / size ({header})")
+    return header
+
+
+def check_limits(h: VideoHeader, max_seconds: float | None, max_frames: int | None,
+                 max_pixels: int | None) -> None:
+    if max_seconds is not None and h.seconds > max_seconds:
+        raise EncodeError(f"video of {h.seconds:.1f} s is over the limit of {max_seconds} s")
+    if max_frames is not None and h.frames > max_frames:
+        raise EncodeError(f"video of {h.frames} frames is over the limit of {max_frames} frames")
+    if max_pixels is not None and h.width * h.height > max_pixels:
+        raise EncodeError(f"video frames of {h.width}x{h.height} pixels are over the limit of {max_pixels}")
+
+
+def _read_segment(path: str, wanted: list[int]) -> list[np.ndarray]:
+    """Frames `wanted` (sorted) from a capture of their own: seek to the first, then walk forward."""
+    out: list[np.ndarray] = []
+    with _capture(path) as cap:
+        if wanted[0] > 0:
+            cap.set(cv2.CAP_PROP_POS_FRAMES, wanted[0])
+        pos, keep = wanted[0], set(wanted)
+        while pos <= wanted[-1]:
+            if not cap.grab():
+                break  # the container promised more frames than it holds: keep what decoded
+            if pos in keep:
+                ok, frame = cap.retrieve()
+                if ok:
+                    out.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            pos += 1
+    return out
+
+
+def decode_video(data: bytes, vc: VisionConfig, workers: int = 1, max_bytes: int | None = None,
+                 max_seconds: float | None = None, max_frames: int | None = None,
+                 max_pixels: int | None = None) -> np.ndarray:
+    """File bytes (mp4 and the like) -> RGB uint8 frames ``[T, H, W, 3]`` sampled at ``vc.video_fps``, at most
+    ``vc.video_max_frames``, decoded by `workers` threads. EncodeError past `max_bytes` / `max_seconds` /
+    `max_frames` (frames in the source) / `max_pixels` (per frame), or when no frame decodes."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise EncodeError(f"video of {len(data)} bytes is over the limit of {max_bytes} bytes")
+    if not data:
+        raise EncodeError("the video is empty (0 bytes)")
+    with _temp_file(data) as path:
+        header = probe_video(path)
+        check_limits(header, max_seconds, max_frames, max_pixels)
+        wanted = sample_indices(header.frames, header.fps, vc.video_fps, vc.video_max_frames)
+        parts = split_segments(wanted, workers)
+        if len(parts) == 1:
+            frames = _read_segment(path, parts[0])
+        else:
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="video-decode") as pool:
+                frames = [f for seg in pool.map(lambda s: _read_segment(path, s), parts) for f in seg]
     if not frames:
         raise EncodeError("the video could not be decoded (no frame)")
+    if len({f.shape for f in frames}) != 1:
+        raise EncodeError("the video's frames change size mid-stream (not supported)")
     return np.stack(frames)
