@@ -87,7 +87,8 @@ def segments(grids: list[tuple[int, int, int]], vc: VisionConfig, kind: str) -> 
     """Native patch indices of every attention segment, in attention order. ``kind``: "full" (a frame),
     "window" (Qwen2.5-VL partitions), "row" / "col" (a frame in row- / column-major merged-token order)."""
     m, u = vc.spatial_merge_size, vc.spatial_merge_size ** 2
-    out, off = [], 0
+    out: list[np.ndarray] = []
+    off = 0
     for t, h, w in grids:
         hm, wm = h // m, w // m
         if kind == "window":
