@@ -26,33 +26,36 @@ def default_device() -> torch.device:
 
 
 def resize_uint8(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """``[T, 3, H, W]`` uint8 -> ``[T, 3, height, width]`` on the uint8 grid (rounded, clamped): uint8 on CPU,
-    where torch resizes uint8 directly (a fixed-point separable kernel, fastest channels-last), float on CUDA,
-    which has no uint8 antialiased bicubic (float then rounded: the same up to a level or two)."""
-    if (height, width) == tuple(frames.shape[-2:]):
+    """``[T, H, W, 3]`` uint8 -> ``[T, height, width, 3]`` on the uint8 grid (rounded, clamped): uint8 on CPU,
+    where torch resizes uint8 directly (a fixed-point separable kernel; HWC memory is its fast channels-last
+    layout), float on CUDA, which has no uint8 antialiased bicubic (float then rounded: the same up to a level or
+    two)."""
+    if (height, width) == tuple(frames.shape[1:3]):
         return frames
-    if frames.device.type == "cpu":
-        x = frames.contiguous(memory_format=torch.channels_last)
-        return F.interpolate(x, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
-    x = F.interpolate(frames.float(), size=(height, width), mode="bicubic", align_corners=False, antialias=True)
-    return x.round_().clamp_(0, 255)
+    x = frames.permute(0, 3, 1, 2)  # NCHW view of HWC memory: channels-last, no copy
+    if frames.device.type != "cpu":
+        x = x.float()
+    x = F.interpolate(x, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+    if x.is_floating_point():
+        x = x.round_().clamp_(0, 255)
+    return x.permute(0, 2, 3, 1)
 
 
-def patchify(x: torch.Tensor, vc: VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``[T, 3, H, W]`` (T a multiple of the temporal patch) -> rows ``[t*h*w, patch_dim]`` (same dtype) and grid."""
-    tp, m, p = vc.temporal_patch_size, vc.spatial_merge_size, vc.patch_size
-    t, gh, gw = grid_thw(x.shape[0], x.shape[2], x.shape[3], vc)
-    x = x.reshape(t, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(t * gh * gw, vc.patch_dim), (t, gh, gw)
+def patch_rows(x: torch.Tensor, vc: VisionConfig, frames_per_patch: int) -> torch.Tensor:
+    """``[T, H, W, 3]`` (T a multiple of `frames_per_patch`) -> float32 ``[t*h*w, 3, frames_per_patch, p, p]`` in
+    the Qwen2-VL order, gathered and converted in one copy."""
+    m, p = vc.spatial_merge_size, vc.patch_size
+    t, gh, gw = x.shape[0] // frames_per_patch, x.shape[1] // p, x.shape[2] // p
+    x = x.reshape(t, frames_per_patch, gh // m, m, p, gw // m, m, p, 3).permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return x.to(torch.float32, memory_format=torch.contiguous_format).reshape(-1, 3, frames_per_patch, p, p)
 
 
-def row_affine(vc: VisionConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift) per value of a patch row (channel-major): ``(v / 255 - mean) / std == v * scale + shift``."""
-    per = vc.temporal_patch_size * vc.patch_size ** 2
+def channel_affine(vc: VisionConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) per channel, ``[3, 1, 1, 1]``: ``(v / 255 - mean) / std == v * scale + shift``."""
     std = torch.tensor(vc.image_std, dtype=torch.float64)
     mean = torch.tensor(vc.image_mean, dtype=torch.float64)
-    scale, shift = 1.0 / (255.0 * std), -mean / std
-    return (scale.repeat_interleave(per).float().to(device), shift.repeat_interleave(per).float().to(device))
+    return ((1.0 / (255.0 * std)).float().view(3, 1, 1, 1).to(device),
+            (-mean / std).float().view(3, 1, 1, 1).to(device))
 
 
 def preprocess_one(item: np.ndarray, vc: VisionConfig, device: torch.device | str) -> tuple[torch.Tensor,
@@ -60,17 +63,20 @@ def preprocess_one(item: np.ndarray, vc: VisionConfig, device: torch.device | st
     if item.dtype != np.uint8 or item.ndim not in (3, 4) or item.shape[-1] != 3:
         raise ValueError(f"expected RGB uint8 [H, W, 3] or [T, H, W, 3], got {item.dtype} {item.shape}")
     frames = torch.from_numpy(np.ascontiguousarray(item if item.ndim == 4 else item[None]))
-    frames = frames.to(device).permute(0, 3, 1, 2)  # [T, 3, H, W] uint8, still 1 byte a value on the way over
-    h, w = smart_resize(frames.shape[2], frames.shape[3], vc)
+    frames = frames.to(device)  # [T, H, W, 3] uint8: 1 byte a value on the way to the device
+    h, w = smart_resize(frames.shape[1], frames.shape[2], vc)
     x = resize_uint8(frames, h, w)
     tp, n = vc.temporal_patch_size, x.shape[0]
-    if n == 1:
-        x = x.expand(tp, -1, -1, -1)  # an image, repeated in time: a view, copied once by patchify
-    elif n % tp:
+    if n > 1 and n % tp:  # a video: padded with its last frame
         x = torch.cat([x, x[-1:].expand(tp - n % tp, -1, -1, -1)])
-    rows, grid = patchify(x, vc)  # the one gather copy, on uint8 where the resize gave uint8
-    scale, shift = row_affine(vc, rows.device)
-    return rows.float().mul_(scale).add_(shift), grid
+    # an image is normalised once and repeated in time afterwards (half the arithmetic)
+    rows = patch_rows(x, vc, 1 if n == 1 else tp)
+    scale, shift = channel_affine(vc, rows.device)
+    rows = rows.mul_(scale).add_(shift)
+    if n == 1:
+        rows = rows.expand(-1, -1, tp, -1, -1)
+    t, gh, gw = grid_thw(x.shape[0], h, w, vc)
+    return rows.reshape(t * gh * gw, vc.patch_dim), (t, gh, gw)
 
 
 def preprocess(items: Sequence[np.ndarray], vc: VisionConfig,
