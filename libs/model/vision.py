@@ -13,7 +13,7 @@ Pipeline: patch embedding (a Conv3d whose kernel equals its stride, i.e. one lin
 (RMSNorm, attention, RMSNorm, SwiGLU MLP) → merger (RMSNorm, the merge² patches of a token concatenated, Linear →
 GELU → Linear).
 
-Attention never crosses a frame: every block attends within *segments* (``AttnPlan``), which are frames (full
+Attention never crosses a frame: every block attends within *segments* (``SegmentPlan``), which are frames (full
 blocks), window partitions (Qwen2.5-VL local blocks) or whole frames under a ±``sliding_window`` band over the
 row- or column-major token order (MiMo local blocks). Hidden states stay in the processor's order; each block
 gathers its segments (equal lengths batched together), attends and scatters back. Items in one forward are thus
@@ -34,21 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libs.model.layers import RMSNorm
 from libs.model.vision_config import VisionConfig
 
 TINY_VISION_SEED = 16
 _SCORE_BUDGET = 1 << 25  # float32 scores per chunk in the masked path (128 MiB)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class PatchEmbed(nn.Module):
@@ -63,7 +53,7 @@ class PatchEmbed(nn.Module):
 
 
 @dataclass(frozen=True)
-class AttnPlan:
+class SegmentPlan:
     """Segments of one attention kind: ``groups`` maps a segment length L to native token indices ``[n, L]``
     (n segments of that length, each in its attention order); ``band`` > 0 limits token i to |i - j| <= band
     within its segment."""
@@ -103,12 +93,12 @@ def segments(grids: list[tuple[int, int, int]], vc: VisionConfig, kind: str) -> 
 
 
 def build_plan(grids: list[tuple[int, int, int]], vc: VisionConfig, kind: str,
-               device: torch.device) -> AttnPlan:
+               device: torch.device) -> SegmentPlan:
     by_len: dict[int, list[np.ndarray]] = defaultdict(list)
     for seg in segments(grids, vc, kind):
         by_len[len(seg)].append(seg)
     groups = {n: torch.from_numpy(np.stack(segs)).to(device) for n, segs in by_len.items()}
-    return AttnPlan(groups, vc.sliding_window if kind in ("row", "col") else 0)
+    return SegmentPlan(groups, vc.sliding_window if kind in ("row", "col") else 0)
 
 
 def block_kind(vc: VisionConfig, i: int) -> str:
@@ -163,7 +153,7 @@ class VisionAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sink else None
         self.scale = d ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
         q = apply_rotary(q.view(-1, h, d), cos, sin)
@@ -205,7 +195,7 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(vc.hidden_size, vc.rms_norm_eps)
         self.mlp = VisionMLP(vc)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
@@ -261,7 +251,7 @@ class VisionTower(nn.Module):
         device = self.patch_embed.proj.weight.device
         x = self.patch_embed(patches.to(device))
         cos, sin = self.rotary(grids, device)
-        plans: dict[str, AttnPlan] = {}
+        plans: dict[str, SegmentPlan] = {}
         for i, blk in enumerate(self.blocks):
             kind = block_kind(self.vc, i)
             if kind not in plans:
