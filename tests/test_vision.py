@@ -19,6 +19,7 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
+from libs.model import vision as vision_mod
 from libs.model.loader import CheckpointError
 from libs.model.vision import VisionAttention, VisionTower, block_kind, build_plan, rotary_positions
 from libs.model.vision_config import VisionConfig
@@ -141,9 +142,12 @@ def dense_attention(attn: VisionAttention, x, cos, sin, mask):
     return attn.proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(len(x), h * d))
 
 
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-chunk", "row-chunks"])
 @pytest.mark.parametrize("vc,block", [(TINY, 0), (TINY, 3), (MIMO, 0), (MIMO, 1), (MIMO, 2)],
                          ids=["gqa-window", "gqa-full", "mimo-full", "mimo-band-col-sinks", "mimo-band-row-sinks"])
-def test_attention_matches_dense_masked_reference(vc, block):
+def test_attention_matches_dense_masked_reference(vc, block, budget, monkeypatch):
+    if budget is not None:  # one query row per chunk: the band's key slices and chunk edges are exercised
+        monkeypatch.setattr(vision_mod, "_SCORE_BUDGET", budget)
     tower = VisionTower(vc)
     attn = tower.blocks[block].attn
     kind = block_kind(vc, block)

@@ -111,24 +111,29 @@ def block_kind(vc: VisionConfig, i: int) -> str:
 
 def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, band: int,
                    sinks: torch.Tensor | None) -> torch.Tensor:
-    """Explicit softmax over ``[n, H, L, D]`` in query chunks: the band mask and the sink column (one logit per
-    head in the denominator, no value; as ``kernels.attention``) that SDPA cannot express cheaply."""
+    """Explicit softmax over ``[n, H, L, D]`` in query chunks, for what SDPA cannot express cheaply: the band mask
+    (a chunk of queries [s, e) reads only keys [s - band, e + band)) and the sink column (one logit per head in
+    the denominator, no value; as ``kernels.attention``). Scores per chunk stay within ``_SCORE_BUDGET``."""
     n, heads, length, _ = q.shape
-    chunk = max(1, _SCORE_BUDGET // max(1, n * heads * length))
+    rows = max(1, n * heads)
+    chunk = _SCORE_BUDGET // rows - 2 * band if band else _SCORE_BUDGET // (rows * length)
+    chunk = max(1, min(length, chunk))
+    kf, vf = k.float(), v.float()
     out = torch.empty_like(q)
-    cols = torch.arange(length, device=q.device)
     for s in range(0, length, chunk):
         e = min(length, s + chunk)
-        sc = torch.matmul(q[:, :, s:e].float(), k.float().transpose(-1, -2)) * scale
+        ks, ke = (max(0, s - band), min(length, e + band)) if band else (0, length)
+        sc = torch.matmul(q[:, :, s:e].float(), kf[:, :, ks:ke].transpose(-1, -2)) * scale
         if band:
-            far = (torch.arange(s, e, device=q.device)[:, None] - cols[None, :]).abs() > band
+            far = (torch.arange(s, e, device=q.device)[:, None]
+                   - torch.arange(ks, ke, device=q.device)[None, :]).abs() > band
             sc = sc.masked_fill(far, float("-inf"))
         if sinks is not None:
             sink_col = sinks.float().view(1, heads, 1, 1).expand(n, heads, e - s, 1)
             probs = torch.softmax(torch.cat([sc, sink_col], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(sc, dim=-1)
-        out[:, :, s:e] = torch.matmul(probs, v.float()).to(q.dtype)
+        out[:, :, s:e] = torch.matmul(probs, vf[:, :, ks:ke]).to(q.dtype)
     return out
 
 
