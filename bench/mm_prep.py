@@ -11,7 +11,8 @@ image processor, and parallel against sequential video frame decode.
                    processor transformers uses without torchvision), ``pixel_values`` out.
    One round = every image once through each; the figure is the median round (and the best) over ROUNDS rounds,
    after a warm-up round. On CPU windserve runs with one torch thread (pillow and the processor's numpy steps
-   use one), its figure with torch's default threads is recorded too. Headline: ``preprocess_speedup_vs_transformers`` = transformers / windserve per round
+   use one), its figure with torch's default threads is recorded too, and so is the preprocessing alone
+   (``preprocess_only_speedup``: decoded arrays in, both sides), since decoding costs both sides about the same. Headline: ``preprocess_speedup_vs_transformers`` = transformers / windserve per round
    (goal >= 2).
 2. Video: an mp4v clip written with opencv, decoded with ``decode_video`` at the config's fps with 1 worker and
    with 2 workers (each its own capture, seeking to its segment); the median of ROUNDS. Headline:
@@ -117,6 +118,15 @@ def measure_preprocess(quick: bool, vc: VisionConfig) -> dict[str, Any]:
     finally:
         torch.set_num_threads(default_threads)
     t_theirs = timed_rounds(theirs, rounds)
+    # the same without the decode (already-decoded arrays / pillow images): the preprocessing on its own
+    arrays = [decode_image(d, 1 << 26) for d in data]
+    pils = [Image.fromarray(a) for a in arrays]
+    torch.set_num_threads(1)
+    try:
+        p_ours = timed_rounds(lambda: [preprocess([a], vc, device) for a in arrays] and _sync(device), rounds)
+    finally:
+        torch.set_num_threads(default_threads)
+    p_theirs = timed_rounds(lambda: [hf(images=[im], return_tensors="pt") for im in pils], rounds)
     n = len(data)
     return {
         "images": n, "rounds": rounds, "device": str(device), "torch_threads": 1,
@@ -128,6 +138,9 @@ def measure_preprocess(quick: bool, vc: VisionConfig) -> dict[str, Any]:
         "transformers_best_ms_per_image": 1000 * min(t_theirs) / n,
         "preprocess_speedup_vs_transformers": statistics.median(t_theirs) / statistics.median(t_ours),
         "preprocess_speedup_best": min(t_theirs) / min(t_ours),
+        "preprocess_only_windserve_ms_per_image": 1000 * statistics.median(p_ours) / n,
+        "preprocess_only_transformers_ms_per_image": 1000 * statistics.median(p_theirs) / n,
+        "preprocess_only_speedup": statistics.median(p_theirs) / statistics.median(p_ours),
     }
 
 
