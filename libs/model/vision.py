@@ -26,6 +26,7 @@ Parameter names follow the checkpoints (``visual.`` stripped): ``patch_embed.pro
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -90,6 +91,13 @@ def segments(grids: list[tuple[int, int, int]], vc: VisionConfig, kind: str) -> 
             out.extend(base + (units[:, None] * u + np.arange(u)).reshape(-1) for units in unit_lists)
         off += t * h * w
     return out
+
+
+@functools.lru_cache(maxsize=32)  # index tensors: 8 bytes a patch per kind
+def cached_plan(grids: tuple[tuple[int, int, int], ...], vc: VisionConfig, kind: str,
+                device: torch.device) -> SegmentPlan:
+    """`build_plan`, memoised: an encoder sees the same few sizes again and again (its tensors are only read)."""
+    return build_plan(list(grids), vc, kind, device)
 
 
 def build_plan(grids: list[tuple[int, int, int]], vc: VisionConfig, kind: str,
@@ -260,7 +268,7 @@ class VisionTower(nn.Module):
         for i, blk in enumerate(self.blocks):
             kind = block_kind(self.vc, i)
             if kind not in plans:
-                plans[kind] = build_plan(grids, self.vc, kind, device)
+                plans[kind] = cached_plan(tuple(grids), self.vc, kind, device)
             x = blk(x, cos, sin, plans[kind])
         return self.merger(x)
 
