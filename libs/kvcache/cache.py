@@ -127,6 +127,13 @@ class KVCache:
         SWA pages that left the window are freed here, at once (kept only if a checkpoint needs them)."""
         self.sequences.commit(seq_id, num_new_tokens, new_token_ids)
 
+    def trim(self, seq_id: str) -> int:
+        """Roll back a reservation past the computed tokens (speculative decoding's rejected drafts): the pages
+        after the one holding the last computed token go back to the free lists, both pools, and the sequence
+        keeps its admission promise for them. The window was never slid past `num_computed`, so it stands as if
+        those positions had never been written. Returns the full pages freed."""
+        return self.sequences.trim(seq_id)
+
     def page_tables(self, seq_id: str) -> tuple[list[int], list[int]]:
         """Per logical page j: the full page id, and the SWA page id or -1 (no SWA KV held for that page)."""
         seq = self.sequences.get(seq_id)

@@ -175,6 +175,25 @@ class Running:
         seq.tokens.extend(new_token_ids)
         self._slide_window(seq)
 
+    def trim(self, seq_id: str) -> int:
+        """See `KVCache.trim`."""
+        seq = self.get(seq_id)
+        keep = max(-(-seq.num_computed // self.P), seq.hit_pages)
+        seq.reserved_upto = max(seq.num_computed, min(seq.reserved_upto, keep * self.P))
+        if len(seq.full) <= keep:
+            return 0
+        # pages past the computed end are private and inside the window (never kept, lazy or the tree's)
+        full = seq.full[keep:].tolist()
+        swa = [p for p in seq.swa[keep:] if p >= 0]
+        before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
+        del seq.full[keep:]
+        del seq.swa[keep:]
+        seq.swa_private -= len(swa)
+        self._ledger.free_private(full, swa)
+        # the lifetime promise stands: the freed pages are promised back to the sequence
+        self._ledger.promise(seq.full_outstanding() - before_f, seq.swa_outstanding() - before_s)
+        return len(full)
+
     def _slide_window(self, seq: SeqAllocation) -> None:
         first = seq.num_computed // self.P - self.wp  # first page of the window kept at rest
         lo = max(seq.swa_from, first)
