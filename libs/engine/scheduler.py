@@ -14,7 +14,7 @@ One engine step is schedule -> execute -> update:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -320,8 +320,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
                 continue
             k = min(len(seq.drafts), seq.remaining_new_tokens - 1, st.budget - 1) if seq.drafts else 0
-            if k > 0 and self.cache.reserve(seq.req_id, 1 + k):
-                # speculation never preempts: without free pages for the drafts the step decodes one token
+            if k > 0 and self.cache.reserve(seq.req_id, 1 + k, evict=False):
+                # speculation never preempts nor evicts: without free pages for the drafts the step decodes one
+                # token (a prefix-cache page evicted for a draft that is then rejected would be lost for nothing)
                 self._add_scheduled(seq, 1, st, drafts=seq.drafts[:k])
             elif self._reserve(seq, 1, st):
                 self._add_scheduled(seq, 1, st)
@@ -554,7 +555,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- update
     def update(self, plan: BatchPlan, sampled: dict[str, SampledToken],
-               accepted: dict[str, Sequence[int]] | None = None) -> list[RequestOutput]:
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[RequestOutput]:
         """Commit the step's KV, append sampled tokens, finish what stopped; outputs per request.
 
         `accepted`: per verified sequence (num_draft > 0), its leading draft tokens the verification accepted

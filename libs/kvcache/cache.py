@@ -116,11 +116,12 @@ class KVCache:
 
     # ------------------------------------------------------------------ the running sequence
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
+    def reserve(self, seq_id: str, num_new_tokens: int, evict: bool = True) -> bool:
         """Allocate pages so the next `num_new_tokens` tokens can be written: full pages up to the new end and
         SWA pages from one window before the current page boundary to the new end. False (state unchanged) if
-        both pools cannot provide them even after eviction."""
-        return self.sequences.reserve(seq_id, num_new_tokens)
+        both pools cannot provide them even after eviction. `evict=False`: only from free pages (speculative
+        decoding's draft positions, which must not cost cached prefixes)."""
+        return self.sequences.reserve(seq_id, num_new_tokens, evict)
 
     def commit(self, seq_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
         """The KV of the next `num_new_tokens` tokens is written; `new_token_ids` (sampled tokens) are appended.
