@@ -259,3 +259,56 @@ def test_hidden_ring_keeps_the_newest_positions():
     assert lo == 9
     lo, h = ring.span("r", 10, torch.tensor([[10.0]]), floor=10)
     assert lo == 10 and h.flatten().tolist() == [10.0]
+
+
+def test_worker_metrics_export_drafted_accepted_and_the_histogram(tiny):
+    from prometheus_client import REGISTRY
+
+    from libs.worker.metrics import export
+
+    core = make_core(tiny, speculative_tokens=K)
+    truth = run(make_core(tiny), {"a": tokens(5, 12), "b": tokens(6, 20)}, 12)
+    oracle(core, truth, 1.0)
+    run(core, {"a": tokens(5, 12), "b": tokens(6, 20)}, 12)
+    load = core.load()
+    assert load.spec is not None and len(load.spec.accept_hist) == K + 1
+    export(load, {})
+    get = REGISTRY.get_sample_value
+    assert get("windserve_worker_spec_tokens", {"kind": "drafted"}) == load.spec.drafted_tokens > 0
+    assert get("windserve_worker_spec_tokens", {"kind": "accepted"}) == load.spec.accepted_tokens > 0
+    assert get("windserve_worker_spec_accept_length", {"tokens": str(K + 1)}) == load.spec.accept_hist[K] > 0
+    assert make_core(tiny).load().spec is None
+
+
+@pytest.mark.timeout(180)
+async def test_disaggregated_mtp_ships_the_draft_kv_and_equals_colocated_greedy(tiny):
+    """Prefill (MTP on) -> decode (MTP on) over the real transfer engine: greedy tokens equal a colocated engine
+    without MTP, the hand-off carries the draft layers' SWA KV too (more bytes than with MTP off, by exactly
+    their share), the decode worker verifies drafts, and both pools end at baseline."""
+    from libs.engine import LLM, EngineConfig, SamplingParams
+    from tests.test_disagg import OPTS, Pipeline, tokens_of, ucx_config
+    from tests.test_disagg import prompt as dprompt
+
+    model, cfg, _ = tiny
+    prompts = [dprompt(1, 5), dprompt(2, 37), dprompt(3, 70)]
+    expected = [list(o.token_ids) for o in LLM.from_core(EngineCore(EngineConfig(**OPTS), model, cfg, None)).generate(
+        prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    sent = {}
+    for k in (0, K):
+        async with Pipeline(tiny, ucx_config(), speculative_tokens=k) as pipe:
+            if k:
+                oracle(pipe.decode_engine.core, {f"r{i}": e for i, e in enumerate(expected)}, 1.0)
+            results = [await pipe.generate(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+            await pipe.assert_no_kv_in_use()
+            sent[k] = pipe.prefill.stats.bytes_sent
+            spec = pipe.decode_engine.core.spec_stats()
+        assert [tokens_of(c) for c in results] == expected
+    assert spec is not None and spec.accepted_tokens > 0
+    kv = make_core(tiny).runner.kv
+    swa_layer_page = kv.swa_k[0, 0].numel() * kv.swa_k.element_size() * 2  # K and V of one layer, one page
+    extra = sent[K] - sent[0]
+    n_swa = len(cfg.swa_layers)
+    assert extra > 0 and extra % (K * swa_layer_page) == 0
+    # the SWA share of the MTP-off shipment over its layers, times K layers, is the extra
+    swa_pages_sent = extra // (K * swa_layer_page)
+    assert swa_pages_sent * n_swa * swa_layer_page < sent[0]

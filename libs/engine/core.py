@@ -113,6 +113,12 @@ class EngineCore:
         self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
 
     @property
+    def kv_layer_is_swa(self) -> tuple[bool, ...]:
+        """Per KV layer of the pools, in slot order: the model's layers, then the MTP draft blocks (SWA). What a
+        disaggregated hand-off ships, so a decode worker receives the draft layers' KV of the prompt too."""
+        return (*self.model_config.layer_is_swa, *([True] * self.draft_layers))
+
+    @property
     def grammars(self) -> GrammarBook:
         """The per-sequence grammar matchers and this engine's compile cache (built on first use)."""
         if self._grammars is None:
@@ -350,7 +356,8 @@ class EngineCore:
         if not self.draft_layers:
             return None
         st = self.scheduler.stats
-        return SpecStats(st.drafted_tokens, st.accepted_tokens, tuple(st.accept_hist))
+        hist = [*st.accept_hist, *([0] * (self.draft_layers + 1 - len(st.accept_hist)))]
+        return SpecStats(st.drafted_tokens, st.accepted_tokens, tuple(hist))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
