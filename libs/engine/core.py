@@ -19,15 +19,17 @@ from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask
+from libs.engine.sampling import History, TokenMask, filter_logits
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.spec import (
     DraftSpan,
     HiddenRing,
     check_draft_layers,
     draft_view,
+    drafts_for,
     greedy_accept,
     kv_start_of,
+    rejection_accept,
     run_chain,
 )
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
@@ -107,6 +109,7 @@ class EngineCore:
                                   device=config.device, seed=config.seed, load_mode=config.resolved_load_mode,
                                   draft_layers=self.draft_layers)
         self._ring = HiddenRing(max(self.draft_layers - 1, 0))
+        self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
         self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None
         self.num_steps = 0
         self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
@@ -157,6 +160,7 @@ class EngineCore:
         """Drop a finished or aborted request's per-request state (generator, grammar matcher)."""
         self.runner.forget(req_id)
         self._ring.forget(req_id)
+        self._draft_q.pop(req_id, None)
         if self._grammars is not None:
             self._grammars.release(req_id)
 
@@ -164,6 +168,7 @@ class EngineCore:
         """Free (and by default cache) the KV of a finished prefill-only request."""
         self.scheduler.release(req_id, cache=cache)
         self._ring.forget(req_id)
+        self._draft_q.pop(req_id, None)
 
     def held_prefill(self, req_id: str) -> HeldPrefill:
         seq = self.scheduler.seqs.get(req_id)
@@ -257,8 +262,15 @@ class EngineCore:
         accepted: dict[str, tuple[int, ...]] = {}
         plain, last, row = [], [], 0
         for s in items:
-            if s.num_draft:  # only plain greedy sequences draft (see _draft)
+            params = self.scheduler.seqs[s.req_id].req.params
+            if s.num_draft and params.greedy:
                 acc, tok = greedy_accept(best[row:row + s.num_draft + 1], s.token_ids[-s.num_draft:])
+                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
+            elif s.num_draft:
+                p = self._probs(logits[row:row + s.num_draft + 1], params)
+                q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
+                gen = self.runner.generator(s.req_id, params)
+                acc, tok = rejection_accept(p, q, s.token_ids[-s.num_draft:], gen)
                 accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
             else:
                 plain.append(s.req_id)
@@ -285,7 +297,8 @@ class EngineCore:
                 continue
             seq.drafts = []
             done = seq.num_computed - item.start
-            if done <= 0 or not seq.req.params.plain_greedy:
+            self._draft_q.pop(seq.req_id, None)
+            if done <= 0 or not drafts_for(seq.req.params):
                 continue
             hi = item.start + done - 1
             swa = self.cache.page_tables(seq.req_id)[1]
@@ -301,9 +314,33 @@ class EngineCore:
         if not spans:
             return
         pad = self.model_config.image_token_id or 0
-        drafts = run_chain(self.runner.model, spans, rows, self._kv_mtp, self.draft_layers, pad, self.runner.device)
+        drafts = run_chain(self.runner.model, spans, rows, self._kv_mtp, self.draft_layers, pad, self.runner.device,
+                           self._choose)
         for req_id, d in drafts.items():
             sch.seqs[req_id].drafts = d
+
+    def _probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """The distribution a sampled request draws from (temperature, min-p, top-k, top-p), rows on the CPU."""
+        n = logits.shape[0]
+        dev = logits.device
+
+        def full(v, dtype=None):
+            return torch.full((n,), v, device=dev, dtype=dtype)
+        return filter_logits(logits.float(), full(float(params.temperature)), full(params.top_k, torch.int64),
+                             full(float(params.top_p)), full(float(params.min_p))).softmax(dim=-1).cpu()
+
+    def _choose(self, req_ids: list[str], logits: torch.Tensor) -> list[int]:
+        """One draft token per drafting row: the argmax for greedy requests; for sampled ones a draw from their
+        own distribution, which is kept for the rejection test of the verify step."""
+        best = logits.argmax(dim=-1).tolist()
+        for i, req_id in enumerate(req_ids):
+            params = self.scheduler.seqs[req_id].req.params
+            if params.greedy:
+                continue
+            q = self._probs(logits[i:i + 1], params)[0]
+            best[i] = int(torch.multinomial(q, 1, generator=self.runner.generator(req_id, params)))
+            self._draft_q.setdefault(req_id, []).append(q)
+        return best
 
     def _sample_rows(self, rows: list[str], logits: torch.Tensor) -> dict[str, SampledToken]:
         if not rows:

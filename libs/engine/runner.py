@@ -184,6 +184,10 @@ class ModelRunner:
                 for r, p in zip(req_ids, params, strict=True)]
         return sample(logits, params, gens, histories, mask)
 
+    def generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+        """The generator a sampled request draws from (its own when seeded)."""
+        return self._generator(req_id, params)
+
     def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._default_gen

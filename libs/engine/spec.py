@@ -16,7 +16,7 @@ the argmax and emits the argmax after them, so outputs equal decoding without MT
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,31 @@ def draft_view(kv: KVPools, n_swa: int) -> KVPools:
     """The MTP blocks' KV: the SWA pool layers after the model's own (views, no copy)."""
     empty = kv.full_k[:0]
     return KVPools(kv.page_size, empty, kv.full_v[:0], kv.swa_k[n_swa:], kv.swa_v[n_swa:])
+
+
+def drafts_for(params) -> bool:
+    """Requests that draft: plain greedy ones (exact acceptance) and plain sampled ones (rejection sampling over
+    temperature / top-k / top-p / min-p); logprobs, penalties, logit bias and grammars decode without drafts."""
+    return params.plain_greedy or (not params.greedy and params.logprobs is None and params.grammar is None
+                                   and not params.adjusts_logits)
+
+
+def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int],
+                     gen: torch.Generator) -> tuple[tuple[int, ...], int]:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.): target distributions ``p [n + 1, V]`` at
+    the last token and each draft, draft distributions ``q [n, V]`` the drafts were drawn from. Draft i is kept
+    with probability min(1, p_i(d) / q_i(d)); the first rejected one is replaced by a draw from the residual
+    max(0, p_i - q_i) (normalised), and if all are kept a bonus token is drawn from p_n. Every emitted token is
+    then distributed exactly as the target's (CPU tensors; draws from `gen`)."""
+    for i, d in enumerate(drafts):
+        u = float(torch.rand((), generator=gen))
+        if u * float(q[i, d]) < float(p[i, d]):
+            continue
+        resid = (p[i] - q[i]).clamp_min_(0.0)
+        total = float(resid.sum())
+        row = resid / total if total > 0 else p[i]
+        return tuple(drafts[:i]), int(torch.multinomial(row, 1, generator=gen))
+    return tuple(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
 def greedy_accept(argmax: Sequence[int], drafts: Sequence[int]) -> tuple[tuple[int, ...], int]:
@@ -105,11 +130,19 @@ class HiddenRing:
         return len(self._rows)
 
 
+Choose = Callable[[list[str], torch.Tensor], list[int]]  # (drafting req ids, their logits rows) -> draft tokens
+
+
+def argmax_choose(_req_ids: list[str], logits: torch.Tensor) -> list[int]:
+    return logits.argmax(dim=-1).tolist()
+
+
 @torch.inference_mode()
 def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor], kv_mtp: KVPools,
-              num_blocks: int, pad_id: int, device) -> dict[str, list[int]]:
+              num_blocks: int, pad_id: int, device, choose: Choose = argmax_choose) -> dict[str, list[int]]:
     """Run MTP blocks 0..num_blocks-1 over the spans (one batched forward per block): writes each block's KV
-    and returns the greedy drafts of the drafting spans. `hidden[b]`: target hidden of span b's [lo, hi]."""
+    and returns the drafts of the drafting spans, picked by `choose` from each block's logits at their last
+    position (greedy: argmax). `hidden[b]`: target hidden of span b's [lo, hi]."""
     drafts: dict[str, list[int]] = {s.req_id: [] for s in spans if s.drafting}
     prev = list(hidden)
     live = list(range(len(spans)))
@@ -132,14 +165,16 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
         meta.swa_kv_start = starts
         tok = model_token_ids(torch.tensor(ids, dtype=torch.int64, device=device), pad_id)
         logits, h = model.forward_mtp(j, tok, torch.cat(h_in), meta, kv_mtp)
-        best = logits.argmax(dim=-1).tolist()
+        rows = [row for row, b in enumerate(live) if spans[b].drafting]
+        picked = iter(choose([spans[live[r]].req_id for r in rows],
+                             logits[torch.tensor(rows, device=logits.device)]) if rows else ())
         offs = 0
-        for row, (b, n) in enumerate(zip(live, q_lens, strict=True)):
+        for b, n in zip(live, q_lens, strict=True):
             s = spans[b]
             prev[b] = h[offs:offs + n]
             offs += n
             if s.drafting:
-                drafts[s.req_id].append(int(best[row]))
+                drafts[s.req_id].append(int(next(picked)))
     return drafts
 
 
