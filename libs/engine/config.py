@@ -74,6 +74,12 @@ class EngineConfig:
     """torch device of the model and the KV pools."""
     seed: int = 0
     """Seed of the engine-wide generator used by unseeded sampled requests."""
+    speculative_tokens: int = 0
+    """MTP speculative decoding: draft tokens per decode step from the model's MTP layers (0 = off; at most
+    the model's number of MTP layers; see docs/mtp.md). Their KV lives in extra SWA-pool layers."""
+    speculative_in_prefill: bool = True
+    """With speculative_tokens: the last prefill step drafts after the first token too, so the first decode
+    step already verifies (False: drafting starts after the first decode step)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
@@ -90,6 +96,8 @@ class EngineConfig:
         if self.l2_load_mode not in ("auto", "thread", "inline", "sync"):
             raise ValueError(f"EngineConfig.l2_load_mode must be auto, thread, inline or sync, "
                              f"got {self.l2_load_mode!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs

@@ -19,8 +19,19 @@ from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask
+from libs.engine.sampling import History, TokenMask, filter_logits
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
+from libs.engine.spec import (
+    DraftSpan,
+    HiddenRing,
+    check_draft_layers,
+    draft_view,
+    drafts_for,
+    greedy_accept,
+    kv_start_of,
+    rejection_accept,
+    run_chain,
+)
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
 from libs.kvcache.types import CacheStats, PoolUsage
 
@@ -51,6 +62,23 @@ class EngineLoad:
     cache: CacheStats | None = None  # evictions by reason, hit tokens lost to missing SWA KV (since start)
     host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2)
     l3_hit_tokens: int = 0  # of hit_tokens, imported from GCache (L3) into the host tier and loaded from there
+    spec: SpecStats | None = None  # MTP speculative decoding since start (None: off)
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """MTP speculative decoding since start: draft tokens verified, accepted, and verify steps by accepted
+    drafts (`accept_hist[m]`: steps that accepted m drafts, i.e. emitted m + 1 tokens)."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    accept_hist: tuple[int, ...]
+
+    @property
+    def accepted_len(self) -> float:
+        """Mean tokens emitted per verify step (1 + accepted drafts)."""
+        steps = sum(self.accept_hist)
+        return 1.0 + self.accepted_tokens / steps if steps else 0.0
 
 
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
@@ -76,11 +104,22 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           config.num_host_full_pages, config.num_host_swa_pages)
+        self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
         self.runner = ModelRunner(model, model_config, sizes, dtype=config.torch_dtype,
-                                  device=config.device, seed=config.seed, load_mode=config.resolved_load_mode)
+                                  device=config.device, seed=config.seed, load_mode=config.resolved_load_mode,
+                                  draft_layers=self.draft_layers)
+        self._ring = HiddenRing(max(self.draft_layers - 1, 0))
+        self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
+        self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None
         self.num_steps = 0
         self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
         self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
+
+    @property
+    def kv_layer_is_swa(self) -> tuple[bool, ...]:
+        """Per KV layer of the pools, in slot order: the model's layers, then the MTP draft blocks (SWA). What a
+        disaggregated hand-off ships, so a decode worker receives the draft layers' KV of the prompt too."""
+        return (*self.model_config.layer_is_swa, *([True] * self.draft_layers))
 
     @property
     def grammars(self) -> GrammarBook:
@@ -120,12 +159,16 @@ class EngineCore:
     def _forget(self, req_id: str) -> None:
         """Drop a finished or aborted request's per-request state (generator, grammar matcher)."""
         self.runner.forget(req_id)
+        self._ring.forget(req_id)
+        self._draft_q.pop(req_id, None)
         if self._grammars is not None:
             self._grammars.release(req_id)
 
     def release(self, req_id: str, cache: bool = True) -> None:
         """Free (and by default cache) the KV of a finished prefill-only request."""
         self.scheduler.release(req_id, cache=cache)
+        self._ring.forget(req_id)
+        self._draft_q.pop(req_id, None)
 
     def held_prefill(self, req_id: str) -> HeldPrefill:
         seq = self.scheduler.seqs.get(req_id)
@@ -181,9 +224,14 @@ class EngineCore:
         except StepInterrupted:
             self.num_interrupted += 1
             return []
-        sampled = self._sample(plan, logits)
-        self.scheduler.observe_step(plan, time.perf_counter() - t0)
-        outputs = self.scheduler.update(plan, sampled)
+        sampled, accepted = self._sample(plan, logits)
+        elapsed = time.perf_counter() - t0
+        outputs = self.scheduler.update(plan, sampled, accepted)
+        if self.draft_layers:  # (the drafting pass is part of the step's cost)
+            t1 = time.perf_counter()
+            self._draft(plan)
+            elapsed += time.perf_counter() - t1
+        self.scheduler.observe_step(plan, elapsed)
         self._report_progress(plan)
         for out in outputs:
             if out.finished:
@@ -204,8 +252,97 @@ class EngineCore:
                 log.exception("on_progress hook of request %s failed; aborting it", seq.req_id)
                 self.abort(seq.req_id)
 
-    def _sample(self, plan, logits: torch.Tensor) -> dict[str, SampledToken]:
-        rows = [s.req_id for s in plan.seqs if s.sample]
+    def _sample(self, plan, logits: torch.Tensor) -> tuple[dict[str, SampledToken], dict[str, tuple[int, ...]]]:
+        """The sampled token of every sampling sequence, and for verified ones the drafts accepted before it."""
+        items = [s for s in plan.seqs if s.sample]
+        if not any(s.num_draft for s in items):
+            return self._sample_rows([s.req_id for s in items], logits), {}
+        best = logits.argmax(dim=-1).tolist()
+        out: dict[str, SampledToken] = {}
+        accepted: dict[str, tuple[int, ...]] = {}
+        plain, last, row = [], [], 0
+        for s in items:
+            params = self.scheduler.seqs[s.req_id].req.params
+            if s.num_draft and params.greedy:
+                acc, tok = greedy_accept(best[row:row + s.num_draft + 1], s.token_ids[-s.num_draft:])
+                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
+            elif s.num_draft:
+                p = self._probs(logits[row:row + s.num_draft + 1], params)
+                q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
+                gen = self.runner.generator(s.req_id, params)
+                acc, tok = rejection_accept(p, q, s.token_ids[-s.num_draft:], gen)
+                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
+            else:
+                plain.append(s.req_id)
+                last.append(row)
+            row += s.num_draft + 1
+        if plain:
+            out.update(self._sample_rows(plain, logits[torch.tensor(last, device=logits.device)]))
+        return out, accepted
+
+    def _draft(self, plan) -> None:
+        """Run the MTP blocks over what this step committed: their KV, and the next drafts of the plain greedy
+        decoding sequences (docs/mtp.md). Prefill chunks fill the blocks' KV; the last one (MTP in prefill)
+        already drafts after the first token."""
+        hidden, sch, page = self.runner.hidden, self.scheduler, self.config.page_size
+        if hidden is None or self._kv_mtp is None:
+            return
+        spans: list[DraftSpan] = []
+        rows: list[torch.Tensor] = []
+        off = 0
+        for item in plan.seqs:
+            first, off = off, off + item.num_new
+            seq = sch.seqs.get(item.req_id)
+            if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.HELD):
+                continue
+            seq.drafts = []
+            done = seq.num_computed - item.start
+            self._draft_q.pop(seq.req_id, None)
+            if done <= 0 or not drafts_for(seq.req.params):
+                continue
+            hi = item.start + done - 1
+            swa = self.cache.page_tables(seq.req_id)[1]
+            kv_start = kv_start_of(swa, hi, page)
+            lo, h = self._ring.span(seq.req_id, item.start, hidden[first:first + done],
+                                    max(seq.computed_from, kv_start))
+            if lo > hi:
+                continue
+            drafting = (seq.status is SeqStatus.RUNNING and seq.is_decoding
+                        and (self.config.speculative_in_prefill or not item.is_prefill))
+            spans.append(DraftSpan(seq.req_id, lo, hi, seq.token_ids, swa, kv_start, drafting))
+            rows.append(h)
+        if not spans:
+            return
+        pad = self.model_config.image_token_id or 0
+        drafts = run_chain(self.runner.model, spans, rows, self._kv_mtp, self.draft_layers, pad, self.runner.device,
+                           self._choose)
+        for req_id, d in drafts.items():
+            sch.seqs[req_id].drafts = d
+
+    def _probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """The distribution a sampled request draws from (temperature, min-p, top-k, top-p), rows on the CPU."""
+        n = logits.shape[0]
+        dev = logits.device
+
+        def full(v, dtype=None):
+            return torch.full((n,), v, device=dev, dtype=dtype)
+        return filter_logits(logits.float(), full(float(params.temperature)), full(params.top_k, torch.int64),
+                             full(float(params.top_p)), full(float(params.min_p))).softmax(dim=-1).cpu()
+
+    def _choose(self, req_ids: list[str], logits: torch.Tensor) -> list[int]:
+        """One draft token per drafting row: the argmax for greedy requests; for sampled ones a draw from their
+        own distribution, which is kept for the rejection test of the verify step."""
+        best = logits.argmax(dim=-1).tolist()
+        for i, req_id in enumerate(req_ids):
+            params = self.scheduler.seqs[req_id].req.params
+            if params.greedy:
+                continue
+            q = self._probs(logits[i:i + 1], params)[0]
+            best[i] = int(torch.multinomial(q, 1, generator=self.runner.generator(req_id, params)))
+            self._draft_q.setdefault(req_id, []).append(q)
+        return best
+
+    def _sample_rows(self, rows: list[str], logits: torch.Tensor) -> dict[str, SampledToken]:
         if not rows:
             return {}
         seqs = [self.scheduler.seqs[r] for r in rows]
@@ -248,7 +385,16 @@ class EngineCore:
         return EngineLoad(running=len(sch.running), waiting=sch.num_waiting, usage=self.cache.usage(),
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
                           preemptions=sch.stats.preemptions, cache=self.cache.cache_stats(),
-                          host_hit_tokens=sch.stats.host_hit_tokens, l3_hit_tokens=sch.stats.l3_hit_tokens)
+                          host_hit_tokens=sch.stats.host_hit_tokens, l3_hit_tokens=sch.stats.l3_hit_tokens,
+                          spec=self.spec_stats())
+
+    def spec_stats(self) -> SpecStats | None:
+        """MTP speculative decoding counters (None when it is off)."""
+        if not self.draft_layers:
+            return None
+        st = self.scheduler.stats
+        hist = [*st.accept_hist, *([0] * (self.draft_layers + 1 - len(st.accept_hist)))]
+        return SpecStats(st.drafted_tokens, st.accepted_tokens, tuple(hist))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

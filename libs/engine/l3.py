@@ -52,21 +52,25 @@ class ValueLayout:
         return min(self.window_pages, end) * self.swa_page_bytes
 
 
-def kv_layout(model_config, dtype: torch.dtype) -> KVLayout:
-    """The model's KV byte layout (libs.kvcache.KVLayout) in the pool dtype: what `l3_footprint` needs."""
+def kv_layout(model_config, dtype: torch.dtype, draft_layers: int = 0) -> KVLayout:
+    """The model's KV byte layout (libs.kvcache.KVLayout) in the pool dtype: what `l3_footprint` and pool sizing
+    (`plan_pools`) need. `draft_layers`: MTP blocks the engine drafts with (speculative_tokens); their KV is
+    extra SWA-pool layers, so an SWA page is that much larger."""
     es = torch.empty((), dtype=dtype).element_size()
     per_head = (model_config.qk_head_dim + model_config.v_head_dim) * es
-    return KVLayout(len(model_config.full_layers), len(model_config.swa_layers),
+    return KVLayout(len(model_config.full_layers), len(model_config.swa_layers) + draft_layers,
                     model_config.kv_heads_full * per_head, model_config.kv_heads_swa * per_head)
 
 
-def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str) -> str:
+def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str, draft_layers: int = 0) -> str:
     """The GCache namespace of one model's KV: name, layout (layer kinds, KV heads, head dims, window, sinks),
     page size, dtype and hash seed, so two models (or two layouts of one) never read each other's bytes."""
     mc = model_config
     layout = (f"layers={''.join('S' if s else 'F' for s in mc.layer_is_swa)};kv={mc.kv_heads_full},{mc.kv_heads_swa};"
               f"head={mc.qk_head_dim},{mc.v_head_dim};window={mc.sliding_window};"
               f"sinks={int(mc.swa_sinks)},{int(mc.full_sinks)}")
+    if draft_layers:  # the SWA values then carry the MTP blocks' KV too: other bytes, another namespace
+        layout += f";mtp={draft_layers}"
     return model_namespace(model or "tiny", layout, cache.page_size, dtype, cache.hash_seed)
 
 

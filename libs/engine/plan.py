@@ -27,6 +27,9 @@ class ScheduledSeq(NamedTuple):
     # SWA layers read no key left of swa_from (see docs/engine.md)
     full_from: int = 0
     swa_from: int = 0
+    # MTP speculative decoding: the last `num_draft` of token_ids are draft tokens to verify (their KV is
+    # written at the positions after the sequence's last token; the rejected ones are rolled back by update)
+    num_draft: int = 0
 
     @property
     def num_new(self) -> int:

@@ -47,7 +47,9 @@ def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Ten
         swa += s.swa_pages
         swa += _PAD * (width - len(s.swa_pages))
     q_lens = [s.num_new for s in seqs]
-    logits_rows = [end - 1 for end, s in zip(accumulate(q_lens), seqs, strict=True) if s.sample]
+    # one logits row per sampling sequence; a verify step (num_draft > 0) also has one per draft
+    logits_rows = [r for end, s in zip(accumulate(q_lens), seqs, strict=True) if s.sample
+                   for r in range(end - 1 - s.num_draft, end)]
     pages = torch.tensor([full, swa], dtype=torch.int64).view(2, len(seqs), width).to(device)
     rebuild = any(s.full_from for s in seqs)
     meta = BatchMeta(
@@ -70,21 +72,27 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, model_config, sizes: PoolSizes, *,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-                 load_mode: LoadMode | str = LoadMode.THREAD) -> None:
+                 load_mode: LoadMode | str = LoadMode.THREAD, draft_layers: int = 0) -> None:
         self.load_mode = LoadMode(load_mode)
         self.model = model
         self.model_config = model_config
         self.device = torch.device(device)
+        # MTP draft blocks are SWA blocks: their KV is extra layers of the SWA pool (same pages, same copies)
+        self.draft_layers = draft_layers
+        n_swa = len(model_config.swa_layers) + draft_layers
         self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
-                                   sizes.page_size, dtype, self.device)
+                                   sizes.page_size, dtype, self.device, n_swa_layers=n_swa)
         self.host = None
         if sizes.num_host_full_pages or sizes.num_host_swa_pages:
             self.host = KVPools.allocate(model_config, max(sizes.num_host_full_pages, 1),
-                                         max(sizes.num_host_swa_pages, 1), sizes.page_size, dtype, "cpu")
+                                         max(sizes.num_host_swa_pages, 1), sizes.page_size, dtype, "cpu",
+                                         n_swa_layers=n_swa)
             if self.device.type == "cuda":  # pinned host memory makes h2d copies asynchronous
                 for name in ("full_k", "full_v", "swa_k", "swa_v"):
                     setattr(self.host, name, getattr(self.host, name).pin_memory())
-        self.slots = layer_slots(model_config.layer_is_swa)
+        # the draft layers' slots come last: a layer-wise load finishes them after the decoder layers
+        self.slots = layer_slots((*model_config.layer_is_swa, *([True] * draft_layers)))
+        self.hidden: torch.Tensor | None = None  # final-norm hidden of the last forward's tokens (drafting only)
         self._load: LayerwiseLoad | None = None
         # The hooks live on the (possibly shared) model: they hold the runner weakly and are removed when the
         # runner is closed or collected, so engines built over one model neither pile up hooks nor stay alive.
@@ -161,7 +169,10 @@ class ModelRunner:
             if not plan.seqs:
                 return torch.empty(0)
             input_ids, meta = build_inputs(plan, self.device)
-            return self.model(input_ids, meta, self.kv)
+            if not self.draft_layers:
+                return self.model(input_ids, meta, self.kv)
+            logits, self.hidden = self.model(input_ids, meta, self.kv, return_hidden=True)
+            return logits
         finally:
             self._interrupt = self._forward_thread = None
             self.finish_load()
@@ -172,6 +183,10 @@ class ModelRunner:
         gens = [self._default_gen if p.greedy else self._generator(r, p)
                 for r, p in zip(req_ids, params, strict=True)]
         return sample(logits, params, gens, histories, mask)
+
+    def generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+        """The generator a sampled request draws from (its own when seeded)."""
+        return self._generator(req_id, params)
 
     def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

@@ -14,7 +14,7 @@ One engine step is schedule -> execute -> update:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -140,6 +140,11 @@ class Seq:
     # how its first admission's hit splits across tiers (a classification probe may load them before admit)
     loaded_host: int = 0
     loaded_l3: int = 0
+    # MTP speculative decoding: draft tokens for the next decode step (never part of token_ids: hashing, the
+    # cache and the outputs see only verified tokens), and the first position this admission computed (KV
+    # below it is the prefix cache's: the drafter never writes there)
+    drafts: list[int] = field(default_factory=list)
+    computed_from: int = 0
     # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
     _hashes: list[int] = field(default_factory=list)
     _hashed_len: int = -1
@@ -186,6 +191,17 @@ class SchedulerStats:
     host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2) ...
     l3_hit_tokens: int = 0  # ... or imported from GCache (L3) into it and loaded from there
     prompt_tokens: int = 0
+    drafted_tokens: int = 0  # MTP draft tokens verified
+    accepted_tokens: int = 0  # of which accepted
+    # verify steps by accepted drafts: accept_hist[m] = steps that accepted m drafts (emitted m + 1 tokens)
+    accept_hist: list[int] = field(default_factory=list)
+
+    def observe_verify(self, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accept_hist) <= accepted:
+            self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.accept_hist[accepted] += 1
 
 
 @dataclass
@@ -303,7 +319,12 @@ class Scheduler:
                 return
             if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
                 continue
-            if self._reserve(seq, 1, st):
+            k = min(len(seq.drafts), seq.remaining_new_tokens - 1, st.budget - 1) if seq.drafts else 0
+            if k > 0 and self.cache.reserve(seq.req_id, 1 + k, evict=False):
+                # speculation never preempts nor evicts: without free pages for the drafts the step decodes one
+                # token (a prefix-cache page evicted for a draft that is then rejected would be lost for nothing)
+                self._add_scheduled(seq, 1, st, drafts=seq.drafts[:k])
+            elif self._reserve(seq, 1, st):
                 self._add_scheduled(seq, 1, st)
             elif seq.status is SeqStatus.RUNNING:
                 self._preempt_or_fail(seq, st)
@@ -410,7 +431,7 @@ class Scheduler:
         self.waiting[bucket].popleft()
         seq.status = SeqStatus.RUNNING
         seq.bucket = actual_bucket
-        seq.num_computed = hit.tokens
+        seq.num_computed = seq.computed_from = hit.tokens
         # (rebuild hits and the tokens they recompute are counted by the cache: cache.rebuild_stats())
         seq.full_from, seq.swa_from = (hit.full_tokens, hit.tokens) if hit.is_rebuild else (0, 0)
         if seq.num_cached_tokens < 0:
@@ -449,6 +470,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        seq.drafts = []
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         seq.bucket = self._classify(seq)
@@ -469,7 +491,8 @@ class Scheduler:
         self._finish(seq, FinishReason.LENGTH)
         self._pending_outputs.append(self._output(seq, (), None))
 
-    def _add_scheduled(self, seq: Seq, num_new: int, st: _StepState, long: bool = False) -> None:
+    def _add_scheduled(self, seq: Seq, num_new: int, st: _StepState, long: bool = False,
+                       drafts: Sequence[int] = ()) -> None:
         start = seq.num_computed
         full, swa = self.cache.page_tables(seq.req_id)
         end = start + num_new
@@ -477,9 +500,15 @@ class Scheduler:
         # (is_decoding inlined: this runs for every sequence of every step)
         rebuild = start < seq.full_from
         is_prefill = not (start == n - 1 and n > seq.num_prompt)
+        tokens = tuple(seq.token_ids[start:end])
+        if drafts:
+            tokens += tuple(drafts)
+            num_new += len(drafts)
+            end += len(drafts)
         st.scheduled.append(ScheduledSeq(
-            seq.req_id, start, tuple(seq.token_ids[start:end]), is_prefill,
-            end == n, full, swa, seq.full_from if rebuild else 0, seq.swa_from if rebuild else 0))
+            seq.req_id, start, tokens, is_prefill,
+            end - len(drafts) == n, full, swa, seq.full_from if rebuild else 0, seq.swa_from if rebuild else 0,
+            len(drafts)))
         st.prefill_seqs += num_new > 1  # (a 1-token chunk shares the decode rows' attention block)
         st.scheduled_ids.add(seq.req_id)
         st.budget -= num_new
@@ -525,13 +554,21 @@ class Scheduler:
             self.cost.observe(plan.num_tokens, plan.attn_pairs, seconds, plan.num_prefill_seqs)
 
     # ----------------------------------------------------------------- update
-    def update(self, plan: BatchPlan, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        """Commit the step's KV, append sampled tokens, finish what stopped; outputs per request."""
+    def update(self, plan: BatchPlan, sampled: dict[str, SampledToken],
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[RequestOutput]:
+        """Commit the step's KV, append sampled tokens, finish what stopped; outputs per request.
+
+        `accepted`: per verified sequence (num_draft > 0), its leading draft tokens the verification accepted
+        (the sampled token follows them); the KV of the rejected drafts is rolled back."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for item in plan.seqs:
             seq = self.seqs.get(item.req_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted between schedule and update
+            if item.num_draft:
+                acc = accepted.get(item.req_id, ()) if accepted else ()
+                outputs.append(self._accept(seq, item, acc, sampled[item.req_id].token_id))
+                continue
             # The cache already knows the tokens whose KV was written; it is told the sampled one.
             tok = sampled[item.req_id] if item.sample else None
             self.cache.commit(seq.req_id, item.num_new, () if tok is None else (tok.token_id,))
@@ -539,6 +576,30 @@ class Scheduler:
             if tok is not None:
                 outputs.append(self._append_token(seq, tok))
         return outputs
+
+    def _accept(self, seq: Seq, item: ScheduledSeq, accepted: Sequence[int], sampled: int) -> RequestOutput:
+        """A verify step: emit the accepted drafts and the sampled token up to the first stop, commit the KV of
+        the positions that hold verified tokens and free the pages reserved for the rejected ones (their K/V
+        sits past num_computed: no attention reads it, and the next step overwrites it)."""
+        if len(accepted) > item.num_draft:
+            raise ValueError(f"{seq.req_id}: {len(accepted)} accepted drafts of {item.num_draft}")
+        self.stats.observe_verify(item.num_draft, len(accepted))
+        first = len(seq.token_ids)
+        reason = None
+        for t in (*accepted, sampled):
+            seq.token_ids.append(t)
+            reason = check_stop(seq.token_ids, seq.num_prompt, seq.req.params, self.eos_token_ids, self.decode)
+            if reason is not None:
+                break
+        new = tuple(seq.token_ids[first:])
+        # KV is valid for the sequence's last token and the accepted drafts that were emitted before a stop
+        n_kv = item.num_new - item.num_draft + len(new) - 1
+        self.cache.commit(seq.req_id, n_kv, new)
+        seq.num_computed += n_kv
+        self.cache.trim(seq.req_id)
+        if reason is not None:
+            self._finish_into_cache(seq, reason)
+        return self._output(seq, new, None)
 
     def _append_token(self, seq: Seq, tok: SampledToken) -> RequestOutput:
         seq.token_ids.append(tok.token_id)
@@ -550,12 +611,15 @@ class Scheduler:
             return self._output(seq, (tok.token_id,), logprobs)
         reason = check_stop(seq.token_ids, seq.num_prompt, seq.req.params, self.eos_token_ids, self.decode)
         if reason is not None:
-            self.running.remove(seq)
-            if self.on_finish is not None:
-                self.on_finish(seq)
-            self.cache.finish(seq.req_id, cache=True)
-            self._finish(seq, reason)
+            self._finish_into_cache(seq, reason)
         return self._output(seq, (tok.token_id,), logprobs)
+
+    def _finish_into_cache(self, seq: Seq, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
+        self.cache.finish(seq.req_id, cache=True)
+        self._finish(seq, reason)
 
     def _finish(self, seq: Seq, reason: FinishReason) -> None:
         seq.status = SeqStatus.FINISHED

@@ -116,16 +116,24 @@ class KVCache:
 
     # ------------------------------------------------------------------ the running sequence
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
+    def reserve(self, seq_id: str, num_new_tokens: int, evict: bool = True) -> bool:
         """Allocate pages so the next `num_new_tokens` tokens can be written: full pages up to the new end and
         SWA pages from one window before the current page boundary to the new end. False (state unchanged) if
-        both pools cannot provide them even after eviction."""
-        return self.sequences.reserve(seq_id, num_new_tokens)
+        both pools cannot provide them even after eviction. `evict=False`: only from free pages (speculative
+        decoding's draft positions, which must not cost cached prefixes)."""
+        return self.sequences.reserve(seq_id, num_new_tokens, evict)
 
     def commit(self, seq_id: str, num_new_tokens: int, new_token_ids: Sequence[int] = ()) -> None:
         """The KV of the next `num_new_tokens` tokens is written; `new_token_ids` (sampled tokens) are appended.
         SWA pages that left the window are freed here, at once (kept only if a checkpoint needs them)."""
         self.sequences.commit(seq_id, num_new_tokens, new_token_ids)
+
+    def trim(self, seq_id: str) -> int:
+        """Roll back a reservation past the computed tokens (speculative decoding's rejected drafts): the pages
+        after the one holding the last computed token go back to the free lists, both pools, and the sequence
+        keeps its admission promise for them. The window was never slid past `num_computed`, so it stands as if
+        those positions had never been written. Returns the full pages freed."""
+        return self.sequences.trim(seq_id)
 
     def page_tables(self, seq_id: str) -> tuple[list[int], list[int]]:
         """Per logical page j: the full page id, and the SWA page id or -1 (no SWA KV held for that page)."""

@@ -324,18 +324,23 @@ class PrefixIndex:
         self._clock += 1
         hashes = PromptHashes(seq.tokens, self.P, self.cfg.hash_seed, seq.hashes)
         node, pos = self.root, 0
+        tail: Node | None = None
         while pos < npg and node.children:
             child = node.children.get(hashes.upto(pos + 1)[pos])
             if child is None:
                 break
             m = common_pages(child, hashes, pos, npg - pos)
             if m < child.npages:
-                child = self._split(child, m)
+                tail, child = child, self._split(child, m)
             self._absorb(child, seq, pos)
             child.access = self._clock
             pos, node = pos + child.npages, child
         if pos < npg:
             self._add_nodes(node, seq, pos, npg, hashes.upto(npg))
+        if tail is not None and tail.alive and not tail.children and tail.lock == 0 and tail.is_tombstone():
+            # A leaf split where it diverges keeps its tail: when the tail holds no SWA KV (its checkpoint window
+            # was only partly kept, the rest of the leaf evicted) it is a tombstone leaf that no hit can use
+            self._prune_tombstones(tail)
         return max(npg, seq.hit_pages)
 
     def _absorb(self, node: Node, seq: SeqAllocation, pos: int) -> None:

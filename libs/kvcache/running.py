@@ -115,7 +115,7 @@ class Running:
 
     # ------------------------------------------------------------------ reserve / commit
 
-    def reserve(self, seq_id: str, num_new_tokens: int) -> bool:
+    def reserve(self, seq_id: str, num_new_tokens: int, evict: bool = True) -> bool:
         """See `KVCache.reserve`."""
         seq = self.get(seq_id)
         if num_new_tokens < 0:
@@ -128,7 +128,7 @@ class Running:
             seq.reserved_upto = max(seq.reserved_upto, target)
             return True
         # Every new page is inside the window, so it gets both a full page and an SWA page.
-        return self._grant(seq, target, need, ())
+        return self._grant(seq, target, need, (), evict)
 
     def _reserve_span(self, seq: SeqAllocation, target: int) -> bool:
         """reserve() inside a rebuild span [R, E): the full pages below E are the tree's (never written); SWA
@@ -137,7 +137,7 @@ class Running:
         holes = [j for j in range(seq.num_computed // self.P, min(end, len(seq.swa))) if seq.swa[j] < 0]
         return self._grant(seq, target, max(0, end - len(seq.full)), holes)
 
-    def _grant(self, seq: SeqAllocation, target: int, new: int, holes: Sequence[int]) -> bool:
+    def _grant(self, seq: SeqAllocation, target: int, new: int, holes: Sequence[int], evict: bool = True) -> bool:
         """Give seq `new` pages past its end (full + SWA each) and SWA pages at the logical pages `holes`, or
         return False (state unchanged) when the pools cannot provide them even after eviction."""
         ledger = self._ledger
@@ -145,6 +145,8 @@ class Running:
         if not ledger.fits(max(0, new - seq.full_outstanding()), max(0, need_s - seq.swa_outstanding())):
             return False
         if not ledger.has_free(new, need_s):
+            if not evict:
+                return False
             self._make_room(new, need_s)
         before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
         full, swa = ledger.grant(new, need_s)
@@ -174,6 +176,25 @@ class Running:
         seq.num_computed = n
         seq.tokens.extend(new_token_ids)
         self._slide_window(seq)
+
+    def trim(self, seq_id: str) -> int:
+        """See `KVCache.trim`."""
+        seq = self.get(seq_id)
+        keep = max(-(-seq.num_computed // self.P), seq.hit_pages)
+        seq.reserved_upto = max(seq.num_computed, min(seq.reserved_upto, keep * self.P))
+        if len(seq.full) <= keep:
+            return 0
+        # pages past the computed end are private and inside the window (never kept, lazy or the tree's)
+        full = seq.full[keep:].tolist()
+        swa = [p for p in seq.swa[keep:] if p >= 0]
+        before_f, before_s = seq.full_outstanding(), seq.swa_outstanding()
+        del seq.full[keep:]
+        del seq.swa[keep:]
+        seq.swa_private -= len(swa)
+        self._ledger.free_private(full, swa)
+        # the lifetime promise stands: the freed pages are promised back to the sequence
+        self._ledger.promise(seq.full_outstanding() - before_f, seq.swa_outstanding() - before_s)
+        return len(full)
 
     def _slide_window(self, seq: SeqAllocation) -> None:
         first = seq.num_computed // self.P - self.wp  # first page of the window kept at rest

@@ -32,6 +32,8 @@ class EngineServiceConfig(ServiceConfig):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="KV/activation dtype")
     device: str = Field(default="cpu", description="torch device of the model and KV pools")
     seed: int = Field(default=0, description="seed of the engine-wide generator (unseeded sampling)")
+    speculative_tokens: int = Field(
+        default=0, ge=0, description="MTP draft tokens per decode step (0 = off; at most the model's MTP layers)")
     output_timeout_s: float = Field(
         default=300.0, gt=0, description="longest wait for a request's next engine output before it fails")
     load_interval_s: float = Field(
@@ -102,7 +104,7 @@ class EngineServiceConfig(ServiceConfig):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=self.enable_prefix_cache, bucket_edges=tuple(self.bucket_edges),
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,
-            seed=self.seed)
+            seed=self.seed, speculative_tokens=self.speculative_tokens)
 
 
 class DisaggServiceConfig(EngineServiceConfig):

@@ -29,6 +29,10 @@ HIT_TIER_TOKENS = Gauge("windserve_worker_prefix_hit_tier_tokens", "Prompt token
 GCACHE = Gauge("windserve_worker_gcache", "GCache (L3) since start: lookups, hits, misses, refused, timeouts, errors, "
                "imported_tokens, writebacks, written_values, dropped, writeback_failures", ["event"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
+SPEC_TOKENS = Gauge("windserve_worker_spec_tokens", "MTP speculative decoding since start: draft tokens verified "
+                    "(drafted) and accepted", ["kind"])
+SPEC_ACCEPT = Gauge("windserve_worker_spec_accept_length", "MTP verify steps since start by tokens emitted (accepted "
+                    "drafts + 1): the acceptance length histogram", ["tokens"])
 
 _PAGE_STATES = ("free", "cached", "in_use", "reserved")
 _FINAL = {WireFinishReason.STOP: "finished", WireFinishReason.LENGTH: "finished", WireFinishReason.ABORT: "aborted",
@@ -75,6 +79,11 @@ def export(load: EngineLoad, outcomes: Mapping[str, int], gcache: Mapping[str, i
     for event, n in (gcache or {}).items():
         GCACHE.labels(event).set(n)
     PREEMPTIONS.set(load.preemptions)
+    if load.spec is not None:
+        SPEC_TOKENS.labels("drafted").set(load.spec.drafted_tokens)
+        SPEC_TOKENS.labels("accepted").set(load.spec.accepted_tokens)
+        for accepted, steps in enumerate(load.spec.accept_hist):
+            SPEC_ACCEPT.labels(str(accepted + 1)).set(steps)
     if load.cache is not None:
         for reason, (victims, _) in load.cache.evictions.items():
             KV_EVICTIONS.labels(reason).set(victims)

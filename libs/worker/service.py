@@ -131,7 +131,7 @@ class EngineWorkerService(Service):
     async def start_gcache(self, engine: AsyncEngine) -> None:
         """The GCache link over the injected store or the real client (engine built, not started yet)."""
         cfg, core = self.config, engine.core
-        namespace = l3_namespace(cfg.model, core.model_config, core.cache.cfg, cfg.dtype)
+        namespace = l3_namespace(cfg.model, core.model_config, core.cache.cfg, cfg.dtype, core.draft_layers)
         store = self.gcache_store
         if store is None:
             # the real SDK (storage nodes over the registry); imported only when GCache is on

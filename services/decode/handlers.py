@@ -232,7 +232,7 @@ class DecodeWorker:
         core = self.core
         plan = dg.plan_stream(len(msg.token_ids), core.config.page_size, core.cache.cfg.window, slot.hit_tokens,
                               msg.segment_pages)
-        kv, layer_is_swa = core.runner.kv, core.model_config.layer_is_swa
+        kv, layer_is_swa = core.runner.kv, core.kv_layer_is_swa
         specs = tuple(layer_specs(dg.stream_specs(kv, layer_is_swa, plan)))
         dests = dg.stream_destinations(kv, layer_is_swa, plan, slot.full_table, slot.swa_table)
 

@@ -265,7 +265,7 @@ class PrefillWorker:
     # ------------------------------------------------------------------ 2-3. transfer and prefill
     async def _open_stream(self, req: GenerateRequest, reply: KVPrepareReply) -> KVSender:
         core = self.engine.core
-        kv, layer_is_swa = core.runner.kv, core.model_config.layer_is_swa
+        kv, layer_is_swa = core.runner.kv, core.kv_layer_is_swa
         plan = dg.plan_stream(len(req.token_ids), core.config.page_size, core.cache.cfg.window, reply.hit_tokens,
                               self.segment_pages)
         try:
@@ -354,7 +354,7 @@ class PrefillWorker:
         self.stats.requests += 1
         self.stats.bytes_sent += stats.nbytes
         self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
-            core.runner.kv, core.model_config.layer_is_swa, len(req.token_ids))
+            core.runner.kv, core.kv_layer_is_swa, len(req.token_ids))
         self.stats.transfer_seconds += sender.send_seconds
 
     # ------------------------------------------------------------------ 6. cleanup

@@ -124,7 +124,7 @@ class DisaggEngineCore(EngineCore):
         sch = self.scheduler
         seq = Seq(p.req, [*prompt, first_token], bucket=sch.buckets.classify(len(prompt) - p.hit_tokens),
                   status=SeqStatus.RUNNING, num_computed=len(prompt), num_cached_tokens=p.hit_tokens,
-                  admit_order=self._remote_order)
+                  admit_order=self._remote_order, computed_from=p.hit_tokens)
         self._remote_order += 1
         sch.seqs[req_id] = seq
         sch.running.append(seq)

@@ -1,0 +1,186 @@
+"""MTP speculative decoding: draft with the model's MTP layers, verify in one target forward, accept exactly.
+
+Scheme (docs/mtp.md). MTP block j at position i reads the embedding of token i+1+j and the hidden state of the
+stage before it at i (block j-1's output; the target's final-norm hidden for j = 0) and predicts token i+2+j;
+its K/V at position i lives in SWA-pool layer ``n_swa + j`` (the dual pools carry the draft layers, so the
+same page ids, admission promises, eviction, L2 copies and KV shipping cover them). After a step committed a
+sequence's positions up to ``hi`` (its last token ``t[hi+1]`` has no KV yet), block j runs over ``[lo, hi]``
+and its row at ``hi`` gives draft ``d[j+1]`` (token ``hi + 2 + j``); block j's inputs at the last j positions
+are drafts, so those rows are provisional and recomputed by the next step: ``lo = start - (k - 1)``, for which
+the last k - 1 target hidden states of every sequence are kept here (`HiddenRing`).
+
+Verification: the next decode step writes the sequence's last token and its k drafts (k + 1 positions, the
+chunked-prefill path) and takes logits at all of them; greedy acceptance keeps the leading drafts that equal
+the argmax and emits the argmax after them, so outputs equal decoding without MTP token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from libs.mm.spec import model_token_ids
+from libs.model.paged import BatchMeta, KVPools
+
+
+def check_draft_layers(speculative_tokens: int, model_config) -> int:
+    """Validate `speculative_tokens` against the model: the number of MTP blocks a step drafts with."""
+    have = getattr(model_config, "num_mtp_layers", 0)
+    if speculative_tokens > have:
+        raise ValueError(f"speculative_tokens={speculative_tokens} but the model has {have} MTP layers "
+                         f"(each draft token needs its own MTP block)")
+    return speculative_tokens
+
+
+def draft_view(kv: KVPools, n_swa: int) -> KVPools:
+    """The MTP blocks' KV: the SWA pool layers after the model's own (views, no copy)."""
+    empty = kv.full_k[:0]
+    return KVPools(kv.page_size, empty, kv.full_v[:0], kv.swa_k[n_swa:], kv.swa_v[n_swa:])
+
+
+def drafts_for(params) -> bool:
+    """Requests that draft: plain greedy ones (exact acceptance) and plain sampled ones (rejection sampling over
+    temperature / top-k / top-p / min-p); logprobs, penalties, logit bias and grammars decode without drafts."""
+    return params.plain_greedy or (not params.greedy and params.logprobs is None and params.grammar is None
+                                   and not params.adjusts_logits)
+
+
+def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int],
+                     gen: torch.Generator) -> tuple[tuple[int, ...], int]:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.): target distributions ``p [n + 1, V]`` at
+    the last token and each draft, draft distributions ``q [n, V]`` the drafts were drawn from. Draft i is kept
+    with probability min(1, p_i(d) / q_i(d)); the first rejected one is replaced by a draw from the residual
+    max(0, p_i - q_i) (normalised), and if all are kept a bonus token is drawn from p_n. Every emitted token is
+    then distributed exactly as the target's (CPU tensors; draws from `gen`)."""
+    for i, d in enumerate(drafts):
+        u = float(torch.rand((), generator=gen))
+        if u * float(q[i, d]) < float(p[i, d]):
+            continue
+        resid = (p[i] - q[i]).clamp_min_(0.0)
+        total = float(resid.sum())
+        row = resid / total if total > 0 else p[i]
+        return tuple(drafts[:i]), int(torch.multinomial(row, 1, generator=gen))
+    return tuple(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def greedy_accept(argmax: Sequence[int], drafts: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """argmax of the target at the sequence's last token and each draft (len(drafts) + 1 rows) -> (accepted
+    drafts, the token after them). Exact: every emitted token is the target's argmax given the ones before."""
+    m = 0
+    while m < len(drafts) and drafts[m] == argmax[m]:
+        m += 1
+    return tuple(drafts[:m]), int(argmax[m])
+
+
+@dataclass(frozen=True)
+class DraftSpan:
+    """One sequence's share of a drafting pass (pure data, for the chain below)."""
+
+    req_id: str
+    lo: int  # first position the blocks (re)compute
+    hi: int  # last committed position (its target hidden is the newest)
+    tokens: Sequence[int]  # the sequence's tokens (verified)
+    swa_pages: Sequence[int]  # its SWA page table after the commit
+    kv_start: int  # first position whose SWA page is still held (keys left of it are not read)
+    drafting: bool  # produce drafts (a decoding sequence); else only fill the blocks' KV (prefill chunk)
+
+    def block_end(self, j: int) -> int:
+        """Last position block j can compute: it needs token i+1+j, a draft past the verified tokens."""
+        return self.hi if self.drafting else min(self.hi, len(self.tokens) - 2 - j)
+
+
+def block_inputs(span: DraftSpan, j: int, drafts: Sequence[int]) -> list[int]:
+    """Token ids block j reads at positions [lo, block_end(j)]: token i+1+j, from the drafts past the end."""
+    n = len(span.tokens)
+    return [span.tokens[x] if x < n else drafts[x - n] for x in range(span.lo + 1 + j, span.block_end(j) + 2 + j)]
+
+
+class HiddenRing:
+    """The newest target hidden states of each sequence (the last `keep` committed positions): block j > 0
+    recomputes the positions whose inputs were drafts, which needs the target hidden there."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._rows: dict[str, tuple[int, torch.Tensor]] = {}  # req id -> (first position, rows)
+
+    def span(self, req_id: str, start: int, rows: torch.Tensor, floor: int) -> tuple[int, torch.Tensor]:
+        """Hidden states of positions [lo, start + len(rows)) with lo as far back as the ring allows (>= floor,
+        >= start - keep); stores the newest `keep` of them. Positions are of verified tokens, so a ring left
+        from an earlier admission of the same request is still right where it is contiguous."""
+        lo, h = start, rows
+        old = self._rows.get(req_id)
+        if old is not None and old[0] + old[1].shape[0] == start:
+            back = max(floor, start - self.keep, old[0])
+            if back < start:
+                lo, h = back, torch.cat([old[1][back - old[0]:], rows])
+        end = lo + h.shape[0]
+        if self.keep:
+            first = max(lo, end - self.keep)
+            self._rows[req_id] = (first, h[first - lo:])
+        if lo < floor:  # e.g. a long prefill chunk whose first pages already left the window
+            lo, h = min(floor, end), h[min(floor, end) - lo:]
+        return lo, h
+
+    def forget(self, req_id: str) -> None:
+        self._rows.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+Choose = Callable[[list[str], torch.Tensor], list[int]]  # (drafting req ids, their logits rows) -> draft tokens
+
+
+def argmax_choose(_req_ids: list[str], logits: torch.Tensor) -> list[int]:
+    return logits.argmax(dim=-1).tolist()
+
+
+@torch.inference_mode()
+def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor], kv_mtp: KVPools,
+              num_blocks: int, pad_id: int, device, choose: Choose = argmax_choose) -> dict[str, list[int]]:
+    """Run MTP blocks 0..num_blocks-1 over the spans (one batched forward per block): writes each block's KV
+    and returns the drafts of the drafting spans, picked by `choose` from each block's logits at their last
+    position (greedy: argmax). `hidden[b]`: target hidden of span b's [lo, hi]."""
+    drafts: dict[str, list[int]] = {s.req_id: [] for s in spans if s.drafting}
+    prev = list(hidden)
+    live = list(range(len(spans)))
+    for j in range(num_blocks):
+        live = [b for b in live if spans[b].block_end(j) >= spans[b].lo]
+        if not live:
+            break
+        ids: list[int] = []
+        q_lens, kv_lens, tables, starts, h_in = [], [], [], [], []
+        for b in live:
+            s = spans[b]
+            n = s.block_end(j) - s.lo + 1
+            ids += block_inputs(s, j, drafts.get(s.req_id, ()))
+            q_lens.append(n)
+            kv_lens.append(s.block_end(j) + 1)
+            tables.append(list(s.swa_pages))
+            starts.append(s.kv_start)
+            h_in.append(prev[b][:n])
+        meta = BatchMeta.build(q_lens, kv_lens, tables, device=device)
+        meta.swa_kv_start = starts
+        tok = model_token_ids(torch.tensor(ids, dtype=torch.int64, device=device), pad_id)
+        logits, h = model.forward_mtp(j, tok, torch.cat(h_in), meta, kv_mtp)
+        rows = [row for row, b in enumerate(live) if spans[b].drafting]
+        picked = iter(choose([spans[live[r]].req_id for r in rows],
+                             logits[torch.tensor(rows, device=logits.device)]) if rows else ())
+        offs = 0
+        for b, n in zip(live, q_lens, strict=True):
+            s = spans[b]
+            prev[b] = h[offs:offs + n]
+            offs += n
+            if s.drafting:
+                drafts[s.req_id].append(int(next(picked)))
+    return drafts
+
+
+def kv_start_of(swa_pages: Sequence[int], hi: int, page_size: int) -> int:
+    """First position of the run of held SWA pages that ends at position hi's page."""
+    j = hi // page_size
+    while j > 0 and swa_pages[j - 1] >= 0:
+        j -= 1
+    return j * page_size

@@ -1,0 +1,367 @@
+"""MTP speculative decoding (#17): greedy outputs with MTP equal MTP off, the rollback leaves the pools as
+without it, the draft KV is part of the pools (sizing, page ids), and the peers' bugs each have a test.
+
+Two drafters: the real MTP blocks (random weights: they draft, rarely right) and an oracle that runs the real
+blocks (their KV paths are exercised) and then replaces the drafts by the true continuation with some tokens
+corrupted, so verification accepts 0..k drafts in mixed batches and rolls back the rest.
+"""
+
+import random
+
+import pytest
+import torch
+
+from libs.engine import EngineCore, Request
+from libs.engine.l3 import kv_layout
+from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, greedy_accept
+from libs.kvcache import KVCache, KVCacheConfig
+from libs.kvcache.config import plan_pools
+from libs.model.paged import BatchMeta, KVPools
+from tests.test_engine import assert_baseline, conversations, drain, greedy, make_core, tiny, tokens
+
+pytestmark = pytest.mark.integration
+__all__ = ["tiny"]  # the fixture, shared with test_engine
+
+K = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's matmuls are too small for a second thread: on a busy 2-core machine two threads make
+    each one ~100x slower. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def oracle(core: EngineCore, truth: dict[str, list[int]], right: float, seed: int = 0) -> None:
+    """Make `core` draft the true continuation (`truth`, read at each step), each token right with
+    probability `right`."""
+    real, rng = core._draft, random.Random(seed)
+
+    def draft(plan):
+        real(plan)
+        for s in core.scheduler.running:
+            if s.drafts:
+                gen = len(s.token_ids) - s.num_prompt
+                want = truth[s.req_id][gen:gen + len(s.drafts)]
+                s.drafts = [t if rng.random() < right else (t + 1) % 250 for t in want] or s.drafts
+    core._draft = draft  # type: ignore[method-assign]
+
+
+def run(core: EngineCore, prompts: dict[str, list[int]], n_out: int) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        core.add_request(Request(rid, p, greedy(n_out)))
+    return drain(core)
+
+
+def test_greedy_accept_is_exact():
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == ((5, 6), 7)
+    assert greedy_accept([4, 6, 7, 8], [5, 6, 7]) == ((), 4)
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == ((5, 6, 7), 8)
+
+
+@pytest.mark.parametrize("right", [None, 0.7, 1.0])
+def test_greedy_mtp_equals_off_under_pressure_with_prefix_hits(tiny, right):
+    """Multi-turn chats through small pools (preemption by recompute, evictions, tombstones) with MTP on equal
+    MTP off, turn by turn; prefix hits are the same tokens; pools end at their baseline. right=None: the real
+    (random) MTP blocks draft."""
+    opts = dict(num_full_pages=64, num_swa_pages=28, max_num_batched_tokens=40, admission_decode_tokens=2)
+    off = make_core(tiny, **opts)
+    on = make_core(tiny, speculative_tokens=K, **opts)
+    systems, users = conversations()
+    history = {c: list(systems[c % 2]) for c in range(6)}
+    truth: dict[str, list[int]] = {}
+    if right is not None:
+        oracle(on, truth, right)
+    for turn in range(2):
+        prompts = {f"c{c}t{turn}": history[c] + users[(c, turn)] for c in range(6)}
+        want = run(off, prompts, n_out=22)
+        truth.update(want)
+        got = run(on, prompts, n_out=22)
+        assert got == want, f"turn {turn}"
+        for c in range(6):
+            history[c] = prompts[f"c{c}t{turn}"] + got[f"c{c}t{turn}"]
+    st, base = on.scheduler.stats, off.scheduler.stats
+    assert st.preemptions > 0, "no preemption happened"
+    assert st.hit_tokens == base.hit_tokens > 0, "prefix hits differ from MTP off (or none happened)"
+    assert on.cache.cache_stats().evictions["swa"][0] > 0 or on.cache.cache_stats().evictions["full"][0] > 0
+    spec = on.spec_stats()
+    assert spec is not None and spec.drafted_tokens > 0
+    if right == 1.0:
+        assert spec.accepted_len > 2.0, spec
+    if right == 0.7:
+        assert len([n for n in spec.accept_hist if n]) >= 3, f"want mixed acceptance lengths, got {spec}"
+    assert_baseline(on)
+    assert_baseline(off)
+
+
+def test_mtp_equals_off_across_prefill_chunks_window_and_stops(tiny):
+    """Prompts longer than the window and than a step's token budget, outputs that hit max_tokens inside an
+    accepted run, one prefill-free hit of a finished request's whole prompt + output."""
+    off = make_core(tiny, max_num_batched_tokens=24)
+    on = make_core(tiny, max_num_batched_tokens=24, speculative_tokens=K)
+    prompts = {f"p{i}": tokens(300 + i, n) for i, n in enumerate((3, 17, 40, 71))}
+    want = {}
+    for n_out in (1, 2, 5, 23):
+        batch = {f"{rid}n{n_out}": p for rid, p in prompts.items()}
+        want.update(run(off, batch, n_out))
+    oracle(on, want, 0.9)
+    for n_out in (1, 2, 5, 23):
+        batch = {f"{rid}n{n_out}": p for rid, p in prompts.items()}
+        assert run(on, batch, n_out) == {r: want[r] for r in batch}
+    assert on.scheduler.stats.hit_tokens == off.scheduler.stats.hit_tokens
+    assert_baseline(on)
+
+
+def test_rollback_frees_the_rejected_pages():
+    """reserve(k + 1) then commit(1) and trim: the pages past the computed end are free again, the window is
+    the one of a sequence that never wrote them, and the promise still covers the growth."""
+    cache = KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=32, num_swa_pages=16), audit_tokens=True)
+    base = cache.usage()
+    tokens_ = list(range(7))
+    hit = cache.match(tokens_)
+    assert cache.admit("s", tokens_, hit, max_new_tokens=12).ok
+    assert cache.reserve("s", 6)
+    cache.commit("s", 6, (9,))  # prompt prefilled (6 of 7 tokens have KV, the last is the next input)
+    ref = KVCache(KVCacheConfig(page_size=4, window=8, num_full_pages=32, num_swa_pages=16))
+    assert ref.admit("s", tokens_, ref.match(tokens_), max_new_tokens=12).ok
+    assert ref.reserve("s", 6)
+    ref.commit("s", 6, (9,))
+    assert cache.reserve("s", 1 + 5)  # the last token + 5 drafts: positions 6..11 (pages 1, 2)
+    assert len(cache.page_tables("s")[0]) == 3
+    cache.commit("s", 2, (3, 4))  # one draft accepted
+    assert cache.trim("s") == 1
+    assert ref.reserve("s", 2)
+    ref.commit("s", 2, (3, 4))
+    assert [len(t) for t in cache.page_tables("s")] == [len(t) for t in ref.page_tables("s")]
+    assert [p >= 0 for p in cache.page_tables("s")[1]] == [p >= 0 for p in ref.page_tables("s")[1]]
+    assert cache.usage() == ref.usage()
+    cache.check_invariants()
+    cache.abort("s")
+    assert cache.usage() == base
+
+
+def test_draft_kv_is_counted_in_pool_sizing(tiny):
+    """Peer bug: draft KV left out of the SWA pool sizing (OOM at launch). The bytes the engine allocates are the
+    layout's (the draft layers included), so a plan from a byte budget fits it."""
+    model, cfg, _ = tiny
+    core = make_core(tiny, speculative_tokens=K, num_full_pages=40, num_swa_pages=24)
+    layout = kv_layout(cfg, torch.float32, draft_layers=K)
+    assert layout.swa_layers == len(cfg.swa_layers) + K
+    kv = core.runner.kv
+    allocated = sum(t.numel() * t.element_size() for t in (kv.full_k, kv.full_v, kv.swa_k, kv.swa_v))
+    assert allocated == 40 * layout.full_page_bytes(4) + 24 * layout.swa_page_bytes(4)
+    budget = allocated
+    plan = plan_pools(budget, layout, 4, cfg.sliding_window, expected_seq_tokens=64)
+    assert plan.num_full_pages * layout.full_page_bytes(4) + plan.num_swa_pages * layout.swa_page_bytes(4) <= budget
+    without = kv_layout(cfg, torch.float32)
+    assert without.swa_page_bytes(4) < layout.swa_page_bytes(4)
+
+
+def test_draft_pool_has_the_target_pages(tiny):
+    """Peer bug: a draft pool smaller than the target's (out of bounds). The draft layers index the SWA pool with
+    the target's page ids, so every SWA page id the cache hands out is valid in them: fill the pool to its last
+    page with MTP on."""
+    core = make_core(tiny, speculative_tokens=K, num_full_pages=64, num_swa_pages=12, max_num_seqs=2)
+    n_swa = len(core.model_config.swa_layers)
+    assert core.runner.kv.swa_k.shape[:2] == (n_swa + K, 12)
+    assert core._kv_mtp is not None and core._kv_mtp.swa_k.shape[:2] == (K, 12)
+    run(core, {f"r{i}": tokens(400 + i, 30) for i in range(4)}, 20)
+    assert core.usage().swa.capacity == 12
+    assert_baseline(core)
+
+
+def test_each_draft_uses_its_own_mtp_block(tiny, monkeypatch):
+    """Peer bug: every draft layer ran the same weights. Draft j goes through MTP block j (its own weights and
+    its own KV layer), and the blocks' weights differ."""
+    model, cfg, _ = tiny
+    layers = model.model.mtp.layers
+    for a in range(K):
+        for b in range(a + 1, K):
+            assert not torch.equal(layers[a].eh_proj.weight, layers[b].eh_proj.weight)
+    steps: list[int] = []
+    real = type(model).forward_mtp
+
+    def spy(self, step, *args, **kwargs):
+        steps.append(step)
+        return real(self, step, *args, **kwargs)
+    monkeypatch.setattr(type(model), "forward_mtp", spy)
+    core = make_core(tiny, speculative_tokens=K)
+    run(core, {"a": tokens(7, 9)}, 6)
+    assert steps[:K] == list(range(K)) and set(steps) == set(range(K))
+
+
+def test_speculative_tokens_beyond_mtp_layers_is_refused(tiny):
+    with pytest.raises(ValueError, match="MTP layers"):
+        make_core(tiny, speculative_tokens=4)
+
+
+def test_drafts_equal_a_one_pass_reference(tiny):
+    """The blocks' KV kept across steps (provisional rows recomputed, the hidden ring) gives the drafts a
+    one-pass run of the blocks over the final sequence gives, wherever the earlier drafts were right."""
+    model, cfg, _ = tiny
+    core = make_core(tiny, speculative_tokens=K, max_num_batched_tokens=16)
+    seen: list[tuple[int, list[int]]] = []
+    real = core._draft
+
+    def record(plan):
+        real(plan)
+        s = core.scheduler.seqs.get("a")
+        if s is not None and s.drafts:
+            seen.append((len(s.token_ids), list(s.drafts)))
+    core._draft = record  # type: ignore[method-assign]
+    prompt = tokens(11, 37)
+    out = run(core, {"a": prompt}, 30)["a"]
+    seq = prompt + out
+    n = len(seq)
+    pages = -(-n // 4)
+    table = [list(range(pages))]
+    kv = KVPools.allocate(cfg, pages, pages, 4)
+    ids = torch.tensor(seq)
+    _, h = model(ids, BatchMeta.build([n], [n], table), kv, return_hidden=True)
+    kv_mtp = KVPools.allocate_mtp(cfg, pages, 4)
+    best = []
+    prev = h[:n - 1]
+    for j in range(K):
+        m = n - 1 - j  # positions 0..n-2-j have their input token i+1+j
+        logits, prev = model.forward_mtp(j, ids[1 + j:1 + j + m], prev[:m], BatchMeta.build([m], [m], table,
+                                         all_logits=True), kv_mtp)
+        best.append(logits.argmax(-1).tolist())
+    checked = 0
+    for length, drafts in seen:
+        hi = length - 2
+        for j, d in enumerate(drafts):
+            if hi + 1 + j >= n or (j and drafts[j - 1] != seq[hi + j]):
+                break  # past the end, or block j's input was a wrong draft: the reference does not apply
+            if hi < len(best[j]):
+                assert d == best[j][hi], (length, j)
+                checked += 1
+    assert checked >= 20
+
+
+def test_block_inputs_use_drafts_past_the_verified_tokens():
+    span = DraftSpan("r", lo=3, hi=5, tokens=list(range(10, 17)), swa_pages=[0, 1], kv_start=0, drafting=True)
+    assert block_inputs(span, 0, []) == [14, 15, 16]
+    assert block_inputs(span, 2, [90, 91]) == [16, 90, 91]
+    prefill = DraftSpan("r", lo=0, hi=5, tokens=list(range(10, 17)), swa_pages=[0, 1], kv_start=0, drafting=False)
+    assert prefill.block_end(2) == 3 and block_inputs(prefill, 2, []) == [13, 14, 15, 16]
+
+
+def test_hidden_ring_keeps_the_newest_positions():
+    ring = HiddenRing(2)
+    lo, h = ring.span("r", 0, torch.arange(5.0)[:, None], floor=0)
+    assert lo == 0 and h.shape[0] == 5
+    lo, h = ring.span("r", 5, torch.tensor([[5.0]]), floor=0)
+    assert lo == 3 and h.flatten().tolist() == [3.0, 4.0, 5.0]
+    lo, h = ring.span("r", 9, torch.tensor([[9.0]]), floor=0)  # not contiguous: only the new rows
+    assert lo == 9
+    lo, h = ring.span("r", 10, torch.tensor([[10.0]]), floor=10)
+    assert lo == 10 and h.flatten().tolist() == [10.0]
+
+
+def test_worker_metrics_export_drafted_accepted_and_the_histogram(tiny):
+    from prometheus_client import REGISTRY
+
+    from libs.worker.metrics import export
+
+    core = make_core(tiny, speculative_tokens=K)
+    truth = run(make_core(tiny), {"a": tokens(5, 12), "b": tokens(6, 20)}, 12)
+    oracle(core, truth, 1.0)
+    run(core, {"a": tokens(5, 12), "b": tokens(6, 20)}, 12)
+    load = core.load()
+    assert load.spec is not None and len(load.spec.accept_hist) == K + 1
+    export(load, {})
+    get = REGISTRY.get_sample_value
+    assert get("windserve_worker_spec_tokens", {"kind": "drafted"}) == load.spec.drafted_tokens > 0
+    assert get("windserve_worker_spec_tokens", {"kind": "accepted"}) == load.spec.accepted_tokens > 0
+    assert get("windserve_worker_spec_accept_length", {"tokens": str(K + 1)}) == load.spec.accept_hist[K] > 0
+    assert make_core(tiny).load().spec is None
+
+
+@pytest.mark.timeout(180)
+async def test_disaggregated_mtp_ships_the_draft_kv_and_equals_colocated_greedy(tiny):
+    """Prefill (MTP on) -> decode (MTP on) over the real transfer engine: greedy tokens equal a colocated engine
+    without MTP, the hand-off carries the draft layers' SWA KV too (more bytes than with MTP off, by exactly
+    their share), the decode worker verifies drafts, and both pools end at baseline."""
+    from libs.engine import LLM, EngineConfig, SamplingParams
+    from tests.test_disagg import OPTS, Pipeline, tokens_of, ucx_config
+    from tests.test_disagg import prompt as dprompt
+
+    model, cfg, _ = tiny
+    prompts = [dprompt(1, 5), dprompt(2, 37), dprompt(3, 70)]
+    expected = [list(o.token_ids) for o in LLM.from_core(EngineCore(EngineConfig(**OPTS), model, cfg, None)).generate(
+        prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    sent = {}
+    for k in (0, K):
+        async with Pipeline(tiny, ucx_config(), speculative_tokens=k) as pipe:
+            if k:
+                oracle(pipe.decode_engine.core, {f"r{i}": e for i, e in enumerate(expected)}, 1.0)
+            results = [await pipe.generate(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+            await pipe.assert_no_kv_in_use()
+            sent[k] = pipe.prefill.stats.bytes_sent
+            spec = pipe.decode_engine.core.spec_stats()
+        assert [tokens_of(c) for c in results] == expected
+    assert spec is not None and spec.accepted_tokens > 0
+    kv = make_core(tiny).runner.kv
+    swa_layer_page = kv.swa_k[0, 0].numel() * kv.swa_k.element_size() * 2  # K and V of one layer, one page
+    extra = sent[K] - sent[0]
+    n_swa = len(cfg.swa_layers)
+    assert extra > 0 and extra % (K * swa_layer_page) == 0
+    # the SWA share of the MTP-off shipment over its layers, times K layers, is the extra
+    swa_pages_sent = extra // (K * swa_layer_page)
+    assert swa_pages_sent * n_swa * swa_layer_page < sent[0]
+
+
+# ------------------------------------------------------------------ temperature > 0: rejection sampling
+CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, significance 0.001
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """On a 6-token vocabulary with a draft distribution far from the target's, the tokens speculation emits are
+    distributed as the target's: the first (accepted draft or residual draw) as p0 and, when the first draft was
+    accepted, the second as p1. Chi-square at significance 0.001, fixed seed, 20000 verify steps."""
+    from libs.engine.spec import rejection_accept
+
+    g = torch.Generator().manual_seed(1234)
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+                      [1 / 6] * 6])
+    q = torch.tensor([[0.05, 0.10, 0.10, 0.15, 0.20, 0.40], [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]])
+    first, second = torch.zeros(6), torch.zeros(6)
+    n = 20000
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        acc, tok = rejection_accept(p, q, drafts, g)
+        emitted = [*acc, tok]
+        first[emitted[0]] += 1
+        if acc:
+            second[emitted[1]] += 1
+    assert chi2(first, p[0]) < CHI2_DF5_P001, first / n
+    assert second.sum() > 2000 and chi2(second, p[1]) < CHI2_DF5_P001, second / second.sum()
+    # the check has power: the draft's own distribution is rejected
+    assert chi2(first, q[0]) > 10 * CHI2_DF5_P001
+
+
+def test_sampled_requests_speculate_and_stay_reproducible_per_seed(tiny):
+    """temperature > 0 with MTP: drafts are verified by rejection sampling (some accepted), and a seeded
+    request gives the same tokens in a second engine; pools at baseline."""
+    from libs.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=2.0, seed=7, ignore_eos=True)  # flat: random blocks overlap
+    outs, stats = [], []
+    for _ in range(2):
+        core = make_core(tiny, speculative_tokens=K)
+        for i in range(3):
+            core.add_request(Request(f"s{i}", tokens(500 + i, 9 + 5 * i), params))
+        outs.append(drain(core))
+        stats.append(core.spec_stats())
+        assert_baseline(core)
+    assert outs[0] == outs[1]
+    assert all(len(v) == 24 for v in outs[0].values())
+    assert stats[0] is not None and stats[0].drafted_tokens > 0 and stats[0].accepted_tokens > 0
