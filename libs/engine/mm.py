@@ -40,7 +40,7 @@ class MMEmbeddings:
 
     def check(self, prompt: Sequence[int], hidden: int) -> None:
         """ValueError unless the pseudo tokens of `prompt` are exactly the positions the rows fill."""
-        covered = set()
+        covered: set[int] = set()
         for (start, end), rows in zip(self.spans(), self.rows, strict=True):
             if rows.ndim != 2 or rows.shape[1] != hidden:
                 raise ValueError(f"embedding rows of shape {tuple(rows.shape)}; the model's hidden size is {hidden}")
