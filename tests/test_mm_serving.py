@@ -8,14 +8,10 @@ rows (the prompt then names those rows as ordinary token ids), decoded by full r
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
-import http.server
-import threading
 from collections.abc import Sequence
 
 import cv2
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -23,11 +19,12 @@ import torch
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine.mm import MMEmbeddings
 from libs.engine.runner import direct_greedy
-from libs.mm.api import Encoded, EncodeError, EncoderUnavailable
+from libs.mm.api import Encoded, EncoderUnavailable
 from libs.mm.local import LocalEncoder
-from libs.mm.spec import hash_view, is_mm_token, mm_token
+from libs.mm.spec import hash_view, mm_token
 from libs.model import load_model, load_tokenizer
 from libs.model.vision import VisionTower
+from protos.messages import GenerateRequest, MMKind, WireFinishReason, WireMMItem, WireSamplingParams
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -170,3 +167,90 @@ def test_pseudo_tokens_need_their_rows(tiny):
     with pytest.raises(ValueError, match="hidden size"):
         core.add_request(Request("z", prompt, greedy(2), mm=MMEmbeddings((off,), (torch.zeros(4, 3),))))
     assert_baseline(core)
+
+
+# --- worker: fetch before admission -------------------------------------------------------------------------------
+
+
+def png_bytes(seed: int, w: int = 48, h: int = 40) -> bytes:
+    img = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(".png", img)
+    assert ok
+    return buf.tobytes()
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny):
+    _, cfg, _ = tiny
+    torch.manual_seed(1)
+    return LocalEncoder(VisionTower(cfg.vision).eval())
+
+
+def wire_item(enc: Encoded, offset: int) -> WireMMItem:
+    return WireMMItem(mm_hash=enc.mm_hash, kind=enc.kind, offset=offset, num_tokens=enc.num_tokens,
+                      grid_thw=list(enc.grid_thw), encoder_instance=enc.encoder_instance)
+
+
+class BrokenEncoder:
+    async def encode(self, request_id, kind, data):
+        raise EncoderUnavailable("no encoder answered within 0.1s")
+
+    async def fetch(self, items, dtype):
+        raise EncoderUnavailable("encoder enc-1 is gone")
+
+
+def test_mm_refusal_checks_items_against_the_prompt(tiny, encoder):
+    from libs.worker.mm import mm_refusal
+
+    _, cfg, _ = tiny
+    enc = asyncio.run(encoder.encode("r", MMKind.IMAGE, png_bytes(0)))
+    prompt, off = image_prompt(cfg, enc.mm_hash, enc.num_tokens, TEXT_A, TEXT_B)
+    item = wire_item(enc, off)
+    assert mm_refusal(prompt, [item], True) is None
+    assert "no vision tower" in mm_refusal(prompt, [item], False)
+    assert "does not carry its pseudo tokens" in mm_refusal(prompt, [wire_item(enc, off - 1)], True)
+    assert "outside a prompt" in mm_refusal(prompt[:off + 2], [item], True)
+    assert "no mm_item covers" in mm_refusal(prompt + [mm_token(7, 0)], [item], True)
+
+
+def test_worker_fetches_embeddings_before_admission_and_fails_explicitly(tiny, encoder):
+    """The combined worker's Generations: a request with an image streams what the engine gives for its rows
+    (== the extended-vocabulary reference); a dead encoder is a retryable error chunk and no KV is held."""
+    from libs.engine import AsyncEngine
+    from libs.worker.mm import EmbeddingFetcher
+    from libs.worker.tasks import RequestTasks
+    from services.worker.handlers import Generations
+
+    _, cfg, _ = tiny
+
+    async def main():
+        enc = await encoder.encode("r", MMKind.IMAGE, png_bytes(3))
+        prompt, off = image_prompt(cfg, enc.mm_hash, enc.num_tokens, TEXT_A, TEXT_B)
+        item = wire_item(enc, off)
+        (rows,) = await encoder.fetch([item], torch.float32)
+        engine = AsyncEngine(make_core(tiny, max_num_batched_tokens=16))
+        engine.start()
+        chunks: list = []
+
+        async def publish(_subject, chunk):
+            chunks.append(chunk)
+
+        try:
+            for name, fetcher in (("ok", EmbeddingFetcher(encoder)), ("dead", EmbeddingFetcher(BrokenEncoder()))):
+                gens = Generations(engine, publish, RequestTasks(), "w1", fetcher)
+                req = GenerateRequest(request_id=name, token_ids=prompt, stream_subject="s", mm_items=[item],
+                                      sampling=WireSamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+                await asyncio.wait_for(gens.start(req), 60)
+            usage = await engine.call(lambda core: core.usage())
+            seqs = await engine.call(lambda core: len(core.scheduler.seqs))
+        finally:
+            engine.shutdown()
+        return prompt, MMEmbeddings((off,), (rows,)), chunks, usage, seqs
+
+    prompt, mm, chunks, usage, seqs = asyncio.run(main())
+    ok = [c for c in chunks if c.request_id == "ok"]
+    assert [t for c in ok for t in c.token_ids] == reference(tiny, prompt, mm, 5)
+    assert ok[-1].usage.prompt_tokens == len(prompt)
+    (dead,) = [c for c in chunks if c.request_id == "dead"]
+    assert dead.finish_reason is WireFinishReason.ERROR and dead.retryable and "encoder enc-1 is gone" in dead.error
+    assert usage.full.in_use == 0 and usage.swa.in_use == 0 and seqs == 0
