@@ -8,10 +8,14 @@ rows (the prompt then names those rows as ordinary token ids), decoded by full r
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import http.server
+import threading
 from collections.abc import Sequence
 
 import cv2
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,7 +25,7 @@ from libs.engine.mm import MMEmbeddings
 from libs.engine.runner import direct_greedy
 from libs.mm.api import Encoded, EncoderUnavailable
 from libs.mm.local import LocalEncoder
-from libs.mm.spec import hash_view, mm_token
+from libs.mm.spec import hash_view, is_mm_token, mm_token
 from libs.model import load_model, load_tokenizer
 from libs.model.vision import VisionTower
 from protos.messages import GenerateRequest, MMKind, WireFinishReason, WireMMItem, WireSamplingParams
@@ -254,3 +258,196 @@ def test_worker_fetches_embeddings_before_admission_and_fails_explicitly(tiny, e
     (dead,) = [c for c in chunks if c.request_id == "dead"]
     assert dead.finish_reason is WireFinishReason.ERROR and dead.retryable and "encoder enc-1 is gone" in dead.error
     assert usage.full.in_use == 0 and usage.swa.in_use == 0 and seqs == 0
+
+
+# --- gateway: real HTTP into the app, an in-process encoder, a recording backend -------------------------------
+
+
+class RecordingBackend:
+    """Answers every request with 2 tokens; records (token ids, mm_items)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[list[int], list[WireMMItem]]] = []
+
+    async def generate(self, request_id, token_ids, sampling, mm_items=()):
+        from protos.messages import TokenChunk, Usage
+
+        self.requests.append((list(token_ids), list(mm_items)))
+        yield TokenChunk(request_id=request_id, token_ids=[104, 105], finish_reason=WireFinishReason.LENGTH,
+                         usage=Usage(prompt_tokens=len(token_ids), completion_tokens=2, cached_tokens=0))
+
+
+def gateway_client(encoder, *, vision: bool = True, **media):
+    from libs.model.config import ModelConfig
+    from libs.model.tokenizer import ByteTokenizer
+    from services.gateway.admission import Admission, AdmissionConfig
+    from services.gateway.generation import Limits
+    from services.gateway.handlers import Api, build_app
+    from services.gateway.media import MediaConfig, VisionTokens
+
+    tok = ByteTokenizer()
+    backend = RecordingBackend()
+
+    async def services():
+        return []
+
+    api = Api(backend, tok, "tiny", Limits(max_model_len=4096, default_max_tokens=2),
+              Admission(AdmissionConfig(4, 4, 5.0)), retry_after_s=2,
+              vision=VisionTokens.of(ModelConfig.tiny(), tok.decode) if vision else None, encoder=encoder,
+              media=MediaConfig(**{"max_items": 2, "max_item_bytes": 1 << 20, "url_timeout_s": 1.0, **media}))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(services, "gw", api)), base_url="http://gw")
+    return client, backend
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat_body(*parts, text: str = "what is this?") -> dict:
+    content = [{"type": "text", "text": text}, *parts]
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def post(client, body) -> httpx.Response:
+    async with client:
+        return await client.post("/v1/chat/completions", json=body)
+
+
+def test_gateway_assembles_the_prompt_with_image_tokens(encoder):
+    client, backend = gateway_client(encoder)
+    img = png_bytes(5)
+    resp = asyncio.run(post(client, chat_body(image_part(data_uri(img)), image_part(data_uri(img)))))
+    assert resp.status_code == 200, resp.text
+    ((ids, items),) = backend.requests
+    enc = asyncio.run(encoder.encode("x", MMKind.IMAGE, img))
+    assert [i.mm_hash for i in items] == [enc.mm_hash] * 2 and items[0].num_tokens == enc.num_tokens > 1
+    from libs.model.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    for item in items:  # <|vision_start|> pseudo tokens <|vision_end|> at the offsets of the final ids
+        assert ids[item.offset - 1] == cfg.vision_start_token_id and ids[item.offset + item.num_tokens] == cfg.vision_end_token_id
+        assert ids[item.offset:item.offset + item.num_tokens] == [mm_token(enc.mm_hash, k) for k in range(enc.num_tokens)]
+    assert sum(map(is_mm_token, ids)) == 2 * enc.num_tokens
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)  # image tokens count
+
+
+def _mp4(path) -> bytes:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 4.0, (32, 32))
+    for i in range(6):
+        writer.write(np.full((32, 32, 3), 40 * i, np.uint8))
+    writer.release()
+    return path.read_bytes()
+
+
+def test_gateway_video_part_and_local_path_under_root(encoder, tmp_path):
+    video = _mp4(tmp_path / "clip.mp4")
+    (tmp_path / "pic.png").write_bytes(png_bytes(6))
+    client, backend = gateway_client(encoder, local_root=str(tmp_path))
+    body = chat_body({"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4")}},
+                     image_part(f"file://{tmp_path}/pic.png"))
+    resp = asyncio.run(post(client, body))
+    assert resp.status_code == 200, resp.text
+    ((ids, items),) = backend.requests
+    assert [i.kind for i in items] == [MMKind.VIDEO, MMKind.IMAGE]
+
+
+BAD_INPUTS = {
+    "truncated image": (lambda: chat_body(image_part(data_uri(png_bytes(1)[:60]))), "could not be decoded"),
+    "non-image bytes": (lambda: chat_body(image_part(data_uri(b"GIF? no, plain text" * 10))), "could not be decoded"),
+    "too many images": (lambda: chat_body(*[image_part(data_uri(png_bytes(1)))] * 3), "more than 2"),
+    "bad data URI": (lambda: chat_body(image_part("data:image/png;base64,@@not-base64@@")), "not valid base64"),
+    "not base64 at all": (lambda: chat_body(image_part("data:image/png,rawbytes")), "data:<type>;base64"),
+    "item too large": (lambda: chat_body(image_part(data_uri(b"\0" * (2 << 20)))), "at most"),
+    "URLs off": (lambda: chat_body(image_part("http://127.0.0.1:9/x.png")), "off on this server"),
+    "vision specials in text": (lambda: chat_body(image_part(data_uri(png_bytes(1))), text="<|image_pad|> hi"),
+                                "may not contain the vision token"),
+    "local path off": (lambda: chat_body(image_part("/etc/passwd")), "local paths are off"),
+    "image in an assistant message": (lambda: {"model": "tiny", "messages": [
+        {"role": "assistant", "content": [image_part(data_uri(png_bytes(1)))]}]}, "only user messages"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_gateway_refuses_bad_media_with_400_before_queueing(encoder, case):
+    make, message = BAD_INPUTS[case]
+    client, backend = gateway_client(encoder)
+    resp = asyncio.run(post(client, make()))
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert message in err["message"] and err["type"] == "invalid_request_error"
+    assert backend.requests == []
+
+
+def test_gateway_without_vision_refuses_images_and_unavailable_encoder_is_503(encoder):
+    client, backend = gateway_client(encoder, vision=False)
+    resp = asyncio.run(post(client, chat_body(image_part(data_uri(png_bytes(1))))))
+    assert resp.status_code == 400 and "no vision tower" in resp.json()["error"]["message"]
+    client, backend = gateway_client(BrokenEncoder())
+    resp = asyncio.run(post(client, chat_body(image_part(data_uri(png_bytes(1))))))
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "encoder_unavailable"
+    assert resp.headers["retry-after"] == "2" and backend.requests == []
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    png = b""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/slow.png":
+            threading.Event().wait(3)  # past the gateway's 1 s bound: it has given up by now
+            return
+        if self.path == "/elsewhere":
+            self.send_response(302)
+            self.send_header("Location", "http://not-allowed.example/x.png")
+            self.end_headers()
+            return
+        if self.path == "/missing.png":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.png)))
+        self.end_headers()
+        self.wfile.write(self.png)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def media_server():
+    _Handler.png = png_bytes(9)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("path,status,message", [
+    ("/ok.png", 200, ""), ("/slow.png", 400, "did not answer within"), ("/missing.png", 400, "HTTP 404"),
+    ("/elsewhere", 400, "not on this server's allow-list")])
+def test_gateway_fetches_allow_listed_urls_with_limits(encoder, media_server, path, status, message):
+    client, backend = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    resp = asyncio.run(post(client, chat_body(image_part(media_server + path))))
+    assert resp.status_code == status, resp.text
+    assert message in (resp.json().get("error") or {}).get("message", "")
+    assert len(backend.requests) == (status == 200)
+
+
+def test_gateway_unreachable_and_unlisted_urls_are_400(encoder):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client, _ = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    resp = asyncio.run(post(client, chat_body(image_part(f"http://127.0.0.1:{port}/x.png"))))
+    assert resp.status_code == 400 and "could not be fetched" in resp.json()["error"]["message"]
+    client, _ = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    resp = asyncio.run(post(client, chat_body(image_part("http://localhost/x.png"))))
+    assert resp.status_code == 400 and "allow-list" in resp.json()["error"]["message"]
