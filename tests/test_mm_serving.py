@@ -451,3 +451,89 @@ def test_gateway_unreachable_and_unlisted_urls_are_400(encoder):
     client, _ = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
     resp = asyncio.run(post(client, chat_body(image_part("http://localhost/x.png"))))
     assert resp.status_code == 400 and "allow-list" in resp.json()["error"]["message"]
+
+
+def test_preempted_image_requests_recompute_from_their_rows(tiny):
+    """Small pools and little decode growth reserved: sequences get preempted and recompute their prompts, the
+    image rows included (they stay with the request)."""
+    _, cfg, _ = tiny
+    core = make_core(tiny, num_full_pages=16, num_swa_pages=64, max_num_batched_tokens=16, admission_decode_tokens=2)
+    reqs = {}
+    for i in range(3):
+        prompt, off = image_prompt(cfg, 300 + i, 16, TEXT_A, TEXT_B[:4])
+        reqs[f"r{i}"] = (prompt, MMEmbeddings((off,), (rows_of(10 + i, 16, cfg.hidden_size),)))
+        core.add_request(Request(f"r{i}", prompt, greedy(16), mm=reqs[f"r{i}"][1]))
+    got = drain(core)
+    assert core.scheduler.stats.preemptions > 0
+    roomy = make_core(tiny)  # no preemption (its outputs equal the reference: the tests above)
+    for rid, (prompt, mm) in reqs.items():
+        roomy.add_request(Request(rid, prompt, greedy(16), mm=mm))
+    assert got == drain(roomy)
+    assert roomy.scheduler.stats.preemptions == 0
+    assert_baseline(core)
+
+
+# --- disaggregated: prefill fetches before the reservation, decode fetches for a recompute ----------------------
+
+
+def test_disaggregated_image_request_and_decode_fetch_failure(tiny, encoder):
+    from libs.engine import AsyncEngine
+    from libs.engine import disagg as dg
+    from libs.transfer import TransferBackend, create_engine
+    from libs.worker.mm import EmbeddingFetcher
+    from services.decode.handlers import DecodeWorker
+    from services.prefill.handlers import PrefillWorker
+
+    model, cfg, tok = tiny
+    config = EngineConfig(page_size=PAGE, num_full_pages=128, num_swa_pages=64, max_num_batched_tokens=16,
+                          bucket_edges=(), max_num_seqs=8)
+
+    async def main():
+        enc = await encoder.encode("r", MMKind.IMAGE, png_bytes(7))
+        prompt, off = image_prompt(cfg, enc.mm_hash, enc.num_tokens, TEXT_A, TEXT_B)
+        (rows,) = await encoder.fetch([wire_item(enc, off)], torch.float32)
+        pre = AsyncEngine(EngineCore(config, model, cfg, tok), output_timeout_s=60)
+        dec = AsyncEngine(dg.DisaggEngineCore(config, model, cfg, tok), output_timeout_s=60)
+        tx, rx = create_engine(backend=TransferBackend.TCP), create_engine(backend=TransferBackend.TCP)
+        finals: dict[str, asyncio.Event] = {}
+        chunks: dict[str, list] = {}
+
+        async def publish(subject, chunk):
+            chunks.setdefault(chunk.request_id, []).append(chunk)
+            if chunk.finish_reason is not None:
+                finals.setdefault(chunk.request_id, asyncio.Event()).set()
+
+        pre.start()
+        dec.start()
+        await tx.start()
+        await rx.start()
+        try:
+            for name, decode_encoder in (("ok", encoder), ("decode-fetch-fails", BrokenEncoder())):
+                decode = DecodeWorker(dec, rx, "d0", publish, transfer_timeout_s=30,
+                                      fetcher=EmbeddingFetcher(decode_encoder))
+                prefill = PrefillWorker(pre, tx, "p0", lambda _d, m, w=decode: w.prepare(m), publish,
+                                        commit=lambda _d, m, w=decode: w.commit(m), transfer_timeout_s=30,
+                                        fetcher=EmbeddingFetcher(encoder))
+                req = GenerateRequest(request_id=name, token_ids=prompt, stream_subject="s", decode_instance="d0",
+                                      mm_items=[wire_item(enc, off)],
+                                      sampling=WireSamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                await prefill.submit(req)
+                await asyncio.wait_for(finals.setdefault(name, asyncio.Event()).wait(), 60)
+                await prefill.tasks.drain(30)  # both sides' request tasks ended (cleanups done)
+                await decode.tasks.drain(30)
+            usage = [await e.call(lambda core: core.usage()) for e in (pre, dec)]
+            pending = len(dec.core.pending)
+        finally:
+            await tx.close()
+            await rx.close()
+            await asyncio.to_thread(pre.shutdown)
+            await asyncio.to_thread(dec.shutdown)
+        return prompt, MMEmbeddings((off,), (rows,)), chunks, usage, pending
+
+    prompt, mm, chunks, usage, pending = asyncio.run(main())
+    assert [t for c in chunks["ok"] for t in c.token_ids] == reference(tiny, prompt, mm, 6)
+    failed = chunks["decode-fetch-fails"][-1]
+    assert failed.finish_reason is WireFinishReason.ERROR and "could not be fetched" in failed.error
+    for u in usage:
+        assert u.full.in_use == 0 and u.swa.in_use == 0 and u.full.reserved == 0
+    assert pending == 0
