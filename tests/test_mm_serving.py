@@ -305,7 +305,7 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 def chat_body(*parts, text: str = "what is this?") -> dict:
     content = [{"type": "text", "text": text}, *parts]
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0}
 
 
 def image_part(url: str) -> dict:
@@ -537,3 +537,47 @@ def test_disaggregated_image_request_and_decode_fetch_failure(tiny, encoder):
     for u in usage:
         assert u.full.in_use == 0 and u.swa.in_use == 0 and u.full.reserved == 0
     assert pending == 0
+
+
+# --- services over a real nats-server: gateway + combined worker (encoder injected in-process) ----------------
+
+
+@pytest.mark.integration
+def test_services_serve_an_image_and_cache_it_across_requests(nats_url, encoder):
+    """Real HTTP into the gateway service, GenerateRequest with mm_items over NATS, the worker's checks, fetch and
+    engine: the same image twice -> the second request's cached tokens cover the image tokens."""
+    import uuid
+
+    from services.gateway.config import GatewayConfig
+    from services.gateway.service import GatewayService
+    from services.worker.config import WorkerConfig
+    from services.worker.service import WorkerService
+
+    namespace = f"mm_{uuid.uuid4().hex[:8]}"
+    common = dict(nats_url=nats_url, namespace=namespace, registry_ttl_s=2, heartbeat_interval_s=0.3)
+    img = png_bytes(11)
+    n_image = asyncio.run(encoder.encode("x", MMKind.IMAGE, img)).num_tokens
+
+    async def main():
+        worker = WorkerService(WorkerConfig(**common, load_interval_s=0.1, page_size=PAGE, num_full_pages=256,
+                                            num_swa_pages=96, max_num_batched_tokens=64, bucket_edges=[]))
+        gateway = GatewayService(GatewayConfig(**common, http_port=0, page_size=PAGE, served_model_name="tiny"))
+        worker.encoder = gateway.encoder = encoder
+        await worker.start()
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(base_url=gateway.http_url, timeout=60) as client:
+                bodies = []
+                for _ in range(2):
+                    resp = await client.post("/v1/chat/completions", json={**chat_body(image_part(data_uri(img))), "max_tokens": 6})
+                    assert resp.status_code == 200, resp.text
+                    bodies.append(resp.json())
+        finally:
+            await gateway.stop()
+            await worker.stop()
+        return bodies
+
+    first, second = asyncio.run(main())
+    assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"] > n_image
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_image
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]

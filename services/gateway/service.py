@@ -26,6 +26,7 @@ from services.gateway.protocol import error_body
 from services.gateway.readiness import CachedListing
 
 if TYPE_CHECKING:
+    from libs.mm.api import EncoderAPI
     from libs.mm.client import EncoderClient
 
 
@@ -77,7 +78,8 @@ class GatewayService(Service):
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.backend: NatsBackend | None = None
-        self._encoder: EncoderClient | None = None  # multimodal models: the encoder tier's client
+        self.encoder: EncoderAPI | None = None  # a test injects an EncoderAPI here before setup
+        self._encoder: EncoderClient | None = None  # else, for a multimodal model: the encoder tier's client
         self._encoder_view: RegistryView | None = None
         # one registry listing, reused for 0.5 s, shared by readiness probes and the backend
         self._listing = CachedListing(self._list_services, BackendConfig.fleet_cache_s)
@@ -100,10 +102,10 @@ class GatewayService(Service):
             reconnect_bound_s=cfg.reconnect_bound_s,
         ))
         vision = VisionTokens.of(await asyncio.to_thread(model_config, cfg.model), tokenizer.decode)
-        if vision is not None:
+        if vision is not None and self.encoder is None:
             await self._start_encoder()
         return handlers.Api(
-            vision=vision, encoder=self._encoder, media=cfg.media_config(),
+            vision=vision, encoder=self.encoder or self._encoder, media=cfg.media_config(),
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
             limits=Limits(cfg.context_length, cfg.default_max_tokens, cfg.max_n, cfg.max_batch, cfg.max_stop_strings,
                           cfg.max_stop_length, cfg.max_messages, cfg.max_fanout),
