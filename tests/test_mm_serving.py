@@ -26,49 +26,32 @@ from libs.engine.runner import direct_greedy
 from libs.mm.api import Encoded, EncoderUnavailable
 from libs.mm.local import LocalEncoder
 from libs.mm.spec import hash_view, is_mm_token, mm_token
-from libs.model import load_model, load_tokenizer
 from libs.model.vision import VisionTower
 from protos.messages import GenerateRequest, MMKind, WireFinishReason, WireMMItem, WireSamplingParams
+from tests import test_engine
+from tests.test_engine import PAGE, assert_baseline
 
 pytestmark = [pytest.mark.timeout(120)]
 
-PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    model, cfg = load_model(None)
-    return model, cfg, load_tokenizer(None)
+tiny = test_engine.tiny  # the tiny model fixture (model, config, tokenizer)
 
 
 def make_core(tiny, **overrides) -> EngineCore:
-    model, cfg, tok = tiny
-    opts = dict(page_size=PAGE, num_full_pages=256, num_swa_pages=128, max_num_batched_tokens=256,
-                bucket_edges=(), max_num_seqs=8)
-    opts.update(overrides)
-    return EngineCore(EngineConfig(**opts), model, cfg, tok)
+    return test_engine.make_core(tiny, **{"num_full_pages": 256, "max_num_batched_tokens": 256, "max_num_seqs": 8, **overrides})
 
 
-def drain(core: EngineCore) -> dict[str, list[int]]:
+def drain(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Every request's tokens and cached prompt tokens, stepping until the engine is idle."""
     got: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     for _ in range(2000):
         if not core.has_work():
-            core.cached = cached  # type: ignore[attr-defined]
-            return got
+            return got, cached
         for out in core.step():
             got.setdefault(out.req_id, []).extend(out.new_token_ids)
             cached[out.req_id] = out.num_cached_tokens
         core.check_invariants()
     raise AssertionError("engine did not drain")
-
-
-def assert_baseline(core: EngineCore) -> None:
-    u = core.usage()
-    for pool in (u.full, u.swa):
-        assert pool.in_use == 0 and pool.free + pool.cached == pool.capacity, pool
-    assert not core.scheduler.seqs and not core.scheduler.running
 
 
 def rows_of(seed: int, n: int, hidden: int) -> torch.Tensor:
@@ -117,7 +100,7 @@ def test_override_equals_embeddings_fed_directly_and_chunked_prefill(tiny, chunk
     mm = MMEmbeddings((off,), (rows_of(1, 20, cfg.hidden_size),))
     core = make_core(tiny, max_num_batched_tokens=chunk)
     core.add_request(Request("a", prompt, greedy(8), mm=mm))
-    got = drain(core)
+    got, _ = drain(core)
     assert got["a"] == reference(tiny, prompt, mm, 8)
     assert_baseline(core)
 
@@ -136,12 +119,12 @@ def test_same_image_hits_the_prefix_cache_and_prefix_hit_inside_an_image(tiny):
     drain(core)
     longer = first + list(b" and now?")
     core.add_request(Request("inside", longer, greedy(6), mm=mm))
-    got = drain(core)
-    assert off < core.cached["inside"] < off + 16, core.cached  # the hit ends inside the image
+    got, cached = drain(core)
+    assert off < cached["inside"] < off + 16, cached  # the hit ends inside the image
     assert got["inside"] == reference(tiny, longer, mm, 6)
     core.add_request(Request("again", longer, greedy(6), mm=mm))
-    got = drain(core)
-    assert core.cached["again"] >= off + 16  # covers every image token
+    got, cached = drain(core)
+    assert cached["again"] >= off + 16  # covers every image token
     assert got["again"] == reference(tiny, longer, mm, 6)
     assert_baseline(core)
 
@@ -153,8 +136,8 @@ def test_different_images_same_text_differ_and_never_share_kv(tiny):
     for name, h, seed in (("one", 101, 3), ("two", 202, 4)):
         prompt, off = image_prompt(cfg, h, 16, TEXT_A, TEXT_B)
         core.add_request(Request(name, prompt, greedy(8), mm=MMEmbeddings((off,), (rows_of(seed, 16, cfg.hidden_size),))))
-        outs[name] = drain(core)[name]
-        cached[name] = core.cached[name]
+        got, hits = drain(core)
+        outs[name], cached[name] = got[name], hits[name]
     assert outs["one"] != outs["two"]
     assert cached["two"] <= len(TEXT_A) + 1  # only the text before the image is shared
     assert_baseline(core)
@@ -463,12 +446,12 @@ def test_preempted_image_requests_recompute_from_their_rows(tiny):
         prompt, off = image_prompt(cfg, 300 + i, 16, TEXT_A, TEXT_B[:4])
         reqs[f"r{i}"] = (prompt, MMEmbeddings((off,), (rows_of(10 + i, 16, cfg.hidden_size),)))
         core.add_request(Request(f"r{i}", prompt, greedy(16), mm=reqs[f"r{i}"][1]))
-    got = drain(core)
+    got, _ = drain(core)
     assert core.scheduler.stats.preemptions > 0
     roomy = make_core(tiny)  # no preemption (its outputs equal the reference: the tests above)
     for rid, (prompt, mm) in reqs.items():
         roomy.add_request(Request(rid, prompt, greedy(16), mm=mm))
-    assert got == drain(roomy)
+    assert got == drain(roomy)[0]
     assert roomy.scheduler.stats.preemptions == 0
     assert_baseline(core)
 
