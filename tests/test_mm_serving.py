@@ -349,6 +349,9 @@ BAD_INPUTS = {
     "vision specials in text": (lambda: chat_body(image_part(data_uri(png_bytes(1))), text="<|image_pad|> hi"),
                                 "may not contain the vision token"),
     "local path off": (lambda: chat_body(image_part("/etc/passwd")), "local paths are off"),
+    "vision token in tool text": (lambda: {**chat_body(image_part(data_uri(png_bytes(1)))), "tools": [
+        {"type": "function", "function": {"name": "f", "description": "<|vision_start|>"}}]},
+        "not this request's images"),
     "image in an assistant message": (lambda: {"model": "tiny", "messages": [
         {"role": "assistant", "content": [image_part(data_uri(png_bytes(1)))]}]}, "only user messages"),
 }

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
 from libs.service import ServiceConfig
-from services.gateway.media import MediaConfig
+
+if TYPE_CHECKING:
+    from services.gateway.media import MediaConfig
 
 
 class GatewayConfig(ServiceConfig):
@@ -77,6 +80,8 @@ class GatewayConfig(ServiceConfig):
         return self
 
     def media_config(self) -> MediaConfig:
+        from services.gateway.media import MediaConfig  # (the media stack only where the API is served)
+
         return MediaConfig(
             max_items=self.mm_max_items, max_item_bytes=self.mm_max_item_bytes,
             max_total_bytes=self.mm_max_total_bytes,

@@ -229,8 +229,12 @@ class ChatMedia:
 
 
 def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str,
-              media: ChatMedia | None = None) -> Plan:
-    messages = media.messages if media is not None else chat_messages(body, limits)
+              media: ChatMedia | None = None, messages: list[dict[str, Any]] | None = None) -> Plan:
+    """`messages`: the template dicts when the caller made them already (`chat_messages`; with `media`, its)."""
+    if media is not None:
+        messages = media.messages
+    if messages is None:
+        messages = chat_messages(body, limits)
     stops = _common_checks(body, 1, limits)
     # tool_choice none: the tools are not shown to the model (it could only answer in text anyway)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.calls_tools else None

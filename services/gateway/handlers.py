@@ -292,10 +292,13 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
         body = parse_body(ChatCompletionRequest, await read_body(request, api.max_body_bytes))
         check_model(body.model)
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
-        collector = MediaCollector(api.vision, api.media) if api.vision is not None else None
-        messages = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
-        if collector is None or not collector.parts:
+        if api.vision is None:  # a text-only model (an image part is a 400 in plan_chat)
             return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name), request)
+        collector = MediaCollector(api.vision, api.media)
+        messages = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
+        if not collector.parts:
+            return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
+                                         messages=messages), request)
         vision, parts = collector.vision, collector.parts
 
         async def plan_with_media() -> Plan:

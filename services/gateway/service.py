@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +32,20 @@ if TYPE_CHECKING:
 
 
 def model_config(model: str) -> Any:
-    """The served model's ModelConfig (torch-free): its vision tower and tokens decide whether images are taken."""
+    """The served model's ModelConfig: its vision tower and tokens decide whether images are taken. None when the
+    model directory has no config this code reads (then the gateway serves text only, as before)."""
     from libs.model.config import ModelConfig
 
-    return ModelConfig.from_pretrained(model) if model else ModelConfig.tiny()
+    if not model:
+        return ModelConfig.tiny()
+    try:
+        return ModelConfig.from_pretrained(model)
+    except Exception as exc:
+        log.warning("no model config read: images are off", extra={"model": model, "error": repr(exc)})
+        return None
+
+
+log = logging.getLogger("windserve.gateway")
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -101,7 +112,8 @@ class GatewayService(Service):
             retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
             reconnect_bound_s=cfg.reconnect_bound_s,
         ))
-        vision = VisionTokens.of(await asyncio.to_thread(model_config, cfg.model), tokenizer.decode)
+        mc = await asyncio.to_thread(model_config, cfg.model)
+        vision = VisionTokens.of(mc, tokenizer.decode) if mc is not None else None
         if vision is not None and self.encoder is None:
             await self._start_encoder()
         return handlers.Api(
