@@ -567,3 +567,28 @@ def test_services_serve_an_image_and_cache_it_across_requests(nats_url, encoder)
     assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"] > n_image
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_image
     assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+def test_lazy_encoder_builds_on_first_use_and_retries_a_failed_build(encoder):
+    from libs.worker.mm import EmbeddingFetcher, LazyEncoder
+
+    builds = []
+
+    async def make():
+        builds.append(len(builds))
+        if len(builds) == 1:
+            raise OSError("registry unreachable")
+        return encoder
+
+    async def main():
+        enc = await encoder.encode("r", MMKind.IMAGE, png_bytes(2))
+        fetcher = EmbeddingFetcher(LazyEncoder(make), timeout_s=5)
+        assert builds == []  # nothing built before a request needs it
+        with pytest.raises(EncoderUnavailable, match="could not start"):
+            await fetcher.fetch([wire_item(enc, 3)])
+        mm = await fetcher.fetch([wire_item(enc, 3)])
+        await fetcher.fetch([wire_item(enc, 3)])
+        return mm, enc
+
+    mm, enc = asyncio.run(main())
+    assert builds == [0, 1] and mm.offsets == (3,) and mm.rows[0].shape[0] == enc.num_tokens

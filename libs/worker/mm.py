@@ -11,14 +11,14 @@ Also here (pure): `mm_refusal`, why a GenerateRequest's `mm_items` cannot be ser
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 from libs.engine.mm import MMEmbeddings
-from libs.mm.api import EncoderAPI, EncoderUnavailable
+from libs.mm.api import Encoded, EncoderAPI, EncoderUnavailable
 from libs.mm.spec import MM_TOKEN_FLAG, mm_token
-from protos.messages import WireMMItem
+from protos.messages import MMKind, WireMMItem
 
 
 def mm_refusal(token_ids: Sequence[int], items: Sequence[WireMMItem], has_vision: bool) -> str | None:
@@ -44,6 +44,33 @@ def mm_refusal(token_ids: Sequence[int], items: Sequence[WireMMItem], has_vision
     if stray is not None:
         return f"prompt position {stray} holds a multimodal pseudo token that no mm_item covers"
     return None
+
+
+class LazyEncoder:
+    """An EncoderAPI built on first use by `make` (one build at a time; a failed build is tried again by the next
+    call). Callers bound the wait (EmbeddingFetcher's timeout covers the build)."""
+
+    def __init__(self, make: Callable[[], Awaitable[EncoderAPI]]) -> None:
+        self._make = make
+        self._encoder: EncoderAPI | None = None
+        self._lock = asyncio.Lock()
+
+    async def _get(self) -> EncoderAPI:
+        async with self._lock:
+            if self._encoder is None:
+                try:
+                    self._encoder = await self._make()
+                except (EncoderUnavailable, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # e.g. the registry could not be listed
+                    raise EncoderUnavailable(f"the encoder client could not start: {exc!r}") from exc
+            return self._encoder
+
+    async def encode(self, request_id: str, kind: MMKind, data: bytes) -> Encoded:
+        return await (await self._get()).encode(request_id, kind, data)
+
+    async def fetch(self, items: Sequence[WireMMItem], dtype: torch.dtype) -> list[torch.Tensor]:
+        return await (await self._get()).fetch(items, dtype)
 
 
 class EmbeddingFetcher:

@@ -41,7 +41,7 @@ from libs.worker.gcache import GCacheLink
 from libs.worker.kv_events import KVFeed
 from libs.worker.kv_wire import layout_labels
 from libs.worker.metrics import Outcomes
-from libs.worker.mm import EmbeddingFetcher
+from libs.worker.mm import EmbeddingFetcher, LazyEncoder
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import load_from, request_refusal
 from protos import subjects
@@ -88,8 +88,8 @@ class EngineWorkerService(Service):
         self.gcache_store: BlockStore | None = None
         self.gcache: GCacheLink | None = None
         self._gcache_client: GCacheClient | None = None  # the real client this service started (it closes it)
-        # multimodal models (#16): a test injects an EncoderAPI here before setup; else setup builds the real
-        # EncoderClient (closed at teardown). `fetcher` gets every request's embeddings before admission.
+        # multimodal models (#16): a test injects an EncoderAPI here before setup; else the real EncoderClient is
+        # built on first use (closed at teardown). `fetcher` gets every request's embeddings before admission.
         self.encoder: EncoderAPI | None = None
         self.fetcher: EmbeddingFetcher | None = None
         self._encoder_client: EncoderClient | None = None
@@ -159,22 +159,31 @@ class EngineWorkerService(Service):
         self.gcache.attach()
 
     async def start_encoder_client(self, engine: AsyncEngine) -> None:
-        """The embedding fetcher of a multimodal model: over the injected EncoderAPI (tests), else the real
-        EncoderClient over the encoders in the registry and this worker's transfer engine (`mm_transfer`)."""
-        cfg = self.config
-        encoder = self.encoder
-        if encoder is None:
-            from libs.bus import RegistryView, ViewConfig
-            from libs.mm.client import EncoderClient
+        """The embedding fetcher of a multimodal model: over the injected EncoderAPI (tests), else over the real
+        EncoderClient, built on the first request with images (`_build_encoder_client`): a deployment that never
+        sends one starts no registry view, client or extra transfer engine."""
+        encoder = self.encoder if self.encoder is not None else LazyEncoder(self._build_encoder_client)
+        self.fetcher = EmbeddingFetcher(encoder, engine.core.config.torch_dtype, self.config.mm_fetch_timeout_s)
 
-            assert self.bus is not None and self.registry is not None
+    async def _build_encoder_client(self) -> EncoderAPI:
+        """EncoderClient over the encoders in the registry and this worker's transfer engine (`mm_transfer`);
+        whatever it started is closed again when it fails half way (the next request tries again)."""
+        from libs.bus import RegistryView, ViewConfig
+        from libs.mm.client import EncoderClient
+
+        assert self.bus is not None and self.registry is not None
+        cfg = self.config
+        try:
             self._encoder_view = RegistryView(self.registry, role=Role.ENCODER,
                                               config=ViewConfig(list_timeout_s=cfg.connect_timeout_s))
             await self._encoder_view.start()
             client = EncoderClient(self.bus, cfg.namespace, self._encoder_view, engine=await self.mm_transfer())
             await client.start()
-            self._encoder_client = encoder = client
-        self.fetcher = EmbeddingFetcher(encoder, engine.core.config.torch_dtype, cfg.mm_fetch_timeout_s)
+        except BaseException:
+            await self.close_encoder_client()
+            raise
+        self._encoder_client = client
+        return client
 
     async def mm_transfer(self) -> KVTransferEngine:
         """The transfer engine embeddings arrive on: the combined worker starts one of its own (closed at
