@@ -12,14 +12,11 @@ the planning code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
-
-if TYPE_CHECKING:
-    from services.gateway.media import MediaCollector
 
 MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
@@ -185,6 +182,13 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+class MediaParts(Protocol):
+    """What a chat message hands its image / video parts and text to (services/gateway/media.MediaCollector)."""
+
+    def check_text(self, text: str, param: str) -> None: ...
+    def add(self, part: dict[str, Any], param: str, role: str) -> str: ...
+
+
 class ChatMessage(_Strict):
     """A message with text content (a string or text parts). Every message needs `content` (400 when
     missing or null) except an assistant message with `tool_calls`; a `tool` message (a tool's result)
@@ -207,7 +211,7 @@ class ChatMessage(_Strict):
             raise ApiError(400, f"{where}.tool_call_id: a tool message needs one, other roles have none",
                            param=f"{where}.tool_call_id")
 
-    def template_dict(self, index: int, media: MediaCollector | None = None) -> dict[str, Any]:
+    def template_dict(self, index: int, media: MediaParts | None = None) -> dict[str, Any]:
         """The message as chat templates take it (HF convention: tool-call arguments as an object). With `media`
         (a model with a vision tower), image / video parts become its placeholders and text is checked for
         vision tokens."""
@@ -223,7 +227,7 @@ class ChatMessage(_Strict):
             out["tool_call_id"] = self.tool_call_id
         return out
 
-    def text(self, index: int, media: MediaCollector | None = None) -> str:
+    def text(self, index: int, media: MediaParts | None = None) -> str:
         """Message content as text. Content parts are text, or (with `media`) image_url / video_url parts, which
         become the collector's placeholders (services/gateway/media.py)."""
         param = f"messages.{index}.content"
