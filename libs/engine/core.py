@@ -17,6 +17,7 @@ import torch
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
+from libs.engine.mm import MMEmbeddings
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask, filter_logits
@@ -34,6 +35,7 @@ from libs.engine.spec import (
 )
 from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
 from libs.kvcache.types import CacheStats, PoolUsage
+from libs.mm.spec import MM_TOKEN_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,22 @@ class EngineCore:
                              f"vocabulary [0, {self.model_config.vocab_size})")
         if req.params.grammar is not None:
             self.grammars.cache.compile(req.params.grammar)  # refuse a bad grammar now; warm the cache
+        self._check_mm(req)
         self.scheduler.add_request(req)
+
+    def _check_mm(self, req: Request) -> None:
+        """A prompt with pseudo tokens (images, libs/mm/spec.py) needs rows for exactly those positions."""
+        if req.mm is None and not any(t >= MM_TOKEN_FLAG for t in req.prompt_token_ids):
+            return
+        if self.model_config.vision is None:
+            raise ValueError(f"request {req.req_id!r} carries images but this model has no vision config")
+        if req.mm is None:
+            raise ValueError(f"request {req.req_id!r}: prompt has multimodal pseudo tokens but no embedding rows")
+        req.mm.check(req.prompt_token_ids, self.model_config.hidden_size)
+
+    def _mm_of(self, req_id: str) -> MMEmbeddings | None:
+        seq = self.scheduler.seqs.get(req_id)
+        return seq.req.mm if seq is not None else None
 
     def abort(self, req_id: str) -> bool:
         """Abort a request (waiting, running or held); frees all its KV. Its final output (finish
@@ -220,7 +237,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         t0 = time.perf_counter()
         try:
-            logits = self.runner.forward(plan, interrupt if plan.interruptible else None)
+            logits = self.runner.forward(plan, interrupt if plan.interruptible else None, mm=self._mm_of)
         except StepInterrupted:
             self.num_interrupted += 1
             return []

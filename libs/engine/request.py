@@ -10,7 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # torch-free at run time: only services with images attach rows
+    from libs.engine.mm import MMEmbeddings
 
 
 class FinishReason(StrEnum):
@@ -134,6 +137,8 @@ class Request:
     on_progress: called on the engine thread after every step that computed some of this request's KV
     (once that step is committed), with a `PrefillProgress`. It runs inside the step loop: it must be quick
     and must not raise (the engine logs and aborts the request if it does).
+    mm: the embedding rows of the prompt's images (libs/engine/mm.py) when `prompt_token_ids` carries pseudo
+    tokens (the hash view, libs/mm/spec.py); kept for the request's life (a preempted request recomputes).
     """
 
     req_id: str
@@ -142,6 +147,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prefill_only: bool = False
     on_progress: Callable[[PrefillProgress], None] | None = field(default=None, repr=False, compare=False)
+    mm: MMEmbeddings | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from libs.engine import mm as mm_rows
 from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
@@ -112,6 +113,8 @@ class ModelRunner:
         self._forward_thread: int | None = None  # the thread inside forward(): the layer hooks act for it only
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = make_generator(seed)
+        # pseudo tokens (images) are looked up as the pad id; their rows are then overwritten
+        self._pad_id = int(getattr(model_config, "image_token_id", None) or 0)
 
     def close(self) -> None:
         """Remove the layer hooks from the model and stop the copy thread (idempotent; also done on GC)."""
@@ -154,13 +157,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+    def forward(self, plan: BatchPlan, interrupt: Callable[[], bool] | None = None,
+                mm: mm_rows.Lookup | None = None) -> torch.Tensor:
         """Execute the plan's copies and forward; logits [num sampling seqs, vocab] in plan order.
 
         With `interrupt`, it is polled before every decoder layer and before each layer's MLP, and the
         forward raises StepInterrupted as soon as it returns True. The copies still complete (the cache's
         books already moved those pages); the K/V the forward wrote so far sits at positions no sequence
-        has committed, so it is simply written again when the chunk is rescheduled."""
+        has committed, so it is simply written again when the chunk is rescheduled.
+
+        `mm` (request id -> its MMEmbeddings or None): chunks over image positions look the pad id up and get
+        their rows overwritten by the request's embedding rows (libs/engine/mm.py)."""
         self.backup(plan.backup_copies)
         self.start_load(plan.load_copies)
         self._interrupt = interrupt
@@ -169,9 +176,12 @@ class ModelRunner:
             if not plan.seqs:
                 return torch.empty(0)
             input_ids, meta = build_inputs(plan, self.device)
+            embeds = None
+            if mm is not None and self.model_config.vision is not None:
+                input_ids, embeds = mm_rows.model_inputs(input_ids, plan.seqs, mm, self._pad_id)
             if not self.draft_layers:
-                return self.model(input_ids, meta, self.kv)
-            logits, self.hidden = self.model(input_ids, meta, self.kv, return_hidden=True)
+                return self.model(input_ids, meta, self.kv, embeds=embeds)
+            logits, self.hidden = self.model(input_ids, meta, self.kv, return_hidden=True, embeds=embeds)
             return logits
         finally:
             self._interrupt = self._forward_thread = None

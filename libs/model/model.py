@@ -104,14 +104,19 @@ class MiMoV2Model(nn.Module):
         return full, swa
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools, return_hidden: bool = False):
+    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools, return_hidden: bool = False,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
         """input_ids int64 ``[sum(q_lens)]``. Writes the new K/V into the pools, attends cached + new
         (causal; window + sinks on SWA layers) and returns float32 logits ``[num_logits, vocab]`` — plus the
-        final-norm hidden states of every new token ``[T, hidden]`` when ``return_hidden`` (MTP input)."""
+        final-norm hidden states of every new token ``[T, hidden]`` when ``return_hidden`` (MTP input).
+        ``embeds`` = (rows int64 ``[n]``, values ``[n, hidden]``): those rows of the token embeddings are replaced
+        by the values (image / video embeddings at their pad positions, #16)."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but q_lens sum to {meta.num_tokens}")
         full, swa = self._contexts(meta, kv)
         h = self.model.embed_tokens(input_ids)
+        if embeds is not None:
+            h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         for module in self.model.layers:
             layer = cast(DecoderLayer, module)
             if layer.is_swa:

@@ -66,6 +66,12 @@ class EngineServiceConfig(ServiceConfig):
     gcache_advertise_host: str = Field(default="", description="host storage nodes dial to send values (empty: "
                                        "gcache_transfer_host)")
 
+    mm_fetch_timeout_s: float = Field(
+        default=10.0, gt=0, description="multimodal models: bound of fetching one request's image / video "
+        "embeddings from the encoder tier (before the request enters the engine; past it the request fails)")
+    mm_transfer_host: str = Field(default="127.0.0.1", description="multimodal models, combined worker: bind address "
+                                  "of the transfer engine the embeddings arrive on (prefill / decode use their KV one)")
+
     @model_validator(mode="after")
     def _buckets_in_range(self) -> EngineServiceConfig:
         num_buckets = len(self.bucket_edges) + 1

@@ -31,6 +31,7 @@ from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
 from libs.engine.l3 import l3_namespace
 from libs.gcache.api import BlockStore
+from libs.mm.api import EncoderAPI
 from libs.service import Service
 from libs.transfer import KVTransferEngine, advertised_address, create_engine
 from libs.worker import metrics
@@ -40,6 +41,7 @@ from libs.worker.gcache import GCacheLink
 from libs.worker.kv_events import KVFeed
 from libs.worker.kv_wire import layout_labels
 from libs.worker.metrics import Outcomes
+from libs.worker.mm import EmbeddingFetcher, LazyEncoder
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import load_from, request_refusal
 from protos import subjects
@@ -50,13 +52,16 @@ from protos.messages import (
     GenerateRequest,
     KVSnapshotRequest,
     RegistryEntry,
+    Role,
     ServiceState,
     TokenChunk,
     WorkerLoad,
 )
 
 if TYPE_CHECKING:  # the SDK (and its IO stack) is imported only when GCache is on
+    from libs.bus import RegistryView
     from libs.gcache.client import GCacheClient
+    from libs.mm.client import EncoderClient
 
 Refusal = tuple[AckStatus, str]
 
@@ -83,6 +88,13 @@ class EngineWorkerService(Service):
         self.gcache_store: BlockStore | None = None
         self.gcache: GCacheLink | None = None
         self._gcache_client: GCacheClient | None = None  # the real client this service started (it closes it)
+        # multimodal models (#16): a test injects an EncoderAPI here before setup; else the real EncoderClient is
+        # built on first use (closed at teardown). `fetcher` gets every request's embeddings before admission.
+        self.encoder: EncoderAPI | None = None
+        self.fetcher: EmbeddingFetcher | None = None
+        self._encoder_client: EncoderClient | None = None
+        self._encoder_view: RegistryView | None = None
+        self._mm_transfer: KVTransferEngine | None = None
 
     # --- hooks for the roles ----------------------------------------------------------------------
 
@@ -119,6 +131,8 @@ class EngineWorkerService(Service):
                                          core_class=self.core_class, output_timeout_s=cfg.output_timeout_s)
         if cfg.gcache:
             await self.start_gcache(engine)
+        if engine.core.model_config.vision is not None:
+            await self.start_encoder_client(engine)
         engine.start()
         self.engine = engine
         aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
@@ -144,6 +158,55 @@ class EngineWorkerService(Service):
                                  write_queue=cfg.gcache_write_queue, write_queue_bytes=cfg.gcache_write_queue_mib << 20)
         self.gcache.attach()
 
+    async def start_encoder_client(self, engine: AsyncEngine) -> None:
+        """The embedding fetcher of a multimodal model: over the injected EncoderAPI (tests), else over the real
+        EncoderClient, built on the first request with images (`_build_encoder_client`): a deployment that never
+        sends one starts no registry view, client or extra transfer engine."""
+        encoder = self.encoder if self.encoder is not None else LazyEncoder(self._build_encoder_client)
+        self.fetcher = EmbeddingFetcher(encoder, engine.core.config.torch_dtype, self.config.mm_fetch_timeout_s)
+
+    async def _build_encoder_client(self) -> EncoderAPI:
+        """EncoderClient over the encoders in the registry and this worker's transfer engine (`mm_transfer`);
+        whatever it started is closed again when it fails half way (the next request tries again)."""
+        from libs.bus import RegistryView, ViewConfig
+        from libs.mm.client import EncoderClient
+
+        assert self.bus is not None and self.registry is not None
+        cfg = self.config
+        try:
+            self._encoder_view = RegistryView(self.registry, role=Role.ENCODER,
+                                              config=ViewConfig(list_timeout_s=cfg.connect_timeout_s))
+            await self._encoder_view.start()
+            client = EncoderClient(self.bus, cfg.namespace, self._encoder_view, engine=await self.mm_transfer())
+            await client.start()
+        except BaseException:
+            await self.close_encoder_client()
+            raise
+        self._encoder_client = client
+        return client
+
+    async def mm_transfer(self) -> KVTransferEngine:
+        """The transfer engine embeddings arrive on: the combined worker starts one of its own (closed at
+        teardown); prefill and decode use their KV engine."""
+        if self._mm_transfer is None:
+            self._mm_transfer = create_engine()
+            await self._mm_transfer.start(host=self.config.mm_transfer_host)
+        return self._mm_transfer
+
+    async def close_encoder_client(self) -> None:
+        client, self._encoder_client = self._encoder_client, None
+        view, self._encoder_view = self._encoder_view, None
+        transfer, self._mm_transfer = self._mm_transfer, None
+        with contextlib.suppress(Exception):
+            if client is not None:
+                await client.close()
+        with contextlib.suppress(Exception):
+            if view is not None:
+                await view.stop()
+        with contextlib.suppress(Exception):
+            if transfer is not None and transfer is not getattr(self, "transfer", None):
+                await transfer.close()
+
     async def start_kv_feed(self) -> None:
         """The KV-affinity feed (libs/worker/kv_events.py): the cache's events, snapshots, hit reports."""
         assert self.bus is not None and self.engine is not None
@@ -164,6 +227,7 @@ class EngineWorkerService(Service):
             await self._stop_engine()
         finally:
             await self.close_gcache()  # also when setup failed between starting the client and the engine
+            await self.close_encoder_client()
 
     async def _stop_engine(self) -> None:
         await self.tasks.drain(self.config.drain_timeout_s)
@@ -220,8 +284,9 @@ class EngineWorkerService(Service):
         if req.request_id in self.tasks:
             return AckStatus.INVALID, f"request id {req.request_id!r} is already running"
         assert self.engine is not None
-        vocab = int(self.engine.core.model_config.vocab_size)
-        return self.role_refusal(req) or request_refusal(req, vocab, self.config.max_request_tokens)
+        mc = self.engine.core.model_config
+        return self.role_refusal(req) or request_refusal(req, int(mc.vocab_size), self.config.max_request_tokens,
+                                                         mc.vision is not None)
 
     async def publish(self, subject: str, chunk: TokenChunk) -> None:
         """Publish a TokenChunk on a request's stream (the roles' injected `publish`)."""
@@ -272,6 +337,8 @@ class EngineWorkerService(Service):
             details.update(self.kv_feed.stats.as_details())
         if self.gcache is not None:
             details.update({f"gcache_{k}": str(v) for k, v in self.gcache.counts().items()})
+        if self.fetcher is not None:
+            details.update({k: str(v) for k, v in self.fetcher.counts().items()})
         details.update(self.role_details())
         return details
 
@@ -290,6 +357,9 @@ class DisaggWorkerService(EngineWorkerService):
         self.address = advertised_address(await self.transfer.start(host=self.config.transfer_host),
                                           self.config.advertise_host)
         await super().setup()
+
+    async def mm_transfer(self) -> KVTransferEngine:
+        return self.transfer  # embeddings arrive on the KV engine (own transfer ids)
 
     async def teardown(self) -> None:
         try:

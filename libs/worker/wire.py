@@ -7,6 +7,8 @@ import math
 from libs.engine.core import EngineLoad
 from libs.engine.grammar import validate_spec
 from libs.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams, TokenLogprob
+from libs.mm.spec import MM_TOKEN_FLAG
+from libs.worker.mm import mm_refusal
 from protos import messages as wire
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: "impossible" alternatives get this value
@@ -27,12 +29,16 @@ def engine_params(p: wire.WireSamplingParams) -> SamplingParams:
                           logit_bias=tuple(p.logit_bias.items()), grammar=grammar)
 
 
-def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int
+def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_tokens: int, has_vision: bool = False
                     ) -> tuple[wire.AckStatus, str] | None:
-    """Why a worker of this model can never serve `req` (ack status + message), or None when it can."""
+    """Why a worker of this model can never serve `req` (ack status + message), or None when it can. Ids beyond
+    the vocabulary are allowed only as the pseudo tokens of `req.mm_items` (images, #16)."""
     if not req.token_ids:
         return wire.AckStatus.INVALID, "the prompt has no tokens"
-    bad = [t for t in req.token_ids if not 0 <= t < vocab_size]
+    mm = mm_refusal(req.token_ids, req.mm_items, has_vision)
+    if mm is not None:
+        return wire.AckStatus.INVALID, mm
+    bad = [t for t in req.token_ids if not 0 <= t < vocab_size and not (req.mm_items and t >= MM_TOKEN_FLAG)]
     if bad:
         return wire.AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
     total = len(req.token_ids) + req.sampling.max_tokens

@@ -14,6 +14,9 @@ feeds step 4; the rest runs in the background; every wait bounded):
      died or aborted) ends the wait at once. A commit that cancels: free everything, publish nothing;
   5. wait (bounded) until every layer has landed, then activate: the sequence joins the running batch
      with the first token (sampled by prefill), which is published now;
+     A request with images (`mm_items`) fetches their embeddings while its KV streams in and attaches them
+     before it runs: a preemption here recomputes the prompt, which needs them. A failed fetch fails the request
+     explicitly (error chunk), even though only a recompute would have used the rows;
   6. stream one chunk per engine output; the engine caches the finished sequence (prompt + output),
      so a follow-up turn sent here hits and needs fewer pages shipped.
 Any failure before the end -> the engine request is aborted (frees its pages), the incoming transfer is
@@ -31,8 +34,11 @@ from dataclasses import dataclass
 from libs.bus import Unavailable
 from libs.engine import AsyncEngine
 from libs.engine import disagg as dg
+from libs.engine.mm import MMEmbeddings
+from libs.mm.api import EncoderUnavailable
 from libs.transfer import IncomingTransfer, KVTransferEngine, TransferHeader
 from libs.worker.kv_stream import layer_specs
+from libs.worker.mm import EmbeddingFetcher, fetch_embeddings
 from libs.worker.tasks import DuplicateRequest, RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
@@ -80,7 +86,7 @@ class DecodeWorker:
 
     def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, publish: Publish, *,
                  transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0,
-                 tasks: RequestTasks | None = None) -> None:
+                 tasks: RequestTasks | None = None, fetcher: EmbeddingFetcher | None = None) -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):
             raise TypeError("DecodeWorker needs an AsyncEngine over a DisaggEngineCore")
         self.engine = engine
@@ -91,6 +97,7 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.admit_timeout_s = admit_timeout_s
         self.stats = ReceiveStats()
+        self.fetcher = fetcher  # multimodal models: the embeddings a recompute (preemption) needs
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
         self._commits: dict[str, asyncio.Future[KVCommitRequest]] = {}  # open hand-offs, by request id
 
@@ -171,6 +178,8 @@ class DecodeWorker:
         req = dg.RemoteRequest(rid, list(msg.token_ids), engine_params(msg.sampling), on_admitted=on_admitted)
         outputs: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(req, outputs), name=f"decode-pump-{rid}")
+        # images: their rows are fetched while the KV streams in (a preempted request recomputes its prompt here)
+        embeds = asyncio.ensure_future(fetch_embeddings(self.fetcher, msg.mm_items)) if msg.mm_items else None
         incoming: IncomingTransfer | None = None
         finished = False
         try:
@@ -187,6 +196,8 @@ class DecodeWorker:
             self.stats.requests += 1
             self.stats.bytes_received += stats.nbytes
             self.stats.hit_tokens += slot.hit_tokens
+            if embeds is not None:
+                req.mm = await self._embeddings(embeds, msg)
             await self.engine.call(lambda core: core.activate(rid, commit.first_token_id))
             await self.publish(msg.stream_subject, self._chunk(
                 rid, token_ids=[commit.first_token_id],
@@ -207,6 +218,10 @@ class DecodeWorker:
             else:
                 await self._final_error(msg, f"decode: {exc}")
         finally:
+            if embeds is not None:
+                embeds.cancel()
+                if embeds.done() and not embeds.cancelled():
+                    embeds.exception()  # retrieved: a fetch that failed after the request ended is no news
             if not finished:
                 pump.cancel()  # leaving engine.generate() aborts the request: its pages are freed
                 with contextlib.suppress(BaseException):
@@ -215,6 +230,17 @@ class DecodeWorker:
                 if incoming is not None:
                     with contextlib.suppress(Exception):
                         await incoming.cancel("decode request ended")
+
+    async def _embeddings(self, embeds: asyncio.Future, msg: KVPrepareRequest) -> MMEmbeddings:
+        """The fetched rows (the fetch is bounded by the fetcher), checked against the prompt before the sequence
+        may run; a failed fetch fails the request here, explicitly, rather than later at a recompute."""
+        try:
+            mm = await embeds
+        except EncoderUnavailable as exc:
+            raise RuntimeError(f"the image embeddings a recompute would need could not be fetched: {exc}") from exc
+        assert mm is not None
+        mm.check(msg.token_ids, self.core.model_config.hidden_size)
+        return mm
 
     async def _admitted(self, admitted: asyncio.Future, pump: asyncio.Task, request_id: str) -> dg.RemoteSlot:
         done, _ = await asyncio.wait({admitted, pump}, timeout=self.admit_timeout_s,

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -58,6 +58,7 @@ from protos.messages import (
     RouteRequest,
     TokenChunk,
     WireFinishReason,
+    WireMMItem,
     WireSamplingParams,
 )
 from services.gateway import metrics
@@ -95,7 +96,8 @@ class PeerFailed(BackendError):
 class Backend(Protocol):
     def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams) -> AsyncIterator[TokenChunk]:
         """Yield the request's chunks up to the one with finish_reason; raise BackendError on failure.
-        Closing the iterator early aborts the request downstream."""
+        Closing the iterator early aborts the request downstream. A request with images is called with the keyword
+        `mm_items` (a sequence of WireMMItem) as well (NatsBackend takes it)."""
         ...
 
 
@@ -204,10 +206,11 @@ class NatsBackend:
 
     # --- routing ----------------------------------------------------------------------------------
 
-    async def route(self, request_id: str, token_ids: list[int], avoid: Avoid | None = None) -> RouteReply:
+    async def route(self, request_id: str, token_ids: list[int], avoid: Avoid | None = None,
+                    mm_hashes: Sequence[int] = ()) -> RouteReply:
         avoid = avoid or Avoid()
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
-                           block_hashes=await self._chain(token_ids),
+                           block_hashes=await self._chain(token_ids), mm_hashes=list(mm_hashes),
                            exclude_instances=sorted(avoid.instances), exclude_decodes=sorted(avoid.decodes))
         subject = subjects.route(self.config.namespace)
         try:
@@ -255,8 +258,8 @@ class NatsBackend:
 
     # --- generation with failover -----------------------------------------------------------------
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams
-                       ) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
+                       mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
         await self._check_fits(len(token_ids), sampling.max_tokens)
         cfg = self.config
         avoid = Avoid()
@@ -265,7 +268,7 @@ class NatsBackend:
             attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             sent = False
             try:
-                async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid):
+                async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid, mm_items):
                     sent = True
                     yield chunk
                 return
@@ -280,10 +283,10 @@ class NatsBackend:
                 log.info("retrying on another instance", extra={"request_id": request_id, "attempt": attempt + 1,
                                                                 "failed": exc.instance, "error": exc.message})
 
-    async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid
-                       ) -> AsyncIterator[TokenChunk]:
+    async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid,
+                       mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
         """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy."""
-        route = await self.route(attempt_id, token_ids, avoid)
+        route = await self.route(attempt_id, token_ids, avoid, [i.mm_hash for i in mm_items])
         stream = subjects.stream(self.config.namespace, attempt_id)
         try:
             sub = await self._bus.subscribe(stream, TokenChunk)
@@ -291,7 +294,7 @@ class NatsBackend:
             raise self._control_plane("subscribing to the stream", exc) or self.unavailable(repr(exc)) from exc
         finished = sent = False
         try:
-            await self._submit(route, attempt_id, token_ids, sampling, stream)
+            await self._submit(route, attempt_id, token_ids, sampling, stream, mm_items)
             watch = {route.prefill_instance, route.decode_instance}
             async for chunk in self._chunks(sub, attempt_id, watch, route):
                 if chunk.finish_reason is not None:
@@ -324,11 +327,11 @@ class NatsBackend:
         return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
 
     async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
-                      stream: str) -> None:
+                      stream: str, mm_items: Sequence[WireMMItem] = ()) -> None:
         """Send the request to the prefill (or combined) worker and check its acknowledgement."""
         decode = route.decode_instance if route.decode_instance != route.prefill_instance else ""
         msg = GenerateRequest(request_id=request_id, token_ids=token_ids, sampling=sampling,
-                              stream_subject=stream, decode_instance=decode)
+                              stream_subject=stream, decode_instance=decode, mm_items=list(mm_items))
         target = route.prefill_instance
         try:
             ack = await self._request(subjects.generate(self.config.namespace, target), msg, GenerateAck,

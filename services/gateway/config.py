@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
 from libs.service import ServiceConfig
+
+if TYPE_CHECKING:
+    from services.gateway.media import MediaConfig
 
 
 class GatewayConfig(ServiceConfig):
@@ -59,11 +63,31 @@ class GatewayConfig(ServiceConfig):
         default=300.0, gt=0, description="longest gap between two chunks of a live worker before the request fails"
     )
 
+    mm_max_items: int = Field(default=8, ge=1, description="images + videos of one chat request at most (400)")
+    mm_max_item_bytes: int = Field(default=16 << 20, ge=1, description="file bytes of one image / video (400)")
+    mm_max_total_bytes: int = Field(default=32 << 20, ge=1, description="file bytes of all items of a request (400)")
+    mm_url_hosts: str = Field(default="", description="comma-separated hosts image / video http(s) URLs may name "
+                              "(and redirect to); empty = URLs off (data: URIs only)")
+    mm_url_timeout_s: float = Field(default=10.0, gt=0, description="one media URL's whole fetch (400 past it)")
+    mm_url_max_redirects: int = Field(default=3, ge=0, description="redirects one media URL may take")
+    mm_local_root: str = Field(default="", description="local image / video paths (file:// or absolute) are read "
+                               "only under this directory; empty = off")
+
     @model_validator(mode="after")
     def _liveness_below_idle(self) -> GatewayConfig:
         if self.liveness_interval_s >= self.idle_timeout_s:
             raise ValueError("liveness_interval_s must be below idle_timeout_s")
         return self
+
+    def media_config(self) -> MediaConfig:
+        from services.gateway.media import MediaConfig  # (the media stack only where the API is served)
+
+        return MediaConfig(
+            max_items=self.mm_max_items, max_item_bytes=self.mm_max_item_bytes,
+            max_total_bytes=self.mm_max_total_bytes,
+            url_hosts=frozenset(h.strip().lower() for h in self.mm_url_hosts.split(",") if h.strip()),
+            url_timeout_s=self.mm_url_timeout_s, url_max_redirects=self.mm_url_max_redirects,
+            local_root=self.mm_local_root)
 
     @property
     def keys(self) -> frozenset[str]:

@@ -19,9 +19,18 @@ import xxhash
 
 from libs.engine.grammar import GrammarError, canonical_json, parse_schema, validate_spec
 from libs.engine.request import GrammarSpec
-from protos.messages import TokenChunk, WireFinishReason, WireGrammar, WireSamplingParams, WireTokenLogprob
+from libs.mm.api import Encoded
+from protos.messages import (
+    TokenChunk,
+    WireFinishReason,
+    WireGrammar,
+    WireMMItem,
+    WireSamplingParams,
+    WireTokenLogprob,
+)
 from services.gateway import metrics
 from services.gateway.backend import Backend, BackendError
+from services.gateway.media import MediaCollector, MediaPart, VisionTokens, expand
 from services.gateway.protocol import (
     UINT64_MAX,
     ApiError,
@@ -88,6 +97,7 @@ class Plan:
     skip_special_tokens: bool = True
     max_fanout: int = 32  # sub-requests running downstream at once
     tool_names: tuple[str, ...] = ()  # chat with tools: tool calls of these functions are parsed from the output
+    mm_items: tuple[WireMMItem, ...] = ()  # chat with images: where their rows go in prompts[0] (the hash view)
 
 
 class TextCodec(Protocol):
@@ -199,10 +209,32 @@ def plan_completion(body: CompletionRequest, tok: TextCodec, limits: Limits, req
                 body.skip_special_tokens, limits.max_fanout)
 
 
-def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str) -> Plan:
+def chat_messages(body: ChatCompletionRequest, limits: Limits, media: MediaCollector | None = None
+                  ) -> list[dict[str, Any]]:
+    """The messages as template dicts (400s for what is wrong with them); with `media`, image / video parts are
+    collected there and stand as placeholders in the text."""
     if len(body.messages) > limits.max_messages:
         raise ApiError(400, f"{len(body.messages)} messages; the limit is {limits.max_messages}", param="messages")
-    messages = [m.template_dict(i) for i, m in enumerate(body.messages)]
+    return [m.template_dict(i, media) for i, m in enumerate(body.messages)]
+
+
+@dataclass(frozen=True)
+class ChatMedia:
+    """A chat request's encoded images: its template dicts (with placeholders) and what `media.expand` needs."""
+
+    messages: list[dict[str, Any]]
+    vision: VisionTokens
+    parts: Sequence[MediaPart]
+    encoded: Sequence[Encoded]
+
+
+def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, request_id: str, model: str,
+              media: ChatMedia | None = None, messages: list[dict[str, Any]] | None = None) -> Plan:
+    """`messages`: the template dicts when the caller made them already (`chat_messages`; with `media`, its)."""
+    if media is not None:
+        messages = media.messages
+    if messages is None:
+        messages = chat_messages(body, limits)
     stops = _common_checks(body, 1, limits)
     # tool_choice none: the tools are not shown to the model (it could only answer in text anyway)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.calls_tools else None
@@ -212,6 +244,9 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     ids = tok.encode(prompt)
     if not ids:
         raise ApiError(400, "the chat template produced an empty prompt", param="messages")
+    mm_items: list[WireMMItem] = []
+    if media is not None:  # one pad per item -> N pads each, in the hash view
+        ids, mm_items = expand(ids, media.vision, media.parts, media.encoded)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     processing = _processing(body, tok, chat_grammar(body))
     subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs,
@@ -219,7 +254,7 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     names = tuple(t.function.name for t in body.tools or ()) if body.calls_tools else ()
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout, names)
+                body.skip_special_tokens, limits.max_fanout, names, tuple(mm_items))
 
 
 # --- constrained decoding (pure) ----------------------------------------------------------------
@@ -429,13 +464,17 @@ class Fanout:
         # all at once it would fill every decode worker (503 server_busy on an idle server) or flood the
         # router past its timeout. Semaphore waiters wake FIFO, so lower choice indexes start first.
         self._active = asyncio.Semaphore(plan.max_fanout)
-        self._tasks = {s.index: asyncio.ensure_future(self._pump(backend, s, plan.prompts[s.prompt_index]))
+        self._tasks = {s.index: asyncio.ensure_future(self._pump(backend, s, plan.prompts[s.prompt_index],
+                                                                 plan.mm_items))
                        for s in plan.subs}
 
-    async def _pump(self, backend: Backend, sub: SubRequest, prompt: list[int]) -> None:
+    async def _pump(self, backend: Backend, sub: SubRequest, prompt: list[int],
+                    mm_items: tuple[WireMMItem, ...]) -> None:
+        # (mm_items only when there are some: a text-only request calls any Backend the same way as before)
+        extra = {"mm_items": mm_items} if mm_items else {}
         try:
             async with self._active:
-                async for chunk in backend.generate(sub.request_id, prompt, sub.sampling):
+                async for chunk in backend.generate(sub.request_id, prompt, sub.sampling, **extra):
                     self._queue.put_nowait((sub.index, chunk))
         except asyncio.CancelledError:
             pass

@@ -17,7 +17,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -30,20 +30,24 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from libs.mm.api import EncoderAPI
 from protos.messages import RegistryEntry
 from services.gateway import metrics
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.backend import Backend
 from services.gateway.generation import (
+    ChatMedia,
     Limits,
     Plan,
     Renderer,
     TextCodec,
+    chat_messages,
     collect,
     plan_chat,
     plan_completion,
     stream_events,
 )
+from services.gateway.media import MediaCollector, MediaConfig, VisionTokens, encode_all, load_all
 from services.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -71,6 +75,9 @@ class Api:
     created: int = 0
     max_body_bytes: int = 8 << 20
     docs_auth: bool = True  # with api_keys: /docs and /openapi.json need a key too
+    vision: VisionTokens | None = None  # the model's vision tokens; None = it takes no images (400)
+    encoder: EncoderAPI | None = None  # the encoder tier (EncoderClient; a test's EncoderAPI)
+    media: MediaConfig = field(default_factory=MediaConfig)
 
 
 def group_by_role(entries: list[RegistryEntry]) -> dict[str, list[str]]:
@@ -224,13 +231,26 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {api.model_name!r}",
                            type_="not_found_error", param="model", code="model_not_found")
 
-    async def serve(plan: Plan, request: Request) -> Response:
+    async def serve(planned: Plan | Callable[[], Coroutine[Any, Any, Plan]], request: Request) -> Response:
+        """Run a plan under an admission slot; a plan that needs IO first (images: load, encode) is made inside
+        the slot, so the encoders see no more requests than the workers."""
         try:
             slot = await api.admission.enter()
         except Overloaded as exc:
             metrics.REJECTED.inc()
             raise ApiError(429, f"server is busy: {exc}; retry after {api.retry_after_s}s", type_="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(api.retry_after_s)}) from exc
+        if isinstance(planned, Plan):
+            plan = planned
+        else:
+            try:
+                plan = await until_disconnect(planned(), request)
+            except ClientGone:
+                slot.release()
+                return Response(status_code=499)
+            except BaseException:
+                slot.release()
+                raise
         decode_text = lambda ids: api.tokenizer.decode(ids, skip_special_tokens=plan.skip_special_tokens)
         renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids), api.tokenizer.token_bytes)
         if plan.stream:
@@ -271,8 +291,23 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
     async def chat(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_body(request, api.max_body_bytes))
         check_model(body.model)
-        plan = plan_chat(body, api.tokenizer, api.limits, f"chatcmpl-{secrets.token_hex(12)}", api.model_name)
-        return await serve(plan, request)
+        request_id = f"chatcmpl-{secrets.token_hex(12)}"
+        if api.vision is None:  # a text-only model (an image part is a 400 in plan_chat)
+            return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name), request)
+        collector = MediaCollector(api.vision, api.media)
+        messages = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
+        if not collector.parts:
+            return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
+                                         messages=messages), request)
+        vision, parts = collector.vision, collector.parts
+
+        async def plan_with_media() -> Plan:
+            datas = await load_all(parts, api.media)
+            encoded = await encode_all(api.encoder, request_id, parts, datas, api.retry_after_s)
+            return plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
+                             ChatMedia(messages, vision, parts, encoded))
+
+        return await serve(plan_with_media, request)
 
 
 def _model_card(api: Api) -> dict[str, Any]:

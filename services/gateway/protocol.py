@@ -12,7 +12,7 @@ the planning code.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -182,6 +182,13 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+class MediaParts(Protocol):
+    """What a chat message hands its image / video parts and text to (services/gateway/media.MediaCollector)."""
+
+    def check_text(self, text: str, param: str) -> None: ...
+    def add(self, part: dict[str, Any], param: str, role: str) -> str: ...
+
+
 class ChatMessage(_Strict):
     """A message with text content (a string or text parts). Every message needs `content` (400 when
     missing or null) except an assistant message with `tool_calls`; a `tool` message (a tool's result)
@@ -204,32 +211,46 @@ class ChatMessage(_Strict):
             raise ApiError(400, f"{where}.tool_call_id: a tool message needs one, other roles have none",
                            param=f"{where}.tool_call_id")
 
-    def template_dict(self, index: int) -> dict[str, Any]:
-        """The message as chat templates take it (HF convention: tool-call arguments as an object)."""
+    def template_dict(self, index: int, media: MediaParts | None = None) -> dict[str, Any]:
+        """The message as chat templates take it (HF convention: tool-call arguments as an object). With `media`
+        (a model with a vision tower), image / video parts become its placeholders and text is checked for
+        vision tokens."""
         self.check(index)
         out: dict[str, Any] = {"role": self.role}
         if self.tool_calls:
-            out["content"] = "" if self.content is None else self.text(index)
+            out["content"] = "" if self.content is None else self.text(index, media)
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments, index)}} for c in self.tool_calls]
         else:
-            out["content"] = self.text(index)
+            out["content"] = self.text(index, media)
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
 
-    def text(self, index: int) -> str:
-        """Message content as text; content parts must all be text (no images on this path)."""
+    def text(self, index: int, media: MediaParts | None = None) -> str:
+        """Message content as text. Content parts are text, or (with `media`) image_url / video_url parts, which
+        become the collector's placeholders (services/gateway/media.py)."""
         param = f"messages.{index}.content"
         if self.content is None:
             raise ApiError(400, f"{param}: a {self.role} message needs content", param=param)
         if isinstance(self.content, str):
+            if media is not None:
+                media.check_text(self.content, param)
             return self.content
         parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
-                raise ApiError(400, f"{param}: content part of type {part.get('type')!r} is not supported "
-                                    "(text parts {type, text} only)", param=param)
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind in ("image_url", "video_url"):
+                if media is None:
+                    raise ApiError(400, f"{param}: content part of type {kind!r}: this model takes no images or "
+                                        "videos (it has no vision tower)", param=param, code="unsupported_content")
+                parts.append(media.add(part, f"{param}.{j}", self.role))
+                continue
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ApiError(400, f"{param}: content part of type {kind!r} is not supported "
+                                    "(text, image_url and video_url parts only)", param=param)
+            if media is not None:
+                media.check_text(part["text"], f"{param}.{j}")
             parts.append(part["text"])
         return "".join(parts)
 

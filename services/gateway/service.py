@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import h11
 import orjson
@@ -12,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from libs.bus import RegistryView, ViewConfig
 from libs.service import Service
 from protos.messages import RegistryEntry, Role
 from services.gateway import handlers
@@ -19,8 +22,30 @@ from services.gateway.admission import Admission, AdmissionConfig
 from services.gateway.backend import BackendConfig, NatsBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Limits
+from services.gateway.media import VisionTokens
 from services.gateway.protocol import error_body
 from services.gateway.readiness import CachedListing
+
+if TYPE_CHECKING:
+    from libs.mm.api import EncoderAPI
+    from libs.mm.client import EncoderClient
+
+
+def model_config(model: str) -> Any:
+    """The served model's ModelConfig: its vision tower and tokens decide whether images are taken. None when the
+    model directory has no config this code reads (then the gateway serves text only, as before)."""
+    from libs.model.config import ModelConfig
+
+    if not model:
+        return ModelConfig.tiny()
+    try:
+        return ModelConfig.from_pretrained(model)
+    except Exception as exc:
+        log.warning("no model config read: images are off", extra={"model": model, "error": repr(exc)})
+        return None
+
+
+log = logging.getLogger("windserve.gateway")
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -64,6 +89,9 @@ class GatewayService(Service):
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.backend: NatsBackend | None = None
+        self.encoder: EncoderAPI | None = None  # a test injects an EncoderAPI here before setup
+        self._encoder: EncoderClient | None = None  # else, for a multimodal model: the encoder tier's client
+        self._encoder_view: RegistryView | None = None
         # one registry listing, reused for 0.5 s, shared by readiness probes and the backend
         self._listing = CachedListing(self._list_services, BackendConfig.fleet_cache_s)
 
@@ -84,7 +112,12 @@ class GatewayService(Service):
             retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
             reconnect_bound_s=cfg.reconnect_bound_s,
         ))
+        mc = await asyncio.to_thread(model_config, cfg.model)
+        vision = VisionTokens.of(mc, tokenizer.decode) if mc is not None else None
+        if vision is not None and self.encoder is None:
+            await self._start_encoder()
         return handlers.Api(
+            vision=vision, encoder=self.encoder or self._encoder, media=cfg.media_config(),
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
             limits=Limits(cfg.context_length, cfg.default_max_tokens, cfg.max_n, cfg.max_batch, cfg.max_stop_strings,
                           cfg.max_stop_length, cfg.max_messages, cfg.max_fanout),
@@ -92,6 +125,17 @@ class GatewayService(Service):
             api_keys=cfg.keys, retry_after_s=cfg.retry_after_s, max_body_bytes=cfg.max_body_bytes,
             docs_auth=cfg.docs_auth,
         )
+
+    async def _start_encoder(self) -> None:
+        """The EncoderClient over the live encoders of the registry (encode by content-hash affinity)."""
+        from libs.mm.client import EncoderClient
+
+        assert self.bus is not None and self.registry is not None
+        self._encoder_view = RegistryView(self.registry, role=Role.ENCODER,
+                                          config=ViewConfig(list_timeout_s=self.config.registry_timeout_s))
+        await self._encoder_view.start()
+        self._encoder = EncoderClient(self.bus, self.config.namespace, self._encoder_view)
+        await self._encoder.start()
 
     async def setup(self) -> None:
         app = handlers.build_app(self._listing, self.config.instance_id, await self._build_api(),
@@ -121,3 +165,9 @@ class GatewayService(Service):
             await asyncio.wait({self._http_task}, timeout=self.config.drain_timeout_s)
         if self.backend is not None:
             await self.backend.close()  # aborts of cancelled streams go out before the bus closes
+        if self._encoder is not None:
+            with contextlib.suppress(Exception):
+                await self._encoder.close()
+        if self._encoder_view is not None:
+            with contextlib.suppress(Exception):
+                await self._encoder_view.stop()

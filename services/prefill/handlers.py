@@ -4,6 +4,8 @@ IO is injected (`prepare` / `commit`: request/reply to a decode worker; `publish
 gateway), so the same code runs under NATS in the service and in-process in tests.
 
 One request, top to bottom in `run()` (every wait bounded):
+  0. images (`mm_items`): fetch their embeddings (libs/worker/mm.py) before anything is reserved; a failed
+     fetch is a retryable error chunk (the client's 503) and nothing else happens;
   1. kv_prepare to the routed decode worker, before any compute: it reserves pages for the prompt and
      answers its prefix hit and its transfer address (a full one: ask the router for another);
   2. open the transfer; its header is the whole streamed plan: segments of full-layer pages, then a last
@@ -31,8 +33,11 @@ from dataclasses import dataclass
 from libs.bus import NoResponders, RemoteError, Unavailable
 from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
+from libs.engine.mm import MMEmbeddings
+from libs.mm.api import EncoderUnavailable
 from libs.transfer import KVTransferEngine, TransferStats
 from libs.worker.kv_stream import KVSender, layer_specs
+from libs.worker.mm import EmbeddingFetcher, fetch_embeddings
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import engine_params, wire_finish, wire_logprob
 from protos.messages import (
@@ -118,7 +123,7 @@ class PrefillWorker:
                  publish: Publish, *, commit: Commit, prepare_timeout_s: float = 10.0,
                  transfer_timeout_s: float = 60.0, reroute: Reroute | None = None, decode_attempts: int = 3,
                  segment_pages: int | None = None, tasks: RequestTasks | None = None, decode_wait_s: float = 0.0,
-                 decode_wait_queue: int = 64) -> None:
+                 decode_wait_queue: int = 64, fetcher: EmbeddingFetcher | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
@@ -132,6 +137,7 @@ class PrefillWorker:
         self.decode_wait_s = decode_wait_s
         self.decode_wait_queue = decode_wait_queue
         self.waiting = 0  # requests waiting for decode room now
+        self.fetcher = fetcher  # multimodal models: image embeddings, fetched before the decode reservation
         cfg = engine.core.config
         if segment_pages is None:
             segment_pages = max(1, cfg.max_num_batched_tokens // cfg.page_size)
@@ -161,9 +167,10 @@ class PrefillWorker:
         """The whole lifecycle of one request (module doc); never raises (errors go to the stream)."""
         h = _Handoff()
         try:
+            mm = await fetch_embeddings(self.fetcher, req.mm_items)  # 0. images: their rows, before any KV
             h.decode, reply = await self._reserve_decode(req)  # 1. decode reserves pages (waits for room)
             h.sender = await self._open_stream(req, reply)  # 2. the transfer, its header = the whole plan
-            first = await self._prefill(req, h)  # 3. compute; segments leave as they are done
+            first = await self._prefill(req, h, mm)  # 3. compute; segments leave as they are done
             if first is None:
                 return  # the engine ended the request (its final chunk is out)
             token, logprob, cached = first
@@ -184,7 +191,7 @@ class PrefillWorker:
             log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
             error = f"prefill {self.instance_id}: {exc}"
             await self._safe_publish(req, self._chunk(req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
-                                                      retryable=isinstance(exc, DecodesFull)))
+                                                      retryable=isinstance(exc, DecodesFull | EncoderUnavailable)))
         finally:
             await self._clean_up(req.request_id, h)  # 6.
 
@@ -233,7 +240,7 @@ class PrefillWorker:
         prep = KVPrepareRequest(
             request_id=req.request_id, token_ids=list(req.token_ids), sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
-            segment_pages=self.segment_pages, prefill_instance=self.instance_id)
+            segment_pages=self.segment_pages, prefill_instance=self.instance_id, mm_items=list(req.mm_items))
         full: list[str] = []
         gone: list[str] = []
         while True:
@@ -279,13 +286,13 @@ class PrefillWorker:
             raise HandoffError(f"KV transfer to {reply.address} failed: {exc}") from exc
         return KVSender(tx, reply.address, kv, layer_is_swa, plan, self.transfer_timeout_s)
 
-    async def _prefill(self, req: GenerateRequest, h: _Handoff) -> First | None:
+    async def _prefill(self, req: GenerateRequest, h: _Handoff, mm: MMEmbeddings | None = None) -> First | None:
         """Run the prompt prefill-only, its KV segments streaming out as they are computed; stops early when
         the stream breaks (decode gone or cancelled). None when the engine ended the request (aborted, or too
         long for this engine's pools): its final chunk is published here."""
         assert h.sender is not None
         ereq = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), prefill_only=True,
-                       on_progress=h.sender.collector)
+                       on_progress=h.sender.collector, mm=mm)
         run = asyncio.ensure_future(self._last_output(ereq))
         try:
             await asyncio.wait({run, h.sender.task}, return_when=asyncio.FIRST_COMPLETED)

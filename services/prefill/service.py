@@ -35,7 +35,8 @@ class PrefillService(DisaggWorkerService):
             self.engine, self.transfer, cfg.instance_id, self._prepare, self.publish, commit=self._commit,
             prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s,
             reroute=self._reroute, decode_attempts=cfg.decode_attempts, segment_pages=cfg.kv_segment_pages,
-            tasks=self.tasks, decode_wait_s=cfg.decode_wait_s, decode_wait_queue=cfg.decode_wait_queue)
+            tasks=self.tasks, decode_wait_s=cfg.decode_wait_s, decode_wait_queue=cfg.decode_wait_queue,
+            fetcher=self.fetcher)
         await self.serve_generate(self.worker.submit)
 
     def role_refusal(self, req: GenerateRequest) -> tuple[AckStatus, str] | None:

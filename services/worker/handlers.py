@@ -7,6 +7,8 @@ Request lifecycle on a worker (the engine-worker base, libs/worker, does the res
 2. It runs as one task of the base's registry: `AsyncEngine.generate()` yields one output per engine
    step; each becomes a `TokenChunk` published on the request's stream subject. The last chunk carries
    `finish_reason` and `usage` (with `cached_tokens` from the prefix cache).
+   A request with images (`mm_items`) first fetches their embeddings (libs/worker/mm.py, bounded); a failed
+   fetch ends the stream with a retryable error (the client's 503) before anything is admitted.
 3. An `AbortRequest` (broadcast) cancels the task; leaving the engine's generator aborts the request
    inside the engine, which frees its KV. The stream ends with `finish_reason="abort"`. An abort that
    arrived before its request: the request never reaches the engine, its stream gets the abort chunk.
@@ -21,6 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from libs.engine.request import Request
+from libs.mm.api import EncoderUnavailable
+from libs.worker.mm import EmbeddingFetcher, fetch_embeddings
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import chunk_from_output, engine_params
 from protos.messages import GenerateRequest, TokenChunk, Usage, WireFinishReason
@@ -33,11 +37,13 @@ Publish = Callable[[str, TokenChunk], Awaitable[None]]
 class Generations:
     """Runs accepted GenerateRequests through the engine, one task each in `tasks`."""
 
-    def __init__(self, engine, publish: Publish, tasks: RequestTasks, instance_id: str) -> None:
+    def __init__(self, engine, publish: Publish, tasks: RequestTasks, instance_id: str,
+                 fetcher: EmbeddingFetcher | None = None) -> None:
         self._engine = engine  # AsyncEngine (duck-typed: generate(Request) async iterator)
         self._publish = publish
         self._tasks = tasks
         self._instance_id = instance_id
+        self._fetcher = fetcher  # multimodal models: the images' embeddings, fetched before admission
 
     def start(self, req: GenerateRequest) -> asyncio.Task[None]:
         """Start generating `req` (already accepted); never blocks on the engine."""
@@ -45,8 +51,13 @@ class Generations:
                                  name=f"generate-{req.request_id}")
 
     async def _run(self, req: GenerateRequest) -> None:
-        request = Request(req.request_id, list(req.token_ids), engine_params(req.sampling))
         produced = 0
+        try:
+            mm = await fetch_embeddings(self._fetcher, req.mm_items)
+        except EncoderUnavailable as exc:  # nothing was admitted: the client gets a 503 (retryable)
+            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", retryable=True)
+            return
+        request = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), mm=mm)
         try:
             async for out in self._engine.generate(request):
                 produced += len(out.new_token_ids)
@@ -60,8 +71,8 @@ class Generations:
             await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", produced)
 
     async def _send_final(self, req: GenerateRequest, reason: WireFinishReason, error: str | None = None,
-                          produced: int = 0) -> None:
-        chunk = TokenChunk(request_id=req.request_id, finish_reason=reason, error=error,
+                          produced: int = 0, retryable: bool = False) -> None:
+        chunk = TokenChunk(request_id=req.request_id, finish_reason=reason, error=error, retryable=retryable,
                            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=produced),
                            instance_id=self._instance_id)
         with contextlib.suppress(Exception):  # best effort: the reader may be gone (that is why we abort)

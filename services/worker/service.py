@@ -18,5 +18,5 @@ class WorkerService(EngineWorkerService):
 
     async def setup_role(self) -> None:
         assert self.engine is not None
-        self.generations = Generations(self.engine, self.publish, self.tasks, self.config.instance_id)
+        self.generations = Generations(self.engine, self.publish, self.tasks, self.config.instance_id, self.fetcher)
         await self.serve_generate(self.generations.start)
