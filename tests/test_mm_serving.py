@@ -339,8 +339,8 @@ def test_gateway_video_part_and_local_path_under_root(encoder, tmp_path):
 
 
 BAD_INPUTS = {
-    "truncated image": (lambda: chat_body(image_part(data_uri(png_bytes(1)[:60]))), "could not be decoded"),
-    "non-image bytes": (lambda: chat_body(image_part(data_uri(b"GIF? no, plain text" * 10))), "could not be decoded"),
+    "truncated image": (lambda: chat_body(image_part(data_uri(png_bytes(1)[:60]))), "truncated"),
+    "non-image bytes": (lambda: chat_body(image_part(data_uri(b"GIF? no, plain text" * 10))), "not an image"),
     "too many images": (lambda: chat_body(*[image_part(data_uri(png_bytes(1)))] * 3), "more than 2"),
     "bad data URI": (lambda: chat_body(image_part("data:image/png;base64,@@not-base64@@")), "not valid base64"),
     "not base64 at all": (lambda: chat_body(image_part("data:image/png,rawbytes")), "data:<type>;base64"),
