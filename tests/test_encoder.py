@@ -237,6 +237,24 @@ async def test_bad_input_is_an_error_reply_and_nothing_is_cached(nats_url, ns, b
             assert not (await client.encode("ok", MMKind.IMAGE, png)).cached  # the encoder serves on
 
 
+async def test_a_budget_full_of_leased_embeddings_refuses_then_evicts_once_leases_end(nats_url, ns):
+    one = local_rows(image(20)).numel() * 4  # every image(seed) of the default size has the same rows
+    async with running_encoder(nats_url, ns, cache_bytes=2 * one, lease_s=1.0) as svc, \
+            encoder_client(nats_url, ns) as client:
+        async with asyncio.timeout(HANG):
+            first = await client.encode("a", MMKind.IMAGE, image(20))
+            await client.encode("b", MMKind.IMAGE, image(21))
+            refused = metric("windserve_encoder_encodes_total", outcome="unavailable")
+            with pytest.raises(EncoderUnavailable, match="cache full"):  # both leased: no room, nothing evicted
+                await client.encode("c", MMKind.IMAGE, image(22))
+            assert metric("windserve_encoder_encodes_total", outcome="unavailable") == refused + 1
+            assert len(svc.cache) == 2
+            await asyncio.sleep(1.2)  # the leases run out
+            await client.fetch([item_of(first)], torch.float32)  # a hit: the first one is leased again
+            await client.encode("c", MMKind.IMAGE, image(22))
+            assert first.mm_hash in svc.cache and len(svc.cache) == 2 and svc.cache.evictions == 1  # the LRU, unleased
+
+
 # ============================================================================ real processes
 
 
