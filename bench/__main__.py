@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache")
+BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder")
 
 
 def main(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ from libs.mm.client import EncoderClient, EncoderClientConfig
 from libs.mm.image import decode_image
 from libs.mm.preprocess import preprocess
 from libs.mm.spec import content_hash
+from libs.mm.video import decode_video
 from libs.model.config import ModelConfig
 from libs.service import load_config
 from libs.transfer import create_engine
@@ -63,6 +64,19 @@ def image(seed: int, h: int = 48, w: int = 64, ext: str = ".png") -> bytes:
     ok, buf = cv2.imencode(ext, rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
     assert ok
     return buf.tobytes()
+
+
+def video(path: Path, frames: int = 6, fps: float = 4.0) -> bytes:
+    """A short mp4 written with opencv: a square moving across a gradient."""
+    h, w = 48, 64
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+    assert writer.isOpened()
+    for i in range(frames):
+        frame = np.full((h, w, 3), 40 * i % 256, np.uint8)
+        frame[8:24, 4 * i:4 * i + 16] = 255
+        writer.write(frame)
+    writer.release()
+    return path.read_bytes()
 
 
 def local_rows(data: bytes) -> torch.Tensor:
@@ -195,6 +209,22 @@ async def test_encode_then_fetch_gives_the_towers_rows_and_a_repeat_is_a_cache_h
             gone = WireMMItem(**{**item_of(first).model_dump(), "mm_hash": 12345})
             with pytest.raises(EncoderUnavailable, match="no longer holds"):
                 await client.fetch([gone], torch.float32)
+
+
+async def test_a_video_is_sampled_encoded_and_fetched_and_a_long_one_is_refused(nats_url, ns, tmp_path):
+    clip = video(tmp_path / "clip.mp4")  # 6 frames at 4 fps: 1.5 s, sampled at 2 fps -> 3 frames -> t = 2
+    long = video(tmp_path / "long.mp4", frames=24)  # 6 s
+    async with running_encoder(nats_url, ns, max_video_seconds=3) as svc, encoder_client(nats_url, ns) as client:
+        async with asyncio.timeout(HANG):
+            enc = await client.encode("v", MMKind.VIDEO, clip)
+            patches, grid = preprocess([decode_video(clip, VC)], VC)
+            ref = build_tower(VC, seed=0)(patches, grid)
+            assert enc.kind is MMKind.VIDEO and list(enc.grid_thw) == grid[0].tolist() and enc.grid_thw[0] == 2
+            [rows] = await client.fetch([item_of(enc)], torch.float32)
+            torch.testing.assert_close(rows, ref, rtol=0, atol=1e-6)
+            with pytest.raises(EncodeError, match="over the limit of 3 s"):
+                await client.encode("long", MMKind.VIDEO, long)
+            assert len(svc.cache) == 1
 
 
 async def test_batched_outputs_equal_unbatched_and_one_computation_per_hash(nats_url, ns):

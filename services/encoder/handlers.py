@@ -107,12 +107,13 @@ class EncoderNode:
 
     async def encode(self, req: EncodeRequest) -> EncodeReply:
         started = time.perf_counter()
-        outcome = "error"
+        outcome = "internal"  # the tower or the batcher failed: the bus answers INTERNAL, the client tries another
         try:
             entry, outcome = await self._encode(req)
             return EncodeReply(mm_hash=req.mm_hash, num_tokens=entry.rows.shape[0], grid_thw=list(entry.grid),
                                cached=outcome != "encoded", lease_s=self.cache.lease_s)
         except EncodeError as exc:
+            outcome = "error"
             return EncodeReply(mm_hash=req.mm_hash, error=str(exc))
         except CacheFull as exc:
             outcome = "unavailable"

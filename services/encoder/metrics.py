@@ -4,7 +4,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 ENCODES = Counter("windserve_encoder_encodes_total", "Encode requests by outcome: encoded (the tower ran), hit "
                   "(cached), joined (waited for an encode of the same hash in flight), error (bad input), "
-                  "unavailable (cache full of leased entries)", ["outcome"])
+                  "unavailable (cache full of leased entries), internal (the tower failed)", ["outcome"])
 CACHE = Counter("windserve_encoder_cache_lookups_total", "Embedding-cache lookups by encode and fetch, by outcome",
                 ["op", "outcome"])
 EVICTIONS = Counter("windserve_encoder_cache_evictions_total", "Embeddings evicted (LRU, unleased) for room")
