@@ -3,8 +3,10 @@
     python -m bench.encoder [--quick]
 
 Each configuration is a real topology: nats-server and one encoder process (`python -m services.encoder`,
-scripts.run's supervisor), driven by `EncoderClient` from this process over NATS + the transfer engine. Every
-encode in the throughput and load phases is a distinct image (cold: the tower runs for each).
+scripts.run's supervisor), driven by `EncoderClient` from this process over NATS + the transfer engine. Both
+run side by side and take turns (which goes first alternates per round; figures pooled over the rounds), so a
+load change on a shared machine hits both alike. Every encode in the throughput and load phases is a distinct
+image (cold: the tower runs for each).
 
 1. Saturation: CONCURRENCY encodes in flight (closed loop) -> QPS, batched (WINDSERVE_MAX_BATCH_ITEMS=16,
    WINDSERVE_MAX_WAIT_MS=5) and unbatched (1, 0). `qps_batched_vs_unbatched` (goal >= 2).
@@ -65,48 +67,28 @@ def images(seed: int, n: int, hw: tuple[int, int] = IMAGE_HW) -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def encoder_topology(run_dir: Path, env: dict[str, str]) -> AsyncIterator[str]:
-    """nats-server + one encoder process (scripts.run's supervisor, driven from a thread); yields the NATS URL."""
+async def encoder_topology(run_dir: Path, name: str) -> AsyncIterator[Any]:
+    """nats-server + one encoder process of configuration `name` in its own namespace (scripts.run's supervisor,
+    driven from a thread), and a client for it."""
+    from libs.mm.client import EncoderClientConfig, connect_client
     from scripts.run import RunConfig, StopFlag, Supervisor
 
+    namespace = f"{NAMESPACE}_{name}"
     saved = dict(os.environ)
-    os.environ.update(UCX_ENV, **env, WINDSERVE_NAMESPACE=NAMESPACE)
-    sup = Supervisor(RunConfig(services=(("encoder", 1),), http_port=0, run_dir=run_dir, ready_timeout_s=120))
+    os.environ.update(UCX_ENV, **CONFIGS[name], WINDSERVE_NAMESPACE=namespace)
+    sup = Supervisor(RunConfig(services=(("encoder", 1),), http_port=0, run_dir=run_dir / name,
+                               ready_timeout_s=120))
     try:
         sup.start_nats()
         sup.start_services()
         await asyncio.to_thread(sup.wait_ready, StopFlag())
-        yield sup.nats_url
+        async with connect_client(sup.nats_url, namespace, EncoderClientConfig(vision=_vision(), encode_timeout_s=120),
+                                  wait_s=60) as client:
+            yield client
     finally:
         await asyncio.to_thread(sup.stop_all)
         os.environ.clear()
         os.environ.update(saved)
-
-
-@contextlib.asynccontextmanager
-async def client_for(nats_url: str) -> AsyncIterator[Any]:
-    from libs.bus import Bus, Registry, RegistryView
-    from libs.mm.client import EncoderClient, EncoderClientConfig
-    from libs.transfer import create_engine
-    from protos import subjects
-    from protos.messages import Role
-
-    bus = await Bus.connect(nats_url, name="encoder-bench")
-    engine = create_engine()
-    await engine.start()
-    view = RegistryView(await Registry.open(bus, subjects.registry_bucket(NAMESPACE)), Role.ENCODER)
-    await view.start()
-    client = EncoderClient(bus, NAMESPACE, view, engine, EncoderClientConfig(vision=_vision(), encode_timeout_s=120))
-    try:
-        async with asyncio.timeout(60):
-            while not client.encoders():
-                await asyncio.sleep(0.05)
-        yield client
-    finally:
-        await client.close()
-        await view.stop()
-        await engine.close()
-        await bus.close()
 
 
 def _vision() -> Any:
@@ -121,8 +103,8 @@ async def _encode(client: Any, rid: str, data: bytes) -> None:
     await client.encode(rid, MMKind.IMAGE, data)
 
 
-async def saturation(client: Any, data: list[bytes]) -> dict[str, float]:
-    """CONCURRENCY workers encode `data` (distinct images) as fast as replies come back."""
+async def saturation(client: Any, data: list[bytes]) -> tuple[float, list[float]]:
+    """CONCURRENCY workers encode `data` (distinct images) as fast as replies come back: (seconds, latencies)."""
     queue = list(reversed(data))
     lat: list[float] = []
 
@@ -135,11 +117,10 @@ async def saturation(client: Any, data: list[bytes]) -> dict[str, float]:
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    took = time.perf_counter() - start
-    return {"qps": len(data) / took, "requests": len(data), "seconds": took, **_percentiles(lat)}
+    return time.perf_counter() - start, lat
 
 
-async def fixed_load(client: Any, data: list[bytes], rate: float, seed: int = 7) -> dict[str, float]:
+async def fixed_load(client: Any, data: list[bytes], rate: float, seed: int = 7) -> tuple[float, list[float]]:
     """Poisson arrivals at `rate`/s; latency from the scheduled arrival (queueing included) to the reply."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, len(data)))
@@ -152,8 +133,7 @@ async def fixed_load(client: Any, data: list[bytes], rate: float, seed: int = 7)
         lat.append(time.perf_counter() - (start + arrivals[i]))
 
     await asyncio.gather(*(one(i, d) for i, d in enumerate(data)))
-    took = time.perf_counter() - start
-    return {"offered_qps": rate, "achieved_qps": len(data) / took, "requests": len(data), **_percentiles(lat)}
+    return time.perf_counter() - start, lat
 
 
 async def cached_vs_cold(client: Any, data: list[bytes]) -> dict[str, dict[str, float]]:
@@ -189,16 +169,38 @@ def batch_stats(client: Any) -> dict[str, float]:
             "mean_tower_ms": 1000 * values.get("windserve_encoder_tower_seconds_sum", 0.0) / calls if calls else 0.0}
 
 
-async def run_config(name: str, run_dir: Path, n_sat: int, n_load: int, rate: float | None, seed: int) -> dict:
-    async with encoder_topology(run_dir / name, CONFIGS[name]) as url, client_for(url) as client:
-        await saturation(client, images(seed + 999, CONCURRENCY))  # warm-up (threads, connections, allocator)
-        sat = await saturation(client, images(seed, n_sat))
-        rate = rate or LOAD_SHARE * sat["qps"]
-        load = await fixed_load(client, images(seed + 1, n_load), rate)
-        out: dict[str, Any] = {"saturation": sat, "fixed_load": load, **batch_stats(client)}
-        if name == "batched":
-            out["cache"] = await cached_vs_cold(client, images(seed + 2, max(10, n_load // 10)))
-        return out
+async def phase(clients: dict[str, Any], rounds: int, run: Any) -> dict[str, tuple[float, list[float]]]:
+    """`run(client, round)` on each configuration, alternating which goes first per round (a load change on the
+    shared machine hits both alike); seconds and latencies pooled over the rounds."""
+    pooled: dict[str, tuple[float, list[float]]] = {n: (0.0, []) for n in clients}
+    for r in range(rounds):
+        for name in (list(clients) if r % 2 == 0 else list(reversed(clients))):
+            took, lat = await run(clients[name], r)
+            pooled[name] = (pooled[name][0] + took, pooled[name][1] + lat)
+    return pooled
+
+
+async def measure_configs(quick: bool) -> dict[str, Any]:
+    n_sat, n_load, rounds = (96, 96, 1) if quick else (200, 150, 2)
+    with tempfile.TemporaryDirectory(prefix="encbench-") as tmp:
+        async with encoder_topology(Path(tmp), "unbatched") as unbatched, \
+                encoder_topology(Path(tmp), "batched") as batched:
+            clients = {"unbatched": unbatched, "batched": batched}
+            for c in clients.values():  # warm-up (threads, connections, allocator)
+                await saturation(c, images(999, CONCURRENCY))
+            sat = await phase(clients, rounds, lambda c, r: saturation(c, images(10 + r, n_sat)))
+            rate = LOAD_SHARE * len(sat["unbatched"][1]) / sat["unbatched"][0]
+            load = await phase(clients, rounds, lambda c, r: fixed_load(c, images(20 + r, n_load), rate, seed=r))
+            out: dict[str, Any] = {
+                name: {"saturation": {"qps": len(sat[name][1]) / sat[name][0], "requests": len(sat[name][1]),
+                                      **_percentiles(sat[name][1])},
+                       "fixed_load": {"offered_qps": rate, "achieved_qps": len(load[name][1]) / load[name][0],
+                                      "requests": len(load[name][1]), **_percentiles(load[name][1])},
+                       **batch_stats(c)}
+                for name, c in clients.items()}
+            out["cache"] = await cached_vs_cold(batched, images(30, max(10, n_load // 10)))
+    out["rounds"] = rounds
+    return out
 
 
 def merge_mm_prep(quick: bool) -> dict[str, Any]:
@@ -212,12 +214,8 @@ def merge_mm_prep(quick: bool) -> dict[str, Any]:
 
 
 async def measure_all(quick: bool) -> dict[str, Any]:
-    n_sat, n_load = (96, 96) if quick else (400, 300)
-    with tempfile.TemporaryDirectory(prefix="encbench-") as tmp:
-        unbatched = await run_config("unbatched", Path(tmp), n_sat, n_load, None, seed=1)
-        rate = LOAD_SHARE * unbatched["saturation"]["qps"]
-        batched = await run_config("batched", Path(tmp), n_sat, n_load, rate, seed=1)
-    cache = batched.pop("cache")
+    runs = await measure_configs(quick)
+    batched, unbatched, cache = runs["batched"], runs["unbatched"], runs["cache"]
     vc = _vision()
     return {
         "qps_batched_vs_unbatched": batched["saturation"]["qps"] / unbatched["saturation"]["qps"],
@@ -229,7 +227,7 @@ async def measure_all(quick: bool) -> dict[str, Any]:
             "tower": _tower_name(vc), "vision_config": {k: getattr(vc, k) for k in (
                 "depth", "hidden_size", "patch_size", "spatial_merge_size", "out_hidden_size", "max_pixels")},
             "image_hw": list(IMAGE_HW), "concurrency": CONCURRENCY, "load_share_of_unbatched_qps": LOAD_SHARE,
-            "configs": CONFIGS, "quick": quick, "cpus": os.cpu_count(), "transfer": "UCX tcp,self on loopback",
+            "configs": CONFIGS, "rounds": runs["rounds"], "quick": quick, "cpus": os.cpu_count(), "transfer": "UCX tcp,self on loopback",
             "encoder_device": os.environ.get("WINDSERVE_DEVICE", "cpu"),
         },
     }

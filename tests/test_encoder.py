@@ -25,18 +25,16 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from libs.bus import Bus, Registry, RegistryView
 from libs.mm.api import EncodeError, EncoderUnavailable
-from libs.mm.client import EncoderClient, EncoderClientConfig
+from libs.mm.client import EncoderClientConfig, connect_client
 from libs.mm.image import decode_image
 from libs.mm.preprocess import preprocess
 from libs.mm.spec import content_hash
 from libs.mm.video import decode_video
 from libs.model.config import ModelConfig
 from libs.service import load_config
-from libs.transfer import create_engine
 from protos import subjects
-from protos.messages import EncodeReply, EncodeRequest, MMKind, Role, WireMMItem
+from protos.messages import EncodeReply, EncodeRequest, MMKind, WireMMItem
 from services.encoder.batcher import DynamicBatcher, fits
 from services.encoder.cache import CacheFull, EmbeddingCache
 from services.encoder.config import EncoderConfig
@@ -156,24 +154,9 @@ async def running_encoder(nats_url: str, namespace: str, **overrides) -> AsyncIt
         await svc.stop()
 
 
-@contextlib.asynccontextmanager
-async def encoder_client(nats_url: str, namespace: str, encoders: int = 1,
-                         **config) -> AsyncIterator[EncoderClient]:
-    bus = await Bus.connect(nats_url, name=f"enc-client-{uuid.uuid4().hex[:6]}")
-    engine = create_engine()
-    await engine.start()
-    view = RegistryView(await Registry.open(bus, subjects.registry_bucket(namespace)), Role.ENCODER)
-    await view.start()
-    client = EncoderClient(bus, namespace, view, engine, EncoderClientConfig(vision=VC, **config))
-    await client.start()
-    try:
-        await until(lambda: len(client.encoders()) >= encoders, what=f"{encoders} encoder(s) in the view")
-        yield client
-    finally:
-        await client.close()
-        await view.stop()
-        await engine.close()
-        await bus.close()
+def encoder_client(nats_url: str, namespace: str, encoders: int = 1, **config):
+    return connect_client(nats_url, namespace, EncoderClientConfig(vision=VC, **config), min_encoders=encoders,
+                          wait_s=HANG)
 
 
 @pytest.fixture
@@ -205,6 +188,12 @@ async def test_encode_then_fetch_gives_the_towers_rows_and_a_repeat_is_a_cache_h
             a, b, a2 = await client.fetch([item_of(first), item_of(second), item_of(first)], torch.bfloat16)
             assert a.dtype == torch.bfloat16 and torch.equal(a, ref.to(torch.bfloat16)) and torch.equal(a, a2)
             torch.testing.assert_close(b, local_rows(jpg).to(torch.bfloat16), rtol=0, atol=0)
+
+            big = image(4, 600, 800)  # ~1.4 MB: hashed / base64-coded off the loop, the bus's large-payload path
+            assert len(big) > 1 << 20
+            enc = await client.encode("r4", MMKind.IMAGE, big)
+            [rows] = await client.fetch([item_of(enc)], torch.float32)
+            torch.testing.assert_close(rows, local_rows(big), rtol=0, atol=1e-6)
 
             gone = WireMMItem(**{**item_of(first).model_dump(), "mm_hash": 12345})
             with pytest.raises(EncoderUnavailable, match="no longer holds"):

@@ -20,29 +20,30 @@ Construction and lifecycle, as gateway and workers use it:
   caller encodes again).
 
 `view` must hold `Role.ENCODER` entries (a view of every role, or of encoders only); the caller starts and
-stops it.
+stops it. `connect_client` builds a standalone client with its own bus, view and engine (tools, tests, bench).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from libs.bus import Bus, BusError, RegistryView
+from libs.bus import Bus, BusError, Registry, RegistryView
 from libs.gcache.ring import HashRing
 from libs.mm import wire
 from libs.mm.api import Encoded, EncodeError, EncoderUnavailable
 from libs.mm.spec import content_hash, num_tokens
 from libs.model.config import ModelConfig
 from libs.model.vision_config import VisionConfig
-from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address
+from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address, create_engine
 from protos import subjects
 from protos.base import ProtocolError
 from protos.messages import (
@@ -120,12 +121,11 @@ class EncoderClient:
     # ------------------------------------------------------------------ encode
 
     async def encode(self, request_id: str, kind: MMKind, data: bytes) -> Encoded:
-        mm_hash = content_hash(data, kind.value, self.vc)
+        mm_hash, text = await off_loop(len(data), _hash_and_b64, data, kind, self.vc)
         order = await self.candidates(mm_hash)
         if not order:
             raise EncoderUnavailable("no encoder is registered")
-        req = EncodeRequest(request_id=request_id, mm_hash=mm_hash, kind=kind,
-                            data_b64=base64.b64encode(data).decode())
+        req = EncodeRequest(request_id=request_id, mm_hash=mm_hash, kind=kind, data_b64=text)
         failures = []
         for iid in order:
             try:
@@ -157,11 +157,15 @@ class EncoderClient:
             if item.mm_hash not in hashes:
                 hashes.append(item.mm_hash)
         batches = [(iid, hs[j:j + MAX_FETCH]) for iid, hs in by_encoder.items() for j in range(0, len(hs), MAX_FETCH)]
+        tasks = [asyncio.ensure_future(self._fetch_from(iid, hs, name)) for iid, hs in batches]
         try:
             async with asyncio.timeout(self.config.fetch_timeout_s):
-                found = await asyncio.gather(*(self._fetch_from(iid, hs, name) for iid, hs in batches))
+                found = await asyncio.gather(*tasks)
         except TimeoutError:
             raise EncoderUnavailable(f"embeddings not fetched within {self.config.fetch_timeout_s:g}s") from None
+        finally:
+            for task in tasks:  # one encoder failed: the others' fetches are of no use any more
+                task.cancel()
         rows = {(iid, h): t for (iid, hs), ts in zip(batches, found, strict=True) for h, t in zip(hs, ts, strict=True)}
         out = []
         for item in items:
@@ -205,4 +209,48 @@ class EncoderClient:
                 task.add_done_callback(self._tasks.discard)
 
 
-__all__ = ["EncodeError", "EncoderClient", "EncoderClientConfig", "EncoderUnavailable"]
+OFF_LOOP_BYTES = 256 << 10
+"""Inputs at least this large are hashed and base64-coded on a thread (tens of ms for a 20 MiB file would
+stall the caller's event loop); smaller ones inline (a thread hop costs more than the work)."""
+
+T = TypeVar("T")
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread when `size` (bytes handled) is at least OFF_LOOP_BYTES, else inline."""
+    return await asyncio.to_thread(fn, *args) if size >= OFF_LOOP_BYTES else fn(*args)
+
+
+def _hash_and_b64(data: bytes, kind: MMKind, vc: VisionConfig) -> tuple[int, str]:
+    return content_hash(data, kind.value, vc), base64.b64encode(data).decode()
+
+
+@contextlib.asynccontextmanager
+async def connect_client(nats_url: str, namespace: str, config: EncoderClientConfig | None = None,
+                         min_encoders: int = 1, wait_s: float = 30.0) -> AsyncIterator[EncoderClient]:
+    """A started client with its own bus, encoder view and transfer engine (`create_engine()`), once the view
+    lists `min_encoders` encoders (TimeoutError after `wait_s`); everything is closed on exit."""
+    bus = await Bus.connect(nats_url, name=f"encoder-client-{uuid.uuid4().hex[:8]}")
+    engine = create_engine()
+    view: RegistryView | None = None
+    client: EncoderClient | None = None
+    try:
+        await engine.start()
+        view = RegistryView(await Registry.open(bus, subjects.registry_bucket(namespace)), Role.ENCODER)
+        await view.start()
+        client = EncoderClient(bus, namespace, view, engine, config)
+        await client.start()
+        async with asyncio.timeout(wait_s):
+            while len(client.encoders()) < min_encoders:
+                await asyncio.sleep(0.02)
+        yield client
+    finally:
+        if client is not None:
+            await client.close()
+        if view is not None:
+            await view.stop()
+        await engine.close()
+        await bus.close()
+
+
+__all__ = ["connect_client", "off_loop", "EncodeError", "EncoderClient", "EncoderClientConfig", "EncoderUnavailable"]

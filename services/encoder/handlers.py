@@ -29,6 +29,7 @@ import torch
 from libs.bus.errors import Unavailable
 from libs.mm import wire
 from libs.mm.api import EncodeError
+from libs.mm.client import off_loop
 from libs.mm.image import decode_image
 from libs.mm.preprocess import preprocess
 from libs.mm.spec import content_hash
@@ -123,10 +124,7 @@ class EncoderNode:
             metrics.ENCODE_SECONDS.labels(outcome).observe(time.perf_counter() - started)
 
     async def _encode(self, req: EncodeRequest) -> tuple[Entry, str]:
-        data = decode_b64(req.data_b64, self.config.max_input_bytes)
-        if content_hash(data, req.kind.value, self.vc) != req.mm_hash:
-            raise EncodeError("mm_hash is not the content hash of the data under this encoder's preprocessing "
-                              "(libs.mm.spec.content_hash)")
+        data = await off_loop(len(req.data_b64), self._verified, req)
         entry = self.cache.get(req.mm_hash)
         metrics.CACHE.labels("encode", "miss" if entry is None else "hit").inc()
         if entry is not None:
@@ -139,6 +137,13 @@ class EncoderNode:
             flight.add_done_callback(lambda _: self._inflight.pop(req.mm_hash, None))
         # shielded: a caller that gives up (drain timeout) must not cancel the others' computation
         return await asyncio.shield(flight), "joined" if joined else "encoded"
+
+    def _verified(self, req: EncodeRequest) -> bytes:
+        data = decode_b64(req.data_b64, self.config.max_input_bytes)
+        if content_hash(data, req.kind.value, self.vc) != req.mm_hash:
+            raise EncodeError("mm_hash is not the content hash of the data under this encoder's preprocessing "
+                              "(libs.mm.spec.content_hash)")
+        return data
 
     async def _compute(self, mm_hash: int, kind: MMKind, data: bytes) -> Entry:
         loop = asyncio.get_running_loop()
