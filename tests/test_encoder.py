@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from libs.mm.video import decode_video
 from libs.model.config import ModelConfig
 from libs.service import load_config
 from protos import subjects
-from protos.messages import EncodeReply, EncodeRequest, MMKind, WireMMItem
+from protos.messages import EncodeReply, EncodeRequest, HealthReply, HealthRequest, MMKind, Role, WireMMItem
 from services.encoder.batcher import DynamicBatcher, fits
 from services.encoder.cache import CacheFull, EmbeddingCache
 from services.encoder.config import EncoderConfig
@@ -242,6 +243,8 @@ async def test_bad_input_is_an_error_reply_and_nothing_is_cached(nats_url, ns, b
                              (b"\x89PNG" + bytes(30_000), "over the limit")):
                 with pytest.raises(EncodeError, match=why):
                     await client.encode("bad", MMKind.IMAGE, bad)
+            with pytest.raises(EncodeError, match="empty"):  # refused before any request
+                await client.encode("bad", MMKind.IMAGE, b"")
             with pytest.raises(EncodeError, match="video could not be opened"):
                 await client.encode("bad", MMKind.VIDEO, b"no video here")
             subject = subjects.encoder_encode(ns, svc.config.instance_id)
@@ -272,6 +275,23 @@ async def test_a_budget_full_of_leased_embeddings_refuses_then_evicts_once_lease
             await client.fetch([item_of(first)], torch.float32)  # a hit: the first one is leased again
             await client.encode("c", MMKind.IMAGE, image(22))
             assert first.mm_hash in svc.cache and len(svc.cache) == 2 and svc.cache.evictions == 1  # the LRU, unleased
+
+
+async def test_health_lists_the_encoder_and_a_drain_finishes_the_encode_in_flight(nats_url, ns, bus):
+    async with encoder_client(nats_url, ns, encoders=0) as client:
+        async with running_encoder(nats_url, ns, max_wait_ms=1000) as svc, asyncio.timeout(HANG):
+            await until(lambda: bool(client.encoders()), what="the encoder in the view")
+            health = await bus.request(subjects.health(ns, svc.config.instance_id), HealthRequest(), HealthReply, 5)
+            assert health.role is Role.ENCODER and health.details["address"].startswith(("ucx://", "tcp://"))
+            [entry] = client.view.live(time.time(), Role.ENCODER)
+            assert entry.address == health.details["address"] and entry.capacity == svc.config.cache_bytes
+            pending = asyncio.ensure_future(client.encode("in-flight", MMKind.IMAGE, image(40)))
+            await until(lambda: svc.node.inflight_encodes == 1, what="the encode is in flight")
+            await svc.stop()  # stop serving, deregister, drain: the encode (held up to 1 s by the batch wait) finishes
+            enc = await pending
+            assert enc.num_tokens > 0 and not enc.cached
+        with pytest.raises(EncoderUnavailable):
+            await client.encode("after", MMKind.IMAGE, image(41))
 
 
 # ============================================================================ real processes

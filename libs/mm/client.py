@@ -121,6 +121,8 @@ class EncoderClient:
     # ------------------------------------------------------------------ encode
 
     async def encode(self, request_id: str, kind: MMKind, data: bytes) -> Encoded:
+        if not data:
+            raise EncodeError(f"the {kind.value} is empty")
         mm_hash, text = await off_loop(len(data), _hash_and_b64, data, kind, self.vc)
         order = await self.candidates(mm_hash)
         if not order:

@@ -104,6 +104,11 @@ class EncoderNode:
     def close(self) -> None:
         self._prep.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def inflight_encodes(self) -> int:
+        """Hashes being computed (decode, preprocessing, queue or tower)."""
+        return len(self._inflight)
+
     # ------------------------------------------------------------------ encode
 
     async def encode(self, req: EncodeRequest) -> EncodeReply:
@@ -197,6 +202,6 @@ class EncoderNode:
     def details(self) -> dict[str, str]:
         return {"address": self.address, "entries": str(len(self.cache)), "cache_used": str(self.cache.used_bytes),
                 "cache_budget": str(self.cache.budget_bytes), "evictions": str(self.cache.evictions),
-                "refusals": str(self.cache.refusals), "inflight_encodes": str(len(self._inflight)),
+                "refusals": str(self.cache.refusals), "inflight_encodes": str(self.inflight_encodes),
                 "queued": str(self.batcher.queued), "batches": str(self.batcher.batches),
                 "batched_items": str(self.batcher.items), "inflight_fetches": str(self.inflight_fetches)}

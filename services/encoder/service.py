@@ -53,8 +53,13 @@ def build_tower(vc: VisionConfig, seed: int = 0, model: str = "", device: str = 
     gen = torch.Generator().manual_seed(seed)
     tower = VisionTower(vc)
     with torch.no_grad():
-        for p in tower.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
+        for name, p in tower.named_parameters():  # in definition order: the same values in every process
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
     return tower.to(device=device, dtype=dtype).eval()
 
 
