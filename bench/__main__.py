@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "mtp")
+BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder",
+              "mtp")
 
 
 def main(argv: list[str]) -> int:

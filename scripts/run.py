@@ -1,10 +1,12 @@
 """`make run`: start nats-server (JetStream) and windserve services as supervised processes.
 
-    python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2,cache=2]
+    python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2,cache=2,encoder=2]
                           [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
 
 Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
-model directory holds a checkpoint) and names the cause. Every child runs in its own process group
+model directory holds a checkpoint) and names the cause. The default topology is gateway, router, prefill
+and decode, plus one encoder (`services.encoder`, images / video) when the model has a vision config (the
+built-in tiny model has one). Every child runs in its own process group
 with its log in <run-dir>/logs/<name>.log; a GCache storage node (`cache`) keeps its disk tier in
 <run-dir>/cache/<name>. The registry bucket of the namespace is emptied when
 nats-server is up (entries left by an earlier run are ghosts: docs/reliability.md). The supervisor
@@ -41,6 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVICES = "gateway,router,prefill,decode"
+MULTIMODAL_SERVICES = "encoder"  # added to the default topology when the model takes images
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a child up this long counts as healthy again: its next restart waits BACKOFF_FIRST_S
@@ -86,6 +89,22 @@ class RunConfig:
     @property
     def roles(self) -> set[str]:
         return {name for name, _ in self.services}
+
+
+def model_has_vision(model: str) -> bool:
+    """Whether the model takes images: the built-in tiny model does; a checkpoint when its config.json has a
+    `vision_config` (read as JSON: the supervisor imports no model code)."""
+    if not model:
+        return True
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # preflight names the problem
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def default_services(model: str) -> str:
+    return f"{DEFAULT_SERVICES},{MULTIMODAL_SERVICES}" if model_has_vision(model) else DEFAULT_SERVICES
 
 
 def parse_services(spec: str) -> tuple[tuple[str, int], ...]:
@@ -312,9 +331,11 @@ class Supervisor:
         gcache = any(n == "cache" for n, _ in self.cfg.services)
         if gcache and name in ("prefill", "decode", "worker"):
             env.setdefault("WINDSERVE_GCACHE", "1")  # storage nodes in the topology: the engines use them
-        if name in ("prefill", "decode", "cache") or (gcache and name == "worker"):
-            # KV moves prefill -> decode (and to / from GCache) over UCX; on one host TCP over loopback works
-            # everywhere (shared memory, UCX_TLS=sm,self, is faster where allowed). An operator's UCX_* settings win.
+        encoders = any(n == "encoder" for n, _ in self.cfg.services)
+        if name in ("prefill", "decode", "cache", "encoder") or ((gcache or encoders) and name == "worker"):
+            # KV moves prefill -> decode (and to / from GCache), embeddings encoder -> prefill / worker, over UCX;
+            # on one host TCP over loopback works everywhere (shared memory, UCX_TLS=sm,self, is faster where
+            # allowed). An operator's UCX_* settings win.
             if "UCX_TLS" not in os.environ:
                 env["UCX_TLS"] = "tcp,self"
                 env.setdefault("UCX_NET_DEVICES", "lo")
@@ -533,7 +554,8 @@ class StopFlag:
 def parse_args(argv: list[str] | None) -> RunConfig:
     p = argparse.ArgumentParser(prog="python -m scripts.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="model directory (HF layout), passed as WINDSERVE_MODEL")
-    p.add_argument("--services", default=DEFAULT_SERVICES, help="comma list, name=N for replicas")
+    p.add_argument("--services", default=None, help="comma list, name=N for replicas (default: "
+                   f"{DEFAULT_SERVICES}, plus {MULTIMODAL_SERVICES} when the model has a vision config)")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="gateway port (0 = any free)")
     p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = any free; a cluster: node i "
@@ -545,7 +567,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     a = p.parse_args(argv)
     return RunConfig(
-        services=parse_services(a.services),
+        services=parse_services(a.services if a.services is not None else default_services(a.model)),
         model=a.model,
         http_host=a.http_host,
         http_port=a.http_port,

@@ -240,3 +240,34 @@ def test_storage_nodes_in_the_topology_turn_gcache_on_in_the_engines(tmp_path, m
     assert "WINDSERVE_GCACHE" not in without.service_env("worker", "worker-1")
     monkeypatch.setenv("WINDSERVE_GCACHE", "0")  # an operator's setting wins
     assert with_cache.service_env("worker", "worker-1")["WINDSERVE_GCACHE"] == "0"
+
+
+def test_default_topology_has_an_encoder_when_the_model_takes_images(tmp_path, monkeypatch):
+    from scripts.run import default_services, parse_args
+
+    text_only, multimodal = tmp_path / "text", tmp_path / "mm"
+    for path, cfg in ((text_only, {"hidden_size": 8}), (multimodal, {"hidden_size": 8, "vision_config": {}})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+    assert parse_services(default_services("")) == (("gateway", 1), ("router", 1), ("prefill", 1), ("decode", 1),
+                                                     ("encoder", 1))  # the tiny model has a vision tower
+    assert "encoder" not in default_services(str(text_only))
+    assert parse_args(["--model", str(multimodal)]).roles == {"gateway", "router", "prefill", "decode", "encoder"}
+    assert parse_args(["--services", "gateway,worker"]).roles == {"gateway", "worker"}  # explicit wins
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    sup = Supervisor(RunConfig(parse_services("gateway,worker,encoder=2"), model=str(multimodal), run_dir=tmp_path))
+    env = sup.service_env("encoder", "encoder-0-abc")
+    assert env["WINDSERVE_INSTANCE_ID"] == "encoder-0-abc" and env["WINDSERVE_MODEL"] == str(multimodal)
+    assert env["UCX_TLS"] == "tcp,self" and int(env["WINDSERVE_METRICS_PORT"]) > 0 and "WINDSERVE_NATS_URL" in env
+    assert sup.service_env("worker", "worker-1")["UCX_TLS"] == "tcp,self"  # a worker fetches embeddings
+
+
+def test_encoders_come_up_and_are_listed(tmp_path):
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker,encoder=2") as proc:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+            body = json.loads(resp.read())
+        assert {role: len(ids) for role, ids in body["services"].items()} == {"gateway": 1, "worker": 1, "encoder": 2}
+        assert len(_descendants_named(proc, "services.encoder")) == 2

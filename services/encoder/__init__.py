@@ -1,0 +1,1 @@
+"""Encoder tier (#16): images / videos -> vision-tower embeddings, cached by content hash (docs/multimodal.md)."""
