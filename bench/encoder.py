@@ -14,7 +14,7 @@ image (cold: the tower runs for each).
    latency from each request's scheduled arrival to its reply. `p90_batched_vs_unbatched` (goal <= 0.8).
 3. Cached vs cold: one encode at a time on the batched encoder, a new image (cold) vs an image it holds (the
    cache hit still carries the bytes and checks the hash). `cached_vs_cold_latency` (p50 ratio).
-4. Preprocessing / video decode: `bench.mm_prep.measure(quick)` (the vision work's file) merged in when present.
+4. Preprocessing / video decode: `bench.mm_prep.measure(quick)`, merged into the same JSON.
 
 The tower is whatever `libs.model.vision.VisionTower` is in this checkout, with the model's vision config (the
 built-in tiny model unless WINDSERVE_MODEL names a checkpoint); `setup.tower` records which.
@@ -204,12 +204,9 @@ async def measure_configs(quick: bool) -> dict[str, Any]:
 
 
 def merge_mm_prep(quick: bool) -> dict[str, Any]:
-    """The vision work's preprocessing / video-decode figures (`bench.mm_prep.measure`), when in this checkout."""
-    try:
-        from bench.mm_prep import measure  # type: ignore[import-not-found]
-    except ImportError as exc:
-        print(f"[encoder] bench.mm_prep not in this checkout ({exc}); preprocessing / video figures skipped")
-        return {"mm_prep": None}
+    """The preprocessing / video-decode figures (`bench.mm_prep.measure`) in the same JSON."""
+    from bench.mm_prep import measure
+
     return dict(measure(quick))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from libs.model.vision import TINY_VISION_SEED
 from libs.service import ServiceConfig
 
 
@@ -16,7 +17,8 @@ class EncoderConfig(ServiceConfig):
                         "present)")
     dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$", description="tower weights and "
                        "activations")
-    seed: int = Field(default=0, description="seed of the random tower weights (no checkpoint weights)")
+    seed: int = Field(default=TINY_VISION_SEED, description="seed of the random tower weights (no checkpoint: the "
+                      "tiny model; the same tower as libs.model.vision.VisionTower(vc))")
     max_batch_items: int = Field(default=16, ge=1, description="images / videos per tower call at most (1 = no "
                                  "batching)")
     max_batch_patches: int = Field(default=65536, ge=1, description="patches per tower call at most (an item "

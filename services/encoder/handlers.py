@@ -99,6 +99,7 @@ class EncoderNode:
                                                            thread_name_prefix="encoder-prep")
         self._inflight: dict[int, asyncio.Future[Entry]] = {}
         self.inflight_fetches = 0
+        self.encode_hits = 0  # encodes answered from the cache (health details)
         self._evictions_seen = 0
 
     def close(self) -> None:
@@ -133,6 +134,7 @@ class EncoderNode:
         entry = self.cache.get(req.mm_hash)
         metrics.CACHE.labels("encode", "miss" if entry is None else "hit").inc()
         if entry is not None:
+            self.encode_hits += 1
             return entry, "hit"
         flight = self._inflight.get(req.mm_hash)
         joined = flight is not None
@@ -200,7 +202,8 @@ class EncoderNode:
         self._evictions_seen = self.cache.evictions
 
     def details(self) -> dict[str, str]:
-        return {"address": self.address, "entries": str(len(self.cache)), "cache_used": str(self.cache.used_bytes),
+        return {"address": self.address, "entries": str(len(self.cache)), "cache_hits": str(self.encode_hits),
+                "cache_used": str(self.cache.used_bytes),
                 "cache_budget": str(self.cache.budget_bytes), "evictions": str(self.cache.evictions),
                 "refusals": str(self.cache.refusals), "inflight_encodes": str(self.inflight_encodes),
                 "queued": str(self.batcher.queued), "batches": str(self.batcher.batches),

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import torch
 
 from libs.model.config import ModelConfig
-from libs.model.vision import VisionTower
+from libs.model.vision import TINY_VISION_SEED, VisionTower
 from libs.model.vision_config import VisionConfig
+from libs.model.vision_loader import load_vision_tower
 from libs.service import Service
 from libs.transfer import KVTransferEngine, advertised_address, create_engine
 from protos import subjects
@@ -40,27 +40,15 @@ def vision_config(model: str) -> VisionConfig:
     return cfg.vision
 
 
-def build_tower(vc: VisionConfig, seed: int = 0, model: str = "", device: str = "cpu",
+def build_tower(vc: VisionConfig, seed: int = TINY_VISION_SEED, model: str = "", device: str = "cpu",
                 dtype: torch.dtype = torch.float32) -> VisionTower:
-    """The encoder's tower: deterministic random weights from `seed` (the same in every process, so tests and
-    the bench can run the same tower locally).
-
-    SEAM for checkpoint weights: a model directory with vision weights is to be loaded here (the vision work's
-    loader); until then the weights stay random and a warning says so."""
-    if model and any(Path(model).glob("*.safetensors")):
-        log.warning("vision weights of the checkpoint are not loaded yet: the tower has random weights",
-                    extra={"model": model})
-    gen = torch.Generator().manual_seed(seed)
-    tower = VisionTower(vc)
-    with torch.no_grad():
-        for name, p in tower.named_parameters():  # in definition order: the same values in every process
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
-    return tower.to(device=device, dtype=dtype).eval()
+    """The encoder's tower: the checkpoint's vision weights when `model` names a model directory
+    (libs/model/vision_loader.py; a clear CheckpointError when they are missing or do not fit `vc`), else
+    deterministic random weights from `seed` (the same in every process, so tests and the bench can run the same
+    tower locally)."""
+    if model:
+        return load_vision_tower(model, vc, dtype, device)
+    return VisionTower(vc, seed=seed).to(device=device, dtype=dtype).eval()
 
 
 class EncoderService(Service):

@@ -115,7 +115,7 @@ class GatewayService(Service):
         mc = await asyncio.to_thread(model_config, cfg.model)
         vision = VisionTokens.of(mc, tokenizer.decode) if mc is not None else None
         if vision is not None and self.encoder is None:
-            await self._start_encoder()
+            await self._start_encoder(mc.vision)
         return handlers.Api(
             vision=vision, encoder=self.encoder or self._encoder, media=cfg.media_config(),
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
@@ -126,15 +126,17 @@ class GatewayService(Service):
             docs_auth=cfg.docs_auth,
         )
 
-    async def _start_encoder(self) -> None:
-        """The EncoderClient over the live encoders of the registry (encode by content-hash affinity)."""
-        from libs.mm.client import EncoderClient
+    async def _start_encoder(self, vision: Any) -> None:
+        """The EncoderClient over the live encoders of the registry (encode by content-hash affinity); the
+        content hash covers the served model's preprocessing (`vision`, its VisionConfig)."""
+        from libs.mm.client import EncoderClient, EncoderClientConfig
 
         assert self.bus is not None and self.registry is not None
         self._encoder_view = RegistryView(self.registry, role=Role.ENCODER,
                                           config=ViewConfig(list_timeout_s=self.config.registry_timeout_s))
         await self._encoder_view.start()
-        self._encoder = EncoderClient(self.bus, self.config.namespace, self._encoder_view)
+        self._encoder = EncoderClient(self.bus, self.config.namespace, self._encoder_view,
+                                      config=EncoderClientConfig(vision=vision))
         await self._encoder.start()
 
     async def setup(self) -> None:
