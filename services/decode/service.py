@@ -26,7 +26,8 @@ class DecodeService(DisaggWorkerService):
         assert self.bus is not None and self.engine is not None
         self.worker = handlers.DecodeWorker(self.engine, self.transfer, self.config.instance_id, self.publish,
                                             transfer_timeout_s=self.config.transfer_timeout_s,
-                                            admit_timeout_s=self.config.prepare_timeout_s, tasks=self.tasks)
+                                            admit_timeout_s=self.config.prepare_timeout_s, tasks=self.tasks,
+                                            address=self.address)
         await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
                              self._prepare)
         await self.bus.serve(subjects.kv_commit(self.config.namespace, self.config.instance_id), KVCommitRequest,
