@@ -275,10 +275,13 @@ class Stack:
         env = {**os.environ, "WINDSERVE_HTTP_PORT": str(self.http_port), **self.env}
         return run([*cmd, *args], quiet=quiet, timeout=timeout, env=env, check=check)
 
-    def up(self, scale: dict[str, int] | None = None, wait_s: int = 240) -> float:
-        """`up -d --wait` (every container healthy); returns seconds taken."""
+    def up(self, scale: dict[str, int] | None = None, wait_s: int = 240, recreate: bool = True) -> float:
+        """`up -d --wait` (every container healthy); returns seconds taken. recreate=False: only add or remove
+        replicas (a scale step leaves the running containers alone)."""
         start = time.monotonic()
-        args = ["up", "-d", "--no-build", "--wait", "--wait-timeout", str(wait_s), "--no-recreate"]
+        args = ["up", "-d", "--no-build", "--wait", "--wait-timeout", str(wait_s)]
+        if not recreate:
+            args.append("--no-recreate")
         for service, n in (scale or {}).items():
             args += ["--scale", f"{service}={n}"]
         try:
