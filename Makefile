@@ -21,8 +21,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m scripts.run $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
+# The suite, then (full runs only, i.e. without ARGS) the compose acceptance run where it can run: as root or
+# with a Docker daemon answering; otherwise it says why it is skipped (docs/deployment.md, CI).
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+	$(if $(ARGS),,$(PY) -m scripts.compose_test --when-able)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
