@@ -20,15 +20,15 @@ def spec() -> dict:
     return yaml.safe_load(COMPOSE.read_text())  # resolves the x-* anchors like compose does
 
 
-def test_valid_against_compose_spec():
+def assert_schema_valid(path: Path) -> None:
     checker = Path(sys.executable).parent / "check-jsonschema"
-    proc = subprocess.run(
-        [str(checker), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_valid_against_compose_spec():
+    assert_schema_valid(COMPOSE)
 
 
 def test_one_service_per_role_plus_nats(spec):
@@ -63,10 +63,7 @@ def test_gpu_reserved_only_in_the_override_for_the_engines(spec):
         return any("gpu" in d.get("capabilities", []) for d in devices)
 
     assert {n for n, svc in spec["services"].items() if wants_gpu(svc)} == set()
-    checker = Path(sys.executable).parent / "check-jsonschema"
-    proc = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec", str(GPU_OVERRIDE)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_schema_valid(GPU_OVERRIDE)
     override = yaml.safe_load(GPU_OVERRIDE.read_text())
     engines = {"prefill", "decode", "worker"}
     assert {n for n, svc in override["services"].items() if wants_gpu(svc)} == engines
@@ -208,10 +205,7 @@ CLUSTER = ROOT / "compose" / "docker-compose.cluster.yml"
 
 
 def test_cluster_override_is_valid_and_gives_every_service_three_nodes_and_r3(spec):
-    checker = Path(sys.executable).parent / "check-jsonschema"
-    proc = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec", str(CLUSTER)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_schema_valid(CLUSTER)
     override = yaml.safe_load(CLUSTER.read_text())
     nodes = {"nats", "nats-1", "nats-2"}
     assert set(override["services"]) == ROLES | nodes
