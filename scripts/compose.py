@@ -48,6 +48,7 @@ BASE_IMAGE = "windserve-base:bookworm"
 IMAGE = "windserve:latest"
 DEBOOTSTRAP = ["--variant=minbase", "--include=python3,python3-venv,python3-pip,ca-certificates", "bookworm"]
 APT_PACKAGES = {"dockerd": "docker.io", "debootstrap": "debootstrap"}
+BRIDGE = Path("/sys/class/net/docker0")
 
 
 class ComposeError(Exception):
@@ -112,6 +113,7 @@ class Daemon:
 
     pid: int = 0  # ours; 0 = it was running already
     log: Path = STATE_DIR / "dockerd.log"
+    made_bridge: bool = False  # docker0 appeared with our dockerd: removed again when it stops
 
     @staticmethod
     def running() -> bool:
@@ -125,7 +127,7 @@ class Daemon:
         if os.geteuid() != 0:
             raise ComposeError("no Docker daemon answers and starting dockerd needs root")
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        daemon = cls()
+        daemon = cls(made_bridge=not BRIDGE.exists())
         with open(daemon.log, "ab") as log:
             proc = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         daemon.pid = proc.pid
@@ -151,6 +153,8 @@ class Daemon:
                 os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
+        if self.made_bridge and BRIDGE.exists():  # dockerd leaves its default bridge behind
+            run(["ip", "link", "delete", "docker0"], check=False, quiet=True)
         say(f"stopped the dockerd it started (pid {self.pid})")
         self.pid = 0
 
@@ -355,7 +359,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     compose = compose_command()
     daemon = Daemon.ensure()
     if daemon.pid:  # keep it for `down`
-        (STATE_DIR / "dockerd.pid").write_text(str(daemon.pid))
+        (STATE_DIR / "dockerd.pid").write_text(f"{daemon.pid} {int(daemon.made_bridge)}")
     build_image(args.base_image)
     stack = Stack(compose, http_port=args.http_port)
     took = stack.up(dict(args.scale))
@@ -369,7 +373,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         say("stack removed")
     pid_file = STATE_DIR / "dockerd.pid"
     if pid_file.exists():
-        Daemon(pid=int(pid_file.read_text())).stop()
+        pid, made_bridge = pid_file.read_text().split()
+        Daemon(pid=int(pid), made_bridge=made_bridge == "1").stop()
         pid_file.unlink()
     return 0
 

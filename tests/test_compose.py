@@ -237,3 +237,15 @@ def test_cache_nodes_keep_their_disk_tier_on_a_volume_one_directory_per_replica(
     disk_dir = cache["environment"]["WINDSERVE_DISK_DIR"]
     assert disk_dir.startswith(mount.split(":")[1] + "/") and "{hostname}" in disk_dir  # --scale: no two share
     assert int(cache["environment"]["WINDSERVE_DISK_BYTES"].split(":-")[1].rstrip("}")) > 0
+
+
+def test_the_build_input_directory_is_committed_so_a_fresh_clone_builds():
+    """compose/Dockerfile COPYs compose/build/ (local wheels, CA bundle; their contents are ignored): a clone
+    without the directory fails `docker compose up --build` (the repo-wide `build/` ignore once hid it)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "--", "compose/build/.gitkeep"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=30)
+    staged = subprocess.run(["git", "check-ignore", "-q", "compose/build/.gitkeep"], cwd=ROOT, timeout=30)
+    assert tracked.stdout.strip() == "compose/build/.gitkeep" or staged.returncode == 1
+    assert subprocess.run(["git", "check-ignore", "-q", "compose/build/ca.crt"], cwd=ROOT, timeout=30).returncode == 0
