@@ -330,7 +330,16 @@ def compose_override(path: Path) -> Path:
 
 
 async def measure_topology(client, jobs: list[Job], concurrency: int) -> dict:
-    await stream_one(client, jobs[0])  # warm-up (model pages, UCX endpoints)
+    import openai
+
+    for attempt in range(10):  # warm-up (model pages, UCX endpoints); not measured, so retried
+        try:
+            await stream_one(client, jobs[0])
+            break
+        except openai.APIConnectionError:
+            if attempt == 9:
+                raise
+            await asyncio.sleep(2)
     rows, wall = await concurrent_phase(client, jobs, concurrency)
     return summarize(rows, wall, concurrency)
 
@@ -354,6 +363,9 @@ async def bench_compose(args: argparse.Namespace) -> dict:
                 stack.up({"prefill": 2, "decode": 2, "cache": 0})
                 client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
                 containers = await measure_topology(client, jobs, args.concurrency)
+            except Exception:
+                print(stack.logs(40), file=sys.stderr)
+                raise
             finally:
                 stack.down()
     return {"topology": "gateway, router, 2 prefill, 2 decode (tiny model, CPU)",
