@@ -23,6 +23,12 @@ by its id, so shared prefixes stay shared) with concurrent streaming openai clie
 
 runs just that figure (both topologies, nothing else) and writes it to --out.
 
+    python -m bench.serving --compose [--requests 64] [--concurrency 8]
+
+measures the containerised topology (docker compose: gateway, router, 2 prefill, 2 decode; scripts/compose.py
+builds what is missing) against the same topology under `make run`, same requests, one run each: TTFT / TPOT and
+output tokens/s, and their throughput ratio (goal >= 0.9). Writes bench/results/serving_compose.json.
+
 Writes bench/results/serving.json and serving.png.
 """
 
@@ -154,6 +160,16 @@ async def stream_one(client, job: Job) -> dict[str, float]:
     end = time.perf_counter()
     first = first or end
     return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, "e2e": end - start}
+
+
+def summarize(rows: list[dict], wall: float, concurrency: int) -> dict:
+    """TTFT / TPOT percentiles and output tokens/s of one concurrent phase."""
+    return {"requests": len(rows), "concurrency": concurrency, "wall_s": wall,
+            "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in rows], 0.5),
+            "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in rows], 0.9),
+            "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in rows], 0.5),
+            "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in rows], 0.9),
+            "output_tokens_per_s": sum(r["tokens"] for r in rows) / wall}
 
 
 async def concurrent_phase(client, jobs: list[Job], concurrency: int) -> tuple[list[dict], float]:
@@ -304,6 +320,60 @@ async def bench_overlap(args: argparse.Namespace) -> dict:
     return {"handoff_overlap_ratio": h["ratio"], "handoff_overlap": h}
 
 
+def compose_override(path: Path) -> Path:
+    """A compose override giving every container the environment System gives make run's processes (engine
+    knobs, liveness, context length) and no GCache (make run's topology has no storage nodes)."""
+    env = {**ENGINE_ENV, **LIVENESS_ENV, **GATEWAY_ENV, "WINDSERVE_GCACHE": "0", "UCX_LOG_LEVEL": "error"}
+    services = {name: {"environment": env} for name in ("gateway", "router", "prefill", "decode")}
+    path.write_text(json.dumps({"services": services}))  # JSON is YAML
+    return path
+
+
+async def measure_topology(client, jobs: list[Job], concurrency: int) -> dict:
+    import openai
+
+    for attempt in range(10):  # warm-up (model pages, UCX endpoints); not measured, so retried
+        try:
+            await stream_one(client, jobs[0])
+            break
+        except openai.APIConnectionError:
+            if attempt == 9:
+                raise
+            await asyncio.sleep(2)
+    rows, wall = await concurrent_phase(client, jobs, concurrency)
+    return summarize(rows, wall, concurrency)
+
+
+async def bench_compose(args: argparse.Namespace) -> dict:
+    """2 prefill x 2 decode containerised (docker compose) vs the same topology under make run, same requests,
+    one after the other (never both at once: they share the CPUs)."""
+    import openai
+
+    from scripts.compose import COMPOSE_FILE, Stack, prepared
+    from scripts.run import free_port
+
+    jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
+    with tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp:
+        with System(Path(tmp) / "d", "gateway,router,prefill=2,decode=2") as native:
+            make_run = await measure_topology(native.client(), jobs, args.concurrency)
+        with prepared(args.base_image) as (compose, _daemon):
+            stack = Stack(compose, project=f"windserve-bench-{os.getpid()}", http_port=free_port(),
+                          files=[COMPOSE_FILE, compose_override(Path(tmp) / "bench.override.json")])
+            try:
+                stack.up({"prefill": 2, "decode": 2, "cache": 0})
+                client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+                containers = await measure_topology(client, jobs, args.concurrency)
+            except Exception:
+                print(stack.logs(40), file=sys.stderr)
+                raise
+            finally:
+                stack.down()
+    return {"topology": "gateway, router, 2 prefill, 2 decode (tiny model, CPU)",
+            "workload": {"trace": str(TRACE), "requests": len(jobs), "concurrency": args.concurrency},
+            "make_run": make_run, "compose": containers,
+            "throughput_ratio": containers["output_tokens_per_s"] / make_run["output_tokens_per_s"]}
+
+
 async def bench(args: argparse.Namespace) -> dict:
     jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
     seq_jobs = jobs[: args.sequential]
@@ -325,18 +395,12 @@ async def bench(args: argparse.Namespace) -> dict:
     secs, kv_reqs = float(pre["kv_transfer_seconds"]), int(pre["kv_requests"])
     served_tpot = statistics.median(r["tpot"] for r in seq)
     offline_tpot = statistics.median(off)
-    tokens = sum(r["tokens"] for r in rows)
     return {
         "handoff_overlap_ratio": overlap["ratio"],
         "workload": {"trace": str(TRACE), "requests": len(jobs), "in_scale": args.in_scale,
                      "out_scale": args.out_scale, "mean_prompt_tokens": statistics.mean(len(j.prompt) for j in jobs),
                      "mean_output_tokens": statistics.mean(j.max_tokens for j in jobs)},
-        "concurrent": {"requests": len(rows), "concurrency": args.concurrency, "wall_s": wall,
-                       "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in rows], 0.5),
-                       "ttft_p90_ms": 1e3 * pct([r["ttft"] for r in rows], 0.9),
-                       "tpot_p50_ms": 1e3 * pct([r["tpot"] for r in rows], 0.5),
-                       "tpot_p90_ms": 1e3 * pct([r["tpot"] for r in rows], 0.9),
-                       "output_tokens_per_s": tokens / wall},
+        "concurrent": summarize(rows, wall, args.concurrency),
         "kv_transfer": {"requests": kv_reqs, "bytes_per_request": sent / max(1, kv_reqs),
                         "full_kv_bytes_per_request": full_eq / max(1, kv_reqs),
                         "transfer_bytes_ratio": sent / max(1, full_eq), "dual_pool_limit": dual_pool_limit(jobs),
@@ -362,15 +426,32 @@ def main() -> int:
     p.add_argument("--max-out", type=int, default=48)
     p.add_argument("--long-prompts", type=int, default=8, help="prompts of the overlap figure (each way)")
     p.add_argument("--overlap-only", action="store_true", help="measure only handoff_overlap_ratio")
-    p.add_argument("--out", type=Path, default=RESULTS / "serving_overlap.json", help="with --overlap-only")
+    p.add_argument("--out", type=Path, default=None,
+                   help="with --overlap-only (default serving_overlap.json) or --compose (serving_compose.json)")
+    p.add_argument("--compose", action="store_true", help="only containerised 2x2 (docker compose) vs make run's")
+    p.add_argument("--base-image", default=os.environ.get("WINDSERVE_BASE_IMAGE", "windserve-base:bookworm"),
+                   help="with --compose: base of the image (scripts/compose.py)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.compose:
+        result = asyncio.run(bench_compose(args))
+        out = args.out or RESULTS / "serving_compose.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        for name in ("make_run", "compose"):
+            c = result[name]
+            print(f"{name}: {c['requests']} req x{c['concurrency']}: TTFT p50 {c['ttft_p50_ms']:.0f} ms p90 "
+                  f"{c['ttft_p90_ms']:.0f} ms, TPOT p50 {c['tpot_p50_ms']:.1f} ms p90 {c['tpot_p90_ms']:.1f} ms, "
+                  f"{c['output_tokens_per_s']:.0f} output tok/s")
+        print(f"compose / make run throughput: {result['throughput_ratio']:.2f} (goal >= 0.9); wrote {out}")
+        return 0
     if args.overlap_only:
         result = asyncio.run(bench_overlap(args))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        out = args.out or RESULTS / "serving_overlap.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
         print_overlap(result["handoff_overlap"])
-        print(f"wrote {args.out}")
+        print(f"wrote {out}")
         return 0
     result = asyncio.run(bench(args))
     RESULTS.mkdir(parents=True, exist_ok=True)

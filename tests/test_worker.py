@@ -390,3 +390,19 @@ async def test_decode_stop_cancels_a_request_waiting_for_its_kv_after_the_drain_
     assert (await reader.final()).finish_reason is WireFinishReason.ABORT
     assert len(svc.worker.tasks) == 0
     await assert_engine_at_baseline(svc)
+
+
+@pytest.mark.integration
+async def test_decode_answers_kv_prepare_with_its_advertised_address_when_binding_every_interface(bus, nats_url,
+                                                                                                 tcp_transfer):
+    """Under compose the transfer engine binds 0.0.0.0; prefill must be told the address peers can dial (this
+    host's IP, as in the registry entry), not the wildcard it bound (seen: `cannot connect ... 0.0.0.0`)."""
+    svc = await started(DecodeService(service_config(DecodeConfig, nats_url, transfer_host="0.0.0.0",
+                                                     transfer_timeout_s=30, **DRAIN)))
+    ns = svc.config.namespace
+    reader = await stream(bus, ns, "where")
+    reply = await ask_prepare(bus, svc, prepare_request(ns, "where", prompt(9, 30), 8))
+    assert "0.0.0.0" not in reply.address and reply.address == svc.address
+    await asyncio.wait_for(svc.stop(), 15)
+    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
+    await assert_engine_at_baseline(svc)

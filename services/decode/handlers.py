@@ -86,12 +86,16 @@ class DecodeWorker:
 
     def __init__(self, engine: AsyncEngine, transfer: KVTransferEngine, instance_id: str, publish: Publish, *,
                  transfer_timeout_s: float = 60.0, admit_timeout_s: float = 10.0,
-                 tasks: RequestTasks | None = None, fetcher: EmbeddingFetcher | None = None) -> None:
+                 tasks: RequestTasks | None = None, fetcher: EmbeddingFetcher | None = None,
+                 address: str = "") -> None:
         if not isinstance(engine.core, dg.DisaggEngineCore):
             raise TypeError("DecodeWorker needs an AsyncEngine over a DisaggEngineCore")
         self.engine = engine
         self.core: dg.DisaggEngineCore = engine.core
         self.transfer = transfer
+        # the address prefill dials: the advertised one (this container's IP when the engine binds 0.0.0.0
+        # under compose), not the bound one
+        self.address = address or transfer.address
         self.instance_id = instance_id
         self.publish = publish
         self.transfer_timeout_s = transfer_timeout_s
@@ -187,7 +191,7 @@ class DecodeWorker:
             destinations, num_layers = self._destinations(msg, slot)
             incoming = self.transfer.expect(rid, destinations)  # 2. transfer expected
             ready.set_result(KVPrepareReply(request_id=rid, hit_tokens=slot.hit_tokens,  # 3. prefill may start
-                                            address=self.transfer.address))
+                                            address=self.address))
             commit = await self._await_commit(incoming, committed, num_layers)  # 4. KV streams in
             if commit.cancel:
                 self.stats.cancelled += 1

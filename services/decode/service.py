@@ -27,11 +27,17 @@ class DecodeService(DisaggWorkerService):
         self.worker = handlers.DecodeWorker(self.engine, self.transfer, self.config.instance_id, self.publish,
                                             transfer_timeout_s=self.config.transfer_timeout_s,
                                             admit_timeout_s=self.config.prepare_timeout_s, tasks=self.tasks,
-                                            fetcher=self.fetcher)
+                                            fetcher=self.fetcher, address=self._dial_address())
         await self.bus.serve(subjects.kv_prepare(self.config.namespace, self.config.instance_id), KVPrepareRequest,
                              self._prepare)
         await self.bus.serve(subjects.kv_commit(self.config.namespace, self.config.instance_id), KVCommitRequest,
                              self._commit)
+
+    def _dial_address(self) -> str:
+        """The address kv_prepare answers: the advertised one when the engine binds every interface or an
+        advertise host is set (compose); else empty = the engine's own bound address, as before."""
+        wildcard = self.config.transfer_host in ("0.0.0.0", "::")
+        return self.address if wildcard or self.config.advertise_host else ""
 
     def max_prompt_tokens(self) -> int:
         # The reservation for an arriving prompt takes an SWA page per prompt page (the window slides only
