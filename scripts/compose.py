@@ -335,11 +335,19 @@ def instances(url: str) -> dict[str, list[str]]:
 
 
 @contextlib.contextmanager
-def prepared(base_image: str) -> Iterator[tuple[list[str], Daemon]]:
-    """Prerequisites, a daemon and the image; the daemon stops again on exit if it was started here."""
+def provide_docker() -> tuple[list[str], Daemon]:
+    """The prerequisites (docker.io, debootstrap, Compose v2) and a running daemon; ComposeError when this machine
+    cannot provide them."""
     ensure_apt_packages()
     compose = compose_command()
-    daemon = Daemon.ensure()
+    return compose, Daemon.ensure()
+
+
+def prepared(base_image: str,
+             provided: tuple[list[str], Daemon] | None = None) -> Iterator[tuple[list[str], Daemon]]:
+    """Prerequisites, a daemon (`provided`, or provided here) and the image; the daemon stops again on exit if it
+    was started here."""
+    compose, daemon = provided or provide_docker()
     try:
         build_image(base_image)
         yield compose, daemon

@@ -12,7 +12,7 @@ import yaml
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLES = {"gateway", "router", "prefill", "decode", "cache", "worker"}
+ROLES = {"gateway", "router", "prefill", "decode", "cache", "worker", "encoder"}
 GPU_OVERRIDE = ROOT / "compose" / "docker-compose.gpu.yml"
 
 
