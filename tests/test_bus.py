@@ -198,7 +198,12 @@ async def test_close_drains_in_flight_handler(nats_url):
         pending = asyncio.create_task(
             client.request("t.drain", RouteRequest(request_id="d", num_tokens=1), RouteReply, timeout=5)
         )
-        await asyncio.wait_for(started.wait(), 5)
+        began = asyncio.create_task(started.wait())
+        await asyncio.wait({began, pending}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if pending.done():  # answered or failed before the handler ran: say how
+            began.cancel()
+            raise AssertionError(f"the request ended before its handler started: {pending!r}")
+        assert began.done(), "the handler did not start within 30 s"
         assert server_bus.in_flight == 1
         await server_bus.close()  # must let the running handler answer before closing
         assert (await pending).prefill_instance == "p-d"
