@@ -11,9 +11,11 @@ pools back to baseline.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import tempfile
+import time
 
 import cv2
 import numpy as np
@@ -84,6 +86,18 @@ async def encoder_hits(group: ServiceGroup, encoder: str) -> int:
     return int((await group.details(encoder)).get("cache_hits", 0))
 
 
+async def settled(group: ServiceGroup, instance: str, timeout_s: float = 20.0) -> None:
+    """Until `instance` holds no request and no KV page (its health details; a finished request is released on
+    the engine thread a moment after its last chunk)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        d = await group.details(instance)
+        if d.get("running") == "0" and d.get("kv_full_used") == "0" and d.get("kv_swa_used") == "0":
+            return
+        assert time.monotonic() < deadline, f"{instance} did not return to its KV baseline: {d}"
+        await asyncio.sleep(0.2)
+
+
 def client_for(group: ServiceGroup) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{group.url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -127,8 +141,7 @@ async def test_aggregated_images_video_cache_and_identity(nats_server, tmp_path,
                 await chat(client, image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode()))
         finally:
             await client.close()
-        details = await group.details("w0")
-        assert details.get("kv_full_used") == "0" and details.get("kv_swa_used") == "0", details
+        await settled(group, "w0")
     finally:
         group.stop()
 

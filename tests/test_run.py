@@ -198,8 +198,12 @@ def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
         # Within the bound (the streams elect a new leader, the services reconnect with 1 s waits): the
         # registry on the survivors still lists both instances, and the deployment serves.
         deadline = time.monotonic() + 20
-        _, roles = _retry_until(deadline, lambda: asyncio.run(_replicas_and_listing(survivors)))
-        assert roles == {"gateway", "worker"}
+        def both_listed() -> set[str]:
+            _, listed = asyncio.run(_replicas_and_listing(survivors))
+            assert listed == {"gateway", "worker"}, listed  # retried: the worker re-puts its entry after reconnecting
+            return listed
+
+        assert _retry_until(deadline, both_listed) == {"gateway", "worker"}
         assert len(_retry_until(deadline, lambda: _complete(http_port))["choices"]) == 1
 
 
