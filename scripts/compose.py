@@ -334,7 +334,6 @@ def instances(url: str) -> dict[str, list[str]]:
     return get_json(f"{url}/health")[1].get("services", {})
 
 
-@contextlib.contextmanager
 def provide_docker() -> tuple[list[str], Daemon]:
     """The prerequisites (docker.io, debootstrap, Compose v2) and a running daemon; ComposeError when this machine
     cannot provide them."""
@@ -343,6 +342,7 @@ def provide_docker() -> tuple[list[str], Daemon]:
     return compose, Daemon.ensure()
 
 
+@contextlib.contextmanager
 def prepared(base_image: str,
              provided: tuple[list[str], Daemon] | None = None) -> Iterator[tuple[list[str], Daemon]]:
     """Prerequisites, a daemon (`provided`, or provided here) and the image; the daemon stops again on exit if it
