@@ -69,7 +69,7 @@ def dense_moe(
 ) -> torch.Tensor:
     """Every expert on every token, weighted by a dense routing matrix (see module docstring)."""
     dense_w = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
-    dense_w.scatter_(1, ids, weights.to(x.dtype))
+    dense_w.scatter_add_(1, ids, weights.to(x.dtype))  # add: a rank's ep share may repeat a (zero-weight) id
     gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
     y = torch.matmul(F.silu(gate).mul_(up), down.transpose(1, 2))  # [E, T, H]
     return y.mul_(dense_w.t().unsqueeze(-1)).sum(0)

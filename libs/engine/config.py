@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from libs.engine.scheduler import SchedulerConfig
+from libs.parallel.layout import ParallelLayout
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,6 +81,13 @@ class EngineConfig:
     speculative_in_prefill: bool = True
     """With speculative_tokens: the last prefill step drafts after the first token too, so the first decode
     step already verifies (False: drafting starts after the first decode step)."""
+    tp: int = 1
+    """Tensor-parallel ranks: attention heads (and the KV heads of both pools) and dense MLPs split across them
+    (see docs/parallel.md)."""
+    ep: int = 1
+    """Expert-parallel ranks: MoE experts placed across them (tp and ep above 1 must be equal: the same ranks)."""
+    parallel_timeout_s: float = 30.0
+    """With tp or ep > 1: bound of one collective (a rank that stops answering fails the engine after it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
@@ -98,6 +106,11 @@ class EngineConfig:
                              f"got {self.l2_load_mode!r}")
         if self.speculative_tokens < 0:
             raise ValueError(f"EngineConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if self.parallel_timeout_s <= 0:
+            raise ValueError(f"EngineConfig.parallel_timeout_s must be > 0, got {self.parallel_timeout_s}")
+        if self.layout.is_parallel and self.speculative_tokens:
+            raise ValueError("EngineConfig: speculative decoding (speculative_tokens > 0) does not run with "
+                             "tp / ep > 1 yet")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs
@@ -107,6 +120,10 @@ class EngineConfig:
         if self.l2_load_mode != "auto":
             return self.l2_load_mode
         return "thread" if torch.device(self.device).type == "cuda" else "sync"
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.ep)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -93,6 +93,17 @@ def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
         if config.swa_rebuild else 0)
 
 
+def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_layers: int) -> ModelRunner:
+    layout = config.layout
+    if not layout.is_parallel:
+        return ModelRunner(model, model_config, sizes, dtype=config.torch_dtype, device=config.device,
+                           seed=config.seed, load_mode=config.resolved_load_mode, draft_layers=draft_layers)
+    from libs.parallel.runner import ParallelRunner  # (spawns the other ranks)
+
+    return ParallelRunner(model, model_config, sizes, layout=layout, dtype=config.torch_dtype, device=config.device,
+                          seed=config.seed, load_mode=config.resolved_load_mode, timeout_s=config.parallel_timeout_s)
+
+
 class EngineCore:
     """Continuous-batching engine over one model and one dual-pool KV cache."""
 
@@ -107,9 +118,7 @@ class EngineCore:
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           config.num_host_full_pages, config.num_host_swa_pages)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
-        self.runner = ModelRunner(model, model_config, sizes, dtype=config.torch_dtype,
-                                  device=config.device, seed=config.seed, load_mode=config.resolved_load_mode,
-                                  draft_layers=self.draft_layers)
+        self.runner = _runner(config, model, model_config, sizes, self.draft_layers)
         self._ring = HiddenRing(max(self.draft_layers - 1, 0))
         self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
         self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None
@@ -397,7 +406,9 @@ class EngineCore:
         return self.cache.usage()
 
     def load(self) -> EngineLoad:
-        """What this engine holds now (call on the engine thread, e.g. through AsyncEngine.call)."""
+        """What this engine holds now (call on the engine thread, e.g. through AsyncEngine.call). Raises when
+        part of the engine is gone (a parallel rank): the service's load loop then stops the service."""
+        self.runner.check_alive()
         sch = self.scheduler
         return EngineLoad(running=len(sch.running), waiting=sch.num_waiting, usage=self.cache.usage(),
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,14 @@ def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Ten
 
 
 _PAD = [-1]
+
+
+class ModelInputs(NamedTuple):
+    """One forward's model inputs: flattened token ids, the attention metadata, the image embedding rows."""
+
+    input_ids: torch.Tensor
+    meta: BatchMeta
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepInterrupted(Exception):
@@ -168,24 +177,40 @@ class ModelRunner:
 
         `mm` (request id -> its MMEmbeddings or None): chunks over image positions look the pad id up and get
         their rows overwritten by the request's embedding rows (libs/engine/mm.py)."""
-        self.backup(plan.backup_copies)
-        self.start_load(plan.load_copies)
+        return self.execute(plan.backup_copies, plan.load_copies, self.inputs(plan, mm), interrupt)
+
+    def inputs(self, plan: BatchPlan, mm: mm_rows.Lookup | None = None) -> ModelInputs | None:
+        """The model inputs of the plan's forward (None when it has no sequences: copies only)."""
+        if not plan.seqs:
+            return None
+        input_ids, meta = build_inputs(plan, self.device)
+        embeds = None
+        if mm is not None and self.model_config.vision is not None:
+            input_ids, embeds = mm_rows.model_inputs(input_ids, plan.seqs, mm, self._pad_id)
+        return ModelInputs(input_ids, meta, embeds)
+
+    @torch.inference_mode()
+    def execute(self, backup_copies: Sequence, load_copies: Sequence, inputs: ModelInputs | None,
+                interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+        """The copies (backups first), then the forward over `inputs` (see forward)."""
+        self.backup(backup_copies)
+        self.start_load(load_copies)
         self._interrupt = interrupt
         self._forward_thread = threading.get_ident()
         try:
-            if not plan.seqs:
+            if inputs is None:
                 return torch.empty(0)
-            input_ids, meta = build_inputs(plan, self.device)
-            embeds = None
-            if mm is not None and self.model_config.vision is not None:
-                input_ids, embeds = mm_rows.model_inputs(input_ids, plan.seqs, mm, self._pad_id)
             if not self.draft_layers:
-                return self.model(input_ids, meta, self.kv, embeds=embeds)
-            logits, self.hidden = self.model(input_ids, meta, self.kv, return_hidden=True, embeds=embeds)
+                return self.model(inputs.input_ids, inputs.meta, self.kv, embeds=inputs.embeds)
+            logits, self.hidden = self.model(inputs.input_ids, inputs.meta, self.kv, return_hidden=True,
+                                             embeds=inputs.embeds)
             return logits
         finally:
             self._interrupt = self._forward_thread = None
             self.finish_load()
+
+    def check_alive(self) -> None:
+        """Raise when part of the runner is gone (a parallel runner's rank process); a no-op here."""
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams],
                histories: list[History | None] | None = None, mask: TokenMask | None = None) -> SampleResult:

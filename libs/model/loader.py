@@ -181,10 +181,10 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
 
     model.inv_freq_full = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_full).to(device)
     model.inv_freq_swa = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_swa).to(device)
-    return _set_dtype(model, dtype)
+    return set_dtype(model, dtype)
 
 
-def _set_dtype(model: MiMoV2Model, dtype: torch.dtype) -> MiMoV2Model:
+def set_dtype(model: MiMoV2Model, dtype: torch.dtype) -> MiMoV2Model:
     model.to(dtype)
     model.inv_freq_full = model.inv_freq_full.float()
     model.inv_freq_swa = model.inv_freq_swa.float()
@@ -204,7 +204,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     """Load a MiMo-V2 checkpoint directory, or the built-in tiny model (fixed seed) when ``path`` is None."""
     if path is None:
         cfg = ModelConfig.tiny()
-        model = _set_dtype(init_random_(MiMoV2Model(cfg), TINY_SEED), dtype).to(device)
+        model = set_dtype(init_random_(MiMoV2Model(cfg), TINY_SEED), dtype).to(device)
         return model.eval(), cfg
     root = Path(path)
     cfg = ModelConfig.from_pretrained(root)

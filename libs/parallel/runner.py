@@ -1,0 +1,178 @@
+"""ParallelRunner: rank 0 of a parallel engine. It is the engine's ModelRunner (the scheduler and the KV cache
+run once, here, pure); every step it sends the step's copies and model inputs to the other ranks, then runs its
+own shard of the forward, whose all-reduces meet theirs. Only rank 0 samples (lm_head is replicated, so its
+logits are the whole model's).
+
+The other ranks are processes it spawns (libs/parallel/rank.py), one pipe each for control, the engine's own
+gloo / NCCL group for activations. A rank that exits fails the next collective at once (its sockets close) and
+`check_alive` (polled by EngineCore.load) reports it while the engine is idle; a rank that hangs fails the
+collective after `timeout_s`. Either way the engine's step loop stops with the error: its requests fail
+explicitly and the service leaves the registry (its load loop is critical).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from libs.engine.plan import BatchPlan
+from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
+from libs.model.config import ModelConfig
+from libs.model.model import MiMoV2Model
+from libs.parallel.build import build_shard, shard_state
+from libs.parallel.comm import Comm, CommStats
+from libs.parallel.layout import ParallelLayout
+from libs.parallel.rank import RankSpec, io_bytes
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+
+log = logging.getLogger(__name__)
+
+
+class RankDied(RuntimeError):
+    """A rank of a parallel engine is gone (names it and its exit status)."""
+
+
+class ParallelRunner(ModelRunner):
+    """The engine's runner over `layout.world` ranks; this process is rank 0."""
+
+    def __init__(self, model: MiMoV2Model, model_config: ModelConfig, sizes: PoolSizes, *,
+                 layout: ParallelLayout, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                 load_mode="sync", timeout_s: float = 30.0, startup_timeout_s: float = 300.0,
+                 host: str = "127.0.0.1") -> None:
+        layout.validate(model_config)
+        self.layout = layout
+        world = layout.world
+        comm = Comm(0, world)
+        port = comm.host_store(host, startup_timeout_s)
+        procs: list[subprocess.Popen] = []
+        conns: list = []
+        threads = max(1, (os.cpu_count() or 1) // world)
+        try:
+            for r in range(1, world):
+                parent, child = _pipe()
+                procs.append(subprocess.Popen(  # a fresh interpreter: nothing of the caller's __main__ is re-run
+                    [sys.executable, "-m", "libs.parallel.rank", str(child.fileno())], pass_fds=(child.fileno(),),
+                    cwd=_ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                        p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}))
+                child.close()
+                conns.append(parent)
+                spec = RankSpec(r, layout, model_config, shard_state(model, layout, r), sizes, dtype, device, host,
+                                port, timeout_s, seed, threads)
+                parent.send_bytes(pickle.dumps(spec))
+            local = build_shard(shard_state(model, layout, 0), model_config, layout, 0, comm, dtype, device)
+            super().__init__(local, layout.local_config(model_config), sizes, dtype=dtype, device=device, seed=seed,
+                             load_mode=load_mode)
+            self._procs, self._conns, self.comm = procs, conns, comm
+            self._stopper = weakref.finalize(self, _stop_ranks, procs, conns)
+            self._wait_ready(startup_timeout_s)
+            comm.connect(host, port, device=device, timeout_s=timeout_s)
+        except BaseException:
+            _stop_ranks(procs, conns)
+            raise
+        log.info("parallel engine up", extra={"layout": layout.describe()})
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for r, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), start=1):
+            while not conn.poll(0.1):
+                if proc.poll() is not None:
+                    raise RankDied(f"parallel rank {r} exited with status {proc.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise RankDied(f"parallel rank {r} was not ready within {timeout_s:.0f}s")
+            try:
+                conn.recv_bytes()
+            except EOFError:
+                try:
+                    status = str(proc.wait(5.0))
+                except subprocess.TimeoutExpired:
+                    status = "unknown (still running)"
+                raise RankDied(f"parallel rank {r} failed while starting (exit status {status}; its log has "
+                               f"why)") from None
+
+    # ------------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan, interrupt: Callable[[], bool] | None = None, mm=None) -> torch.Tensor:
+        """As ModelRunner.forward on every rank. `interrupt` is not honoured: a rank stopping between layers
+        would leave the others waiting in a collective."""
+        inputs = self.inputs(plan, mm)
+        self._send(("step", tuple(plan.backup_copies), tuple(plan.load_copies),
+                    None if inputs is None else tuple(inputs)))
+        return self.execute(plan.backup_copies, plan.load_copies, inputs)
+
+    def execute(self, backup_copies: Sequence, load_copies: Sequence, inputs: ModelInputs | None,
+                interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+        try:
+            return super().execute(backup_copies, load_copies, inputs, None)
+        except RuntimeError as exc:  # a collective failed: say which rank is gone when one is
+            self.check_alive()
+            raise RankDied(f"a collective of the parallel engine failed: {exc}") from exc
+
+    def _send(self, msg: tuple) -> None:
+        self.check_alive()
+        data = pickle.dumps(msg)
+        for r, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as exc:
+                raise RankDied(f"parallel rank {r} is gone: {exc}") from exc
+
+    def check_alive(self) -> None:
+        for r, proc in enumerate(self._procs, start=1):
+            if proc.poll() is not None:
+                raise RankDied(f"parallel rank {r} (pid {proc.pid}) exited with status {proc.returncode}")
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def rank_stats(self) -> list[tuple[CommStats, int]]:
+        """(collective counts, bytes written by the process) of every rank, rank 0 first."""
+        self._send(("stats",))
+        out = [(self.comm.stats, io_bytes())]
+        for conn in self._conns:
+            _, stats, io = pickle.loads(conn.recv_bytes())
+            out.append((stats, io))
+        return out
+
+    def reset_stats(self) -> None:
+        self._send(("reset",))
+        self.comm.stats.reset()
+
+    def close(self) -> None:
+        super().close()
+        self._stopper()
+
+
+def _stop_ranks(procs: list[subprocess.Popen], conns: list[Connection], timeout_s: float = 5.0) -> None:
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("close",)))
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
+    for conn in conns:
+        conn.close()
+
+
+def _pipe() -> tuple[Connection, Connection]:
+    """A connected pair of Connections (send_bytes / recv_bytes / poll) over a Unix socket pair."""
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
