@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from libs.engine.config import EngineConfig
 from libs.gcache.config import GCacheConfig
+from libs.parallel.layout import ParallelLayout
 from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
 
@@ -65,6 +66,12 @@ class EngineServiceConfig(ServiceConfig):
                                       "engine")
     gcache_advertise_host: str = Field(default="", description="host storage nodes dial to send values (empty: "
                                        "gcache_transfer_host)")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel ranks of the engine: attention heads and KV heads "
+                    "split across rank processes (docs/parallel.md)")
+    ep: int = Field(default=1, ge=1, description="expert-parallel ranks: MoE experts placed across rank processes "
+                    "(tp and ep above 1 must be equal)")
+    parallel_timeout_s: float = Field(default=30.0, gt=0, description="with tp / ep > 1: bound of one collective; a "
+                                      "rank that stops answering fails the engine (and the service) after it")
 
     mm_fetch_timeout_s: float = Field(
         default=10.0, gt=0, description="multimodal models: bound of fetching one request's image / video "
@@ -84,6 +91,14 @@ class EngineServiceConfig(ServiceConfig):
     def _host_tier_pair(self) -> EngineServiceConfig:
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
             raise ValueError("set both num_host_full_pages and num_host_swa_pages, or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_features(self) -> EngineServiceConfig:
+        ParallelLayout(self.tp, self.ep)  # tp / ep consistency (the model's shapes are checked at engine build)
+        if self.tp > 1 and self.gcache:
+            raise ValueError("gcache (L3) does not run with tp > 1 yet: GCache values hold every KV head, a tp rank "
+                             "only its own (ep alone is fine: attention and its KV are replicated)")
         return self
 
     @property
@@ -110,7 +125,8 @@ class EngineServiceConfig(ServiceConfig):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=self.enable_prefix_cache, bucket_edges=tuple(self.bucket_edges),
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,
-            seed=self.seed, speculative_tokens=self.speculative_tokens)
+            seed=self.seed, speculative_tokens=self.speculative_tokens, tp=self.tp, ep=self.ep,
+            parallel_timeout_s=self.parallel_timeout_s)
 
 
 class DisaggServiceConfig(EngineServiceConfig):
@@ -123,3 +139,10 @@ class DisaggServiceConfig(EngineServiceConfig):
         default="", description="host peers dial for KV (empty: transfer_host, or the hostname when binding 0.0.0.0)")
     prepare_timeout_s: float = Field(default=10.0, gt=0, description="decode's answer to kv_prepare")
     transfer_timeout_s: float = Field(default=60.0, gt=0, description="a whole prompt's KV transfer")
+
+    @model_validator(mode="after")
+    def _handoff_single_rank_kv(self) -> DisaggServiceConfig:
+        if self.tp > 1:
+            raise ValueError("the KV hand-off of prefill / decode does not run with tp > 1 yet (a tp rank holds only "
+                             "its KV heads); ep alone is fine (attention and its KV are replicated on every rank)")
+        return self
