@@ -20,7 +20,16 @@ from libs.model.paged import BatchMeta, KVPools
 from libs.parallel.build import shard_state
 from libs.parallel.layout import LayoutError, ParallelLayout
 from libs.parallel.runner import ParallelRunner, RankDied
-from tests.test_engine import PAGE, assert_baseline, conversations, drain, greedy, make_core, run_round, tokens
+from tests.test_engine import (
+    PAGE,
+    assert_baseline,
+    conversations,
+    drain,
+    greedy,
+    make_core,
+    run_round,
+    tokens,
+)
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 PRESSURED = dict(page_size=PAGE, bucket_edges=(), max_num_seqs=16, num_full_pages=72, num_swa_pages=36, num_host_full_pages=256, num_host_swa_pages=128,
