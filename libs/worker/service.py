@@ -240,6 +240,7 @@ class EngineWorkerService(Service):
         if self.kv_feed is not None:
             self.kv_feed.detach()
         await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.engine.core.close)  # (a parallel engine's rank processes stop here)
 
     async def close_gcache(self) -> None:
         """Stop the write-back, then close the client this service built (after the engine stopped)."""
@@ -333,6 +334,9 @@ class EngineWorkerService(Service):
         details.update({k: str(v) for k, v in self.load.model_dump(exclude={"schema_version"}).items()})
         details.update({k: str(v) for k, v in self.outcome_counts().items()})
         details["in_flight_requests"] = str(len(self.tasks))
+        if self.engine is not None:  # the parallel layout, and the device KV bytes each rank holds (#18)
+            details["parallel"] = self.engine.core.config.layout.describe()
+            details["kv_bytes_per_rank"] = str(self.engine.core.runner.kv_bytes())
         if self.kv_feed is not None and self.kv_feed.enabled:
             details.update(self.kv_feed.stats.as_details())
         if self.gcache is not None:

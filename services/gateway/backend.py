@@ -309,11 +309,15 @@ class NatsBackend:
             self._spawn(self._close(sub, attempt_id, abort=not finished))
 
     async def _chunk_error(self, chunk: TokenChunk, route: RouteReply, sent: bool) -> BackendError:
-        """The error of a worker's error chunk: capacity (503 server_busy); before the first chunk, a peer of the
+        """The error of a worker's error chunk: capacity (503 server_busy); a worker that says it is failing (its
+        engine died: PeerFailed, retried before the first chunk); before the first chunk, a peer of the
         attempt that is gone (its death caused the error: PeerFailed, retried); else the worker's own (500: after
         the first chunk the sender is the streaming worker, alive since it sent this)."""
         if chunk.retryable:
             return self.unavailable(f"server is at capacity: {chunk.error}", code="server_busy")
+        if chunk.instance_failed:  # the worker's engine died under it: as good as gone
+            instance = chunk.instance_id or route.prefill_instance
+            return PeerFailed(f"worker {instance} failed: {chunk.error}", instance, decode=_is_decode(route, instance))
         if sent:
             return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
         await asyncio.sleep(0.05)  # a peer's death can reach the worker a moment before NATS notices it

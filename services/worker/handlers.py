@@ -68,11 +68,16 @@ class Generations:
             await self._send_final(req, WireFinishReason.ABORT, produced=produced)
         except Exception as exc:
             log.exception("generation failed", extra={"request_id": req.request_id})
-            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", produced)
+            # an engine that stopped (a lost parallel rank, a crash) takes this worker down: say so, so the gateway
+            # treats it as a worker that is gone (retried elsewhere before the first token)
+            failed = not getattr(self._engine, "is_running", True)
+            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", produced,
+                                   instance_failed=failed)
 
     async def _send_final(self, req: GenerateRequest, reason: WireFinishReason, error: str | None = None,
-                          produced: int = 0, retryable: bool = False) -> None:
+                          produced: int = 0, retryable: bool = False, instance_failed: bool = False) -> None:
         chunk = TokenChunk(request_id=req.request_id, finish_reason=reason, error=error, retryable=retryable,
+                           instance_failed=instance_failed,
                            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=produced),
                            instance_id=self._instance_id)
         with contextlib.suppress(Exception):  # best effort: the reader may be gone (that is why we abort)
