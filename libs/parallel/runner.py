@@ -68,8 +68,8 @@ class ParallelRunner(ModelRunner):
                         p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}))
                 child.close()
                 conns.append(parent)
-                spec = RankSpec(r, layout, model_config, shard_state(model, layout, r), sizes, dtype, device, host,
-                                port, timeout_s, seed, threads)
+                spec = RankSpec(r, layout, model_config, shard_state(model, layout, r), sizes, dtype,
+                                rank_device(device, r), host, port, timeout_s, seed, threads)
                 parent.send_bytes(pickle.dumps(spec))
             local = build_shard(shard_state(model, layout, 0), model_config, layout, 0, comm, dtype, device)
             super().__init__(local, layout.local_config(model_config), sizes, dtype=dtype, device=device, seed=seed,
@@ -153,6 +153,14 @@ class ParallelRunner(ModelRunner):
     def close(self) -> None:
         super().close()
         self._stopper()
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the r-th GPU after the engine's own on CUDA (cuda:1 -> cuda:1, cuda:2, ...), else as is."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return device
+    return f"cuda:{(d.index or 0) + rank}"
 
 
 def _stop_ranks(procs: list[subprocess.Popen], conns: list[Connection], timeout_s: float = 5.0) -> None:
