@@ -318,6 +318,21 @@ def test_gateway_assembles_the_prompt_with_image_tokens(encoder):
     assert resp.json()["usage"]["prompt_tokens"] == len(ids)  # image tokens count
 
 
+def test_returned_prompt_token_ids_show_pad_ids_not_pseudo_tokens(encoder):
+    """return_token_ids: the prompt comes back as the model's ids (the image pad id at the image's positions); the
+    pseudo tokens of the hash view are internal (ids >= 2**31, no vocabulary id) and used to leak here."""
+    from libs.model.config import ModelConfig
+
+    client, backend = gateway_client(encoder)
+    resp = asyncio.run(post(client, {**chat_body(image_part(data_uri(png_bytes(6)))), "return_token_ids": True}))
+    assert resp.status_code == 200, resp.text
+    ((ids, (item,)),) = backend.requests
+    shown = resp.json()["choices"][0]["prompt_token_ids"]
+    assert len(shown) == len(ids) and not any(map(is_mm_token, shown))
+    assert shown[item.offset:item.offset + item.num_tokens] == [ModelConfig.tiny().image_token_id] * item.num_tokens
+    assert [t for t in shown if t != ModelConfig.tiny().image_token_id] == [t for t in ids if not is_mm_token(t)]
+
+
 def _mp4(path) -> bytes:
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 4.0, (32, 32))
     for i in range(6):

@@ -30,7 +30,7 @@ from protos.messages import (
 )
 from services.gateway import metrics
 from services.gateway.backend import Backend, BackendError
-from services.gateway.media import MediaCollector, MediaPart, VisionTokens, expand
+from services.gateway.media import MediaCollector, MediaPart, VisionTokens, expand, model_view
 from services.gateway.protocol import (
     UINT64_MAX,
     ApiError,
@@ -98,6 +98,7 @@ class Plan:
     max_fanout: int = 32  # sub-requests running downstream at once
     tool_names: tuple[str, ...] = ()  # chat with tools: tool calls of these functions are parsed from the output
     mm_items: tuple[WireMMItem, ...] = ()  # chat with images: where their rows go in prompts[0] (the hash view)
+    shown_prompts: list[list[int]] | None = None  # return_token_ids: the prompts as the model's ids (None: prompts)
 
 
 class TextCodec(Protocol):
@@ -245,8 +246,10 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     if not ids:
         raise ApiError(400, "the chat template produced an empty prompt", param="messages")
     mm_items: list[WireMMItem] = []
+    shown = None
     if media is not None:  # one pad per item -> N pads each, in the hash view
         ids, mm_items = expand(ids, media.vision, media.parts, media.encoded)
+        shown = [model_view(ids, mm_items, media.vision)]  # (return_token_ids shows pads, not pseudo tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     processing = _processing(body, tok, chat_grammar(body))
     subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs,
@@ -254,7 +257,7 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     names = tuple(t.function.name for t in body.tools or ()) if body.calls_tools else ()
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout, names, tuple(mm_items))
+                body.skip_special_tokens, limits.max_fanout, names, tuple(mm_items), shown)
 
 
 # --- constrained decoding (pure) ----------------------------------------------------------------
@@ -548,7 +551,7 @@ class Renderer:
     def _ids(self, choice: dict[str, Any], st: ChoiceState, token_ids: list[int], first: bool) -> dict[str, Any]:
         if self.plan.return_token_ids:
             if first:
-                choice["prompt_token_ids"] = self.plan.prompts[st.sub.prompt_index]
+                choice["prompt_token_ids"] = (self.plan.shown_prompts or self.plan.prompts)[st.sub.prompt_index]
             choice["token_ids"] = token_ids
         return choice
 

@@ -301,3 +301,12 @@ def expand(ids: Sequence[int], vision: VisionTokens, parts: Sequence[MediaPart],
         prev = p + 1
     out.extend(ids[prev:])
     return hash_view(out, [(i.mm_hash, i.offset, i.num_tokens) for i in items]), items
+
+
+def model_view(ids: Sequence[int], items: Sequence[WireMMItem], vision: VisionTokens) -> list[int]:
+    """The expanded prompt as the model's token ids: each item's pseudo tokens back to its pad id (what a client
+    asking for `return_token_ids` should see; the pseudo tokens are internal, never vocabulary ids)."""
+    out = list(ids)
+    for item in items:
+        out[item.offset:item.offset + item.num_tokens] = [vision.pad_id(item.kind)] * item.num_tokens
+    return out
