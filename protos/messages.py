@@ -245,6 +245,8 @@ class TokenChunk(WireModel):
     usage: Usage | None = None
     error: str | None = None
     retryable: bool = Field(default=False, description="with error: out of capacity now, the client may retry")
+    error_code: str = Field(default="", description="with a retryable error: the client's OpenAI error code "
+                            "(empty: server_busy)")
     instance_failed: bool = Field(default=False, description="with error: the sending worker itself is failing (its "
                                   "engine died, e.g. a parallel rank was lost): treated as that worker being gone")
     instance_id: str = Field(default="", description="the worker that sent this chunk (liveness probes)")

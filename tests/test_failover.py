@@ -46,7 +46,8 @@ def entry(instance: str, role: Role = Role.WORKER, running: int = 0, **kw) -> Re
 
 class FakeWorker:
     """A combined worker on the bus. mode: ok (4 tokens), busy (acks BUSY), silent (accepts, sends nothing),
-    first_then_die (one token, then its subjects go away), error (accepts, sends an error chunk)."""
+    first_then_die (one token, then its subjects go away), error (accepts, sends an error chunk), engine_dead (an
+    error chunk saying its engine died: instance_failed), encoder_down (a retryable error chunk naming its code)."""
 
     def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
         self.bus, self.instance, self.mode = bus, instance, mode
@@ -88,6 +89,14 @@ class FakeWorker:
             return TokenChunk(request_id=req.request_id, instance_id=self.instance, **kw)
         if self.mode == "error":
             await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, error="engine broke"))
+            return
+        if self.mode == "engine_dead":
+            await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, instance_failed=True,
+                                                             error="parallel rank 1 exited with status -9"))
+            return
+        if self.mode == "encoder_down":
+            await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, retryable=True,
+                                                             error_code="encoder_unavailable", error="encoder gone"))
             return
         await self.bus.publish(req.stream_subject, chunk(token_ids=[1]))
         if self.mode == "first_then_die":
@@ -161,6 +170,24 @@ async def test_error_chunk_of_a_live_worker_is_500_and_not_retried(bus):
         await run(backend(bus, [entry("w-broken"), entry("w-ok", running=3)]))
     assert err.value.status == 500 and "engine broke" in err.value.message
     assert broken.requests == ["req"] and not ok.requests
+
+
+async def test_worker_whose_engine_died_is_treated_as_gone_and_retried(bus):
+    """A live worker whose engine died (a lost parallel rank) says so in its error chunk: the request is retried on
+    another worker, not answered 500."""
+    dead = await FakeWorker(bus, "w-dead-engine", "engine_dead").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await run(backend(bus, [entry("w-dead-engine"), entry("w-ok", running=3)]))
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4]
+    assert dead.requests == ["req"] and ok.requests == ["req-r1"]
+
+
+async def test_retryable_error_chunk_keeps_its_code(bus):
+    """A worker that could not fetch a request's image rows: 503 encoder_unavailable, not "server is at capacity"."""
+    await FakeWorker(bus, "w-enc", "encoder_down").start()
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("w-enc")]))
+    assert (err.value.status, err.value.code) == (503, "encoder_unavailable") and "encoder gone" in err.value.message
 
 
 async def test_every_worker_gone_is_503_with_retry_after(bus):

@@ -240,6 +240,7 @@ def test_worker_fetches_embeddings_before_admission_and_fails_explicitly(tiny, e
     assert ok[-1].usage.prompt_tokens == len(prompt)
     (dead,) = [c for c in chunks if c.request_id == "dead"]
     assert dead.finish_reason is WireFinishReason.ERROR and dead.retryable and "encoder enc-1 is gone" in dead.error
+    assert dead.error_code == "encoder_unavailable"  # (the gateway says so, not "server is at capacity")
     assert usage.full.in_use == 0 and usage.swa.in_use == 0 and seqs == 0
 
 

@@ -313,6 +313,8 @@ class NatsBackend:
         engine died: PeerFailed, retried before the first chunk); before the first chunk, a peer of the
         attempt that is gone (its death caused the error: PeerFailed, retried); else the worker's own (500: after
         the first chunk the sender is the streaming worker, alive since it sent this)."""
+        if chunk.retryable and chunk.error_code:  # a named transient failure (the encoder tier is unavailable)
+            return self.unavailable(chunk.error or chunk.error_code, code=chunk.error_code)
         if chunk.retryable:
             return self.unavailable(f"server is at capacity: {chunk.error}", code="server_busy")
         if chunk.instance_failed:  # the worker's engine died under it: as good as gone

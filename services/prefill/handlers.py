@@ -190,8 +190,10 @@ class PrefillWorker:
             self.stats.failures += 1
             log.warning("prefill failed", extra={"request": req.request_id, "error": str(exc)})
             error = f"prefill {self.instance_id}: {exc}"
-            await self._safe_publish(req, self._chunk(req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
-                                                      retryable=isinstance(exc, DecodesFull | EncoderUnavailable)))
+            await self._safe_publish(req, self._chunk(
+                req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
+                retryable=isinstance(exc, DecodesFull | EncoderUnavailable),
+                error_code="encoder_unavailable" if isinstance(exc, EncoderUnavailable) else ""))
         finally:
             await self._clean_up(req.request_id, h)  # 6.
 

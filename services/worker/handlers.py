@@ -55,7 +55,8 @@ class Generations:
         try:
             mm = await fetch_embeddings(self._fetcher, req.mm_items)
         except EncoderUnavailable as exc:  # nothing was admitted: the client gets a 503 (retryable)
-            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", retryable=True)
+            await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", retryable=True,
+                                   error_code="encoder_unavailable")
             return
         request = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), mm=mm)
         try:
@@ -75,9 +76,10 @@ class Generations:
                                    instance_failed=failed)
 
     async def _send_final(self, req: GenerateRequest, reason: WireFinishReason, error: str | None = None,
-                          produced: int = 0, retryable: bool = False, instance_failed: bool = False) -> None:
+                          produced: int = 0, retryable: bool = False, instance_failed: bool = False,
+                          error_code: str = "") -> None:
         chunk = TokenChunk(request_id=req.request_id, finish_reason=reason, error=error, retryable=retryable,
-                           instance_failed=instance_failed,
+                           instance_failed=instance_failed, error_code=error_code,
                            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=produced),
                            instance_id=self._instance_id)
         with contextlib.suppress(Exception):  # best effort: the reader may be gone (that is why we abort)
