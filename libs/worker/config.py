@@ -96,9 +96,9 @@ class EngineServiceConfig(ServiceConfig):
     @model_validator(mode="after")
     def _parallel_features(self) -> EngineServiceConfig:
         ParallelLayout(self.tp, self.ep)  # tp / ep consistency (the model's shapes are checked at engine build)
-        if self.tp > 1 and self.gcache:
-            raise ValueError("gcache (L3) does not run with tp > 1 yet: GCache values hold every KV head, a tp rank "
-                             "only its own (ep alone is fine: attention and its KV are replicated)")
+        if (self.tp > 1 or self.ep > 1) and self.gcache:
+            raise ValueError("gcache (L3) does not run with tp / ep > 1 yet: an L3 hit is imported into rank 0's host "
+                             "tier only, and with tp a rank holds only its KV heads")
         return self
 
     @property
