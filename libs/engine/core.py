@@ -93,21 +93,32 @@ def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
         if config.swa_rebuild else 0)
 
 
-def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_layers: int) -> ModelRunner:
+def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_layers: int,
+            model_path: str | None) -> ModelRunner:
     layout = config.layout
     if not layout.is_parallel:
+        if model is None:
+            raise ValueError("EngineCore needs a model (only a parallel engine loads from model_path alone)")
         return ModelRunner(model, model_config, sizes, dtype=config.torch_dtype, device=config.device,
                            seed=config.seed, load_mode=config.resolved_load_mode, draft_layers=draft_layers)
     from libs.parallel.runner import ParallelRunner  # (spawns the other ranks)
 
+    if model_path is not None:  # every rank reads its own shard of the checkpoint
+        model = None
+    elif model is None:
+        raise ValueError("a parallel EngineCore needs a model or a model_path")
     return ParallelRunner(model, model_config, sizes, layout=layout, dtype=config.torch_dtype, device=config.device,
-                          seed=config.seed, load_mode=config.resolved_load_mode, timeout_s=config.parallel_timeout_s)
+                          seed=config.seed, load_mode=config.resolved_load_mode, timeout_s=config.parallel_timeout_s,
+                          checkpoint=model_path)
 
 
 class EngineCore:
     """Continuous-batching engine over one model and one dual-pool KV cache."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None, model_config, tokenizer=None, *,
+                 model_path: str | None = None) -> None:
+        """`model`: the whole model in memory. A parallel engine (tp / ep > 1) given `model_path` (a checkpoint
+        directory; `model` may then be None) has each rank read its own shard from it instead."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -118,7 +129,7 @@ class EngineCore:
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           config.num_host_full_pages, config.num_host_swa_pages)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
-        self.runner = _runner(config, model, model_config, sizes, self.draft_layers)
+        self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path)
         self._ring = HiddenRing(max(self.draft_layers - 1, 0))
         self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
         self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None

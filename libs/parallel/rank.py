@@ -20,6 +20,7 @@ from libs.model.config import ModelConfig
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
 from libs.parallel.layout import ParallelLayout
+from libs.parallel.load import load_shard
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class RankSpec:
     rank: int
     layout: ParallelLayout
     model_config: ModelConfig
-    state: dict[str, torch.Tensor]  # its shard's weights
+    state: dict[str, torch.Tensor]  # its shard's weights (empty when `checkpoint` is set)
     sizes: PoolSizes
     dtype: torch.dtype
     device: str
@@ -40,6 +41,7 @@ class RankSpec:
     timeout_s: float
     seed: int
     threads: int  # torch threads of this rank (the machine's cores shared among the ranks)
+    checkpoint: str | None = None  # a checkpoint directory: the rank reads its own shard from it
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
@@ -48,22 +50,41 @@ class RankSpec:
 
 def rank_main(conn: Connection) -> None:
     """A worker rank's life: its spec from `conn`, then steps until "close" or rank 0's end of the pipe."""
+    ready = False
     try:
         spec: RankSpec = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(spec.threads)
         comm = Comm(spec.rank, spec.layout.world)
-        model = build_shard(spec.state, spec.model_config, spec.layout, spec.rank, comm, spec.dtype, spec.device)
+        if spec.checkpoint is not None:
+            model = load_shard(spec.checkpoint, spec.model_config, spec.layout, spec.rank, comm, spec.dtype,
+                               spec.device)
+        else:
+            model = build_shard(spec.state, spec.model_config, spec.layout, spec.rank, comm, spec.dtype,
+                                spec.device)
         spec.state = {}  # (the model holds the weights now)
         runner = ModelRunner(model, spec.layout.local_config(spec.model_config), spec.sizes, dtype=spec.dtype,
                              device=spec.device, seed=spec.seed, load_mode=LoadMode.SYNC)
         conn.send_bytes(pickle.dumps(("ready", spec.rank)))
+        ready = True
         comm.connect(spec.store_host, spec.store_port, device=spec.device, timeout_s=spec.timeout_s)
         _serve(conn, runner, comm)
     except EOFError:  # rank 0 is gone
         sys.exit(3)
-    except BaseException:
+    except BaseException as exc:
         log.exception("parallel rank failed")
+        if not ready:  # (rank 0 is waiting for "ready": tell it why, e.g. the tensor a bad checkpoint lacks)
+            _report_failure(conn, exc)
         sys.exit(2)
+
+
+def _report_failure(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(("failed", exc)))
+    except Exception:  # (an unpicklable exception: its text; a closed pipe: nothing to tell)
+        try:
+            conn.send_bytes(pickle.dumps(("failed", RuntimeError(f"{type(exc).__name__}: {exc}"))))
+        except OSError:
+            pass
 
 
 def _serve(conn, runner: ModelRunner, comm: Comm) -> None:

@@ -29,10 +29,12 @@ import torch
 from libs.engine.plan import BatchPlan
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.model.config import ModelConfig
+from libs.model.loader import CheckpointError
 from libs.model.model import MiMoV2Model
 from libs.parallel.build import build_shard, shard_state
 from libs.parallel.comm import Comm, CommStats
 from libs.parallel.layout import ParallelLayout
+from libs.parallel.load import load_shard
 from libs.parallel.rank import RankSpec, io_bytes
 
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -45,13 +47,17 @@ class RankDied(RuntimeError):
 
 
 class ParallelRunner(ModelRunner):
-    """The engine's runner over `layout.world` ranks; this process is rank 0."""
+    """The engine's runner over `layout.world` ranks; this process is rank 0. The weights come from a full
+    in-memory `model` (each rank is sent its shard) or, with `checkpoint` (a directory; `model` None), every
+    rank, this one included, reads its own shard from the checkpoint: no full model is in memory anywhere."""
 
-    def __init__(self, model: MiMoV2Model, model_config: ModelConfig, sizes: PoolSizes, *,
+    def __init__(self, model: MiMoV2Model | None, model_config: ModelConfig, sizes: PoolSizes, *,
                  layout: ParallelLayout, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                  load_mode="sync", timeout_s: float = 30.0, startup_timeout_s: float = 300.0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", checkpoint: str | None = None) -> None:
         layout.validate(model_config)
+        if (model is None) == (checkpoint is None):
+            raise ValueError("ParallelRunner: give exactly one of model and checkpoint")
         self.layout = layout
         world = layout.world
         comm = Comm(0, world)
@@ -68,10 +74,14 @@ class ParallelRunner(ModelRunner):
                         p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}))
                 child.close()
                 conns.append(parent)
-                spec = RankSpec(r, layout, model_config, shard_state(model, layout, r), sizes, dtype,
-                                rank_device(device, r), host, port, timeout_s, seed, threads)
+                state = shard_state(model, layout, r) if model is not None else {}
+                spec = RankSpec(r, layout, model_config, state, sizes, dtype, rank_device(device, r), host, port,
+                                timeout_s, seed, threads, checkpoint)
                 parent.send_bytes(pickle.dumps(spec))
-            local = build_shard(shard_state(model, layout, 0), model_config, layout, 0, comm, dtype, device)
+            if model is not None:
+                local = build_shard(shard_state(model, layout, 0), model_config, layout, 0, comm, dtype, device)
+            else:  # (the other ranks read theirs meanwhile)
+                local = load_shard(str(checkpoint), model_config, layout, 0, comm, dtype, device)
             super().__init__(local, layout.local_config(model_config), sizes, dtype=dtype, device=device, seed=seed,
                              load_mode=load_mode)
             self._procs, self._conns, self.comm = procs, conns, comm
@@ -87,12 +97,12 @@ class ParallelRunner(ModelRunner):
         deadline = time.monotonic() + timeout_s
         for r, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), start=1):
             while not conn.poll(0.1):
-                if proc.poll() is not None:
+                if proc.poll() is not None and not conn.poll(0):  # (gone without a word: no "failed" to read)
                     raise RankDied(f"parallel rank {r} exited with status {proc.returncode} while starting")
                 if time.monotonic() > deadline:
                     raise RankDied(f"parallel rank {r} was not ready within {timeout_s:.0f}s")
             try:
-                conn.recv_bytes()
+                msg = pickle.loads(conn.recv_bytes())
             except EOFError:
                 try:
                     status = str(proc.wait(5.0))
@@ -100,6 +110,8 @@ class ParallelRunner(ModelRunner):
                     status = "unknown (still running)"
                 raise RankDied(f"parallel rank {r} failed while starting (exit status {status}; its log has "
                                f"why)") from None
+            if msg[0] == "failed":
+                raise _startup_error(r, msg[1])
 
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
@@ -161,6 +173,13 @@ def rank_device(device: str, rank: int) -> str:
     if d.type != "cuda":
         return device
     return f"cuda:{(d.index or 0) + rank}"
+
+
+def _startup_error(rank: int, exc: BaseException) -> Exception:
+    """What a rank that failed to start reported: a bad checkpoint stays a CheckpointError (naming the tensor)."""
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(f"parallel rank {rank}: {exc}")
+    return RankDied(f"parallel rank {rank} failed while starting: {type(exc).__name__}: {exc}")
 
 
 def _stop_ranks(procs: list[subprocess.Popen], conns: list[Connection], timeout_s: float = 5.0) -> None:
