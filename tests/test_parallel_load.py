@@ -146,3 +146,12 @@ def test_engine_from_checkpoint_path_equals_one_process(ckpt, full, monkeypatch)
         assert _greedy(core, prompts, max_tokens=8) == want
     finally:
         core.close()
+
+
+@pytest.mark.integration
+def test_engine_names_the_tensor_a_worker_rank_lacks(ckpt, tmp_path):
+    """Rank 1 (its own process) fails on a tensor only it needs: the engine raises CheckpointError naming it."""
+    victim = "model.layers.3.mlp.experts.7.down_proj.weight"
+    missing = _one_file(ckpt, tmp_path / "missing", lambda t: t.pop(victim))
+    with pytest.raises(CheckpointError, match=r"parallel rank 1: tensor " + re.escape(victim) + " is missing"):
+        build_engine(str(missing), EngineConfig(num_full_pages=64, num_swa_pages=32, ep=2))
