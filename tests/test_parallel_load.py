@@ -119,6 +119,10 @@ def test_a_rank_needs_only_its_tensors_and_names_a_bad_one(ckpt, full, tmp_path)
     bad = _one_file(ckpt, tmp_path / "shape", lambda t: t.update({sinks: torch.zeros(3)}))
     with pytest.raises(CheckpointError, match=re.escape(f"{sinks}: checkpoint shape (3,) != expected (4,)")):
         load_shard(bad, cfg, ParallelLayout(tp=2), 1, None, progress=False)
+    scale = "model.layers.0.mlp.gate_proj.weight_scale_inv"  # (read by rows on block borders: 2 of 4 -> of 5)
+    bad = _one_file(ckpt, tmp_path / "scale", lambda t: t.update({scale: torch.ones(5, 1)}))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight: block scales"):
+        load_shard(bad, cfg, ParallelLayout(tp=2), 0, None, progress=False)
     victim = "model.layers.2.mlp.experts.6.up_proj.weight"
     missing = _one_file(ckpt, tmp_path / "missing", lambda t: t.pop(victim))
     load_shard(missing, cfg, ep, 0, None, progress=False)  # experts 0-3: the missing one is rank 1's

@@ -143,6 +143,9 @@ def _read(shards: _Shards, name: str, fused_groups: int | None = None, cuts: tup
         if fused_groups is not None:
             return dequant_fused_qkv_fp8(shards.read(name), shards.read(scale_name), fused_groups)
         if cuts and _block_aligned(cuts, len(shape)):  # the cut's quant blocks and their scales only
+            grid = tuple(-(-n // b) for n, b in zip(shape, _BLOCK, strict=True))
+            if shards.info(scale_name)[0] != grid:  # (the whole grid's shape: a slice of a wrong one may fit)
+                raise ValueError(f"block scales have shape {shards.info(scale_name)[0]}; expected {grid}")
             return dequant_fp8_block(shards.read(name, _index(cuts, 2)),
                                      shards.read(scale_name, _index(cuts, 2, _BLOCK)))
         # not cut, or cut through 128-row / column quant blocks that straddle ranks: read whole, then cut
