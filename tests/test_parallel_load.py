@@ -15,14 +15,15 @@ from safetensors.torch import load_file, save_file
 from kernels.fp8 import quant_fp8_block
 from libs.engine.config import EngineConfig
 from libs.engine.core import EngineCore
+from libs.engine.request import Request
 from libs.model import CheckpointError, load_model
 from libs.model.loader import _Shards, checkpoint_config
 from libs.parallel.build import shard_state
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
 from libs.worker.engine import build_engine
+from tests.test_engine import assert_baseline, drain, greedy
 from tests.test_model import LAYER_TYPES, _fuse_qkv, _rewrite, _save_sharded, hf_dir  # noqa: F401 (a fixture)
-from tests.test_parallel import _greedy
 
 WIDE = 512  # layer 0's dense MLP width: its tp = 2 halves (256) start and end on the 128-wide FP8 quant blocks
 FP8 = ["model.layers.0.mlp.gate_proj.weight",  # rows cut on block borders: only the rank's blocks are read
@@ -30,6 +31,14 @@ FP8 = ["model.layers.0.mlp.gate_proj.weight",  # rows cut on block borders: only
        "model.layers.1.self_attn.o_proj.weight",  # columns cut inside a block: read whole, dequantised, cut
        "model.layers.2.mlp.experts.5.gate_proj.weight",
        "model.layers.3.self_attn.qkv_proj.weight"]  # fused and FP8 (packed scales)
+def _greedy(core: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"r{i}", p, greedy(8)))
+    out = drain(core)
+    assert_baseline(core)
+    return out
+
+
 LAYOUTS = [ParallelLayout(tp=2), ParallelLayout(ep=2), ParallelLayout(tp=2, ep=2)]
 
 
@@ -136,7 +145,7 @@ def test_engine_from_checkpoint_path_equals_one_process(ckpt, full, monkeypatch)
     prompts = [[(5 * i + j) % 290 + 3 for j in range(30 + 11 * i)] for i in range(3)]
     engine = dict(num_full_pages=128, num_swa_pages=64)
     base = EngineCore(EngineConfig(**engine), full, full.cfg)
-    want = _greedy(base, prompts, max_tokens=8)
+    want = _greedy(base, prompts)
     base.close()
 
     def no_full_model(*args, **kwargs):
@@ -147,7 +156,7 @@ def test_engine_from_checkpoint_path_equals_one_process(ckpt, full, monkeypatch)
     core = build_engine(str(ckpt), EngineConfig(**engine, tp=2))
     try:
         assert core.runner.model.model.layers[0].mlp.gate_proj.weight.shape == (WIDE // 2, 64)
-        assert _greedy(core, prompts, max_tokens=8) == want
+        assert _greedy(core, prompts) == want
     finally:
         core.close()
 
