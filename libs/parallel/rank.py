@@ -17,6 +17,7 @@ import torch
 from libs.engine.host_tier import LoadMode
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.model.config import ModelConfig
+from libs.model.paged import KVPools
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
 from libs.parallel.layout import ParallelLayout
@@ -45,7 +46,7 @@ class RankSpec:
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
-# ("reset",), ("close",)
+# ("reset",), ("close",); a rank answers "stats" with ("stats", CommStats, io_bytes(), pool_bytes(its KV pools))
 
 
 def rank_main(conn: Connection) -> None:
@@ -96,13 +97,18 @@ def _serve(conn, runner: ModelRunner, comm: Comm) -> None:
             inputs = ModelInputs(*inputs) if inputs is not None else None
             runner.execute(backups, loads, inputs)
         elif op == "stats":
-            conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes())))
+            conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes(), pool_bytes(runner.kv))))
         elif op == "reset":
             comm.stats.reset()
         elif op == "close":
             return
         else:
             raise ValueError(f"unknown parallel rank message {op!r}")
+
+
+def pool_bytes(kv: KVPools) -> dict[str, int]:
+    """Bytes a rank's device KV pools hold, per pool (K and V together), read off the tensors themselves."""
+    return {"full": kv.full_k.nbytes + kv.full_v.nbytes, "swa": kv.swa_k.nbytes + kv.swa_v.nbytes}
 
 
 def io_bytes() -> int:

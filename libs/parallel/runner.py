@@ -35,7 +35,7 @@ from libs.parallel.build import build_shard, shard_state
 from libs.parallel.comm import Comm, CommStats
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
-from libs.parallel.rank import RankSpec, io_bytes
+from libs.parallel.rank import RankSpec, io_bytes, pool_bytes
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -151,11 +151,18 @@ class ParallelRunner(ModelRunner):
 
     def rank_stats(self) -> list[tuple[CommStats, int]]:
         """(collective counts, bytes written by the process) of every rank, rank 0 first."""
+        return [(stats, io) for stats, io, _ in self._stats()]
+
+    def rank_pool_bytes(self) -> list[dict[str, int]]:
+        """Bytes each rank's device KV pools hold ({"full": .., "swa": ..}, from its tensors), rank 0 first."""
+        return [pools for _, _, pools in self._stats()]
+
+    def _stats(self) -> list[tuple[CommStats, int, dict[str, int]]]:
         self._send(("stats",))
-        out = [(self.comm.stats, io_bytes())]
+        out = [(self.comm.stats, io_bytes(), pool_bytes(self.kv))]
         for conn in self._conns:
-            _, stats, io = pickle.loads(conn.recv_bytes())
-            out.append((stats, io))
+            _, stats, io, pools = pickle.loads(conn.recv_bytes())
+            out.append((stats, io, pools))
         return out
 
     def reset_stats(self) -> None:
