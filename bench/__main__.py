@@ -9,7 +9,7 @@ import sys
 import time
 
 BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder",
-              "mtp")
+              "mtp", "parallel")
 
 
 def main(argv: list[str]) -> int:

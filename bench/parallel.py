@@ -21,8 +21,9 @@ a spawned process), the reference one process (tp = 1). Per layout:
   output with ep). The wchar measurement is first checked on a plain all-reduce of known size. The control
   bytes rank 0 sends per step over the pipes (the pickled step message) are reported next to it.
 - step time (a figure, not a goal): decode-step (8 sequences at 64 tokens of context) and prefill-step (512
-  tokens) forward time, one process vs each layout. On CPU the ranks share the machine's cores (each rank gets
-  cores / world torch threads), so this shows the overhead of the split, not a speed-up.
+  tokens) forward time, one process vs each layout, every process with cores / 2 torch threads (one process
+  also on all cores). On CPU the ranks share the machine's cores, so this shows the overhead of the split, not
+  a speed-up.
 - decode tokens/s on a GPU at tp = 1 (null with the reason on CPU).
 """
 
@@ -55,6 +56,7 @@ RESULTS = ROOT / "bench" / "results"
 PAGE = 16
 LAYOUTS: dict[str, tuple[int, int]] = {"tp2": (2, 1), "ep2": (1, 2), "tp2_ep2": (2, 2)}
 HEADLINE = "tp2_ep2"
+RANKS = 2  # every layout of the bench is two ranks
 GOALS = {"greedy_identical": "== true", "kv_bytes_per_rank_ratio": "<= 0.5", "comm_bytes_vs_min": "<= 1.1"}
 HEADLINE_KEYS = ("greedy_identical", "max_logit_diff", "kv_bytes_per_rank_ratio", "kv_bytes_per_rank_ratio_full",
                  "kv_bytes_per_rank_ratio_swa", "comm_bytes_vs_min", "control_bytes_per_step",
@@ -193,12 +195,16 @@ def step_ms(runner: Any, plan: BatchPlan, repeats: int) -> float:
 
 
 def run_layout(model: MiMoV2Model, cfg: ModelConfig, tp: int, ep: int, prompts: list[list[int]],
-               plans: dict[str, BatchPlan], a: argparse.Namespace, ref: dict[str, Any] | None = None,
-               timing: bool = True) -> dict[str, Any]:
-    """One engine at tp / ep: greedy outputs, the logits of one forward, its pools' bytes per rank, and (parallel
-    layouts) the communicated bytes; step times when `timing`. `ref`: the one-process figures to compare."""
+               plans: dict[str, BatchPlan], a: argparse.Namespace, ref: dict[str, Any] | None = None, *,
+               comm: bool = True, timing: bool = True) -> dict[str, Any]:
+    """One engine at tp / ep: greedy outputs, the logits of one forward, its pools' bytes per rank; the
+    communicated bytes (parallel layouts) when `comm`, step times when `timing`. `ref`: the one-process
+    figures to compare with."""
     layout = ParallelLayout(tp, ep)
-    threads = max(1, (os.cpu_count() or 1) // layout.world)  # the rank processes get as many (ParallelRunner)
+    # Every process computes with the same torch threads: a 2-rank layout's share of the cores, which is what
+    # ParallelRunner gives its rank processes (one process is also timed on all the cores, below).
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // RANKS)
     torch.set_num_threads(threads)
     config = engine_config(tp, ep)
     core = EngineCore(config, model, cfg)
@@ -214,14 +220,18 @@ def run_layout(model: MiMoV2Model, cfg: ModelConfig, tp: int, ep: int, prompts: 
             out["greedy_identical"] = out["tokens"] == ref["tokens"]
             out["max_logit_diff"] = float((out["logits"] - ref["logits"]).abs().max())
             out["kv_bytes_per_rank_ratio"] = kv_ratios(ref["pool_bytes"][0], out["pool_bytes"])
-        if layout.is_parallel and plans.get("comm") is not None:
+        if layout.is_parallel and comm:
             elem = torch.empty(0, dtype=config.torch_dtype).element_size()
             out["comm"] = comm_figures(runner, cfg, layout, plans["comm"], a.steps, elem)
+            # a decode step of 8 tokens, for scale: gloo's per-message overhead is no longer negligible there
+            out["comm_decode"] = comm_figures(runner, cfg, layout, plans["decode"], a.steps, elem)
         if timing:
             out["step_ms"] = {k: step_ms(runner, plans[k], a.repeats) for k in ("decode", "prefill")}
-            if not layout.is_parallel and threads > 1:  # one process on one core, for scale
-                torch.set_num_threads(1)
-                out["step_ms_1_thread"] = {k: step_ms(runner, plans[k], a.repeats) for k in ("decode", "prefill")}
+            if not layout.is_parallel and cores > threads and not a.quick:
+                # (fewer repeats: on a busy box torch's threads over every core can be very slow)
+                torch.set_num_threads(cores)
+                out["step_ms_all_cores"] = {k: step_ms(runner, plans[k], min(a.repeats, 3))
+                                            for k in ("decode", "prefill")}
         return out
     finally:
         core.close()
@@ -327,18 +337,20 @@ def build_results(ref: dict[str, Any], layouts: dict[str, dict[str, Any]], varia
         out[k] = gpu.get(tag)
         if out[k] is None:
             reasons[k] = gpu.get("reasons", {}).get(tag, "not measured")
-    out["step_ms"] = {"tp1": ref.get("step_ms"), "tp1_1_thread": ref.get("step_ms_1_thread"),
+    out["step_ms"] = {"tp1": ref.get("step_ms"), "tp1_all_cores": ref.get("step_ms_all_cores"),
                       **{n: r.get("step_ms") for n, r in layouts.items()},
-                      "note": "forward time of one step on CPU, median; the ranks of a layout share the machine's "
-                              f"{setup.get('cpus')} cores (each rank gets cores / world torch threads, one process "
-                              "all of them), so parallel ranks compete for the same cores: the split's overhead, "
-                              "not a speed-up (a figure, not a goal)"}
+                      "note": "forward time of one step on CPU (median, ms); every process computes with "
+                              f"{setup.get('threads_per_process')} torch thread(s) (a 2-rank layout's share of the "
+                              f"machine's {setup.get('cpus')} cores), tp1_all_cores is one process on all of them; "
+                              "the ranks of a layout share the same cores (and this box's other load), so this is "
+                              "the split's overhead on CPU, not a speed-up (a figure, not a goal)"}
     out["goals"] = GOALS
     out["met"] = {k: _met(out[k], g) for k, g in GOALS.items()}
     out["null_reasons"] = reasons
     out["setup"] = setup
     out["io_counting_check"] = io_check
     out["comm"] = {n: r["comm"] for n, r in layouts.items() if r.get("comm")}
+    out["comm_decode_step"] = {n: r["comm_decode"] for n, r in layouts.items() if r.get("comm_decode")}
     out["pool_bytes"] = {"tp1": ref["pool_bytes"], **{n: r["pool_bytes"] for n, r in layouts.items()}}
     if variant is not None:
         out["mimo_kv_variant"] = {
@@ -377,13 +389,15 @@ def plot(out: dict[str, Any], path: Path) -> None:
         a.text(x, comm[n]["measured_bytes_per_token_per_layer"], f"{comm[n]['ratio']:.3f}x", ha="center",
                va="bottom", fontsize=8)
     a.set_xticks(list(xs), names)
-    a.set(title="bytes communicated per token per layer", ylabel="bytes")
+    top = max((comm[n]["measured_bytes_per_token_per_layer"] for n in names), default=1.0)
+    a.set(title="bytes communicated per token per layer", ylabel="bytes", ylim=(0, 1.3 * top))
     a.legend(fontsize=7)
-    groups = {"tiny (kv 1/2)": out.get("kv_bytes_per_rank_ratio_tiny")}
+    groups: dict[str, dict[str, Any]] = {}
+    if out.get("kv_bytes_per_rank_ratio_tiny"):
+        groups["tiny (kv 1/2)"] = out["kv_bytes_per_rank_ratio_tiny"]
     if out.get("kv_bytes_per_rank_ratio") is not None:
         groups["MiMo-proportion (kv 2/4)"] = {"full": out["kv_bytes_per_rank_ratio_full"],
                                               "swa": out["kv_bytes_per_rank_ratio_swa"]}
-    groups = {k: v for k, v in groups.items() if v}
     gx = range(len(groups))
     b.bar([x - 0.2 for x in gx], [g["full"] for g in groups.values()], 0.4, label="full pool")
     b.bar([x + 0.2 for x in gx], [g["swa"] for g in groups.values()], 0.4, label="SWA pool")
@@ -396,7 +410,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     c.bar([x - 0.2 for x in sx], [v["decode"] for v in steps.values()], 0.4, label="decode step (8 seqs)")
     c.bar([x + 0.2 for x in sx], [v["prefill"] for v in steps.values()], 0.4, label="prefill step (512 tok)")
     c.set_xticks(list(sx), list(steps), fontsize=8)
-    c.set(title=f"CPU step time, ranks share {out['setup'].get('cpus')} cores", ylabel="ms")
+    c.set(title=f"CPU step time, ranks share {out['setup'].get('cpus')} cores", ylabel="ms (log)", yscale="log")
     c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -409,7 +423,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke test: tp=2+ep=2 only, 3 prompts, 256-token batch, "
-                   "no MiMo-proportion variant")
+                   "no MiMo-proportion variant, one timed forward per step figure")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16, help="greedy output tokens per prompt")
     p.add_argument("--steps", type=int, default=5, help="forwards of the fixed batch the bytes are counted over")
@@ -422,7 +436,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=0)
     a = p.parse_args(argv)
     if a.quick:
-        a.prompts, a.max_tokens, a.steps, a.repeats = min(a.prompts, 3), min(a.max_tokens, 6), 3, 3
+        a.prompts, a.max_tokens, a.steps, a.repeats = min(a.prompts, 3), min(a.max_tokens, 6), 3, 1
     return a
 
 
@@ -444,8 +458,8 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
         vcfg = mimo_kv_config()
         ParallelLayout(tp=2).validate(vcfg)
         vmodel = random_model(vcfg)
-        vref = run_layout(vmodel, vcfg, 1, 1, prompts, {**plans, "comm": None}, a, timing=False)
-        vtp2 = run_layout(vmodel, vcfg, 2, 1, prompts, {**plans, "comm": None}, a, vref, timing=False)
+        vref = run_layout(vmodel, vcfg, 1, 1, prompts, plans, a, comm=False, timing=False)
+        vtp2 = run_layout(vmodel, vcfg, 2, 1, prompts, plans, a, vref, comm=False, timing=False)
         variant = {"config": {k: getattr(vcfg, k) for k in ("num_heads", "kv_heads_full", "kv_heads_swa",
                                                              "qk_head_dim", "v_head_dim", "hidden_size")},
                    "tp1": vref, "tp2": vtp2}
@@ -455,7 +469,8 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
                                                     "max_num_batched_tokens": 64},
              "fixed_batch": {"seqs": batch[0], "tokens_per_seq": batch[1], "steps": a.steps},
              "decode_batch": {"seqs": 8, "context": 64}, "repeats": a.repeats, "dtype": "float32",
-             "comm_backend": "gloo (loopback TCP)", "cpus": os.cpu_count(), "torch": torch.__version__,
+             "comm_backend": "gloo (loopback TCP)", "cpus": os.cpu_count(),
+             "threads_per_process": max(1, (os.cpu_count() or 1) // RANKS), "torch": torch.__version__,
              "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(ref, layouts, variant, io_check, gpu, setup)
     out["runtime_s"] = time.perf_counter() - t0
