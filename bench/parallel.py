@@ -371,6 +371,14 @@ def _met(value: Any, goal: str) -> bool | None:
     return value >= float(bound) if op == ">=" else value <= float(bound) + 1e-9  # (a ratio of exactly 0.5)
 
 
+def _pair_bars(ax: Any, rows: dict[str, dict[str, float]], keys: tuple[str, str], labels: tuple[str, str]) -> None:
+    """Two bars per row (rows[name][keys[0]] and [keys[1]]), the row names under them."""
+    xs = range(len(rows))
+    for shift, key, label in ((-0.2, keys[0], labels[0]), (0.2, keys[1], labels[1])):
+        ax.bar([x + shift for x in xs], [r[key] for r in rows.values()], 0.4, label=label)
+    ax.set_xticks(list(xs), list(rows), fontsize=8)
+
+
 def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -379,39 +387,27 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     comm = out["comm"]
-    names = list(comm)
-    xs = range(len(names))
-    a.bar([x - 0.2 for x in xs], [comm[n]["measured_bytes_per_token_per_layer"] for n in names], 0.4,
-          label="measured (rank 1 wchar)")
-    a.bar([x + 0.2 for x in xs], [comm[n]["min_bytes_per_token_per_layer"] for n in names], 0.4,
-          label="analytic minimum")
-    for x, n in zip(xs, names, strict=True):
-        a.text(x, comm[n]["measured_bytes_per_token_per_layer"], f"{comm[n]['ratio']:.3f}x", ha="center",
-               va="bottom", fontsize=8)
-    a.set_xticks(list(xs), names)
-    top = max((comm[n]["measured_bytes_per_token_per_layer"] for n in names), default=1.0)
+    _pair_bars(a, comm, ("measured_bytes_per_token_per_layer", "min_bytes_per_token_per_layer"),
+               ("measured (rank 1 wchar)", "analytic minimum"))
+    for x, row in enumerate(comm.values()):
+        a.text(x, row["measured_bytes_per_token_per_layer"], f"{row['ratio']:.3f}x", ha="center", va="bottom",
+               fontsize=8)
+    top = max((r["measured_bytes_per_token_per_layer"] for r in comm.values()), default=1.0)
     a.set(title="bytes communicated per token per layer", ylabel="bytes", ylim=(0, 1.3 * top))
-    a.legend(fontsize=7)
     groups: dict[str, dict[str, Any]] = {}
     if out.get("kv_bytes_per_rank_ratio_tiny"):
         groups["tiny (kv 1/2)"] = out["kv_bytes_per_rank_ratio_tiny"]
     if out.get("kv_bytes_per_rank_ratio") is not None:
         groups["MiMo-proportion (kv 2/4)"] = {"full": out["kv_bytes_per_rank_ratio_full"],
                                               "swa": out["kv_bytes_per_rank_ratio_swa"]}
-    gx = range(len(groups))
-    b.bar([x - 0.2 for x in gx], [g["full"] for g in groups.values()], 0.4, label="full pool")
-    b.bar([x + 0.2 for x in gx], [g["swa"] for g in groups.values()], 0.4, label="SWA pool")
+    _pair_bars(b, groups, ("full", "swa"), ("full pool", "SWA pool"))
     b.axhline(0.5, ls="--", c="grey", lw=0.8)
-    b.set_xticks(list(gx), list(groups))
     b.set(title="KV bytes per rank / one process (tp=2)", ylim=(0, 1.1))
-    b.legend(fontsize=7)
     steps = {k: v for k, v in out["step_ms"].items() if isinstance(v, dict)}
-    sx = range(len(steps))
-    c.bar([x - 0.2 for x in sx], [v["decode"] for v in steps.values()], 0.4, label="decode step (8 seqs)")
-    c.bar([x + 0.2 for x in sx], [v["prefill"] for v in steps.values()], 0.4, label="prefill step (512 tok)")
-    c.set_xticks(list(sx), list(steps), fontsize=8)
+    _pair_bars(c, steps, ("decode", "prefill"), ("decode step (8 seqs)", "prefill step (512 tok)"))
     c.set(title=f"CPU step time, ranks share {out['setup'].get('cpus')} cores", ylabel="ms (log)", yscale="log")
-    c.legend(fontsize=7)
+    for ax in (a, b, c):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
