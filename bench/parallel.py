@@ -24,7 +24,8 @@ a spawned process), the reference one process (tp = 1). Per layout:
   tokens) forward time, one process vs each layout, every process with cores / 2 torch threads (one process
   also on all cores). On CPU the ranks share the machine's cores, so this shows the overhead of the split, not
   a speed-up.
-- decode tokens/s on a GPU at tp = 1 (null with the reason on CPU).
+- decode tokens/s on GPUs at tp = 1 and tp = 2 (rank r on the r-th GPU; null with the reason on CPU or with one
+  GPU).
 """
 
 from __future__ import annotations
@@ -88,12 +89,12 @@ def bench_prompts(n: int) -> list[list[int]]:
     return [prefix + torch.randint(3, 250, (12 + 23 * i % 90,), generator=g).tolist() for i in range(n)]
 
 
-def greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy outputs in two waves: the second half arrives after the first finished, so it hits the prefix
-    cache on the shared prefix."""
+def greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int, waves: int = 2) -> list[list[int]]:
+    """Greedy outputs, the prompts in `waves` waves each arriving after the last finished (the second hits the
+    prefix cache on the shared prefix)."""
     out: dict[str, list[int]] = {}
-    half = (len(prompts) + 1) // 2
-    for wave in (range(half), range(half, len(prompts))):
+    size = -(-len(prompts) // waves)
+    for wave in (range(w, min(w + size, len(prompts))) for w in range(0, len(prompts), size)):
         for i in wave:
             core.add_request(Request(f"p{i}", prompts[i], SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                          ignore_eos=True)))
@@ -277,24 +278,35 @@ def allreduce_child(a: argparse.Namespace) -> None:
 
 
 def gpu_decode(a: argparse.Namespace) -> dict[str, Any]:
-    """Decode tokens/s of the tiny model on one GPU at tp = 1 (8 concurrent requests)."""
+    """Decode tokens/s of the tiny model on GPUs: tp = 1 on one, tp = 2 on two (rank r on the r-th GPU)."""
     if not torch.cuda.is_available():
         reason = "no CUDA device here (torch.cuda.is_available() is False): CPU-only run"
         return {"tp1": None, "tp2": None, "reasons": {"tp1": reason, "tp2": reason}}
     model, cfg = load_model(None, device="cuda", progress=False)
-    core = EngineCore(engine_config(1, 1, device="cuda", batched_tokens=512), model, cfg)
+    n_out = 32 if a.quick else 128
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                           "requests": 8, "max_tokens": n_out, "reasons": {}}
+    for tag, tp in (("tp1", 1), ("tp2", 2)):
+        if tp > torch.cuda.device_count():
+            out[tag], out["reasons"][tag] = None, f"needs {tp} GPUs, {torch.cuda.device_count()} here"
+            continue
+        try:
+            out[tag] = _decode_rate(EngineCore(engine_config(tp, 1, device="cuda", batched_tokens=512), model, cfg),
+                                    n_out)
+        except Exception as exc:  # a figure of its own: the CPU figures above stand without it
+            out[tag], out["reasons"][tag] = None, f"failed: {exc!r}"
+    return out
+
+
+def _decode_rate(core: EngineCore, n_out: int) -> float:
+    """Output tokens/s of 8 concurrent greedy requests of `n_out` tokens (their prefill included), then closes."""
     try:
-        prompts, n_out = bench_prompts(8), 32 if a.quick else 128
-        greedy(core, prompts[:1], 4)  # warm-up
+        greedy(core, bench_prompts(1), 4)  # warm-up
         t0 = time.perf_counter()
-        tokens = greedy(core, prompts, n_out)
-        seconds = time.perf_counter() - t0
+        tokens = greedy(core, bench_prompts(8), n_out, waves=1)
+        return sum(map(len, tokens)) / (time.perf_counter() - t0)
     finally:
         core.close()
-    tp2 = ("ParallelRunner places every rank on the engine's one device string (config.device); ranks on "
-           "separate GPUs are not in this checkout")
-    return {"tp1": sum(map(len, tokens)) / seconds, "tp2": None, "reasons": {"tp2": tp2},
-            "device": torch.cuda.get_device_name(0), "requests": len(prompts), "max_tokens": n_out}
 
 
 # ============================================================================ results
