@@ -19,6 +19,7 @@ from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.model.config import ModelConfig
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
+from libs.parallel.kvio import GATHER, SCATTER, RankKV
 from libs.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class RankSpec:
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
-# ("reset",), ("close",)
+# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs) (libs/parallel/kvio.py)
 
 
 def rank_main(conn: Connection) -> None:
@@ -58,7 +59,7 @@ def rank_main(conn: Connection) -> None:
                              device=spec.device, seed=spec.seed, load_mode=LoadMode.SYNC)
         conn.send_bytes(pickle.dumps(("ready", spec.rank)))
         comm.connect(spec.store_host, spec.store_port, device=spec.device, timeout_s=spec.timeout_s)
-        _serve(conn, runner, comm)
+        _serve(conn, runner, comm, RankKV(runner.kv, spec.layout, spec.model_config, spec.rank, comm))
     except EOFError:  # rank 0 is gone
         sys.exit(3)
     except BaseException:
@@ -66,7 +67,7 @@ def rank_main(conn: Connection) -> None:
         sys.exit(2)
 
 
-def _serve(conn, runner: ModelRunner, comm: Comm) -> None:
+def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
     while True:
         msg = pickle.loads(conn.recv_bytes())
         op = msg[0]
@@ -78,6 +79,10 @@ def _serve(conn, runner: ModelRunner, comm: Comm) -> None:
             conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes())))
         elif op == "reset":
             comm.stats.reset()
+        elif op == GATHER:  # the KV hand-off (libs/parallel/kvio.py)
+            kv.send_slices(msg[1])
+        elif op == SCATTER:
+            kv.receive_slices(msg[1])
         elif op == "close":
             return
         else:

@@ -32,6 +32,7 @@ from libs.model.config import ModelConfig
 from libs.model.model import MiMoV2Model
 from libs.parallel.build import build_shard, shard_state
 from libs.parallel.comm import Comm, CommStats
+from libs.parallel.kvio import ShardedKV
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.rank import RankSpec, io_bytes
 
@@ -53,6 +54,8 @@ class ParallelRunner(ModelRunner):
                  host: str = "127.0.0.1") -> None:
         layout.validate(model_config)
         self.layout = layout
+        self.full_config = model_config  # (self.model_config: one rank's attention and KV shapes)
+        self._kv_access: ShardedKV | None = None
         world = layout.world
         comm = Comm(0, world)
         port = comm.host_store(host, startup_timeout_s)
@@ -127,6 +130,13 @@ class ParallelRunner(ModelRunner):
                 conn.send_bytes(data)
             except OSError as exc:
                 raise RankDied(f"parallel rank {r} is gone: {exc}") from exc
+
+    def kv_access(self) -> ShardedKV:
+        """The KV hand-off's access to every rank's KV heads (libs/parallel/kvio.py)."""
+        if self._kv_access is None:
+            self._kv_access = ShardedKV(self.kv, self.layout, self.full_config, self.comm, self._send,
+                                        self.check_alive)
+        return self._kv_access
 
     def check_alive(self) -> None:
         for r, proc in enumerate(self._procs, start=1):

@@ -114,11 +114,17 @@ class DisaggEngineCore(EngineCore):
         full, swa = cache.page_tables(req.req_id)
         return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))
 
-    def activate(self, req_id: str, first_token: int) -> None:
-        """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill)."""
-        p = self.pending.pop(req_id, None)
-        if p is None:
+    def activate(self, req_id: str, first_token: int, land: Callable[[], None] | None = None) -> None:
+        """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill).
+
+        `land` (the transfer's `Landing.land`): puts the received pages into the pools first, here on the engine
+        thread before any step can read them (a parallel engine scatters each rank's KV heads). When it raises,
+        the request stays pending (its abort frees the pages)."""
+        if req_id not in self.pending:
             raise KeyError(f"activate({req_id!r}): no remote request waits for KV under that id")
+        if land is not None:
+            land()
+        p = self.pending.pop(req_id)
         prompt = p.req.prompt_token_ids
         self.cache.commit(req_id, len(prompt) - p.hit_tokens, (first_token,))
         sch = self.scheduler
