@@ -15,17 +15,23 @@ import uuid
 
 import pytest
 import pytest_asyncio
+import torch
 
 from libs.bus import Bus
-from libs.engine import LLM, SamplingParams
+from libs.engine import LLM, EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine import disagg as dg
+from libs.engine.plan import BatchPlan
+from libs.model import load_model
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 from services.prefill.config import PrefillConfig
 from services.prefill.service import PrefillService
+from tests.test_engine import assert_baseline, drain
 from tests.test_kv_events import serve
 from tests.test_worker import ENGINE, assert_engine_at_baseline, prompt, service_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ASYNC = pytest.mark.asyncio(loop_scope="module")
 
 LAYOUTS = {"p_tp2": (PrefillService, PrefillConfig, 2, 1), "p_tp1": (PrefillService, PrefillConfig, 1, 1),
            "d_tp2": (DecodeService, DecodeConfig, 2, 1), "d_tp1": (DecodeService, DecodeConfig, 1, 1),
@@ -53,6 +59,11 @@ async def services(nats_server):
             os.environ.pop("WINDSERVE_TRANSFER", None)
         else:
             os.environ["WINDSERVE_TRANSFER"] = saved
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model(None)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +102,7 @@ async def rank_sends(services, name: str) -> list[int]:
     return [s.send_bytes for s, _ in stats]
 
 
+@ASYNC
 async def test_tp2_prefill_and_tp2_decode_equal_colocated_also_on_a_follow_up_hit(services, colocated):
     prompts = [prompt(10 + i, n) for i, n in enumerate(LENGTHS)]
     got = await hand_off(services, "p_tp2", "d_tp2", "same", prompts, 8)
@@ -104,6 +116,7 @@ async def test_tp2_prefill_and_tp2_decode_equal_colocated_also_on_a_follow_up_hi
     assert (await rank_sends(services, "d_tp2"))[0] > 0
 
 
+@ASYNC
 @pytest.mark.parametrize("prefill,decode", [("p_tp2", "d_tp1"), ("p_tp1", "d_tp2"), ("p_tp1", "d_ep2")])
 async def test_prefill_and_decode_of_different_layouts_equal_colocated(services, colocated, prefill, decode):
     """Re-split on arrival: tp 2 -> 1 (gathered on prefill, plain pool on decode), 1 -> 2 (plain on prefill,
@@ -112,3 +125,53 @@ async def test_prefill_and_decode_of_different_layouts_equal_colocated(services,
     assert await hand_off(services, prefill, decode, f"{prefill}-{decode}", prompts, 8) == \
         expected(colocated, prompts, 8)
     await at_baseline(services, prefill, decode)
+
+
+def _ship(src: EngineCore, dst: dg.DisaggEngineCore, rid: str, tokens: list[int], first: int) -> None:
+    """What prefill and decode do over the wire, in-process: the plan's pages of `src`'s held prefill through
+    its KVAccess into `dst`'s (landed by activate, on `dst`'s engine thread: this one)."""
+    held = src.held_prefill(rid)
+    pending = dst.pending[rid]
+    plan = dg.plan_stream(len(tokens), src.config.page_size, src.cache.cfg.window, pending.hit_tokens)
+    full, swa = dst.cache.page_tables(rid)
+    out = src.runner.kv_access().gather(dg.stream_layers(src.kv_layer_is_swa, plan, held.full_pages,
+                                                           held.swa_pages))
+    landing = dst.runner.kv_access().receive(dg.stream_layers(dst.kv_layer_is_swa, plan, full, swa))
+    for payload, dest in zip(out, landing.payloads, strict=True):
+        flat, at = torch.cat([t.reshape(-1) for t in payload]), 0
+        for d in dest:
+            d.copy_(flat[at: at + d.numel()].view_as(d))
+            at += d.numel()
+    dst.activate(rid, first, landing.land)
+
+
+def test_a_host_tier_hit_on_a_parallel_decode_is_loaded_on_every_rank(tiny_model, colocated):
+    """A remote prompt whose prefix hit sits in the decode engine's host tier (L2): its pages are loaded back
+    at admission on every rank, each from its own host tier (they were loaded on rank 0 only). ep=2: every rank
+    holds a replica of the whole KV and feeds the MoE's all-reduce, so a stale one changes the tokens."""
+    model, cfg = tiny_model
+    opts = {**ENGINE, "bucket_edges": (), "num_full_pages": 24, "num_swa_pages": 24, "num_host_full_pages": 64,
+            "num_host_swa_pages": 64}
+    decode = dg.DisaggEngineCore(EngineConfig(**opts, ep=2), model, cfg)
+    source = EngineCore(EngineConfig(**{**ENGINE, "bucket_edges": ()}), model, cfg)
+    try:
+        first_turn = prompt(50, 40)
+        decode.add_request(Request("a", first_turn, SamplingParams(max_tokens=1, ignore_eos=True)))
+        drain(decode)
+        decode.runner.forward(BatchPlan(backup_copies=tuple(decode.cache.backup_to_host(100))))
+        decode.add_request(Request("b", prompt(51, 80), SamplingParams(max_tokens=1, ignore_eos=True)))
+        drain(decode)  # evicts a's device pages (their host copies stay)
+        tokens = first_turn + prompt(52, 13)
+        greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+        decode.add_request(dg.RemoteRequest("r", tokens, greedy))
+        assert decode.pending["r"].host_tokens > 0  # the hit came back from the host tier
+        source.add_request(Request("r", tokens, greedy, prefill_only=True))
+        first = drain(source)["r"][0]
+        _ship(source, decode, "r", tokens, first)
+        source.release("r")
+        assert [first, *drain(decode)["r"]] == expected(colocated, [tokens], 6)[0]
+        for core in (decode, source):
+            assert_baseline(core)
+    finally:
+        decode.close()
+        source.close()

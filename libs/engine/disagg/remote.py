@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
+from libs.engine.plan import BatchPlan
 from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
 from libs.engine.stopping import check_stop
@@ -96,8 +97,9 @@ class DisaggEngineCore(EngineCore):
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
         # full_tokens are shared tree pages that must not be written
         hit = cache.match(prompt, rebuild=False)
-        self.runner.start_load(hit.load_copies)  # host-tier hits: copy before the pages are read
-        self.runner.finish_load()
+        if hit.load_copies:  # host-tier hits: copy before the pages are read, as a copies-only step (so that a
+            # parallel runner's every rank loads its own host copies, not rank 0 alone)
+            self.runner.forward(BatchPlan(load_copies=tuple(hit.load_copies)))
         growth = req.params.max_tokens
         if self.config.admission_decode_tokens is not None:
             growth = min(growth, self.config.admission_decode_tokens)
