@@ -165,8 +165,8 @@ class ShardedKV(KVAccess):
                     got = [self.own.read(layer_refs[i]) for i in mine]
                 else:
                     got = self._receive(rank, [(i, layer_refs[i]) for i in mine])
-                for i, kv in zip(mine, got, strict=True):
-                    slices[i].append(kv)
+                for i, pair in zip(mine, got, strict=True):
+                    slices[i].append(pair)
         payloads = [[torch.cat([s[0] for s in per], dim=2), torch.cat([s[1] for s in per], dim=2)]
                     if len(per) > 1 else per[0] for per in slices]
         synchronize_copies(self.kv.full_k.device)
@@ -184,15 +184,21 @@ class ShardedKV(KVAccess):
 
     def scatter(self, layer_refs: list[LayerRef], full: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every rank's head slice of the full-head [K, V] of each layer into its pools (engine thread)."""
+        if not layer_refs:
+            return
         self._send((SCATTER, layer_refs))
         with _rank_failures("scattering KV heads", self._alive):
             for rank in range(1, self.layout.world):
-                parts = [t[:, :, h.start:h.stop].reshape(-1) for ref, kv in zip(layer_refs, full, strict=True)
-                         for h in (self._heads(rank, ref[0]),) for t in kv]
+                parts = [t.reshape(-1) for ref, kv in zip(layer_refs, full, strict=True)
+                         for t in self._slice(kv, rank, ref[0])]
                 self.comm.send(torch.cat(parts), rank)
-            for ref, (k, v) in zip(layer_refs, full, strict=True):
-                h = self._heads(0, ref[0])
-                self.own.write(ref, k[:, :, h.start:h.stop], v[:, :, h.start:h.stop])
+            for ref, kv in zip(layer_refs, full, strict=True):
+                self.own.write(ref, *self._slice(kv, 0, ref[0]))
+
+    def _slice(self, kv: tuple[torch.Tensor, torch.Tensor], rank: int, group: str) -> list[torch.Tensor]:
+        """`rank`'s heads of a full-head [K, V] (views)."""
+        h = self._heads(rank, group)
+        return [t[:, :, h.start:h.stop] for t in kv]
 
 
 class Staged(Landing):
