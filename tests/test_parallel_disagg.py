@@ -145,10 +145,16 @@ def _ship(src: EngineCore, dst: dg.DisaggEngineCore, rid: str, tokens: list[int]
     dst.activate(rid, first, landing.land)
 
 
-def test_a_host_tier_hit_on_a_parallel_decode_is_loaded_on_every_rank(tiny_model, colocated):
+@ASYNC
+async def test_a_host_tier_hit_on_a_parallel_decode_is_loaded_on_every_rank(tiny_model, colocated):
     """A remote prompt whose prefix hit sits in the decode engine's host tier (L2): its pages are loaded back
     at admission on every rank, each from its own host tier (they were loaded on rank 0 only). ep=2: every rank
-    holds a replica of the whole KV and feeds the MoE's all-reduce, so a stale one changes the tokens."""
+    holds a replica of the whole KV and feeds the MoE's all-reduce, so a stale one changes the tokens.
+    (Engine cores driven from a thread: the module's event loop, which runs the services, keeps running.)"""
+    await asyncio.to_thread(_host_tier_hit, tiny_model, colocated)
+
+
+def _host_tier_hit(tiny_model, colocated) -> None:
     model, cfg = tiny_model
     opts = {**ENGINE, "bucket_edges": (), "num_full_pages": 24, "num_swa_pages": 24, "num_host_full_pages": 64,
             "num_host_swa_pages": 64}
