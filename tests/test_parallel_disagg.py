@@ -27,8 +27,15 @@ from services.decode.service import DecodeService
 from services.prefill.config import PrefillConfig
 from services.prefill.service import PrefillService
 from tests.test_engine import assert_baseline, drain
-from tests.test_kv_events import serve
-from tests.test_worker import ENGINE, assert_engine_at_baseline, prompt, service_config
+from tests.test_worker import (
+    ENGINE,
+    ask_generate,
+    assert_engine_at_baseline,
+    generate_request,
+    prompt,
+    service_config,
+    stream,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ASYNC = pytest.mark.asyncio(loop_scope="module")
@@ -82,9 +89,16 @@ async def hand_off(services, prefill: str, decode: str, tag: str, prompts: list[
     svcs, bus = services
 
     async def one(i: int, tokens: list[int]) -> list[int]:
-        final, out = await serve(bus, svcs[prefill], f"{tag}-{i}", tokens, max_tokens, decode=decode)
+        rid, ns = f"{tag}-{i}", svcs[prefill].config.namespace
+        reader = await stream(bus, ns, rid)
+        try:
+            ack = await ask_generate(bus, svcs[prefill], generate_request(ns, rid, tokens, max_tokens, decode))
+            assert ack.status.value == "accepted", ack
+            final = await reader.final(timeout=60)  # (generous: rank processes share two busy cores)
+        finally:
+            await reader.sub.unsubscribe()
         assert final.error is None and final.finish_reason.value == "length", final
-        return out
+        return [t for c in reader.chunks for t in c.token_ids]
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
