@@ -22,6 +22,9 @@ from libs.engine import LLM, EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine import disagg as dg
 from libs.engine.plan import BatchPlan
 from libs.model import load_model
+from libs.model.config import ModelConfig
+from libs.parallel.kvio import head_owners
+from libs.parallel.layout import ParallelLayout
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 from services.prefill.config import PrefillConfig
@@ -45,6 +48,17 @@ LAYOUTS = {"p_tp2": (PrefillService, PrefillConfig, 2, 1), "p_tp1": (PrefillServ
            "d_ep2": (DecodeService, DecodeConfig, 1, 2)}
 # prompt lengths: one page, several 64-token streamed segments, and in between (window: 16 tokens)
 LENGTHS = (5, 37, 150)
+
+
+@pytest.mark.unit
+def test_every_kv_head_is_gathered_once_from_the_lowest_rank_that_holds_it():
+    cfg = ModelConfig.tiny().with_(kv_heads_full=1, kv_heads_swa=2)
+    wide = cfg.with_(num_heads=8, kv_heads_full=4, kv_heads_swa=8)
+    assert head_owners(ParallelLayout(tp=2), cfg, swa=False) == [(0, range(0, 1))]  # replicated on both ranks
+    assert head_owners(ParallelLayout(tp=2), cfg, swa=True) == [(0, range(0, 1)), (1, range(1, 2))]
+    assert head_owners(ParallelLayout(ep=2), cfg, swa=True) == [(0, range(0, 2))]  # ep alone: replicas
+    assert head_owners(ParallelLayout(tp=4), cfg, swa=True) == [(0, range(0, 1)), (2, range(1, 2))]
+    assert head_owners(ParallelLayout(tp=4, ep=4), wide, swa=False) == [(r, range(r, r + 1)) for r in range(4)]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
