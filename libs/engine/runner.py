@@ -217,6 +217,13 @@ class ModelRunner:
     def check_alive(self) -> None:
         """Raise when part of the runner is gone (a parallel runner's rank process); a no-op here."""
 
+    def kv_access(self):
+        """How the KV hand-off reads and writes this runner's KV (a `libs.engine.disagg.KVAccess`): its own pools,
+        in place. (Imported here: libs.engine.disagg imports the core, which imports this module.)"""
+        from libs.engine.disagg.shipment import KVAccess
+
+        return KVAccess(self.kv)
+
     def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams],
                histories: list[History | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
         # greedy rows never draw: they share the default generator instead of a per-request lookup

@@ -19,9 +19,11 @@ import torch.distributed as dist
 class CommStats:
     all_reduces: int = 0
     all_reduce_bytes: int = 0  # payload handed to all_reduce (each rank's tensor), summed
+    sends: int = 0  # point-to-point sends of this rank (the KV hand-off's head slices: libs/parallel/kvio.py)
+    send_bytes: int = 0
 
     def reset(self) -> None:
-        self.all_reduces = self.all_reduce_bytes = 0
+        self.all_reduces = self.all_reduce_bytes = self.sends = self.send_bytes = 0
 
 
 class Comm:
@@ -63,6 +65,23 @@ class Comm:
         self.stats.all_reduce_bytes += t.numel() * t.element_size()
         self.pg.allreduce([t]).wait()
         return t
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Send contiguous `t` to rank `dst` (returns once it left; bounded by the group's timeout)."""
+        self._connected()
+        self.stats.sends += 1
+        self.stats.send_bytes += t.numel() * t.element_size()
+        self.pg.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into contiguous `t` what rank `src` sends (its shape and dtype agreed beforehand); returns it."""
+        self._connected()
+        self.pg.recv([t], src, 0).wait()
+        return t
+
+    def _connected(self) -> None:
+        if self.pg is None:
+            raise RuntimeError(f"rank {self.rank}: collective before the process group was connected")
 
 
 def ring_all_reduce_bytes(nbytes: int, world: int) -> float:

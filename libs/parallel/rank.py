@@ -20,6 +20,7 @@ from libs.model.config import ModelConfig
 from libs.model.paged import KVPools
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
+from libs.parallel.kvio import GATHER, SCATTER, RankKV
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
 
@@ -46,7 +47,8 @@ class RankSpec:
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
-# ("reset",), ("close",); a rank answers "stats" with ("stats", CommStats, io_bytes(), pool_bytes(its KV pools))
+# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs) (libs/parallel/kvio.py); a rank answers
+# "stats" with ("stats", CommStats, io_bytes(), pool_bytes(its KV pools))
 
 
 def rank_main(conn: Connection) -> None:
@@ -68,7 +70,7 @@ def rank_main(conn: Connection) -> None:
         conn.send_bytes(pickle.dumps(("ready", spec.rank)))
         ready = True
         comm.connect(spec.store_host, spec.store_port, device=spec.device, timeout_s=spec.timeout_s)
-        _serve(conn, runner, comm)
+        _serve(conn, runner, comm, RankKV(runner.kv, spec.layout, spec.model_config, spec.rank, comm))
     except EOFError:  # rank 0 is gone
         sys.exit(3)
     except BaseException as exc:
@@ -88,7 +90,7 @@ def _report_failure(conn: Connection, exc: BaseException) -> None:
             pass
 
 
-def _serve(conn, runner: ModelRunner, comm: Comm) -> None:
+def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
     while True:
         msg = pickle.loads(conn.recv_bytes())
         op = msg[0]
@@ -100,6 +102,10 @@ def _serve(conn, runner: ModelRunner, comm: Comm) -> None:
             conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes(), pool_bytes(runner.kv))))
         elif op == "reset":
             comm.stats.reset()
+        elif op == GATHER:  # the KV hand-off (libs/parallel/kvio.py)
+            kv.send_slices(msg[1])
+        elif op == SCATTER:
+            kv.receive_slices(msg[1])
         elif op == "close":
             return
         else:

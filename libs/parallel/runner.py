@@ -33,6 +33,7 @@ from libs.model.loader import CheckpointError
 from libs.model.model import MiMoV2Model
 from libs.parallel.build import build_shard, shard_state
 from libs.parallel.comm import Comm, CommStats
+from libs.parallel.kvio import ShardedKV
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
 from libs.parallel.rank import RankSpec, io_bytes, pool_bytes
@@ -59,6 +60,8 @@ class ParallelRunner(ModelRunner):
         if (model is None) == (checkpoint is None):
             raise ValueError("ParallelRunner: give exactly one of model and checkpoint")
         self.layout = layout
+        self.full_config = model_config  # (self.model_config: one rank's attention and KV shapes)
+        self._kv_access: ShardedKV | None = None
         world = layout.world
         comm = Comm(0, world)
         port = comm.host_store(host, startup_timeout_s)
@@ -139,6 +142,13 @@ class ParallelRunner(ModelRunner):
                 conn.send_bytes(data)
             except OSError as exc:
                 raise RankDied(f"parallel rank {r} is gone: {exc}") from exc
+
+    def kv_access(self) -> ShardedKV:
+        """The KV hand-off's access to every rank's KV heads (libs/parallel/kvio.py)."""
+        if self._kv_access is None:
+            self._kv_access = ShardedKV(self.kv, self.layout, self.full_config, self.comm, self._send,
+                                        self.check_alive)
+        return self._kv_access
 
     def check_alive(self) -> None:
         for r, proc in enumerate(self._procs, start=1):

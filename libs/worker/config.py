@@ -132,17 +132,11 @@ class EngineServiceConfig(ServiceConfig):
 class DisaggServiceConfig(EngineServiceConfig):
     """A role of the disaggregated pipeline (prefill or decode): an engine plus a KV transfer engine.
 
-    Prefill and decode must agree on page_size and dtype: KV moves page by page as raw bytes."""
+    Prefill and decode must agree on page_size and dtype: KV moves page by page as raw bytes. Their tp / ep may
+    differ: the bytes hold every KV head (a parallel engine gathers and re-splits its ranks' heads)."""
 
     transfer_host: str = Field(default="127.0.0.1", description="bind address of the KV transfer engine")
     advertise_host: str = Field(
         default="", description="host peers dial for KV (empty: transfer_host, or the hostname when binding 0.0.0.0)")
     prepare_timeout_s: float = Field(default=10.0, gt=0, description="decode's answer to kv_prepare")
     transfer_timeout_s: float = Field(default=60.0, gt=0, description="a whole prompt's KV transfer")
-
-    @model_validator(mode="after")
-    def _handoff_single_rank_kv(self) -> DisaggServiceConfig:
-        if self.tp > 1:
-            raise ValueError("the KV hand-off of prefill / decode does not run with tp > 1 yet (a tp rank holds only "
-                             "its KV heads); ep alone is fine (attention and its KV are replicated on every rank)")
-        return self

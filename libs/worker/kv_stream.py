@@ -23,14 +23,14 @@ def layer_specs(specs: Sequence[dg.PayloadSpec]) -> list[LayerSpec]:
 class KVSender:
     """One request's outgoing KV transfer, fed segment by segment from the engine thread.
 
-    `collector` is the engine's progress hook (give it to the prefill Request); the segments it copies out
-    are queued on this event loop and sent in plan order by a background task, each `send_layer` bounded
-    by `layer_timeout_s`. `finish()` waits (bounded) for the last segment, ends the transfer and returns
+    `collector` is the engine's progress hook (give it to the prefill Request); the segments it copies out of
+    `kv` (the engine's `runner.kv_access()`; a KVPools stands for its plain one) are queued on this event loop
+    and sent in plan order by a background task, each `send_layer` bounded by `layer_timeout_s`. `finish()` waits (bounded) for the last segment, ends the transfer and returns
     when decode has every byte; `abort()` stops it at any point.
     """
 
-    def __init__(self, tx: OutgoingTransfer, address: str, kv: KVPools, layer_is_swa: Sequence[bool],
-                 plan: dg.StreamPlan, layer_timeout_s: float) -> None:
+    def __init__(self, tx: OutgoingTransfer, address: str, kv: dg.KVAccess | KVPools,
+                 layer_is_swa: Sequence[bool], plan: dg.StreamPlan, layer_timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         self.tx = tx
         self.address = address

@@ -12,8 +12,9 @@ feeds step 4; the rest runs in the background; every wait bounded):
   4. wait for prefill's kv_commit while the segments land: each pause (until the header or the next layer,
      after the last layer until the commit) is bounded by transfer_timeout_s, and a failed transfer (prefill
      died or aborted) ends the wait at once. A commit that cancels: free everything, publish nothing;
-  5. wait (bounded) until every layer has landed, then activate: the sequence joins the running batch
-     with the first token (sampled by prefill), which is published now;
+  5. wait (bounded) until every layer has landed, then activate (on the engine thread: a parallel engine first
+     scatters the landed KV heads to its ranks): the sequence joins the running batch with the first token
+     (sampled by prefill), which is published now;
      A request with images (`mm_items`) fetches their embeddings while its KV streams in and attaches them
      before it runs: a preemption here recomputes the prompt, which needs them. A failed fetch fails the request
      explicitly (error chunk), even though only a recompute would have used the rows;
@@ -188,7 +189,7 @@ class DecodeWorker:
         finished = False
         try:
             slot = await self._admitted(admitted, pump, rid)  # 1. pages reserved
-            destinations, num_layers = self._destinations(msg, slot)
+            destinations, num_layers, landing = self._destinations(msg, slot)
             incoming = self.transfer.expect(rid, destinations)  # 2. transfer expected
             ready.set_result(KVPrepareReply(request_id=rid, hit_tokens=slot.hit_tokens,  # 3. prefill may start
                                             address=self.address))
@@ -202,7 +203,8 @@ class DecodeWorker:
             self.stats.hit_tokens += slot.hit_tokens
             if embeds is not None:
                 req.mm = await self._embeddings(embeds, msg)
-            await self.engine.call(lambda core: core.activate(rid, commit.first_token_id))
+            # the landed pages reach the pools (every rank's, on a parallel engine) on the engine thread first
+            await self.engine.call(lambda core: core.activate(rid, commit.first_token_id, landing.land))
             await self.publish(msg.stream_subject, self._chunk(
                 rid, token_ids=[commit.first_token_id],
                 logprobs=[] if commit.first_logprob is None else [commit.first_logprob]))
@@ -257,21 +259,22 @@ class DecodeWorker:
         raise PrepareRefused(f"engine did not admit {request_id!r} within {self.admit_timeout_s}s")
 
     def _destinations(self, msg: KVPrepareRequest, slot: dg.RemoteSlot):
-        """The transfer's destinations (a header check returning this worker's pool pages for its own plan)
-        and the number of layer payloads in that plan."""
+        """The transfer's destinations (a header check returning where this worker's plan lands: its pool pages,
+        or a parallel engine's staging), the number of layer payloads in that plan, and its Landing. The header
+        and bytes hold every KV head whatever tp either side runs, so a prefill of another tp matches."""
         core = self.core
         plan = dg.plan_stream(len(msg.token_ids), core.config.page_size, core.cache.cfg.window, slot.hit_tokens,
                               msg.segment_pages)
-        kv, layer_is_swa = core.runner.kv, core.kv_layer_is_swa
-        specs = tuple(layer_specs(dg.stream_specs(kv, layer_is_swa, plan)))
-        dests = dg.stream_destinations(kv, layer_is_swa, plan, slot.full_table, slot.swa_table)
+        kv, layer_is_swa = core.runner.kv_access(), core.kv_layer_is_swa
+        specs = tuple(layer_specs(dg.stream_specs(kv.shapes, layer_is_swa, plan)))
+        landing = kv.receive(dg.stream_layers(layer_is_swa, plan, slot.full_table, slot.swa_table))
 
         def check(header: TransferHeader):  # the sender's plan must be ours, or bytes would land in the wrong pages
             if tuple(header.layers) != specs:
                 raise ValueError(f"request {msg.request_id}: header layers differ from the decode plan")
-            return dests
+            return landing.payloads
 
-        return check, len(specs)
+        return check, len(specs), landing
 
     async def _await_commit(self, incoming: IncomingTransfer, committed: asyncio.Future[KVCommitRequest],
                             num_layers: int) -> KVCommitRequest:

@@ -274,13 +274,13 @@ class PrefillWorker:
     # ------------------------------------------------------------------ 2-3. transfer and prefill
     async def _open_stream(self, req: GenerateRequest, reply: KVPrepareReply) -> KVSender:
         core = self.engine.core
-        kv, layer_is_swa = core.runner.kv, core.kv_layer_is_swa
+        kv, layer_is_swa = core.runner.kv_access(), core.kv_layer_is_swa  # (every KV head, whatever our tp)
         plan = dg.plan_stream(len(req.token_ids), core.config.page_size, core.cache.cfg.window, reply.hit_tokens,
                               self.segment_pages)
         try:
             async with asyncio.timeout(self.transfer_timeout_s):
                 tx = await self.transfer.begin_send(reply.address, req.request_id,
-                                                    layer_specs(dg.stream_specs(kv, layer_is_swa, plan)))
+                                                    layer_specs(dg.stream_specs(kv.shapes, layer_is_swa, plan)))
         except TimeoutError:
             raise HandoffError(f"KV transfer to {reply.address} was not accepted within "
                                f"{self.transfer_timeout_s}s") from None
@@ -363,7 +363,7 @@ class PrefillWorker:
         self.stats.requests += 1
         self.stats.bytes_sent += stats.nbytes
         self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
-            core.runner.kv, core.kv_layer_is_swa, len(req.token_ids))
+            sender.collector.kv.shapes, core.kv_layer_is_swa, len(req.token_ids))
         self.stats.transfer_seconds += sender.send_seconds
 
     # ------------------------------------------------------------------ 6. cleanup

@@ -3,7 +3,9 @@
     plan.py      pure: which logical pages travel (full pages after decode's hit, SWA pages of the last
                  window) and how they are cut into segments that leave while prefill computes
     shipment.py  torch: per-layer page lists, payload specs, the sender's copies (and the engine-thread
-                 `SegmentCollector` that makes them as segments complete), the receiver's destination views
+                 `SegmentCollector` that makes them as segments complete), the receiver's destination views,
+                 and `KVAccess` / `Landing`, the seam through which the services reach an engine's KV (every
+                 KV head; a parallel engine's own in libs/parallel/kvio.py)
     remote.py    `DisaggEngineCore` (decode: admits a `RemoteRequest` whose KV arrives from elsewhere) and
                  `first_token_finishes` (prefill)
 
@@ -27,6 +29,8 @@ from libs.engine.disagg.remote import (
     first_token_finishes,
 )
 from libs.engine.disagg.shipment import (
+    KVAccess,
+    Landing,
     LayerPages,
     Payload,
     PayloadSpec,
@@ -39,14 +43,15 @@ from libs.engine.disagg.shipment import (
     shipment_bytes,
     shipment_layers,
     stream_destinations,
+    stream_layers,
     stream_specs,
 )
 from libs.engine.request import FinishReason
 
 __all__ = [
-    "DecodeFull", "DisaggEngineCore", "FinishReason", "LayerPages", "Payload", "PayloadSpec", "RemoteRequest",
-    "RemoteSlot", "Segment", "SegmentCollector", "ShipPlan", "StreamPlan", "destination_views",
+    "DecodeFull", "DisaggEngineCore", "FinishReason", "KVAccess", "Landing", "LayerPages", "Payload",
+    "PayloadSpec", "RemoteRequest", "RemoteSlot", "Segment", "SegmentCollector", "ShipPlan", "StreamPlan", "destination_views",
     "first_token_finishes", "full_kv_pages", "full_transfer_bytes", "gather_layer", "page_bytes",
     "payload_specs", "plan_shipment", "plan_stream", "shipment_bytes", "shipment_layers", "stream_destinations",
-    "stream_specs",
+    "stream_layers", "stream_specs",
 ]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
+from libs.engine.plan import BatchPlan
 from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
 from libs.engine.stopping import check_stop
@@ -96,8 +97,9 @@ class DisaggEngineCore(EngineCore):
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
         # full_tokens are shared tree pages that must not be written
         hit = cache.match(prompt, rebuild=False)
-        self.runner.start_load(hit.load_copies)  # host-tier hits: copy before the pages are read
-        self.runner.finish_load()
+        if hit.load_copies:  # host-tier hits: copy before the pages are read, as a copies-only step (so that a
+            # parallel runner's every rank loads its own host copies, not rank 0 alone)
+            self.runner.forward(BatchPlan(load_copies=tuple(hit.load_copies)))
         growth = req.params.max_tokens
         if self.config.admission_decode_tokens is not None:
             growth = min(growth, self.config.admission_decode_tokens)
@@ -114,11 +116,17 @@ class DisaggEngineCore(EngineCore):
         full, swa = cache.page_tables(req.req_id)
         return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))
 
-    def activate(self, req_id: str, first_token: int) -> None:
-        """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill)."""
-        p = self.pending.pop(req_id, None)
-        if p is None:
+    def activate(self, req_id: str, first_token: int, land: Callable[[], None] | None = None) -> None:
+        """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill).
+
+        `land` (the transfer's `Landing.land`): puts the received pages into the pools first, here on the engine
+        thread before any step can read them (a parallel engine scatters each rank's KV heads). When it raises,
+        the request stays pending (its abort frees the pages)."""
+        if req_id not in self.pending:
             raise KeyError(f"activate({req_id!r}): no remote request waits for KV under that id")
+        if land is not None:
+            land()
+        p = self.pending.pop(req_id)
         prompt = p.req.prompt_token_ids
         self.cache.commit(req_id, len(prompt) - p.hit_tokens, (first_token,))
         sch = self.scheduler

@@ -4,6 +4,12 @@ streamed segment out of the pools as soon as the prefill has computed it.
 
 The engine side describes a layer payload with its own `PayloadSpec` (the services turn it into the
 transfer engine's LayerSpec: libs/engine does not import libs/transfer).
+
+The services reach an engine's KV through a `KVAccess` (`runner.kv_access()`): the wire always carries every
+KV head, in a single process's page layout, so the header and the bytes do not depend on how either side
+spreads its KV over processes. The plain one reads the engine's own pools and lets the transfer write into
+them in place (zero copy); a parallel engine's (libs/parallel/kvio.py) gathers the ranks' head slices and
+lands the received pages in staging tensors that it scatters to the ranks before the engine uses them.
 """
 
 from __future__ import annotations
@@ -118,11 +124,55 @@ def destination_views(kv: KVPools, lp: LayerPages) -> Payload:
     return [k[lp.slot.index, p] for p in lp.pages] + [v[lp.slot.index, p] for p in lp.pages]
 
 
+def stream_layers(layer_is_swa: Sequence[bool], plan: StreamPlan, full_table: Sequence[int],
+                  swa_table: Sequence[int]) -> list[LayerPages]:
+    """Every layer payload of a streamed shipment with its physical pages, in header order (`stream_specs`)."""
+    return [lp for seg in plan.segments for lp in shipment_layers(layer_is_swa, seg, full_table, swa_table)]
+
+
 def stream_destinations(kv: KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan, full_table: Sequence[int],
                         swa_table: Sequence[int]) -> list[Payload]:
     """Receiver destinations of a streamed shipment, in header order (`stream_specs`)."""
-    return [destination_views(kv, lp) for seg in plan.segments
-            for lp in shipment_layers(layer_is_swa, seg, full_table, swa_table)]
+    return [destination_views(kv, lp) for lp in stream_layers(layer_is_swa, plan, full_table, swa_table)]
+
+
+# ---------------------------------------------------------------------------------------------- KV access
+class Landing:
+    """Where one incoming shipment's bytes land: `payloads` (the transfer's destinations, in header order),
+    then `land()`, on the engine thread once every layer arrived and before the engine computes over the
+    pages. Here the payloads are the pool's own pages, so there is nothing left to do."""
+
+    def __init__(self, payloads: list[Payload]) -> None:
+        self.payloads = payloads
+
+    def land(self) -> None:
+        """Put the received pages where the engine reads them (engine thread)."""
+
+
+class KVAccess:
+    """The hand-off's access to one engine's KV, every KV head (see the module doc). This one: a single
+    process's pools; a parallel engine's runner returns its own (libs/parallel/kvio.py).
+
+    `shapes`: pools with the wire's shapes and dtype (every KV head), for specs and byte counts only."""
+
+    def __init__(self, kv: KVPools) -> None:
+        self.kv = kv
+        self.shapes = kv
+
+    def gather(self, layers: Sequence[LayerPages]) -> list[Payload]:
+        """Sender payloads of `layers` (engine thread, between steps): copies, complete when this returns."""
+        payloads = [gather_layer(self.kv, lp) for lp in layers]
+        synchronize_copies(self.kv.full_k.device)
+        return payloads
+
+    def receive(self, layers: Sequence[LayerPages]) -> Landing:
+        """Receiver destinations of `layers`: the pool's page views, written in place by the transfer."""
+        return Landing([destination_views(self.kv, lp) for lp in layers])
+
+
+def synchronize_copies(device: torch.device) -> None:
+    if device.type == "cuda":  # the copies must be complete before another thread reads them
+        torch.cuda.current_stream(device).synchronize()
 
 
 def shipment_bytes(kv: KVPools, layers: Sequence[LayerPages]) -> int:
@@ -143,11 +193,12 @@ class SegmentCollector:
     Copying on the engine thread, between steps, is what makes the bytes safe: a later preemption (the
     prompt recomputed into other pages), an abort or the reuse of freed pages cannot change a segment
     after its copy. `deliver` (thread-safe, e.g. loop.call_soon_threadsafe) receives one list of payloads
-    per segment, in plan order, or the exception that stopped the collection (nothing follows it)."""
+    per segment, in plan order, or the exception that stopped the collection (nothing follows it).
+    `kv`: the engine's KVAccess (a KVPools stands for its plain one)."""
 
-    def __init__(self, kv: KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan,
+    def __init__(self, kv: KVAccess | KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan,
                  deliver: Callable[[list[Payload] | BaseException], None]) -> None:
-        self.kv = kv
+        self.kv = kv if isinstance(kv, KVAccess) else KVAccess(kv)
         self.layer_is_swa = tuple(layer_is_swa)
         self.plan = plan
         self.deliver = deliver
@@ -162,9 +213,7 @@ class SegmentCollector:
             while not self.done and self.plan.segments[self.next].ready_tokens <= progress.num_computed:
                 seg = self.plan.segments[self.next]
                 layers = shipment_layers(self.layer_is_swa, seg, progress.full_pages, progress.swa_pages)
-                payloads = [gather_layer(self.kv, lp) for lp in layers]
-                if self.kv.full_k.is_cuda:  # the copies must be complete before another thread reads them
-                    torch.cuda.current_stream(self.kv.full_k.device).synchronize()
+                payloads = self.kv.gather(layers)
                 self.next += 1
                 self.deliver(payloads)
         except Exception as exc:

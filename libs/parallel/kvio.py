@@ -1,0 +1,230 @@
+"""The KV hand-off of a parallel engine (docs/parallel.md): a shipment's pages with every KV head, although each
+rank process holds only its own heads (tp), or a replica of all of them (ep alone).
+
+The wire keeps a single process's layout (every KV head, libs/engine/disagg/shipment.py), so the transfer
+header and bytes are the same whatever tp either side runs: prefill and decode may differ.
+
+Sender, `ShardedKV.gather` (rank 0, on the engine thread after a step, as the plain copy): rank 0 sends
+("kv_gather", layers) to every rank over its control pipe; each rank whose head slice no lower rank holds
+(`head_owners`: a head replicated over several ranks is taken once, from the lowest) index_selects its slice
+of every layer's pages and sends them to rank 0 as one message over the engine's group; rank 0 concatenates
+the slices on the head dim.
+
+Receiver, `ShardedKV.receive`: the transfer writes into full-head staging tensors (one contiguous tensor per
+layer: it lands without a copy); `Staged.land()`, called by `DisaggEngineCore.activate` on the engine thread
+before any step reads the pages, sends ("kv_scatter", layers) to every rank, then each rank its head slice
+(replicas included: every rank computes attention over its own copy), and writes rank 0's own.
+
+Both run on the engine thread between steps and a rank executes its control messages in order, so these
+sends never meet a step's all-reduce. They are bounded by the group's timeout (a rank that died fails them at
+once), counted in CommStats (`sends`, `send_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from libs.engine.disagg.shipment import (
+    KVAccess,
+    Landing,
+    LayerPages,
+    Payload,
+    gather_layer,
+    synchronize_copies,
+)
+from libs.engine.host_tier import LayerSlot
+from libs.model.config import ModelConfig
+from libs.model.paged import KVPools
+from libs.parallel.comm import Comm
+from libs.parallel.layout import ParallelLayout
+
+# One layer payload in a control message: (pool group, layer index in the group, physical pages).
+LayerRef = tuple[str, int, tuple[int, ...]]
+
+GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/parallel/rank.py)
+
+
+def head_owners(layout: ParallelLayout, cfg: ModelConfig, swa: bool) -> list[tuple[int, range]]:
+    """(rank, its KV heads) of the ranks whose slices, in this order, hold every KV head of a pool exactly once."""
+    owners: list[tuple[int, range]] = []
+    for rank in range(layout.world):
+        heads = layout.kv_heads(cfg, rank, swa)
+        if all(heads != h for _, h in owners):
+            owners.append((rank, heads))
+    return owners
+
+
+def owners(layout: ParallelLayout, cfg: ModelConfig, group: str) -> list[int]:
+    """The ranks `head_owners` names for pool `group` ("full" / "swa")."""
+    return [r for r, _ in head_owners(layout, cfg, group == "swa")]
+
+
+def refs(layers: Sequence[LayerPages]) -> list[LayerRef]:
+    return [(lp.slot.group, lp.slot.index, tuple(lp.pages)) for lp in layers]
+
+
+def _pools(kv: KVPools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (kv.full_k, kv.full_v) if group == "full" else (kv.swa_k, kv.swa_v)
+
+
+def layer_shapes(kv: KVPools, ref: LayerRef, heads: int | None = None) -> list[torch.Size]:
+    """[K, V] shapes of a layer's pages in `kv`'s pools ([pages, page_size, heads, dim]); `heads`: that many
+    instead of the pools' own."""
+    group, _, pages = ref
+    out = []
+    for t in _pools(kv, group):
+        h = t.shape[3] if heads is None else heads
+        out.append(torch.Size((len(pages), t.shape[2], h, t.shape[4])))
+    return out
+
+
+class RankKV:
+    """One rank's end: reads and writes its own pools' head slice (the pools hold exactly its heads)."""
+
+    def __init__(self, kv: KVPools, layout: ParallelLayout, cfg: ModelConfig, rank: int, comm: Comm) -> None:
+        self.kv, self.comm, self.rank = kv, comm, rank
+        self.owns = {group: rank in owners(layout, cfg, group) for group in ("full", "swa")}
+
+    def read(self, ref: LayerRef) -> Payload:
+        """This rank's [K, V] of a layer's pages ([pages, page_size, its heads, dim] each, copies)."""
+        group, index, pages = ref
+        return gather_layer(self.kv, LayerPages(LayerSlot(group, index), pages))
+
+    def write(self, ref: LayerRef, k: torch.Tensor, v: torch.Tensor) -> None:
+        group, index, pages = ref
+        pool_k, pool_v = _pools(self.kv, group)
+        idx = torch.tensor(pages, dtype=torch.int64, device=pool_k.device)
+        pool_k[index].index_copy_(0, idx, k.to(pool_k.device))
+        pool_v[index].index_copy_(0, idx, v.to(pool_v.device))
+
+    # ------------------------------------------------------------------ the ops (worker ranks)
+    def send_slices(self, layers: Sequence[LayerRef]) -> None:
+        """GATHER: this rank's slices of the layers of the pools it owns heads of, as one message to rank 0."""
+        parts = [t.reshape(-1) for ref in layers if self.owns[ref[0]] for t in self.read(ref)]
+        if parts:
+            self.comm.send(torch.cat(parts), 0)
+
+    def receive_slices(self, layers: Sequence[LayerRef]) -> None:
+        """SCATTER: this rank's slices of every layer, one message from rank 0, into its pools."""
+        shapes = [s for ref in layers for s in layer_shapes(self.kv, ref)]
+        buf = self.comm.recv(_empty(self.kv, shapes), 0)
+        parts = iter(_split(buf, shapes))
+        for ref in layers:
+            self.write(ref, next(parts), next(parts))
+
+
+def _empty(kv: KVPools, shapes: Sequence[torch.Size]) -> torch.Tensor:
+    """One flat tensor of `kv`'s dtype and device with room for tensors of `shapes`, back to back."""
+    return torch.empty(sum(s.numel() for s in shapes), dtype=kv.full_k.dtype, device=kv.full_k.device)
+
+
+def _split(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for s in shapes:
+        out.append(flat[at: at + s.numel()].view(s))
+        at += s.numel()
+    return out
+
+
+class ShardedKV(KVAccess):
+    """Rank 0's KVAccess of a parallel engine: `kv` its own pools, `cfg` the whole model's config; `send`
+    broadcasts a control message to the other ranks, `alive` raises when one is gone."""
+
+    def __init__(self, kv: KVPools, layout: ParallelLayout, cfg: ModelConfig, comm: Comm,
+                 send: Callable[[tuple], None], alive: Callable[[], None]) -> None:
+        super().__init__(kv)
+        self.layout, self.cfg, self.comm = layout, cfg, comm
+        self._send, self._alive = send, alive
+        self.own = RankKV(kv, layout, cfg, 0, comm)
+        self.owners = {group: owners(layout, cfg, group) for group in ("full", "swa")}
+        # the wire's shapes: every KV head (meta tensors: no memory)
+        self.shapes = KVPools.allocate(cfg, kv.full_k.shape[1], kv.swa_k.shape[1], kv.page_size, kv.full_k.dtype,
+                                       "meta", n_full_layers=kv.full_k.shape[0], n_swa_layers=kv.swa_k.shape[0])
+
+    def empty(self, shapes: Sequence[torch.Size]) -> torch.Tensor:
+        return _empty(self.kv, shapes)
+
+    def _heads(self, rank: int, group: str) -> range:
+        return self.layout.kv_heads(self.cfg, rank, group == "swa")
+
+    # ------------------------------------------------------------------ sender
+    def gather(self, layers: Sequence[LayerPages]) -> list[Payload]:
+        layer_refs = refs(layers)
+        if any(r != 0 for ref in layer_refs for r in self.owners[ref[0]]):  # (ep alone: rank 0 holds every head)
+            self._send((GATHER, layer_refs))
+        slices: list[list[Payload]] = [[] for _ in layer_refs]  # per layer, the owners' [K, V] in head order
+        with _rank_failures("gathering KV heads", self._alive):
+            for rank in range(self.layout.world):
+                mine = [i for i, ref in enumerate(layer_refs) if rank in self.owners[ref[0]]]
+                if not mine:
+                    continue
+                if rank == 0:
+                    got = [self.own.read(layer_refs[i]) for i in mine]
+                else:
+                    got = self._receive(rank, [(i, layer_refs[i]) for i in mine])
+                for i, pair in zip(mine, got, strict=True):
+                    slices[i].append(pair)
+        payloads = [[torch.cat([s[0] for s in per], dim=2), torch.cat([s[1] for s in per], dim=2)]
+                    if len(per) > 1 else per[0] for per in slices]
+        synchronize_copies(self.kv.full_k.device)
+        return payloads
+
+    def _receive(self, rank: int, layers: list[tuple[int, LayerRef]]) -> list[Payload]:
+        shapes = [s for _, ref in layers for s in layer_shapes(self.shapes, ref, len(self._heads(rank, ref[0])))]
+        buf = self.comm.recv(self.empty(shapes), rank)
+        parts = _split(buf, shapes)
+        return [parts[j: j + 2] for j in range(0, len(parts), 2)]
+
+    # ------------------------------------------------------------------ receiver
+    def receive(self, layers: Sequence[LayerPages]) -> Staged:
+        return Staged(self, refs(layers))
+
+    def scatter(self, layer_refs: list[LayerRef], full: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every rank's head slice of the full-head [K, V] of each layer into its pools (engine thread)."""
+        if not layer_refs:
+            return
+        self._send((SCATTER, layer_refs))
+        with _rank_failures("scattering KV heads", self._alive):
+            for rank in range(1, self.layout.world):
+                parts = [t.reshape(-1) for ref, kv in zip(layer_refs, full, strict=True)
+                         for t in self._slice(kv, rank, ref[0])]
+                self.comm.send(torch.cat(parts), rank)
+            for ref, kv in zip(layer_refs, full, strict=True):
+                self.own.write(ref, *self._slice(kv, 0, ref[0]))
+
+    def _slice(self, kv: tuple[torch.Tensor, torch.Tensor], rank: int, group: str) -> list[torch.Tensor]:
+        """`rank`'s heads of a full-head [K, V] (views)."""
+        h = self._heads(rank, group)
+        return [t[:, :, h.start:h.stop] for t in kv]
+
+
+class Staged(Landing):
+    """An incoming shipment of a parallel engine: full-head staging tensors, scattered to the ranks by `land()`."""
+
+    def __init__(self, access: ShardedKV, layer_refs: list[LayerRef]) -> None:
+        self.access, self.refs = access, layer_refs
+        self.full: list[tuple[torch.Tensor, torch.Tensor]] = []
+        payloads: list[Payload] = []
+        for ref in layer_refs:
+            shapes = layer_shapes(access.shapes, ref)
+            flat = access.empty(shapes)
+            k, v = _split(flat, shapes)
+            self.full.append((k, v))
+            payloads.append([flat])  # one contiguous tensor: the transfer lands into it directly
+        super().__init__(payloads)
+
+    def land(self) -> None:
+        self.access.scatter(self.refs, self.full)
+
+
+@contextmanager
+def _rank_failures(what: str, alive: Callable[[], None]) -> Iterator[None]:
+    """A failed send / recv: RankDied naming the rank when one is gone (`alive` raises it), else the error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        alive()
+        raise RuntimeError(f"{what} over the parallel engine's group failed: {exc}") from exc
