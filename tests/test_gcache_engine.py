@@ -296,6 +296,32 @@ async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(240)
+async def test_parallel_engines_write_every_kv_head_and_import_them(tiny):
+    """#18: a tp=2 + ep=2 engine writes back the same L3 values (every KV head, gathered from its ranks) as one
+    process, and a tp=2 engine imports them into each rank's host tier (its heads only): its second turn is
+    cached from L3 and equals a cache-disabled run; pools back to baseline on both."""
+    first = tokens(10, 70)
+    plain, sharded = MemoryBlockStore(), MemoryBlockStore()
+    outs = []
+    for store, layout in ((plain, {}), (sharded, {"tp": 2, "ep": 2})):
+        a = Served(tiny, store, **layout)
+        outs.append((await a.generate("t1", first, 12))[0])
+        await until(lambda a=a: a.link.counts()["writebacks"] == 1)
+        await a.close()
+    assert outs[0] == outs[1] and plain.values.keys() == sharded.values.keys() and len(plain.values) == 21
+    for key, value in plain.values.items():  # the same bytes' worth of KV, within fp32 summation order
+        torch.testing.assert_close(torch.frombuffer(bytearray(sharded.values[key]), dtype=torch.float32),
+                                   torch.frombuffer(bytearray(value), dtype=torch.float32), rtol=1e-4, atol=1e-4)
+    turn2 = [*first, *outs[0], *tokens(11, 9)]
+    b = Served(tiny, sharded, tp=2)
+    out2, cached = await b.generate("t2", turn2, 10)
+    assert cached == 80 and b.link.counts()["hits"] == 1
+    assert out2 == await reference(tiny, turn2, 10)
+    await b.close()
+
+
+@pytest.mark.integration
 async def test_full_pages_from_l1_and_l3_with_the_checkpoint_from_l3(tiny):
     store = MemoryBlockStore()
     first = tokens(20, 70)

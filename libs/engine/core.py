@@ -16,7 +16,7 @@ import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
-from libs.engine.l3 import StagedValues, ValueLayout, write_host_blocks
+from libs.engine.l3 import StagedValues, ValueLayout
 from libs.engine.mm import MMEmbeddings
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
@@ -220,7 +220,7 @@ class EngineCore:
     # ------------------------------------------------------------------ GCache (L3)
     def l3_layout(self) -> ValueLayout:
         """Byte sizes of this engine's GCache values (libs/engine/l3.py)."""
-        return ValueLayout.of(self.runner.kv, self.cache.cfg.window_pages)
+        return ValueLayout.of(self.runner.kv_access().shapes, self.cache.cfg.window_pages)  # (every KV head)
 
     def import_l3(self, tokens: Sequence[int], block_hashes: Sequence[int], first: int, end: int,
                   values: StagedValues) -> int:
@@ -233,7 +233,7 @@ class EngineCore:
         imp = self.cache.import_blocks(tokens, block_hashes, first, end)
         if imp is None:
             return 0
-        write_host_blocks(self.runner.host, imp.full, imp.swa, values, skip=imp.start - first)
+        self.runner.write_host_blocks(imp.full, imp.swa, values, skip=imp.start - first)
         return imp.end - imp.start
 
     def close(self) -> None:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Buffer", "KnownBlocks", "L3Export", "StagedValues", "ValueLayout", "WriteBack", "kv_layout",
-           "l3_namespace", "stage_values", "write_host_blocks"]
+__all__ = ["Buffer", "KnownBlocks", "L3Export", "StagedValues", "ValueLayout", "WriteBack", "gather_pages",
+           "kv_layout", "l3_namespace", "stage_values", "write_host_blocks"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,15 @@ def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> tuple[tor
     pools' device (one indexed copy per tensor: page record j is K[j] then V[j])."""
     idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
     return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
+
+
+def _group(kv: KVPools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (kv.full_k, kv.full_v) if group == "full" else (kv.swa_k, kv.swa_v)
+
+
+def gather_pages(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pool group's pages of `kv`, page-major (see `_gather`)."""
+    return _gather(*_group(kv, group), pages)
 
 
 def _records(k: torch.Tensor, v: torch.Tensor) -> list[list[memoryview]]:
@@ -222,8 +231,11 @@ class L3Export:
     new blocks (on CUDA four indexed-copy kernels and an event, asynchronous; on CPU a memcpy of their bytes)."""
 
     def __init__(self, kv: KVPools, cache, namespace: str, known: KnownBlocks,
-                 sink: Callable[[WriteBack], bool]) -> None:
+                 sink: Callable[[WriteBack], bool],
+                 gather: Callable[[str, Sequence[int]], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.kv = kv
+        # (group, pages) -> the pages' K and V page-major, every KV head (a parallel runner gathers its ranks')
+        self.gather = gather or (lambda group, pages: gather_pages(kv, group, pages))
         self.cache = cache
         self.namespace = namespace
         self.known = known
@@ -255,9 +267,9 @@ class L3Export:
             return
         kv, ns = self.kv, self.namespace
         job = WriteBack([full_key(ns, hashes[j]) for j in new],
-                        _gather(kv.full_k, kv.full_v, [full[j] for j in new]) if new else None,
+                        self.gather("full", [full[j] for j in new]) if new else None,
                         swa_key(ns, last) if ckpt else None,
-                        _gather(kv.swa_k, kv.swa_v, swa[lo:npg]) if ckpt else None)
+                        self.gather("swa", swa[lo:npg]) if ckpt else None)
         if kv.full_k.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record()

@@ -16,6 +16,7 @@ import torch
 
 from libs.engine import mm as mm_rows
 from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
+from libs.engine.l3 import StagedValues, gather_pages, write_host_blocks
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import History, SampleResult, TokenMask, make_generator, sample
@@ -216,6 +217,16 @@ class ModelRunner:
 
     def check_alive(self) -> None:
         """Raise when part of the runner is gone (a parallel runner's rank process); a no-op here."""
+
+    # ------------------------------------------------------------------ GCache (L3) values
+    def l3_gather(self, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pool group's device pages, page-major, every KV head: what the L3 write-back copies out."""
+        return gather_pages(self.kv, group, pages)
+
+    def write_host_blocks(self, full_ids: Sequence[int], swa_ids: Sequence[int], staged: StagedValues,
+                          skip: int = 0) -> None:
+        """An L3 import into the host tier (libs/engine/l3.write_host_blocks)."""
+        write_host_blocks(self.host, full_ids, swa_ids, staged, skip)
 
     def kv_access(self):
         """How the KV hand-off reads and writes this runner's KV (a `libs.engine.disagg.KVAccess`): its own pools,

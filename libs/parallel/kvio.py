@@ -36,6 +36,7 @@ from libs.engine.disagg.shipment import (
     synchronize_copies,
 )
 from libs.engine.host_tier import LayerSlot
+from libs.engine.l3 import StagedValues, write_host_blocks
 from libs.model.config import ModelConfig
 from libs.model.paged import KVPools
 from libs.parallel.comm import Comm
@@ -45,6 +46,7 @@ from libs.parallel.layout import ParallelLayout
 LayerRef = tuple[str, int, tuple[int, ...]]
 
 GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/parallel/rank.py)
+HOST_WRITE = "kv_host_write"  # an L3 import into the host tier: (op, full page ids, SWA page ids)
 
 
 def head_owners(layout: ParallelLayout, cfg: ModelConfig, swa: bool) -> list[tuple[int, range]]:
@@ -84,8 +86,9 @@ def layer_shapes(kv: KVPools, ref: LayerRef, heads: int | None = None) -> list[t
 class RankKV:
     """One rank's end: reads and writes its own pools' head slice (the pools hold exactly its heads)."""
 
-    def __init__(self, kv: KVPools, layout: ParallelLayout, cfg: ModelConfig, rank: int, comm: Comm) -> None:
-        self.kv, self.comm, self.rank = kv, comm, rank
+    def __init__(self, kv: KVPools, layout: ParallelLayout, cfg: ModelConfig, rank: int, comm: Comm,
+                 host: KVPools | None = None) -> None:
+        self.kv, self.comm, self.rank, self.host = kv, comm, rank, host
         self.owns = {group: rank in owners(layout, cfg, group) for group in ("full", "swa")}
 
     def read(self, ref: LayerRef) -> Payload:
@@ -114,6 +117,25 @@ class RankKV:
         parts = iter(_split(buf, shapes))
         for ref in layers:
             self.write(ref, next(parts), next(parts))
+
+
+    def receive_host(self, full_ids: Sequence[int], swa_ids: Sequence[int]) -> None:
+        """HOST_WRITE: this rank's head slice of imported L3 values, one message from rank 0, into its host tier."""
+        assert self.host is not None, "an L3 import needs the host tier"
+        shapes = host_value_shapes(self.host, len(full_ids), len(swa_ids))
+        if not sum(s.numel() for s in shapes):
+            return
+        parts = _split(self.comm.recv(_empty(self.host, shapes), 0), shapes)
+        write_host_blocks(self.host, full_ids, swa_ids, StagedValues(*parts))
+
+
+def host_value_shapes(host: KVPools, n_full: int, n_swa: int) -> list[torch.Size]:
+    """Shapes of the staged L3 values (StagedValues: full K, V; SWA K, V) of `n_full` / `n_swa` pages in `host`'s
+    layout ([layers, pages, page size, heads, dim])."""
+    out = []
+    for t, n in ((host.full_k, n_full), (host.full_v, n_full), (host.swa_k, n_swa), (host.swa_v, n_swa)):
+        out.append(torch.Size((t.shape[0], n, *t.shape[2:])))
+    return out
 
 
 def _empty(kv: KVPools, shapes: Sequence[torch.Size]) -> torch.Tensor:
@@ -177,6 +199,34 @@ class ShardedKV(KVAccess):
         buf = self.comm.recv(self.empty(shapes), rank)
         parts = _split(buf, shapes)
         return [parts[j: j + 2] for j in range(0, len(parts), 2)]
+
+    def gather_group(self, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer of one pool group at `pages`, every KV head, page-major ([pages, layers, page size, heads,
+        dim], as libs/engine/l3.gather_pages): what the L3 write-back copies out."""
+        n = (self.kv.full_k if group == "full" else self.kv.swa_k).shape[0]
+        payloads = self.gather([LayerPages(LayerSlot(group, i), tuple(pages)) for i in range(n)])
+        return torch.stack([p[0] for p in payloads], 1), torch.stack([p[1] for p in payloads], 1)
+
+    def write_host(self, host: KVPools, full_ids: Sequence[int], swa_ids: Sequence[int],
+                   staged: StagedValues, skip: int = 0) -> None:
+        """An L3 import (every KV head, `staged` as libs/engine/l3.stage_values lays it out) into every rank's host
+        tier, each its own heads (replicas included)."""
+        values = (staged.full_k[:, skip:], staged.full_v[:, skip:], staged.swa_k, staged.swa_v)
+        groups = ("full", "full", "swa", "swa")
+
+        def mine(rank: int) -> list[torch.Tensor]:
+            out = []
+            for t, group in zip(values, groups, strict=True):
+                h = self._heads(rank, group)
+                out.append(t[:, :, :, h.start:h.stop])
+            return out
+
+        self._send((HOST_WRITE, tuple(full_ids), tuple(swa_ids)))
+        if sum(t.numel() for t in values):
+            with _rank_failures("scattering L3 values", self._alive):
+                for rank in range(1, self.layout.world):
+                    self.comm.send(torch.cat([t.reshape(-1) for t in mine(rank)]).to(self.kv.full_k.dtype), rank)
+        write_host_blocks(host, full_ids, swa_ids, StagedValues(*(t.contiguous() for t in mine(0))))
 
     # ------------------------------------------------------------------ receiver
     def receive(self, layers: Sequence[LayerPages]) -> Staged:

@@ -20,7 +20,7 @@ from libs.model.config import ModelConfig
 from libs.model.paged import KVPools
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
-from libs.parallel.kvio import GATHER, SCATTER, RankKV
+from libs.parallel.kvio import GATHER, HOST_WRITE, SCATTER, RankKV
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
 
@@ -47,7 +47,8 @@ class RankSpec:
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
-# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs) (libs/parallel/kvio.py); a rank answers
+# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs), an L3 import's (HOST_WRITE, page ids)
+# (libs/parallel/kvio.py); a rank answers
 # "stats" with ("stats", CommStats, io_bytes(), pool_bytes(its KV pools))
 
 
@@ -70,7 +71,7 @@ def rank_main(conn: Connection) -> None:
         conn.send_bytes(pickle.dumps(("ready", spec.rank)))
         ready = True
         comm.connect(spec.store_host, spec.store_port, device=spec.device, timeout_s=spec.timeout_s)
-        _serve(conn, runner, comm, RankKV(runner.kv, spec.layout, spec.model_config, spec.rank, comm))
+        _serve(conn, runner, comm, RankKV(runner.kv, spec.layout, spec.model_config, spec.rank, comm, runner.host))
     except EOFError:  # rank 0 is gone
         sys.exit(3)
     except BaseException as exc:
@@ -106,6 +107,8 @@ def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
             kv.send_slices(msg[1])
         elif op == SCATTER:
             kv.receive_slices(msg[1])
+        elif op == HOST_WRITE:  # an L3 import (libs/parallel/kvio.py)
+            kv.receive_host(msg[1], msg[2])
         elif op == "close":
             return
         else:

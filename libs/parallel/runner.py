@@ -150,6 +150,14 @@ class ParallelRunner(ModelRunner):
                                         self.check_alive)
         return self._kv_access
 
+    def l3_gather(self, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_access().gather_group(group, pages)
+
+    def write_host_blocks(self, full_ids: Sequence[int], swa_ids: Sequence[int], staged, skip: int = 0) -> None:
+        if self.host is None:
+            raise RuntimeError("a GCache import needs the engine's host tier")
+        self.kv_access().write_host(self.host, full_ids, swa_ids, staged, skip)
+
     def check_alive(self) -> None:
         for r, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:

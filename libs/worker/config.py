@@ -94,11 +94,8 @@ class EngineServiceConfig(ServiceConfig):
         return self
 
     @model_validator(mode="after")
-    def _parallel_features(self) -> EngineServiceConfig:
+    def _parallel_layout(self) -> EngineServiceConfig:
         ParallelLayout(self.tp, self.ep)  # tp / ep consistency (the model's shapes are checked at engine build)
-        if (self.tp > 1 or self.ep > 1) and self.gcache:
-            raise ValueError("gcache (L3) does not run with tp / ep > 1 yet: an L3 hit is imported into rank 0's host "
-                             "tier only, and with tp a rank holds only its KV heads")
         return self
 
     @property

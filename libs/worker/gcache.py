@@ -81,7 +81,7 @@ class GCacheLink:
         self._queue: queue.Queue[WriteBack | None] = queue.Queue(maxsize=write_queue)
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._export = L3Export(core.runner.kv, core.cache, namespace, self.known, self._offer)
+        self._export = L3Export(core.runner.kv, core.cache, namespace, self.known, self._offer, core.runner.l3_gather)
         self._writer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,8 +154,8 @@ class GCacheLink:
         values = await self.store.get([*fkeys[local:end], skeys[end - 1]])
         if any(v is None for v in values):
             return None  # a value left (or failed its checksum) since exists: a miss, never a partial hit
-        host = self.engine.core.runner.host
-        staged = await asyncio.to_thread(stage_values, host, self.layout, values[:-1], values[-1], end)  # type: ignore[arg-type]
+        shapes = self.engine.core.runner.kv_access().shapes  # (the values' shapes: every KV head)
+        staged = await asyncio.to_thread(stage_values, shapes, self.layout, values[:-1], values[-1], end)  # type: ignore[arg-type]
         return _Hit(tokens, hashes, local, end, staged)
 
     def _import(self, core: EngineCore, hit: _Hit) -> None:
