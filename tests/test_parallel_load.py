@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kernels.fp8 import quant_fp8_block
 from libs.engine.config import EngineConfig
 from libs.engine.core import EngineCore
+from libs.engine.llm import LLM
 from libs.engine.request import Request
 from libs.model import CheckpointError, load_model
 from libs.model.loader import _Shards, checkpoint_config
@@ -162,9 +163,14 @@ def test_engine_from_checkpoint_path_equals_one_process(ckpt, full, monkeypatch)
 
 
 @pytest.mark.integration
-def test_engine_names_the_tensor_a_worker_rank_lacks(ckpt, tmp_path):
-    """Rank 1 (its own process) fails on a tensor only it needs: the engine raises CheckpointError naming it."""
+@pytest.mark.parametrize("entry", ["build_engine", "LLM"])
+def test_engine_names_the_tensor_a_worker_rank_lacks(ckpt, tmp_path, entry):
+    """Rank 1 (its own process) fails on a tensor only it needs: the engine raises CheckpointError naming it. The
+    offline LLM loads the same way (it used to load the whole model, and sent the ranks their shards)."""
     victim = "model.layers.3.mlp.experts.7.down_proj.weight"
     missing = _one_file(ckpt, tmp_path / "missing", lambda t: t.pop(victim))
     with pytest.raises(CheckpointError, match=r"parallel rank 1: tensor " + re.escape(victim) + " is missing"):
-        build_engine(str(missing), EngineConfig(num_full_pages=64, num_swa_pages=32, ep=2))
+        if entry == "LLM":
+            LLM(str(missing), num_full_pages=64, num_swa_pages=32, ep=2)
+        else:
+            build_engine(str(missing), EngineConfig(num_full_pages=64, num_swa_pages=32, ep=2))

@@ -437,3 +437,18 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+def load_core(model_path: str | None, config: EngineConfig | None = None,
+              core_class: type[EngineCore] = EngineCore) -> EngineCore:
+    """`core_class` over libs.model.load_model(model_path) (None = built-in tiny model) and its tokenizer; a
+    parallel engine over a checkpoint loads no full model: each rank reads its own shard of `model_path`."""
+    from libs.model import load_model, load_tokenizer
+    from libs.model.loader import checkpoint_config
+
+    config = config or EngineConfig()
+    if model_path is not None and config.layout.is_parallel:
+        return core_class(config, None, checkpoint_config(model_path), load_tokenizer(model_path),
+                          model_path=model_path)
+    model, model_config = load_model(model_path, dtype=config.torch_dtype, device=config.device)
+    return core_class(config, model, model_config, load_tokenizer(model_path))

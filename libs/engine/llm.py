@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libs.engine.config import EngineConfig
-from libs.engine.core import EngineCore
+from libs.engine.core import EngineCore, load_core
 from libs.engine.request import FinishReason, Request, SamplingParams, TokenLogprob
 
 
@@ -30,11 +30,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
-        from libs.model import load_model, load_tokenizer
-
-        config = EngineConfig.from_kwargs(**engine_options)
-        net, model_config = load_model(model, dtype=config.torch_dtype, device=config.device)
-        self.core = EngineCore(config, net, model_config, load_tokenizer(model))
+        # (tp / ep > 1 over a checkpoint: each rank reads its own shard, no full model is loaded)
+        self.core = load_core(model, EngineConfig.from_kwargs(**engine_options))
         self._ids = itertools.count()
 
     @classmethod
