@@ -50,7 +50,7 @@ from libs.model.loader import TINY_SEED, load_model, set_dtype
 from libs.model.model import MiMoV2Model, init_random_
 from libs.parallel.comm import Comm, ring_all_reduce_bytes
 from libs.parallel.layout import ParallelLayout
-from libs.parallel.rank import io_bytes, pool_bytes
+from libs.parallel.rank import io_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -216,7 +216,7 @@ def run_layout(model: MiMoV2Model, cfg: ModelConfig, tp: int, ep: int, prompts: 
         # The engine is idle now: the direct forwards below write KV into pages its cache considers free or
         # cached; nothing reads them afterwards (the engine is closed next).
         out["logits"] = runner.forward(plans["logits"]).float()
-        out["pool_bytes"] = runner.rank_pool_bytes() if layout.is_parallel else [pool_bytes(runner.kv)]
+        out["pool_bytes"] = runner.rank_pool_bytes() if layout.is_parallel else [runner.kv.pool_bytes()]
         if ref is not None:
             out["greedy_identical"] = out["tokens"] == ref["tokens"]
             out["max_logit_diff"] = float((out["logits"] - ref["logits"]).abs().max())

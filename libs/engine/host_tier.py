@@ -46,10 +46,6 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
     return slots
 
 
-def _pool_tensors(pools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return (pools.full_k, pools.full_v) if group == "full" else (pools.swa_k, pools.swa_v)
-
-
 def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tensor,
                dst_ids: list[int] | torch.Tensor, layer: int | None = None) -> None:
     """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None).
@@ -58,7 +54,7 @@ def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tens
     index on the 5-D tensor takes a slower strided path)."""
     if len(src_ids) == 0:
         return
-    for src_t, dst_t in zip(_pool_tensors(src_pools, group), _pool_tensors(dst_pools, group), strict=True):
+    for src_t, dst_t in zip(src_pools.group(group), dst_pools.group(group), strict=True):
         src_idx = torch.as_tensor(src_ids, dtype=torch.int64, device=src_t.device)
         dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64, device=dst_t.device)
         if layer is None:

@@ -88,13 +88,9 @@ def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> tuple[tor
     return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
 
 
-def _group(kv: KVPools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return (kv.full_k, kv.full_v) if group == "full" else (kv.swa_k, kv.swa_v)
-
-
 def gather_pages(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One pool group's pages of `kv`, page-major (see `_gather`)."""
-    return _gather(*_group(kv, group), pages)
+    return _gather(*kv.group(group), pages)
 
 
 def _records(k: torch.Tensor, v: torch.Tensor) -> list[list[memoryview]]:

@@ -210,11 +210,6 @@ class ModelRunner:
             self._interrupt = self._forward_thread = None
             self.finish_load()
 
-    def kv_bytes(self) -> int:
-        """Bytes of this process's device KV pools (one rank's, with a parallel runner)."""
-        kv = self.kv
-        return sum(t.numel() * t.element_size() for t in (kv.full_k, kv.full_v, kv.swa_k, kv.swa_v))
-
     def check_alive(self) -> None:
         """Raise when part of the runner is gone (a parallel runner's rank process); a no-op here."""
 

@@ -43,6 +43,14 @@ class KVPools:
                    z(ns, num_swa_pages, cfg.kv_heads_swa, cfg.qk_head_dim),
                    z(ns, num_swa_pages, cfg.kv_heads_swa, cfg.v_head_dim))
 
+    def group(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one pool group: "full" or "swa"."""
+        return (self.full_k, self.full_v) if name == "full" else (self.swa_k, self.swa_v)
+
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes each pool holds (K and V together), read off the tensors themselves."""
+        return {"full": self.full_k.nbytes + self.full_v.nbytes, "swa": self.swa_k.nbytes + self.swa_v.nbytes}
+
     @classmethod
     def allocate_mtp(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu") -> KVPools:

@@ -68,16 +68,12 @@ def refs(layers: Sequence[LayerPages]) -> list[LayerRef]:
     return [(lp.slot.group, lp.slot.index, tuple(lp.pages)) for lp in layers]
 
 
-def _pools(kv: KVPools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return (kv.full_k, kv.full_v) if group == "full" else (kv.swa_k, kv.swa_v)
-
-
 def layer_shapes(kv: KVPools, ref: LayerRef, heads: int | None = None) -> list[torch.Size]:
     """[K, V] shapes of a layer's pages in `kv`'s pools ([pages, page_size, heads, dim]); `heads`: that many
     instead of the pools' own."""
     group, _, pages = ref
     out = []
-    for t in _pools(kv, group):
+    for t in kv.group(group):
         h = t.shape[3] if heads is None else heads
         out.append(torch.Size((len(pages), t.shape[2], h, t.shape[4])))
     return out
@@ -98,7 +94,7 @@ class RankKV:
 
     def write(self, ref: LayerRef, k: torch.Tensor, v: torch.Tensor) -> None:
         group, index, pages = ref
-        pool_k, pool_v = _pools(self.kv, group)
+        pool_k, pool_v = self.kv.group(group)
         idx = torch.tensor(pages, dtype=torch.int64, device=pool_k.device)
         pool_k[index].index_copy_(0, idx, k.to(pool_k.device))
         pool_v[index].index_copy_(0, idx, v.to(pool_v.device))

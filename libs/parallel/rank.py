@@ -17,7 +17,6 @@ import torch
 from libs.engine.host_tier import LoadMode
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.model.config import ModelConfig
-from libs.model.paged import KVPools
 from libs.parallel.build import build_shard
 from libs.parallel.comm import Comm
 from libs.parallel.kvio import GATHER, HOST_WRITE, SCATTER, RankKV
@@ -49,7 +48,7 @@ class RankSpec:
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
 # ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs), an L3 import's (HOST_WRITE, page ids)
 # (libs/parallel/kvio.py); a rank answers
-# "stats" with ("stats", CommStats, io_bytes(), pool_bytes(its KV pools))
+# "stats" with ("stats", CommStats, io_bytes(), its KV pools' pool_bytes())
 
 
 def rank_main(conn: Connection) -> None:
@@ -100,7 +99,7 @@ def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
             inputs = ModelInputs(*inputs) if inputs is not None else None
             runner.execute(backups, loads, inputs)
         elif op == "stats":
-            conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes(), pool_bytes(runner.kv))))
+            conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes(), runner.kv.pool_bytes())))
         elif op == "reset":
             comm.stats.reset()
         elif op == GATHER:  # the KV hand-off (libs/parallel/kvio.py)
@@ -113,11 +112,6 @@ def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
             return
         else:
             raise ValueError(f"unknown parallel rank message {op!r}")
-
-
-def pool_bytes(kv: KVPools) -> dict[str, int]:
-    """Bytes a rank's device KV pools hold, per pool (K and V together), read off the tensors themselves."""
-    return {"full": kv.full_k.nbytes + kv.full_v.nbytes, "swa": kv.swa_k.nbytes + kv.swa_v.nbytes}
 
 
 def io_bytes() -> int:

@@ -36,7 +36,7 @@ from libs.parallel.comm import Comm, CommStats
 from libs.parallel.kvio import ShardedKV
 from libs.parallel.layout import ParallelLayout
 from libs.parallel.load import load_shard
-from libs.parallel.rank import RankSpec, io_bytes, pool_bytes
+from libs.parallel.rank import RankSpec, io_bytes
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -177,7 +177,7 @@ class ParallelRunner(ModelRunner):
 
     def _stats(self) -> list[tuple[CommStats, int, dict[str, int]]]:
         self._send(("stats",))
-        out = [(self.comm.stats, io_bytes(), pool_bytes(self.kv))]
+        out = [(self.comm.stats, io_bytes(), self.kv.pool_bytes())]
         for conn in self._conns:
             _, stats, io, pools = pickle.loads(conn.recv_bytes())
             out.append((stats, io, pools))

@@ -61,13 +61,9 @@ class LayerPages:
     pages: tuple[int, ...]
 
 
-def _pool(kv: KVPools, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return (kv.full_k, kv.full_v) if group == "full" else (kv.swa_k, kv.swa_v)
-
-
 def page_bytes(kv: KVPools, group: str) -> int:
     """Bytes of one page of one layer of `group` (K and V)."""
-    k, v = _pool(kv, group)
+    k, v = kv.group(group)
     return (k[0, 0].numel() * k.element_size()) + (v[0, 0].numel() * v.element_size())
 
 
@@ -112,7 +108,7 @@ def stream_specs(kv: KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan) ->
 
 def gather_layer(kv: KVPools, lp: LayerPages) -> Payload:
     """Sender payload of one layer: [K pages, V pages] as two contiguous tensors (copies)."""
-    k, v = _pool(kv, lp.slot.group)
+    k, v = kv.group(lp.slot.group)
     idx = torch.tensor(lp.pages, dtype=torch.int64, device=k.device)
     return [k[lp.slot.index].index_select(0, idx), v[lp.slot.index].index_select(0, idx)]
 
@@ -120,7 +116,7 @@ def gather_layer(kv: KVPools, lp: LayerPages) -> Payload:
 def destination_views(kv: KVPools, lp: LayerPages) -> Payload:
     """Receiver destination of one layer: the pool's own page views (K pages, then V pages), written in
     place, in the same byte order as `gather_layer`."""
-    k, v = _pool(kv, lp.slot.group)
+    k, v = kv.group(lp.slot.group)
     return [k[lp.slot.index, p] for p in lp.pages] + [v[lp.slot.index, p] for p in lp.pages]
 
 
