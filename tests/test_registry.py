@@ -2,6 +2,7 @@
 freshness rule (stale entries are never listed nor joined, even when the store keeps them)."""
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from libs.bus import Bus, HeartbeatConfig, Registry, RegistryEventKind
-from libs.bus.registry import WatchState, entry_key
+from libs.bus.registry import Registration, WatchState, entry_key
 from protos import encode
 from protos.messages import RegistryEntry, Role
 from tests.fixtures.nats import start_nats_server
@@ -81,6 +82,44 @@ def test_watch_state_never_joins_a_stale_entry_and_sweeps_one_that_stops_heartbe
     assert rejoin is not None and rejoin.kind == RegistryEventKind.JOIN  # heartbeating again: back
     leave = state.update("decode.d1", stamped(Role.DECODE, "d1", t0), None, t0 + 7.0)
     assert leave is not None and leave.kind == RegistryEventKind.LEAVE  # a stale put of a known key
+
+
+class _SwallowingRegistry:
+    """Pure fake for the heartbeat loop alone: its put swallows a cancellation that lands while it waits, as
+    Python 3.11's `asyncio.wait_for` (inside nats-py's request) does when the ack arrives at the same time."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.deleted = 0
+        self.in_flight = False
+
+    async def put(self, entry, ttl_s):
+        self.puts += 1
+        self.in_flight = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.05)
+        self.in_flight = False
+
+    async def deregister(self, role, instance_id):
+        self.deleted += 1
+
+
+@pytest.mark.unit
+async def test_stop_ends_the_heartbeat_even_when_a_put_swallows_the_cancellation():
+    fake = _SwallowingRegistry()
+    reg = Registration(fake, entry(Role.DECODE, "d1"), HeartbeatConfig(ttl_s=1, interval_s=0.01))  # type: ignore[arg-type]
+    await reg.start()
+    await wait_until(lambda: _now(fake.puts >= 3 and fake.in_flight), timeout=5, step=0.001)
+    stop = asyncio.create_task(reg.stop())  # while a put is in flight: it swallows the cancellation
+    done, _ = await asyncio.wait({stop}, timeout=reg.STOP_TIMEOUT_S + 2)
+    assert done, "stop() waited for a heartbeat that never ended"  # the old loop went on putting
+    after = fake.puts
+    await asyncio.sleep(0.2)
+    assert fake.puts == after and fake.deleted == 1  # no put after stop: the entry cannot come back
+
+
+async def _now(value: bool) -> bool:
+    return value
 
 
 @pytest.mark.integration

@@ -27,6 +27,11 @@ async def test_view_follows_joins_loads_leaves_and_expiry_and_never_admits_a_sta
     await bus.js.publish(f"$KV.{registry.bucket}.{entry_key(Role.WORKER, 'ghost')}", encode(ghost))
     view = RegistryView(registry, config=ViewConfig(prune_interval_s=0.1))
     seen: list[tuple[str, str]] = []
+
+    def state() -> str:  # for a failure message: what the view holds, and how old each heartbeat is
+        now = time.time()
+        return f"{[(e.instance_id, round(now - e.heartbeat_at, 2)) for e in view.entries()]}, " \
+               f"watch errors {view.watch_errors}"
     view.add_listener(lambda kind, e: seen.append((kind.value, e.instance_id)))
     a = registry.register(RegistryEntry(role=Role.WORKER, instance_id="a", started_at=1.0), TTL)
     b = registry.register(RegistryEntry(role=Role.DECODE, instance_id="b"), TTL)
@@ -46,7 +51,7 @@ async def test_view_follows_joins_loads_leaves_and_expiry_and_never_admits_a_sta
         a.entry = a.entry.model_copy(update={"started_at": 2.0})
         await until(lambda: seen[-2:] == [("leave", "a"), ("join", "a")], what="a restarted")
         await b.stop()  # deregistered: leaves at once
-        await until(lambda: ("leave", "b") in seen, what="b leaves")
+        await until(lambda: ("leave", "b") in seen, what=lambda: f"b leaves (seen {seen}, view {state()})")
         await a.stop(deregister=False)  # as if killed: the view drops it within its TTL
         stopped = time.monotonic()
         await until(lambda: not view.live(time.time()), timeout=TTL.ttl_s + 10, what="a expires")

@@ -244,23 +244,36 @@ class WatchState:
 
 
 class Registration:
-    """Heartbeat loop of one instance's entry."""
+    """Heartbeat loop of one instance's entry.
+
+    Stopping does not rely on task cancellation alone: on Python 3.11 `asyncio.wait_for` (inside nats-py's
+    request) returns its result and drops a cancellation that arrives as the publish ack lands, so a
+    cancelled heartbeat could go on re-putting the entry (it never left the registry) and `stop` could wait
+    for it forever. The loop checks a stop flag before every put, and `stop` waits a bounded time."""
+
+    STOP_TIMEOUT_S = 5.0
 
     def __init__(self, registry: Registry, entry: RegistryEntry, heartbeat: HeartbeatConfig) -> None:
         self._registry = registry
         self.entry = entry
         self.heartbeat = heartbeat
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         """Put the entry now (errors propagate: a service that cannot register must not start)."""
+        self._stopping.clear()
         await self._registry.put(self.entry, self.heartbeat.ttl_s)
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self.entry.instance_id}")
 
     async def _loop(self) -> None:
         last = time.monotonic()
-        while True:
-            await asyncio.sleep(self.heartbeat.interval_s)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.heartbeat.interval_s):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return  # never a put after stop() began: a late put would bring the entry back
             try:
                 await self._registry.put(self.entry, self.heartbeat.ttl_s)
                 now = time.monotonic()
@@ -272,11 +285,18 @@ class Registration:
                 log.warning("heartbeat failed", extra={"instance": self.entry.instance_id, "error": repr(exc)})
 
     async def stop(self, deregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop heartbeating (bounded: `STOP_TIMEOUT_S`), then delete the entry unless `deregister` is False.
+        A put in flight is published before the delete (one connection keeps the order)."""
+        self._stopping.set()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=self.STOP_TIMEOUT_S)
+            if not done:  # cannot happen unless a put hangs past its own timeout: say so, do not wait forever
+                log.error("heartbeat did not stop in time", extra={"instance": self.entry.instance_id})
+            elif not task.cancelled() and task.exception() is not None:
+                log.warning("heartbeat ended with an error",
+                            extra={"instance": self.entry.instance_id, "error": repr(task.exception())})
         if deregister:
             try:
                 await self._registry.deregister(self.entry.role, self.entry.instance_id)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from .config import TransferConfig
 from .errors import TransferError, TransferTimeout
 from .transfers import Destinations, IncomingTransfer, OutgoingTransfer, TransferState
+
+log = logging.getLogger("windserve.transfer")
 
 
 class TaskSet:
@@ -31,10 +34,20 @@ class TaskSet:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def close(self) -> None:
-        for task in list(self._tasks):
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel the tasks and wait for them, bounded (a task that swallows its cancellation is logged and
+        left, never waited for forever)."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not tasks:
+            return
+        done, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: an error at shutdown is no news
+        if stuck:
+            log.error("transfer tasks did not stop after cancellation", extra={"tasks": len(stuck)})
 
 
 class TransferRegistry:
