@@ -366,6 +366,8 @@ class RoutePick(WireModel):
     decode_instance: str
     prefill_tokens: int = Field(ge=0, description="predicted tokens the prefill worker still computes")
     at: float = Field(description="unix time of the pick")
+    block_hashes: list[int] = Field(default_factory=list, description="approximate mode (no KV events) only: the "
+                                    "routed chain, so every replica's index of decisions records it")
 
 
 # --- disaggregated prefill -> decode hand-off ----------------------------------------------------

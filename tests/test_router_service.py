@@ -394,6 +394,24 @@ async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
         await shutdown([router], workers)
 
 
+async def test_approximate_replicas_share_their_decisions(bus, nats_url):
+    ns = "rt_approx_replicas"
+    routers = [await start_router(nats_url, ns, f"r{i}", kv_events=False) for i in range(2)]
+    workers, _ = await fleet(bus, ns, 3, seed=13)
+    try:
+        await until(lambda: all(len(r.sync.members) == 3 for r in routers), what="workers joined both")
+        prompt = list(range(41))
+        first = await routers[0].route(RouteRequest(request_id="s1", num_tokens=len(prompt),
+                                                    block_hashes=block_hashes(prompt, P)))
+        await until(lambda: routers[1].remote_picks >= 1, what="the pick reached the other replica")
+        follow = prompt + [7, 7, 7, 7, 7]  # the next turn, answered by the replica that did not route the first
+        again = await routers[1].route(RouteRequest(request_id="s2", num_tokens=len(follow),
+                                                    block_hashes=block_hashes(follow, P)))
+        assert (again.prefill_instance, again.predicted_hit_tokens) == (first.prefill_instance, 40)
+    finally:
+        await shutdown(routers, workers)
+
+
 async def test_least_loaded_policy_still_reports_the_hits_of_its_picks(bus, nats_url):
     ns = "rt_least"
     router = await start_router(nats_url, ns, "r1", policy="least_loaded")

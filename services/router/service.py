@@ -133,7 +133,7 @@ class RouterService(Service):
         assert self.bus is not None
         pick = RoutePick(router_id=self.router_id, request_id=req.request_id, prefill_instance=route.prefill,
                          decode_instance=route.decode, prefill_tokens=max(1, req.num_tokens - route.predicted_hit),
-                         at=now)
+                         at=now, block_hashes=req.block_hashes if self.sync.approx is not None else [])
         try:
             await self.bus.publish(subjects.route_picks(self.config.namespace), pick)
         except Exception as exc:  # the replicas miss one pick: never fail the route for it
@@ -146,6 +146,8 @@ class RouterService(Service):
             return
         self.policy.note_pick(pick.request_id, pick.prefill_instance, pick.decode_instance, pick.at,
                               pick.prefill_tokens)
+        # approximate mode: a follow-up the queue group hands to this replica predicts the other's decision
+        self.sync.record((pick.prefill_instance, pick.decode_instance), pick.block_hashes, pick.at)
         self.remote_picks += 1
         metrics.REMOTE_PICKS.inc()
 
