@@ -455,7 +455,7 @@ async def test_full_decode_is_rerouted_before_any_prefill_compute(tiny):
                 raise RemoteError("kv_prepare", ErrorCode.UNAVAILABLE, "decode engine is full")
             return await pipe.decode.prepare(msg)
 
-        async def reroute(request_id, num_tokens, refused):
+        async def reroute(request_id, token_ids, refused):
             assert refused == ["d-full"]
             return "d0"
 
@@ -531,7 +531,7 @@ async def test_gone_decode_is_rerouted_before_any_prefill_compute(tiny):
                 raise NoResponders("no service is listening on kv_prepare")
             return await pipe.decode.prepare(msg)
 
-        async def reroute(request_id, num_tokens, refused):
+        async def reroute(request_id, token_ids, refused):
             assert refused == ["d-dead"]
             return "d0"
 
@@ -551,7 +551,7 @@ async def test_full_decode_makes_the_request_wait_for_room_then_bounded_503(tiny
     async with Pipeline(tiny, ucx_config(), max_num_seqs=1) as pipe:
         pipe.prefill.decode_wait_s = 20.0
 
-        async def reroute(request_id, num_tokens, refused):
+        async def reroute(request_id, token_ids, refused):
             return "d0"  # the router's pick: the one (full) decode worker
 
         pipe.prefill.reroute = reroute

@@ -351,6 +351,30 @@ async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_ur
         await shutdown([router], workers)
 
 
+async def test_a_prefills_decode_re_ask_with_its_chain_goes_where_the_kv_is(bus, nats_url):
+    ns = "rt_reask"
+    router = await start_router(nats_url, ns, "r1", queue_weight=0.0)
+    registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
+    prefill = await CacheWorker(bus, registry, ns, "p0", role=Role.PREFILL).start()
+    decodes = [await CacheWorker(bus, registry, ns, f"d{i}", role=Role.DECODE).start() for i in range(3)]
+    workers = [prefill, *decodes]
+    try:
+        served = conversations(random.Random(14), 3)
+        decodes[2].run(served[-1])  # d2 holds this conversation; d0 will refuse (full)
+        for w in workers:
+            await w.publish()
+        await until(lambda: synced(router, workers), what="sync")
+        tokens = served[-1] + [5, 6, 7, 8, 9]
+        # the re-ask as the prefill sends it (services/prefill/service.py `_reroute`): the chain goes along
+        reask = RouteRequest(request_id="ra", num_tokens=len(tokens), block_hashes=block_hashes(tokens, P),
+                             exclude_decodes=["d0"])
+        reply = await bus.request(subjects.route(ns), reask, RouteReply, 10)
+        assert reply.decode_instance == "d2"
+        assert reply.predicted_decode_hit_tokens == decodes[2].hit(tokens, rebuild=False) > 0
+    finally:
+        await shutdown([router], workers)
+
+
 async def test_hit_reports_feed_the_predicted_and_actual_metrics(bus, nats_url):
     ns = "rt_feedback"
     router = await start_router(nats_url, ns, "r1")

@@ -31,6 +31,7 @@ from libs.engine.async_engine import AsyncEngine
 from libs.engine.core import EngineCore
 from libs.engine.l3 import l3_namespace
 from libs.gcache.api import BlockStore
+from libs.kvcache import block_hashes
 from libs.mm.api import EncoderAPI
 from libs.service import Service
 from libs.transfer import KVTransferEngine, advertised_address, create_engine
@@ -327,6 +328,13 @@ class EngineWorkerService(Service):
     def layout_labels(self) -> dict[str, str]:
         """`KV_LAYOUT_LABELS` from the engine's cache config (none before the engine is built)."""
         return layout_labels(self.engine.core.cache.cfg) if self.engine is not None else {}
+
+    def prompt_chain(self, token_ids: list[int]) -> list[int]:
+        """The block-hash chain of `token_ids` as this worker's cache (and so the router's index) hashes it."""
+        if self.engine is None:
+            return []
+        cfg = self.engine.core.cache.cfg
+        return block_hashes(token_ids, cfg.page_size, cfg.hash_seed)
 
     def health_details(self) -> dict[str, str]:
         details = {"model": self.config.model or "tiny", "address": self.address,

@@ -60,7 +60,7 @@ Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Commit = Callable[[str, KVCommitRequest], Awaitable[KVCommitReply]]
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 # (request id, prompt tokens, decode workers that refused it) -> another decode worker's instance id
-Reroute = Callable[[str, int, list[str]], Awaitable[str]]
+Reroute = Callable[[str, list[int], list[str]], Awaitable[str]]  # (request id, prompt token ids, refused) -> decode
 
 
 def refusal(req: GenerateRequest) -> tuple[AckStatus, str] | None:
@@ -231,7 +231,7 @@ class PrefillWorker:
         """The router's pick for the request now (the routed one when the router cannot say)."""
         if self.reroute is not None:
             with contextlib.suppress(Exception):
-                return await self.reroute(req.request_id, len(req.token_ids), [])
+                return await self.reroute(req.request_id, list(req.token_ids), [])
         return req.decode_instance
 
     async def _prepare_decode(self, req: GenerateRequest, decode: str) -> tuple[str, KVPrepareReply]:
@@ -265,7 +265,7 @@ class PrefillWorker:
                 if len(tried) >= self.decode_attempts:
                     raise _no_decode(full, gone, str(exc)) from exc
                 try:
-                    decode = await self.reroute(req.request_id, len(req.token_ids), tried)
+                    decode = await self.reroute(req.request_id, list(req.token_ids), tried)
                 except Exception as route_exc:
                     raise _no_decode(full, gone, f"{exc}; no other decode worker was found: {route_exc}") from route_exc
                 self.stats.rerouted += 1

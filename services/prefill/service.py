@@ -59,11 +59,13 @@ class PrefillService(DisaggWorkerService):
         return await self.bus.request(subjects.kv_commit(self.config.namespace, decode_instance), msg, KVCommitReply,
                                       timeout=self.config.prepare_timeout_s)
 
-    async def _reroute(self, request_id: str, num_tokens: int, refused: list[str]) -> str:
-        """Ask the router for another decode worker than those that refused the request."""
+    async def _reroute(self, request_id: str, token_ids: list[int], refused: list[str]) -> str:
+        """Ask the router for another decode worker than those that refused the request. The prompt's chain
+        goes with it, so the router predicts each decode worker's hit for it as on the first ask."""
         assert self.bus is not None
         reply = await self.bus.request(subjects.route(self.config.namespace),
-                                       RouteRequest(request_id=request_id, num_tokens=num_tokens,
+                                       RouteRequest(request_id=request_id, num_tokens=len(token_ids),
+                                                    block_hashes=self.prompt_chain(token_ids),
                                                     exclude_decodes=refused),
                                        RouteReply, timeout=self.config.prepare_timeout_s)
         if reply.decode_instance in refused or not reply.decode_instance:
