@@ -283,6 +283,26 @@ def test_removed_worker_leaves_the_index_and_sweep_frees_its_slot():
     assert idx.blocks_of("c") == {9: 3} and set(idx.predict([1, 2, 3], 13)) == {"b"}
 
 
+def test_sweep_in_slices_keeps_predictions_and_events_right_in_between():
+    idx = ClusterPrefixIndex(page_size=4, window=8)
+    chain = list(range(1, 41))
+    idx.apply("a", [_stored(0, chain, (True,) * 40)])
+    idx.apply("b", [_stored(0, chain[:20], (True,) * 20)])
+    want_b = idx.predict(chain, 161)["b"]
+    idx.remove_worker("a")
+    steps = idx.sweep_steps(batch=7)
+    assert next(steps) == 7  # the first slice: 7 of a's 40 blocks cleared
+    # in between: a is not predicted, b is; a new worker's events land (on a fresh slot, not a's), and b's too
+    assert set(idx.predict(chain, 161)) == {"b"} and idx.predict(chain, 161)["b"] == want_b
+    idx.apply("c", [_stored(0, chain[:8], (True,) * 8)])
+    idx.apply("b", [_stored(1, chain[20:30], (True,) * 10, parent=chain[19])])
+    assert list(steps)[-1] == 40 and not idx.needs_sweep
+    assert idx.blocks_of("c") == dict.fromkeys(chain[:8], 3) and len(idx.blocks_of("b")) == 30
+    assert set(idx.predict(chain, 161)) == {"b", "c"} and idx.predict(chain, 161)["c"].tokens == 32
+    idx.apply("d", [_stored(0, [99], (True,))])  # a's slot, free again and clean
+    assert idx.blocks_of("d") == {99: 3} and "a" not in idx.workers
+
+
 def test_events_today_lose_swa_that_ends_no_valid_window_yet():
     """Why STORED events carry `swa_held`: from the validity flags alone the index cannot know that a node
     holds SWA pages whose window is incomplete; a later heal of the ancestor completes it."""

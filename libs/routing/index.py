@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from libs.kvcache.types import EventKind, KVEvent, Tier
@@ -210,26 +210,41 @@ class ClusterPrefixIndex:
 
     def sweep(self) -> int:
         """Clear the bits of retired slots (stale views replaced, workers removed) and free the slots; returns
-        the entries touched. O(indexed blocks): call it off the request path (`needs_sweep`)."""
+        the entries touched. O(indexed blocks): call it off the request path (`needs_sweep`), or in slices
+        (`sweep_steps`)."""
+        return max(self.sweep_steps(max(1, len(self._blocks))), default=0)  # the counts only grow
+
+    def sweep_steps(self, batch: int = 1 << 16) -> Iterator[int]:
+        """`sweep` in slices of `batch` blocks, yielding the entries touched so far after each, so that a
+        caller can give its event loop back in between (a 1M-block sweep is about a second of Python).
+        Between slices the index stays right: reads mask the retired slots out (`_live`), retired slots get
+        no new bits, and they are reused only when the last slice is done. Slots retired meanwhile wait for the
+        next sweep."""
         if not self._retired:
-            return 0
+            return
+        retired = set(self._retired)
         mask = 0
-        for s in self._retired:
+        for s in retired:
             mask |= _NIB << (_W * s)
         keep = ~mask
         touched = 0
         blocks = self._blocks
-        for h, v in list(blocks.items()):
-            if v & mask:
+        keys = list(blocks)
+        for start in range(0, len(keys), batch):
+            for h in keys[start:start + batch]:
+                v = blocks.get(h)
+                if v is None or not v & mask:
+                    continue  # gone meanwhile, or no retired bit
                 touched += 1
                 v &= keep
                 if v:
                     blocks[h] = v
                 else:
                     del blocks[h]
-        self._free.extend(sorted(self._retired))
-        self._retired.clear()
-        return touched
+            yield touched
+        self._free.extend(sorted(retired))
+        self._retired -= retired
+        yield touched
 
     @property
     def needs_sweep(self) -> bool:

@@ -192,7 +192,7 @@ class RouterService(Service):
         ticks = 0
         while True:
             await asyncio.sleep(self.config.maintain_interval_s)
-            self.sync.maintain(measure=ticks % 30 == 0)  # the byte count walks every block: rarely
+            await self.sync.maintain(measure=ticks % 30 == 0)  # the byte count walks every block: rarely
             ticks += 1
 
 
