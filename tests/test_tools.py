@@ -383,3 +383,71 @@ def test_tool_call_round_trip(system, stream):
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
     assert answer.usage.prompt_tokens > len(TOK.encode(TOK.apply_chat_template(USER)))  # the calls and results
     assert_worker_idle(system, "tl-w1")
+
+
+NOTE = {"type": "function", "function": {"name": "write_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 30, "maxLength": 40}},
+    "required": ["text"], "additionalProperties": False}}}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_streamed_tool_calls_accumulate_to_the_non_streamed_response(system):
+    """Streaming (#15): calls arrive as OpenAI clients expect them — announced once (index, id, type, name), then
+    argument fragments as the model writes them — and the `openai` client's own accumulation of the stream equals
+    the non-streamed response of the same seed."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    c = system.client()
+    tools = [*TOOLS, NOTE]
+    params = {**PARAMS, "write_note": NOTE["function"]["parameters"]}
+    kwargs = dict(model="windserve-tiny", messages=USER, tools=tools, tool_choice="required", n=4, seed=21,
+                  temperature=1.0, max_tokens=300)
+    whole = c.chat.completions.create(**kwargs)
+    states = {i: ChatCompletionStreamState() for i in range(4)}
+    fragments: dict[tuple[int, int], int] = {}
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:  # one state per choice: the client's accumulator handles one choice index 0
+            states[choice.index].handle_chunk(chunk.model_copy(update={"choices": [choice.model_copy(
+                update={"index": 0})]}))
+            for d in choice.delta.tool_calls or ():
+                if d.function and d.function.arguments:
+                    fragments[choice.index, d.index] = fragments.get((choice.index, d.index), 0) + 1
+    calls_seen = 0
+    for choice in whole.choices:
+        streamed = states[choice.index].get_final_completion().choices[0]
+        assert streamed.finish_reason == choice.finish_reason == "tool_calls"
+        assert [(t.type, t.function.name, t.function.arguments) for t in streamed.message.tool_calls] == \
+            [(t.type, t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+        ids = [t.id for t in streamed.message.tool_calls]  # (ids name the request's calls: they differ per request)
+        assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+        assert [t.index for t in streamed.message.tool_calls] == list(range(len(choice.message.tool_calls)))
+        assert not streamed.message.content and choice.message.content is None
+        for t in choice.message.tool_calls:
+            jsonschema.validate(json.loads(t.function.arguments), params[t.function.name])
+            calls_seen += 1
+    assert calls_seen > 4  # parallel calls happen (indices 0..n-1 checked above)
+    assert max(fragments.values()) > 10  # a long argument streams in many chunks, not in one piece
+    assert_worker_idle(system, "tl-w1")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_auto_with_response_format_through_gateway_and_worker(system):
+    """The structural-tag grammar on the wire: auto + json_schema answers with valid calls or the schema's JSON."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    resp = system.client().chat.completions.create(
+        model="windserve-tiny", messages=USER, tools=TOOLS, n=6, seed=4, temperature=1.0, max_tokens=150,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}})
+    kinds = set()
+    for choice in resp.choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            check_calls(choice.message.tool_calls)
+            kinds.add("calls")
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), schema)
+            kinds.add("json")
+    assert kinds == {"calls", "json"}
