@@ -117,18 +117,22 @@ def llm() -> LLM:
     return LLM(None, **ENGINE)
 
 
+def generate(llm: LLM, spec: GrammarSpec, seeds: int, max_tokens: int, tok: ByteTokenizer = TOK):
+    """(output, its text) of `seeds` seeded samples at temperature 1 of the USER prompt with TOOLS, under `spec`."""
+    prompt = tok.encode(tok.apply_chat_template(USER, tools=TOOLS))
+    outs = llm.generate([prompt] * seeds, [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, grammar=spec)
+                                           for s in range(seeds)])
+    return [(o, TOK.decode(list(o.token_ids), skip_special_tokens=True)) for o in outs]
+
+
 def test_forced_calls_always_parse_and_validate_over_seeds_in_the_engine(llm):
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": TOOLS,
                                                  "tool_choice": "required", "parallel_tool_calls": False})
     g = chat_grammar(body)
     assert g is not None
     spec = GrammarSpec(g.kind, g.json_schema, g.parallel)
-    prompt = TOK.encode(TOK.apply_chat_template(USER, tools=TOOLS))
-    outs = llm.generate([prompt] * 8, [SamplingParams(max_tokens=100, temperature=1.0, seed=s, grammar=spec)
-                                       for s in range(8)])
     names = set()
-    for o in outs:
-        text = TOK.decode(list(o.token_ids), skip_special_tokens=True)
+    for o, text in generate(llm, spec, 8, 100):
         assert o.finish_reason == "stop", text
         _, calls = parse_tool_calls(text, list(PARAMS))
         assert len(calls) == 1
@@ -260,13 +264,8 @@ def test_auto_with_response_format_answers_with_calls_or_the_json_over_seeds(llm
     schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["answer"], "additionalProperties": False}
     body = body_of(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
-    spec = spec_of(body)
-    prompt = TOK.encode(TOK.apply_chat_template(USER, tools=TOOLS))
-    outs = llm.generate([prompt] * 16, [SamplingParams(max_tokens=120, temperature=1.0, seed=s, grammar=spec)
-                                        for s in range(16)])
     kinds = set()
-    for o in outs:
-        text = TOK.decode(list(o.token_ids), skip_special_tokens=True)
+    for o, text in generate(llm, spec_of(body), 16, 120):
         assert o.finish_reason == "stop", text
         parsed = parse_tool_calls(text, list(PARAMS), HERMES, PARAMS)
         if parsed is None:
@@ -285,12 +284,7 @@ def test_auto_with_response_format_answers_with_calls_or_the_json_over_seeds(llm
 def test_forced_xml_calls_parse_and_validate_over_seeds_in_the_engine(llm):
     """The xml format end to end in the engine: forced calls under its grammar, parsed by its parser."""
     spec = spec_of(body_of(tool_choice="required"), XML)
-    tok = ByteTokenizer(XML_TOOLS_TEMPLATE)
-    prompt = tok.encode(tok.apply_chat_template(USER, tools=TOOLS))
-    outs = llm.generate([prompt] * 8, [SamplingParams(max_tokens=150, temperature=1.0, seed=s, grammar=spec)
-                                       for s in range(8)])
-    for o in outs:
-        text = TOK.decode(list(o.token_ids), skip_special_tokens=True)
+    for o, text in generate(llm, spec, 8, 150, ByteTokenizer(XML_TOOLS_TEMPLATE)):
         assert o.finish_reason == "stop" and text.startswith("<tool_call><function="), text
         content, calls = parse_tool_calls(text, list(PARAMS), XML, PARAMS)
         assert content == "" and calls
