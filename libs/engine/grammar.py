@@ -20,6 +20,7 @@ three bytes: not UTF-8) into every string: `_fix_string_chars` narrows those cha
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -114,10 +115,16 @@ def parse_schema(text: str) -> Any:
 
 def schema_ebnf(schema: Any) -> str:
     """EBNF of a JSON schema's compact JSON (root rule `root`), with valid UTF-8 string characters."""
+    return _schema_text_ebnf(canonical_json(schema))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_text_ebnf(text: str) -> str:
+    # cached by the schema's canonical text: a gateway converts every tool's schema of every auto-tools request
     import xgrammar as xgr
 
     try:
-        grammar = xgr.Grammar.from_json_schema(canonical_json(schema), any_whitespace=False, strict_mode=True)
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the converter's reason
         raise GrammarError(f"invalid JSON schema: {_first_line(exc)}") from exc
     return _fix_string_chars(str(grammar))
