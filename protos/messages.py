@@ -138,9 +138,10 @@ class WireGrammar(WireModel):
     """What a constrained request's output must match (#15); every engine role rebuilds the same grammar from
     it (the decode worker advances its matcher by the first token, sampled by prefill under this grammar)."""
 
-    kind: Literal["json_object", "json_schema", "tool_calls"]
+    kind: Literal["json_object", "json_schema", "tool_calls", "structural_tag"]
     json_schema: str = Field(default="", description="JSON text: the schema (json_schema), the schema of one "
-                                                     "call object {name, arguments} (tool_calls)")
+                                                     "call object {name, arguments} (tool_calls), an xgrammar "
+                                                     "structural tag (structural_tag)")
     parallel: bool = Field(default=False, description="tool_calls: one or more calls (else exactly one)")
 
 

@@ -2,7 +2,8 @@
 
     GrammarSpec (pure, on the wire)  --grammar_ebnf-->  EBNF text (no tokenizer needed: the gateway validates
     with it)  --GrammarCache.compile-->  CompiledGrammar (per tokenizer, cached by `spec_key`, an xxhash of the
-    spec's canonical form)  -->  one GrammarMatcher per sequence (GrammarBook).
+    spec's canonical form)  -->  one GrammarMatcher per sequence (GrammarBook). A `structural_tag` spec (tool
+    calls: free text or a call, other call formats) is an xgrammar structural tag, converted to EBNF by xgrammar.
 
 Per step, only the constrained rows of a batch are touched: each one's matcher fills its row of a token bitmask
 and the mask is applied to those rows alone (`apply_token_bitmask_inplace(indices=...)`); after sampling each
@@ -19,6 +20,7 @@ three bytes: not UTF-8) into every string: `_fix_string_chars` narrows those cha
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -52,6 +54,10 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 # control characters in, both let UTF-16 surrogates (U+D800-DFFF, not valid in UTF-8) in
 _BAD_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
 _GOOD_STRING_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'  # what JSON allows unescaped, as valid UTF-8
+# the characters of a raw-text (qwen_xml) parameter value in xgrammar 0.2.9: every code point, surrogates included
+_BAD_TEXT_CHARS = r"[\0-\U0010ffff]"
+_GOOD_TEXT_CHARS = r"[^\uD800-\uDFFF]"
+_FREE_WHITESPACE = r"[ \n\r\t]*"  # the optional blanks of xgrammar's XML-style tool arguments
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
 
@@ -107,11 +113,18 @@ def parse_schema(text: str) -> Any:
     return schema
 
 
-def _schema_ebnf(schema: Any) -> str:
+def schema_ebnf(schema: Any) -> str:
+    """EBNF of a JSON schema's compact JSON (root rule `root`), with valid UTF-8 string characters."""
+    return _schema_text_ebnf(canonical_json(schema))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_text_ebnf(text: str) -> str:
+    # cached by the schema's canonical text: a gateway converts every tool's schema of every auto-tools request
     import xgrammar as xgr
 
     try:
-        grammar = xgr.Grammar.from_json_schema(canonical_json(schema), any_whitespace=False, strict_mode=True)
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the converter's reason
         raise GrammarError(f"invalid JSON schema: {_first_line(exc)}") from exc
     return _fix_string_chars(str(grammar))
@@ -120,7 +133,20 @@ def _schema_ebnf(schema: Any) -> str:
 def _fix_string_chars(ebnf: str) -> str:
     for bad in _BAD_STRING_CHARS:
         ebnf = ebnf.replace(bad, _GOOD_STRING_CHARS)
-    return ebnf
+    return ebnf.replace(_BAD_TEXT_CHARS, _GOOD_TEXT_CHARS)
+
+
+def _structural_tag_ebnf(text: str) -> str:
+    """EBNF of an xgrammar structural tag (JSON text). Its JSON and XML-style contents get the same treatment
+    as schemas: no free whitespace (xgrammar's qwen_xml style allows blanks around every tag and value, and
+    `max_whitespace_cnt` cannot be 0) and valid UTF-8 string characters."""
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_structural_tag(text)
+    except Exception as exc:  # InvalidStructuralTagError, InvalidJSONError, RuntimeError with the reason
+        raise GrammarError(f"invalid structural tag: {_first_line(exc)}") from exc
+    return _fix_string_chars(str(grammar).replace(_FREE_WHITESPACE, '""'))
 
 
 def _first_line(exc: Exception) -> str:
@@ -132,9 +158,11 @@ def _first_line(exc: Exception) -> str:
 def grammar_ebnf(spec: GrammarSpec) -> tuple[str, str]:
     """(EBNF text, root rule name) of a spec; raises GrammarError when the spec cannot be served."""
     if spec.kind == "json_object":
-        return _schema_ebnf({"type": "object"}), "root"
+        return schema_ebnf({"type": "object"}), "root"
+    if spec.kind == "structural_tag":
+        return _structural_tag_ebnf(spec.schema), "root"
     schema = parse_schema(spec.schema)
-    ebnf = _schema_ebnf(schema)
+    ebnf = schema_ebnf(schema)
     if spec.kind == "json_schema":
         return ebnf, "root"
     # tool calls: the schema is one call object; wrap it in the model's tags (Qwen / Hermes style)

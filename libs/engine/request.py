@@ -30,7 +30,9 @@ class GrammarSpec:
     """What a constrained request's output must match (compiled by libs.engine.grammar, cached by a hash of
     this spec). kind: "json_object" (any JSON object), "json_schema" (`schema`: a JSON schema as JSON text) or
     "tool_calls" (`schema`: the JSON schema of one call object {"name", "arguments"}; the output is
-    `<tool_call>\n{call}\n</tool_call>`, one call, or one or more separated by newlines when `parallel`)."""
+    `<tool_call>\n{call}\n</tool_call>`, one call, or one or more separated by newlines when `parallel`) or
+    "structural_tag" (`schema`: an xgrammar structural tag as JSON text: tool calls of other formats, and
+    tool_choice auto, where free text may turn into a call that must then be complete and valid)."""
 
     kind: str
     schema: str = ""
@@ -43,7 +45,7 @@ class GrammarSpec:
             raise ValueError(f"GrammarSpec of kind {self.kind!r} needs a schema")
 
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "tool_calls")
+GRAMMAR_KINDS = ("json_object", "json_schema", "tool_calls", "structural_tag")
 
 
 @dataclass(frozen=True)

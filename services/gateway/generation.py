@@ -9,6 +9,7 @@ differ yet the whole response is reproducible.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Protocol, cast
 
 import xxhash
 
-from libs.engine.grammar import GrammarError, canonical_json, parse_schema, validate_spec
+from libs.engine.grammar import GrammarError, canonical_json, parse_schema, schema_ebnf, validate_spec
 from libs.engine.request import GrammarSpec
 from libs.mm.api import Encoded
 from protos.messages import (
@@ -44,12 +45,20 @@ from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
     TokenNames,
-    ToolCallSplitter,
     chat_logprobs,
     completion_logprobs,
     sse_event,
     text_offsets,
     usage_dict,
+)
+from services.gateway.tool_calls import (
+    HERMES,
+    ToolCallStream,
+    auto_format,
+    call_tags,
+    calls_format,
+    structural_tag,
+    tool_format_for,
 )
 
 
@@ -96,7 +105,9 @@ class Plan:
     stream: bool = False
     skip_special_tokens: bool = True
     max_fanout: int = 32  # sub-requests running downstream at once
-    tool_names: tuple[str, ...] = ()  # chat with tools: tool calls of these functions are parsed from the output
+    # chat with tools: calls of these functions (name -> parameter schema) are parsed from the output, in this format
+    tool_params: dict[str, Any] | None = None
+    tool_format: str = HERMES
     mm_items: tuple[WireMMItem, ...] = ()  # chat with images: where their rows go in prompts[0] (the hash view)
     shown_prompts: list[list[int]] | None = None  # return_token_ids: the prompts as the model's ids (None: prompts)
 
@@ -176,8 +187,8 @@ def _processing(body: CompletionRequest | ChatCompletionRequest, tok: TextCodec,
                 grammar: WireGrammar | None = None) -> dict[str, Any]:
     """The sampling fields beyond the basic ones (penalties, logit_bias, min_p, grammar)."""
     if grammar is not None and body.ignore_eos:
-        raise ApiError(400, "ignore_eos cannot be combined with response_format or forced tool calls (the end of "
-                            "the structure is the end-of-sequence token)", param="ignore_eos")
+        raise ApiError(400, "ignore_eos cannot be combined with response_format or tools (their grammar ends the "
+                            "output with the end-of-sequence token)", param="ignore_eos")
     return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "min_p": body.min_p,
             "logit_bias": body.logit_bias_ids(getattr(tok, "vocab_size", None)), "grammar": grammar}
@@ -251,13 +262,14 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
         ids, mm_items = expand(ids, media.vision, media.parts, media.encoded)
         shown = [model_view(ids, mm_items, media.vision)]  # (return_token_ids shows pads, not pseudo tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    processing = _processing(body, tok, chat_grammar(body))
+    fmt = tool_format_for(getattr(tok, "template", None))  # the checkpoint's chat template decides
+    processing = _processing(body, tok, chat_grammar(body, fmt))
     subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs,
                  processing)
-    names = tuple(t.function.name for t in body.tools or ()) if body.calls_tools else ()
+    params = {t.function.name: t.function.parameters for t in body.tools or ()} if body.calls_tools else None
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout, names, tuple(mm_items), shown)
+                body.skip_special_tokens, limits.max_fanout, params, fmt, tuple(mm_items), shown)
 
 
 # --- constrained decoding (pure) ----------------------------------------------------------------
@@ -299,21 +311,41 @@ def _checked(grammar: WireGrammar, param: str) -> WireGrammar:
     return grammar
 
 
-def chat_grammar(body: ChatCompletionRequest) -> WireGrammar | None:
-    """The grammar a chat request's output must follow: forced tool calls (tool_choice required or a named
-    function) or response_format json_object / json_schema; None when unconstrained (400 for a schema that
-    is invalid or uses features this server cannot enforce)."""
+def chat_grammar(body: ChatCompletionRequest, fmt: str = HERMES) -> WireGrammar | None:
+    """The grammar a chat request's output must follow (400 for a schema that is invalid or uses features this
+    server cannot enforce), in the tool-call format `fmt`:
+
+    - tool_choice required / a named function: only calls (of that function), arguments valid;
+    - tool_choice auto: free text, and once the model opens a call, a complete valid call; with a
+      response_format json_object / json_schema, the text answer is that JSON instead (so: calls or the JSON);
+    - no tools (or tool_choice none): the response_format, if any; None when unconstrained."""
+    text = _response_format_grammar(body)
+    if not body.calls_tools:
+        return text
     choice = body.effective_tool_choice
-    if body.calls_tools and choice != "auto":
-        tools = list(body.tools or ())
-        for i, t in enumerate(tools):
-            if t.function.parameters is not None:
-                _check_schema(t.function.parameters, f"tools.{i}.function.parameters")
-        if isinstance(choice, NamedToolChoice):
-            tools = [t for t in tools if t.function.name == choice.function.name]
-        grammar = WireGrammar(kind="tool_calls", json_schema=canonical_json(call_schema(tools)),
-                              parallel=body.parallel_tool_calls)
+    tools = list(body.tools or ())
+    for i, t in enumerate(tools):
+        if t.function.parameters is not None:
+            _check_schema(t.function.parameters, f"tools.{i}.function.parameters")
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    parallel = body.parallel_tool_calls
+    if choice != "auto" and fmt == HERMES:
+        grammar = WireGrammar(kind="tool_calls", json_schema=canonical_json(call_schema(tools)), parallel=parallel)
         return _checked(grammar, "tools")
+    tags = call_tags(fmt, [(t.function.name, t.function.parameters) for t in tools], schema_ebnf)
+    if choice != "auto":
+        shape = calls_format(fmt, tags, parallel)
+    elif text is not None:
+        answer = {"type": "grammar", "grammar": schema_ebnf(json.loads(text.json_schema) if text.json_schema
+                                                            else {"type": "object"})}
+        shape = {"type": "or", "elements": [calls_format(fmt, tags, parallel), answer]}
+    else:
+        shape = auto_format(fmt, tags, parallel)
+    return _checked(WireGrammar(kind="structural_tag", json_schema=canonical_json(structural_tag(shape))), "tools")
+
+
+def _response_format_grammar(body: ChatCompletionRequest) -> WireGrammar | None:
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -347,7 +379,7 @@ class Delta:
     logprobs: list[WireTokenLogprob]
     finish_reason: str | None  # set on the delta that completes the choice
     offsets: list[int] = field(default_factory=list)  # completions text_offset of each token (when tracked)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # parsed at the end of a choice with tools
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat with tools: delta.tool_calls entries
 
     def after(self, held: Delta | None) -> Delta:
         """This delta carrying the tokens of an earlier one that was held back (it had no text)."""
@@ -369,8 +401,8 @@ class ChoiceState:
     cached_tokens: int = 0
     first_token_at: float | None = None
     held: Delta | None = None  # streaming: tokens whose text is still empty wait here for the next delta
-    tools: ToolCallSplitter | None = None  # chat with tools: holds tool-call text back from the content
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolCallStream | None = None  # chat with tools: splits tool calls from the content
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the message's calls, once finished
 
     @property
     def content(self) -> str | None:
@@ -403,22 +435,20 @@ class ChoiceState:
             self.finish_reason = "stop"
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
-            text = self.tools.feed(text)
+            text, calls = self.tools.feed(text)
             if self.finish_reason is not None:
-                tail, calls = self._finish_tools()
-                text += tail
+                tail, more = self._finish_tools()
+                text, calls = text + tail, calls + more
         offsets = self._offsets(start)
         return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets, calls)
 
     def _finish_tools(self) -> tuple[str, list[dict[str, Any]]]:
         assert self.tools is not None
-        tail, parsed = self.tools.finish()
-        self.tool_calls = [
-            {"id": "call_" + xxhash.xxh64_hexdigest(f"{self.sub.request_id}:{i}".encode()), "type": "function",
-             "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(parsed)]
+        tail, calls = self.tools.finish()
+        self.tool_calls = self.tools.openai_calls()
         if self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
-        return tail, self.tool_calls
+        return tail, calls
 
     def _offsets(self, start: int) -> list[int]:
         if not self.track_offsets:
@@ -431,9 +461,15 @@ class ChoiceState:
 
 def new_states(plan: Plan, decode_text: Callable[[list[int]], str]) -> dict[int, ChoiceState]:
     track = plan.kind == Kind.COMPLETION and plan.logprobs is not None
-    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track,
-                                 tools=ToolCallSplitter(plan.tool_names) if plan.tool_names else None)
+    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track, tools=_tool_stream(plan, s))
             for s in plan.subs}
+
+
+def _tool_stream(plan: Plan, sub: SubRequest) -> ToolCallStream | None:
+    if plan.tool_params is None:
+        return None
+    return ToolCallStream(plan.tool_format, plan.tool_params,
+                          lambda i: "call_" + xxhash.xxh64_hexdigest(f"{sub.request_id}:{i}".encode()))
 
 
 def usage_of(plan: Plan, states: dict[int, ChoiceState]) -> dict[str, Any]:
@@ -574,7 +610,7 @@ class Renderer:
             if d.text or first:
                 delta["content"] = d.text
             if d.tool_calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(d.tool_calls)]
+                delta["tool_calls"] = d.tool_calls
             choice = {"index": st.sub.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
         else:
             choice = {"index": st.sub.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
@@ -625,7 +661,7 @@ async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
             # a delta with tokens is not empty when the client asked for their ids or logprobs (held back, they
             # would reach it late: its second token's time would be the third's)
             carries = bool(delta.token_ids) and (plan.return_token_ids or plan.logprobs is not None)
-            if not (delta.text or carries or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
+            if not (delta.text or delta.tool_calls or carries or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
                 st.held = delta.after(st.held)  # no text: its tokens go out with the next delta (no empty chunk)
                 continue
             delta, st.held = delta.after(st.held), None

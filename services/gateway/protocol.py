@@ -328,9 +328,6 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ApiError(400, f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
                                 "among tools", param="tool_choice")
-        if self.calls_tools and self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, "response_format json_object / json_schema cannot be combined with tools "
-                                "(tool_choice other than none) on this server", param="response_format")
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,78 +96,6 @@ class TextAssembler:
         delta = full[len(self.text):end]
         self.text += delta
         return delta
-
-
-# --- tool calls --------------------------------------------------------------------------------
-
-TOOL_CALL_OPEN = "<tool_call>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[tuple[str, str]]] | None:
-    """The Qwen / Hermes tool calls in `text` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
-    number): (the text around them, [(function name, arguments as JSON text)]). None when the text has no call,
-    or when any call is malformed or names a function that is not in `names` (then it all stays content)."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models emit the arguments as a JSON string already
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
-    if not calls:
-        return None
-    return _TOOL_CALL.sub("", text), calls
-
-
-class ToolCallSplitter:
-    """Splits a chat choice's text into content and tool calls as it streams: text before the first
-    `<tool_call>` goes out as content (a suffix that could still become `<tool_call>` waits); from there on
-    everything is held until the end, then parsed (`finish`). When the held text does not parse as tool calls
-    it is released as content after all."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = tuple(names)
-        self.content = ""  # every piece of content returned so far
-        self._held = ""
-        self._calling = False
-
-    def feed(self, delta: str) -> str:
-        text = self._held + delta
-        if self._calling:
-            self._held = text
-            return ""
-        start = text.find(TOOL_CALL_OPEN)
-        if start >= 0:
-            self._calling = True
-        else:  # keep back a suffix that is a prefix of the tag
-            start = len(text) - next((k for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1)
-                                      if text.endswith(TOOL_CALL_OPEN[:k])), 0)
-        self._held = text[start:]
-        return self._out(text[:start])
-
-    def finish(self) -> tuple[str, list[tuple[str, str]]]:
-        """At the end of the choice: (content not returned yet, the tool calls)."""
-        held, self._held = self._held, ""
-        parsed = parse_tool_calls(held, self.names) if self._calling else None
-        if parsed is None:
-            return self._out(held), []
-        rest, calls = parsed
-        return self._out(rest.strip()), calls
-
-    def _out(self, text: str) -> str:
-        self.content += text
-        return text
 
 
 # --- logprobs ---------------------------------------------------------------------------------
