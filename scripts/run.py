@@ -2,6 +2,7 @@
 
     python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2,cache=2,encoder=2]
                           [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
+                          [--liveness-timeout 15] [--liveness-grace 60]
 
 Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
 model directory holds a checkpoint) and names the cause. The default topology is gateway, router, prefill
@@ -13,7 +14,9 @@ nats-server is up (entries left by an earlier run are ghosts: docs/reliability.m
 waits until the gateway's /health lists every started instance and /health/ready is 200 (or the
 registry lists them, without a gateway), then prints "ready". A child that exits during startup
 stops everything with the cause from its log; one that exits later is restarted with backoff (and
-nats-server on its port and store, so services reconnect without a restart). With --nats-cluster 3
+nats-server on its port and store, so services reconnect without a restart); a service that answers no
+liveness probe (its health subject over NATS) for --liveness-timeout is killed and restarted the same way.
+Buckets that exist with fewer replicas than asked are raised to them. With --nats-cluster 3
 it runs a 3-node nats-server cluster, and the registry bucket and payload store are replicated on all
 three (R3), so one node's death loses nothing. Only Ctrl-C / SIGTERM
 stops the services (SIGTERM, SIGKILL after a grace period), then nats-server, so no process is left
