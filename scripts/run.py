@@ -2,6 +2,7 @@
 
     python -m scripts.run [--model PATH] [--services gateway,router,prefill,decode=2,cache=2,encoder=2]
                           [--http-port 8000] [--nats-port 0] [--nats-cluster 3] [--run-dir .run]
+                          [--liveness-timeout 15] [--liveness-grace 60]
 
 Before anything starts it checks what would only fail later (the HTTP and NATS ports are free, the
 model directory holds a checkpoint) and names the cause. The default topology is gateway, router, prefill
@@ -13,7 +14,9 @@ nats-server is up (entries left by an earlier run are ghosts: docs/reliability.m
 waits until the gateway's /health lists every started instance and /health/ready is 200 (or the
 registry lists them, without a gateway), then prints "ready". A child that exits during startup
 stops everything with the cause from its log; one that exits later is restarted with backoff (and
-nats-server on its port and store, so services reconnect without a restart). With --nats-cluster 3
+nats-server on its port and store, so services reconnect without a restart); a service that answers no
+liveness probe (its health subject over NATS) for --liveness-timeout is killed and restarted the same way.
+Buckets that exist with fewer replicas than asked are raised to them. With --nats-cluster 3
 it runs a 3-node nats-server cluster, and the registry bucket and payload store are replicated on all
 three (R3), so one node's death loses nothing. Only Ctrl-C / SIGTERM
 stops the services (SIGTERM, SIGKILL after a grace period), then nats-server, so no process is left
@@ -33,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,6 +51,8 @@ MULTIMODAL_SERVICES = "encoder"  # added to the default topology when the model 
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a child up this long counts as healthy again: its next restart waits BACKOFF_FIRST_S
+PROBE_INTERVAL_S = 1.0  # liveness: each service's health subject is asked this often ...
+PROBE_TIMEOUT_S = 2.0  # ... and must answer within this
 CACHE_DISK_BYTES = 8 << 30  # disk tier of each storage node unless WINDSERVE_DISK_BYTES says otherwise
 
 
@@ -65,6 +71,8 @@ class RunConfig:
     run_dir: Path = ROOT / ".run"
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
+    liveness_timeout_s: float = 15.0  # a service that answers no health probe this long is killed and restarted; 0 = off
+    liveness_grace_s: float = 60.0  # after a (re)start, until its first answer, probes do not count for this long
 
     def __post_init__(self) -> None:
         if not self.services:
@@ -78,6 +86,8 @@ class RunConfig:
             raise ValueError("only one gateway per host (it binds --http-port)")
         if self.ready_timeout_s <= 0 or self.grace_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.liveness_timeout_s < 0 or self.liveness_grace_s < 0:
+            raise ValueError("--liveness-timeout and --liveness-grace must be >= 0")
         if self.nats_cluster not in (1, 3, 5):
             raise ValueError(f"--nats-cluster must be 1, 3 or 5 nodes (a Raft quorum), got {self.nats_cluster}")
 
@@ -228,6 +238,70 @@ class Child:
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
     restart_at: float | None = None  # set while it waits for its restart
+    hung_for: float = 0.0  # set when the supervisor killed it for answering no liveness probe this long
+
+
+def unresponsive_s(now: float, started_at: float, answered_at: float | None, reachable_since: float | None,
+                   grace_s: float) -> float:
+    """Pure: how long a service has failed its liveness probes in a way that counts against it: since its last
+    answer, or, before its first one, since the end of its startup grace (`grace_s` after its start: imports, the
+    NATS connection); nothing counts while the prober itself cannot reach NATS (`reachable_since` None: every
+    probe fails then and it is no service's fault) nor before it could again."""
+    if reachable_since is None:
+        return 0.0
+    since = max(answered_at if answered_at is not None else started_at + grace_s, reachable_since)
+    return max(0.0, now - since)
+
+
+class LivenessProber:
+    """A background thread with its own NATS connection: every PROBE_INTERVAL_S it asks each target instance's
+    health subject (the service's event loop answers it, so a hung loop or a stopped process fails it; bounded by
+    PROBE_TIMEOUT_S) and records when each last answered, and since when the prober has reached NATS."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.targets: frozenset[str] = frozenset()  # instance ids to probe (set by the supervisor loop)
+        self.answered_at: dict[str, float] = {}
+        self.reachable_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="liveness", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=PROBE_TIMEOUT_S + 5)
+
+    async def _run(self) -> None:
+        from libs.bus import Bus, BusError
+
+        bus: Bus | None = None
+        try:
+            while not self._stop.is_set():
+                if bus is None:
+                    with contextlib.suppress(BusError):
+                        bus = await Bus.connect(self.nats_url, name="run-supervisor-liveness", timeout=2)
+                if bus is not None and bus.is_connected:
+                    if self.reachable_since is None:
+                        self.reachable_since = time.monotonic()
+                    await asyncio.gather(*(self._probe(bus, iid) for iid in self.targets))
+                else:
+                    self.reachable_since = None  # NATS down or reconnecting: probes say nothing about services
+                await asyncio.sleep(PROBE_INTERVAL_S)
+        finally:
+            if bus is not None:
+                with contextlib.suppress(Exception):
+                    await bus.close()
+
+    async def _probe(self, bus: Any, instance_id: str) -> None:
+        from protos import subjects
+        from protos.messages import HealthReply, HealthRequest
+
+        with contextlib.suppress(Exception):  # no answer in time, no responders, NATS gone: not alive now
+            await bus.request(subjects.health(namespace(), instance_id), HealthRequest(), HealthReply,
+                              PROBE_TIMEOUT_S)
+            self.answered_at[instance_id] = time.monotonic()
 
 
 @dataclass
@@ -239,6 +313,7 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     nats_nodes: list[Child] = field(default_factory=list)
     restarted_since_ready: bool = False  # a child was restarted: print "ready again" once it serves
+    prober: LivenessProber | None = None  # started after startup (liveness_timeout_s > 0)
 
     @property
     def nats_url(self) -> str:
@@ -409,12 +484,37 @@ class Supervisor:
                     child.restarts = 0
                 delay = restart_delay(child.restarts)
                 child.restart_at = now + delay
-                cause = last_error(child.log_path)
+                cause = (f"killed by the supervisor: unresponsive for {child.hung_for:.0f} s" if child.hung_for
+                         else last_error(child.log_path))
                 out.append(f"windserve: {child.name} exited with {describe_exit(code)}"
-                           f"{' (' + cause + ')' if cause and code > 0 else ''}; restarting in {delay:.0f} s "
+                           f"{' (' + cause + ')' if cause and (code > 0 or child.hung_for) else ''}; restarting in {delay:.0f} s "
                            f"(restart {child.restarts + 1}; log {child.log_path})")
             elif now >= child.restart_at:
                 out.append(self._restart(child, now))
+        return out
+
+    def start_liveness(self) -> None:
+        if self.cfg.liveness_timeout_s > 0:
+            self.prober = LivenessProber(self.nats_url)
+            self.prober.targets = frozenset(c.instance_id for c in self.children)
+            self.prober.start()
+
+    def check_liveness(self, now: float) -> list[str]:
+        """Kill (SIGKILL, its process group) every running service that has answered no liveness probe for
+        liveness_timeout_s after its grace period; `supervise` then restarts it like any exit. Lines to print."""
+        if self.prober is None:
+            return []
+        running = [c for c in self.children if c.restart_at is None and c.popen.poll() is None]
+        self.prober.targets = frozenset(c.instance_id for c in running)
+        out: list[str] = []
+        for child in running:
+            silent = unresponsive_s(now, child.started_at, self.prober.answered_at.get(child.instance_id),
+                                    self.prober.reachable_since, self.cfg.liveness_grace_s)
+            if silent >= self.cfg.liveness_timeout_s and not child.hung_for:
+                child.hung_for = silent
+                _signal_group(child, signal.SIGKILL)  # (works on a stopped process too; SIGTERM would wait)
+                out.append(f"windserve: {child.name} ({child.instance_id}, pid {child.popen.pid}) answered no health "
+                           f"probe for {silent:.0f} s: hung; killing it to restart it")
         return out
 
     def _restart(self, child: Child, now: float) -> str:
@@ -449,6 +549,8 @@ class Supervisor:
         return ready and {c.instance_id for c in self.children} <= live
 
     def stop_all(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
         _terminate(self.children, self.cfg.grace_s)
         _terminate(self.nats_nodes, self.cfg.grace_s)
 
@@ -565,6 +667,10 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="logs and NATS store")
     p.add_argument("--ready-timeout", type=float, default=60.0)
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--liveness-timeout", type=float, default=15.0, help="a service that answers no health probe "
+                   "this long (a hung process) is killed and restarted; 0 = no liveness probes")
+    p.add_argument("--liveness-grace", type=float, default=60.0, help="seconds after a service's (re)start during "
+                   "which its liveness probes do not count until it first answers (startup)")
     a = p.parse_args(argv)
     return RunConfig(
         services=parse_services(a.services if a.services is not None else default_services(a.model)),
@@ -576,6 +682,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
         run_dir=a.run_dir.resolve(),
         ready_timeout_s=a.ready_timeout,
         grace_s=a.grace,
+        liveness_timeout_s=a.liveness_timeout,
+        liveness_grace_s=a.liveness_grace,
     )
 
 
@@ -602,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{n}×{r}" if r > 1 else n for n, r in cfg.services)
         where = sup.http_url if "gateway" in cfg.roles else sup.nats_url
         print(f"windserve: ready in {took:.1f} s at {where} ({names}); logs in {cfg.run_dir / 'logs'}", flush=True)
-        print("windserve: Ctrl-C to stop; a service that exits is restarted", flush=True)
+        print("windserve: Ctrl-C to stop; a service that exits or hangs is restarted", flush=True)
+        sup.start_liveness()
         run_until_stopped(sup, stop, where)
         return 0
     except RunError as exc:
@@ -619,7 +728,7 @@ def run_until_stopped(sup: Supervisor, stop: StopFlag, where: str) -> None:
     last_probe = 0.0
     while not stop.requested:
         now = time.monotonic()
-        for line in sup.supervise(now):
+        for line in [*sup.check_liveness(now), *sup.supervise(now)]:
             print(line, flush=True)
         if sup.restarted_since_ready and now - last_probe >= 0.5:
             last_probe = now

@@ -580,3 +580,48 @@ async def test_full_decode_makes_the_request_wait_for_room_then_bounded_503(tiny
         assert "within 0.6s" in chunks[-1].error
         pipe.decode_engine.core.pending.clear()
         await pipe.assert_no_kv_in_use()
+
+
+async def test_requests_waiting_for_decode_room_are_served_first_come_first_served(tiny):
+    """Room for one request at a time: two requests wait, room frees and a third arrives at that moment. They get
+    the decode worker in arrival order: only the oldest waiter retries, and a newcomer queues behind the waiters
+    instead of taking the room first (it used to: the waiters slept in their backoff)."""
+    async with Pipeline(tiny, ucx_config(), max_num_seqs=1) as pipe:
+        pipe.prefill.decode_wait_s = 30.0
+        served: list[str] = []
+        prepare = pipe.prefill.prepare
+
+        async def recording_prepare(decode_instance, msg):
+            reply = await prepare(decode_instance, msg)
+            served.append(msg.request_id)
+            return reply
+
+        async def reroute(request_id, num_tokens, refused):
+            return "d0"
+
+        pipe.prefill.prepare, pipe.prefill.reroute = recording_prepare, reroute
+        pipe.decode_engine.core.pending["squatter"] = object()  # type: ignore[assignment]  # occupies the slot
+
+        def submit(rid: str, seed: int) -> None:
+            pipe.prefill.submit(GenerateRequest(request_id=rid, token_ids=prompt(seed, 20), decode_instance="d0",
+                                                stream_subject=subjects.stream("t", rid),
+                                                sampling=WireSamplingParams(max_tokens=4, temperature=0.0)))
+
+        async def until_waiting(n: int) -> None:
+            async with asyncio.timeout(BOUND_S):
+                while pipe.prefill.waiting != n:
+                    await asyncio.sleep(0.01)
+
+        submit("a", 70)
+        await until_waiting(1)
+        submit("b", 71)
+        await until_waiting(2)
+        await asyncio.sleep(0.3)  # both in their backoff
+        pipe.decode_engine.core.pending.clear()  # room for one
+        submit("c", 72)
+        for rid in ("a", "b", "c"):
+            chunks = await pipe.stream.result(rid)
+            assert chunks[-1].finish_reason is WireFinishReason.LENGTH and len(tokens_of(chunks)) == 4
+        assert served == ["a", "b", "c"]
+        assert pipe.prefill.stats.waited == 3 and pipe.prefill.waiting == 0
+        await pipe.assert_no_kv_in_use()

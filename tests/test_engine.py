@@ -78,6 +78,37 @@ def test_engine_equals_full_recompute(tiny):
     assert_baseline(core)
 
 
+def test_short_lane_serves_a_late_short_prompt_early_with_fifo_outputs(tiny):
+    """Real model: three 60-token prompts prefill in 16-token steps, a 6-token prompt arrives after two steps. With
+    the short lane (one bucket of edges) its first token comes a few steps later, not after the long prompts;
+    every output equals the plain FIFO engine's (bucket_edges=()) and full recompute."""
+    model, cfg, _ = tiny
+    prompts = {f"long{i}": tokens(80 + i, 60) for i in range(3)}
+    short = tokens(90, 6)
+    runs = {}
+    for edges in ((10_000,), ()):
+        core = make_core(tiny, bucket_edges=edges, max_num_batched_tokens=16)
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, greedy(4)))
+        got: dict[str, list[int]] = {}
+        first = {}
+        for i in range(200):
+            if i == 2:
+                core.add_request(Request("short", short, greedy(4)))
+            if i > 2 and not core.has_work():
+                break
+            for out in core.step():
+                got.setdefault(out.req_id, []).extend(out.new_token_ids)
+                first.setdefault(out.req_id, i)
+        runs[edges] = got, first
+        assert_baseline(core)
+    (got, first), (got_fifo, first_fifo) = runs[(10_000,)], runs[()]
+    assert first["short"] - 2 <= 2 < first_fifo["short"] - 2  # 4 lane tokens a step; FIFO: after ~170 tokens
+    assert got == got_fifo
+    assert got["short"] == direct_greedy(model, cfg, short, 4)
+    assert got["long0"] == direct_greedy(model, cfg, prompts["long0"], 4)
+
+
 def conversations(n_conv: int = 6, n_turns: int = 3):
     """Multi-turn chats: two shared system prompts, and conversations 4, 5 branch off conversation 0."""
     systems = [tokens(1000 + s, 24) for s in range(2)]

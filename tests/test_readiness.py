@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from protos.messages import RegistryEntry, Role
+from protos.messages import RegistryEntry, Role, WorkerLoad
 from services.gateway.handlers import build_app
 from services.gateway.readiness import CachedListing, serving_path
 from tests.test_gateway import FakeBackend, make_api
@@ -40,6 +40,46 @@ def test_serving_path_ignores_stale_entries():
     stale = entry(Role.WORKER, "ghost", heartbeat_at=NOW - 60)
     assert not serving_path([stale], NOW).ready
     assert serving_path([stale, entry(Role.WORKER, "w")], NOW).ready
+
+
+def loaded(e: RegistryEntry, full_used: int, swa_used: int = 0) -> RegistryEntry:
+    return e.model_copy(update={"load": WorkerLoad(kv_full_used=full_used, kv_full_total=100, kv_swa_used=swa_used,
+                                                   kv_swa_total=20)})
+
+
+def test_room_needs_pages_left_on_a_complete_path():
+    w, w2 = loaded(entry(Role.WORKER, "w"), 100), loaded(entry(Role.WORKER, "w2"), 10, swa_used=20)
+    path = serving_path([w, w2], NOW)
+    assert path.ready and not path.room and path.saturated == ("w", "w2")
+    assert "no KV pages left on w, w2" in path.full_reason
+    assert serving_path([w, loaded(entry(Role.WORKER, "w3"), 99, 19)], NOW).room
+    assert serving_path([entry(Role.WORKER, "w4")], NOW).room  # no load report yet: assumed
+    router, prefill = entry(Role.ROUTER, "r"), loaded(entry(Role.PREFILL, "p"), 5)
+    full_decode = loaded(entry(Role.DECODE, "d", address="ucx://d"), 100)
+    path = serving_path([router, prefill, full_decode], NOW)
+    assert path.ready and not path.room and path.saturated == ("d",)
+    assert serving_path([router, prefill, full_decode, loaded(entry(Role.DECODE, "d2", "ucx://d2"), 3)], NOW).room
+    assert serving_path([w, router, prefill, loaded(entry(Role.DECODE, "d2", "ucx://d2"), 3)], NOW).room
+
+
+async def test_ready_with_capacity_is_503_no_room_while_every_worker_is_full():
+    entries = [loaded(entry(Role.WORKER, "w", heartbeat_at=time.time()), 100)]
+
+    async def listing():
+        return list(entries)
+
+    app = build_app(listing, "gw-r", make_api(FakeBackend()))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        assert (await c.get("/health/ready")).status_code == 200  # a path exists: ready (the default probe)
+        full = await c.get("/health/ready", params={"capacity": "true"})
+        assert full.status_code == 503 and full.headers["retry-after"] == "3"
+        assert full.json()["status"] == "no_room" and full.json()["saturated"] == ["w"]
+        assert "every serving path is full" in full.json()["error"]
+        assert (await c.get("/health")).json()["room"] is False
+        entries[0] = loaded(entries[0], 50)
+        await asyncio.sleep(0.6)  # the probe's cached read
+        ok = await c.get("/health/ready", params={"capacity": "true"})
+        assert ok.status_code == 200 and ok.json() == {"status": "ready", "gateway": "gw-r", "room": True}
 
 
 async def test_cached_listing_reads_the_registry_once_per_max_age_and_retries_failures():

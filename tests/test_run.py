@@ -144,6 +144,22 @@ def test_killed_child_is_restarted_and_the_deployment_serves_again(tmp_path, tar
         assert after - before == ({p.pid for p in _descendants_named(proc, target)} if name == "worker" else set())
 
 
+def test_hung_service_is_killed_and_restarted_and_the_deployment_serves_again(tmp_path):
+    """A SIGSTOPped worker (its process exists, its port accepts, nothing answers) fails its liveness probes: the
+    supervisor says so, kills it, restarts it, and the deployment serves again."""
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker",
+                    "--liveness-timeout", "3", "--liveness-grace", "30") as proc:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        [victim] = _descendants_named(proc, "services.worker")
+        victim.send_signal(signal.SIGSTOP)
+        said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
+        assert "worker (worker-" in said and "answered no health probe for 3 s: hung; killing it" in said
+        assert "worker exited with code -9 (killed by SIGKILL) (killed by the supervisor: unresponsive" in said
+        assert "worker restarted as worker-" in said and not victim.is_running()
+        assert len(_complete(http_port)["choices"]) == 1
+
+
 def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -205,6 +221,27 @@ def test_nats_cluster_of_three_loses_nothing_when_one_node_dies(tmp_path):
 
         assert _retry_until(deadline, both_listed) == {"gateway", "worker"}
         assert len(_retry_until(deadline, lambda: _complete(http_port))["choices"]) == 1
+
+
+def test_buckets_created_at_r1_are_raised_to_r3_on_a_cluster(tmp_path, monkeypatch):
+    """A registry bucket and payload store that already exist at R1 (created before the deployment was clustered)
+    are scaled to R3 when the supervisor (or a service) asks for 3 replicas; asking for 1 never scales them down."""
+    from scripts.run import _prepare_buckets
+
+    monkeypatch.delenv("WINDSERVE_NAMESPACE", raising=False)
+    sup = Supervisor(RunConfig(parse_services("worker"), nats_cluster=3, run_dir=tmp_path))
+    try:
+        sup.start_nats()
+        asyncio.run(_prepare_buckets(sup.nats_url, 1))
+        assert asyncio.run(_replicas_and_listing(sup.nats_url))[0] == {
+            "KV_windserve_registry_default": 1, "OBJ_windserve_payloads": 1}
+        asyncio.run(_prepare_buckets(sup.nats_url, 3))
+        want = {"KV_windserve_registry_default": 3, "OBJ_windserve_payloads": 3}
+        assert asyncio.run(_replicas_and_listing(sup.nats_url))[0] == want
+        asyncio.run(_prepare_buckets(sup.nats_url, 1))  # a service without WINDSERVE_NATS_REPLICAS
+        assert asyncio.run(_replicas_and_listing(sup.nats_url))[0] == want
+    finally:
+        sup.stop_all()
 
 
 def _retry_until(deadline: float, attempt):

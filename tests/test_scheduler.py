@@ -244,3 +244,54 @@ def test_long_prefill_max_tokens_caps_long_chunks_even_alone():
         plan, _ = step(s)
         sizes += [x.num_new for x in plan.seqs if x.req_id == "long"]
     assert max(sizes) <= 10 and sum(sizes) == 100
+
+
+def first_token_steps(s: Scheduler, arrivals: dict[int, list[Request]], max_steps=2000):
+    """Run to the end, adding arrivals[i] before step i; the step index of each request's first token and its
+    outputs."""
+    first, produced = {}, {}
+    for i in range(max_steps):
+        for r in arrivals.get(i, ()):
+            s.add_request(r)
+        if not s.has_work() and i > max(arrivals):
+            return first, produced
+        _, outs = step(s)
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.req_id, i)
+            produced.setdefault(o.req_id, []).extend(o.new_token_ids)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_short_prompt_behind_long_ones_in_its_bucket_gets_the_short_lane():
+    """Six 200-token prompts prefill (one bucket, 16-token steps); a 12-token prompt arriving later gets its first
+    token within 12 / (0.25 x 16) steps instead of queueing behind all of them, and every output equals the
+    plain FIFO run's."""
+    def reqs():
+        return {0: [Request(f"long{i}", prompt(20 + i, 200), SamplingParams(max_tokens=3)) for i in range(6)],
+                3: [Request("short", prompt(30, 12), SamplingParams(max_tokens=3))]}
+
+    lane = make(budget=16, edges=(10_000,))
+    fifo = make(budget=16, edges=())
+    first, got = first_token_steps(lane, reqs())
+    first_fifo, got_fifo = first_token_steps(fifo, reqs())
+    assert first["short"] - 3 <= 3  # 4 lane tokens a step: 3 steps
+    assert first_fifo["short"] - 3 > 60  # FIFO: behind 6 x 200 tokens
+    assert first["long0"] <= first_fifo["long0"] + 4  # the oldest is barely slowed
+    assert got == got_fifo == {r.req_id: reference_output(r.prompt_token_ids, 3) for rs in reqs().values() for r in rs}
+    assert_baseline(lane)
+
+
+def test_short_lane_never_starves_the_oldest_prefill():
+    """A new 4-token prompt every step (each would win a shortest-first order): the oldest 200-token prompt still
+    gets the rest of every step and its first token comes within 200 / (0.75 x 16) steps (+ slack)."""
+    s = make(budget=16, edges=(10_000,))
+    arrivals = {0: [Request("long", prompt(40, 200), SamplingParams(max_tokens=1)),
+                    Request("long2", prompt(41, 200), SamplingParams(max_tokens=1))]}
+    for i in range(40):
+        arrivals.setdefault(i, []).append(Request(f"s{i}", prompt(50 + i, 4), SamplingParams(max_tokens=1)))
+    first, got = first_token_steps(s, arrivals)
+    assert first["long"] <= 200 // 12 + 2
+    assert all(first[f"s{i}"] - i <= 1 for i in range(40))  # and the shorts pass in the lane
+    assert got["long"] == reference_output(prompt(40, 200), 1)
+    assert_baseline(s)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from scripts.run import check_model_dir, describe_exit, last_error, port_in_use, restart_delay
+from scripts.run import check_model_dir, describe_exit, last_error, port_in_use, restart_delay, unresponsive_s
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +54,13 @@ def test_port_in_use_is_detected_and_a_free_port_is_not():
         port = holder.getsockname()[1]
         assert port_in_use("127.0.0.1", port)
     assert port_in_use("127.0.0.1", port) is None
+
+
+def test_unresponsive_time_counts_from_the_last_answer_or_the_end_of_the_startup_grace():
+    # started at 100, grace 10
+    assert unresponsive_s(105, 100, None, 0.0, 10) == 0.0  # still starting
+    assert unresponsive_s(125, 100, None, 0.0, 10) == 15.0  # never answered: from the end of its grace
+    assert unresponsive_s(125, 100, 103.0, 0.0, 10) == 22.0  # answered once (it is up): from that answer
+    assert unresponsive_s(125, 100, 120.0, 0.0, 10) == 5.0
+    assert unresponsive_s(125, 100, None, None, 10) == 0.0  # the prober cannot reach NATS: nobody's fault
+    assert unresponsive_s(125, 100, 103.0, 122.0, 10) == 3.0  # NATS reachable again since 122

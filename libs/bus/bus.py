@@ -227,12 +227,24 @@ class Bus:
 
     # --- large payloads ---------------------------------------------------------------------
 
+    async def ensure_replicas(self, stream: str, replicas: int) -> None:
+        """Raise JetStream stream `stream` to `replicas` replicas if it has fewer (never lowers them). On a cluster
+        the servers copy its data to the new replicas; on a single server more than 1 is refused (an error)."""
+        info = await self._js.stream_info(stream)
+        if info.config.num_replicas is not None and info.config.num_replicas >= replicas:
+            return
+        info.config.num_replicas = replicas
+        await self._js.update_stream(info.config)
+        log.info("stream replicas raised", extra={"stream": stream, "replicas": replicas})
+
     async def _payload_store(self) -> ObjectStore:
         async with self._store_lock:
             if self._store is None:
                 bucket = self.config.payload_bucket
                 try:
                     self._store = await self._js.object_store(bucket)
+                    if self.config.payload_replicas > 1:
+                        await self.ensure_replicas(f"OBJ_{bucket}", self.config.payload_replicas)
                 except nats.js.errors.BucketNotFoundError:
                     self._store = await self._js.create_object_store(
                         bucket, config=ObjectStoreConfig(ttl=self.config.payload_ttl_s,

@@ -85,12 +85,20 @@ class Registry:
     @classmethod
     async def open(cls, bus: Bus, bucket: str = subjects.registry_bucket(subjects.DEFAULT_NAMESPACE),
                    replicas: int = 1) -> Registry:
-        """Create the bucket if missing (idempotent), with per-message TTL and leave markers."""
+        """Create the bucket if missing (idempotent), with per-message TTL and leave markers. A bucket that exists
+        with fewer than `replicas` replicas (created earlier at R1, e.g. before the deployment was clustered) is
+        scaled up to `replicas`; one with more is left as it is (a service without WINDSERVE_NATS_REPLICAS asks
+        for 1 and must not scale a cluster's bucket down)."""
         config = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, limit_marker_ttl=_MARKER_TTL_S)
         try:
             kv = await bus.js.create_key_value(config)
         except nats.js.errors.BadRequestError:
-            kv = await bus.js.key_value(bucket)  # exists with another config: use it as is
+            kv = await bus.js.key_value(bucket)  # exists with another config: use it (replicas raised below)
+            try:
+                await bus.ensure_replicas(f"KV_{bucket}", replicas)
+            except nats.js.errors.Error as exc:  # (e.g. fewer servers than replicas): serve with it as it is
+                log.warning("registry bucket replicas not raised", extra={"bucket": bucket, "replicas": replicas,
+                                                                          "error": repr(exc)})
         return cls(bus, kv, bucket)
 
     async def put(self, entry: RegistryEntry, ttl_s: int) -> None:

@@ -56,6 +56,9 @@ class EngineConfig:
     long_step_cost: float = 2.0
     """Most predicted cost of a step carrying longer-bucket prefill but no shorter request's first token, in fixed
     step costs (see SchedulerConfig.long_step_cost)."""
+    short_lane_share: float = 0.25
+    """Inside a length bucket, the share of a contended step's prefill tokens that goes to prompts shorter than the
+    oldest one, fewest tokens left first (see SchedulerConfig.short_lane_share; 0 = plain FIFO in a bucket)."""
     admission_decode_tokens: int | None = None
     """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
     preemption by recompute when the pools fill up)."""

@@ -3,9 +3,11 @@
 One engine step is schedule -> execute -> update:
 
   schedule()  decode tokens first (one per running decode sequence), then prefill chunks under
-              the remaining token budget, shortest length bucket first; admission of waiting
-              requests goes through the KV cache (match -> admit -> reserve), and a failed
-              reserve preempts the newest running sequence (recompute), never drops one.
+              the remaining token budget, shortest length bucket first; inside a bucket oldest
+              first, with a share of the tokens for prefills shorter than the oldest (the short
+              lane); admission of waiting requests goes through the KV cache (match -> admit ->
+              reserve), and a failed reserve preempts the newest running sequence (recompute),
+              never drops one.
   execute     (the runner, torch) copies pages between tiers, runs the model, samples.
   update()    commits the written KV to the cache, appends sampled tokens, checks stops,
               finishes sequences (insert into the prefix cache) and emits RequestOutputs.
@@ -80,6 +82,14 @@ class SchedulerConfig:
     (a long-only step, or decodes plus a long chunk), in fixed step costs. Larger = long prompts move faster;
     the cost: decodes in those steps get slower (time per output token up to this factor) and, without
     interruptible_steps, a short arrival waits for the whole step."""
+    short_lane_share: float = 0.25
+    """Inside one length bucket, when its prefill work (running chunks and waiting prompts) exceeds the step's
+    remaining tokens, at most this share of them goes to the prefills with the fewest tokens left that are
+    shorter than the oldest one (the short lane); the oldest gets the rest first. A short prompt that arrives
+    behind long ones in the same bucket is not queued behind all of them: its first token comes within about
+    len / (share x budget) steps. The oldest prefill always gets at least (1 - share) of what is left, so
+    long prompts are never starved (their prefill is at most 1 / (1 - share) slower while shorter ones pass).
+    0 = plain FIFO inside a bucket; with bucket_edges=() (plain FCFS) the lane is off too."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -97,6 +107,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 < self.long_prefill_share <= 1.0:
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
+        if not 0.0 <= self.short_lane_share < 1.0:
+            raise ValueError(f"short_lane_share must be in [0, 1), got {self.short_lane_share}")
         if not 0.0 <= self.l2_backup_watermark <= 1.0:
             raise ValueError(f"l2_backup_watermark must be in [0, 1], got {self.l2_backup_watermark}")
         if self.long_step_cost < 1.0:
@@ -145,6 +157,8 @@ class Seq:
     # below it is the prefix cache's: the drafter never writes there)
     drafts: list[int] = field(default_factory=list)
     computed_from: int = 0
+    # tokens left to compute as last classified (prompt minus the prefix hit then): the short lane's key while waiting
+    uncached: int = 0
     # xxhash chain of token_ids' full pages, computed once per length and handed to every match/admit
     _hashes: list[int] = field(default_factory=list)
     _hashed_len: int = -1
@@ -218,6 +232,7 @@ class _StepState:
     long_budget_s: float | None = None  # predicted seconds this bucket's prefill chunks may still add
     long_seqs: int = 0  # scheduled sequences that are longer-bucket prefill chunks
     prefill_seqs: int = 0  # scheduled chunks of more than one token (step cost model input)
+    admit_blocked: bool = False  # this bucket's oldest waiting request was not admitted (FIFO admission stops)
 
 
 class Scheduler:
@@ -248,6 +263,9 @@ class Scheduler:
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
         self.cost = StepCostModel()
         self._long_starved = 0  # steps in a row in which pending long prefill got no token
+        # buckets whose oldest waiting request found no KV room at its latest try: until it is admitted the short
+        # lane admits nobody there (shorter requests must not keep taking the pages it waits for)
+        self._head_blocked: set[int] = set()
 
     # ----------------------------------------------------------------- requests
     def add_request(self, req: Request) -> None:
@@ -340,24 +358,98 @@ class Scheduler:
             st.long_cap = self.config.long_prefill_cap(st.num_tokens) if shorter_waiting else None
             st.long_tokens = 0
             st.long_budget_s = self._long_budget(bucket, shorter_waiting, st)
-            for seq in prefilling[bucket]:
-                if st.budget == 0:
-                    return
-                if seq.req_id in st.scheduled_ids or seq.status is not SeqStatus.RUNNING:
-                    continue
-                chunk = self._chunk_size(seq.num_to_compute, bucket, shorter_waiting, st, seq.num_computed)
-                if chunk <= 0:
-                    continue
-                if self._reserve(seq, chunk, st):
-                    self._add_scheduled(seq, chunk, st, long=bucket > 0)
-                elif not st.scheduled and self.running == [seq]:
-                    self._fail_capacity(seq)
-            if st.preempted:
-                continue  # memory is short: do not admit new work in a step that preempted
-            queue = self.waiting[bucket]
-            while queue and len(self.running) < self.config.max_num_seqs and st.budget > 0:
-                if not self._admit(queue[0], bucket, shorter_waiting, st):
-                    break
+            st.admit_blocked = False
+            lane = self._short_lane(prefilling[bucket], bucket, st)
+            if lane is not None:
+                self._serve_lane(*lane, bucket, shorter_waiting, st)
+            if not self._serve_fifo(prefilling[bucket], bucket, shorter_waiting, st):
+                return
+
+    def _serve_fifo(self, prefilling: list[Seq], bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
+        """The bucket's prefills oldest first: running chunks, then admissions in arrival order until one fails.
+        False = the step's budget is spent (no later bucket gets anything)."""
+        for seq in prefilling:
+            if st.budget == 0:
+                return False
+            self._serve_running(seq, bucket, shorter_waiting, st)
+        if st.preempted or st.admit_blocked:
+            return True  # memory is short: do not admit new work in a step that preempted
+        queue = self.waiting[bucket]
+        while queue and st.budget > 0:
+            if not self._serve_waiting(queue[0], bucket, shorter_waiting, st):
+                break
+        return True
+
+    def _serve_running(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> None:
+        """Schedule the next chunk of a running prefill (not if it is already in this step)."""
+        if st.budget == 0 or seq.req_id in st.scheduled_ids or seq.status is not SeqStatus.RUNNING:
+            return
+        chunk = self._chunk_size(seq.num_to_compute, bucket, shorter_waiting, st, seq.num_computed)
+        if chunk <= 0:
+            return
+        if self._reserve(seq, chunk, st):
+            self._add_scheduled(seq, chunk, st, long=bucket > 0)
+        elif not st.scheduled and self.running == [seq]:
+            self._fail_capacity(seq)
+
+    def _serve_waiting(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
+        """Admit a waiting request with its first chunk; False = not admitted (admission stops)."""
+        if st.preempted or len(self.running) >= self.config.max_num_seqs or st.budget == 0:
+            return False
+        return self._admit(seq, bucket, shorter_waiting, st)
+
+    def _short_lane(self, prefilling: list[Seq], bucket: int,
+                    st: _StepState) -> tuple[Seq, list[Seq], int] | None:
+        """(oldest, lane, tokens): the bucket's oldest prefill, the shorter ones that get `tokens` of the step
+        before the oldest's followers, fewest tokens left first; None = plain FIFO this step (no lane, nothing
+        shorter than the oldest, or the step's remaining budget holds all of the bucket's prefill work)."""
+        share = self.config.short_lane_share
+        if share == 0.0 or self.buckets.num_buckets == 1:
+            return None
+        work = [s for s in prefilling if s.status is SeqStatus.RUNNING and s.req_id not in st.scheduled_ids]
+        work += self.waiting[bucket]
+        if len(work) < 2 or (bucket in self._head_blocked and work[0].status is SeqStatus.WAITING):
+            return None
+        left = {s.req_id: self._tokens_left(s) for s in work}
+        if sum(left.values()) <= st.budget:
+            return None  # no contention: FIFO serves everything
+        oldest = work[0]
+        admit = bucket not in self._head_blocked
+        lane = sorted((s for s in work[1:] if left[s.req_id] < left[oldest.req_id]
+                       and (admit or s.status is SeqStatus.RUNNING)), key=lambda s: left[s.req_id])
+        tokens = min(int(share * st.budget), sum(left[s.req_id] for s in lane))
+        return (oldest, lane, tokens) if lane and tokens > 0 else None
+
+    @staticmethod
+    def _tokens_left(seq: Seq) -> int:
+        return seq.num_to_compute if seq.status is SeqStatus.RUNNING else seq.uncached
+
+    def _serve_lane(self, oldest: Seq, lane: list[Seq], tokens: int, bucket: int, shorter_waiting: bool,
+                    st: _StepState) -> None:
+        """The oldest prefill first, with all but the lane's tokens; then the lane within its tokens. The FIFO
+        pass after it hands out what is left (the lane's tokens included, if its requests needed fewer)."""
+        st.budget -= tokens
+        self._serve_one(oldest, bucket, shorter_waiting, st)
+        rest = st.budget
+        st.budget = tokens
+        for seq in lane:
+            if st.budget == 0:
+                break
+            if not self._serve_one(seq, bucket, shorter_waiting, st) or st.admit_blocked:
+                break
+        st.budget += rest
+
+    def _serve_one(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
+        """A running prefill's chunk or a waiting request's admission; False = a waiting request not admitted (and
+        then, if it was the bucket's oldest waiting one, no other is admitted this step: FIFO admission)."""
+        if seq.status is SeqStatus.RUNNING:
+            self._serve_running(seq, bucket, shorter_waiting, st)
+            return True
+        if self._serve_waiting(seq, bucket, shorter_waiting, st):
+            return True
+        if self.waiting[bucket] and self.waiting[bucket][0] is seq:
+            st.admit_blocked = True
+        return False
 
     def _long_pending(self) -> bool:
         """Is a longer-bucket request waiting or still prefilling?"""
@@ -426,9 +518,14 @@ class Scheduler:
         if self.config.admission_decode_tokens is not None:
             growth = min(growth, self.config.admission_decode_tokens)
         result = self.cache.admit(seq.req_id, seq.token_ids, hit, growth, block_hashes=hashes)
+        head = self.waiting[bucket][0] is seq
         if not result.ok:
+            if head:
+                self._head_blocked.add(bucket)
             return False
-        self.waiting[bucket].popleft()
+        if head:
+            self._head_blocked.discard(bucket)
+        self.waiting[bucket].remove(seq)  # (the head, except for the short lane's admissions)
         seq.status = SeqStatus.RUNNING
         seq.bucket = actual_bucket
         seq.num_computed = seq.computed_from = hit.tokens
@@ -546,7 +643,8 @@ class Scheduler:
         seq.loaded_host += hit.host_tokens
         seq.loaded_l3 += hit.l3_tokens
         self.cache.release_hit(hit)
-        return self.buckets.classify(len(seq.token_ids) - hit.tokens)
+        seq.uncached = len(seq.token_ids) - hit.tokens
+        return self.buckets.classify(seq.uncached)
 
     def observe_step(self, plan: BatchPlan, seconds: float) -> None:
         """Feed the measured execute time of a plan to the step cost model (see adaptive_long_cap)."""

@@ -401,17 +401,19 @@ _STRS = {"type": "array", "items": _STR}
 _HEALTH_BODY = {"status": {"type": "string", "enum": ["ok", "not_ready"]}, "gateway": _STR,
                 "services": {"type": "object", "additionalProperties": _STRS},
                 "instances": {"type": "array", "items": {"type": "object"}}, "ready": {"type": "boolean"},
-                "missing": _STRS, "model": _STR, "queue": {"type": "object"}}
+                "missing": _STRS, "room": {"type": "boolean"}, "model": _STR, "queue": {"type": "object"}}
 _HEALTH_DOC: dict[str, dict[str, Any]] = {
     "live": _json_doc("the gateway process is up (liveness: says nothing about serving)",
                       {"status": {"type": "string", "enum": ["live"]}, "gateway": _STR}),
     "ready": _json_doc("a complete serving path is registered and fresh: a combined worker, or a router, a "
                        "prefill worker and a decode worker with a KV transfer address",
-                       {"status": {"type": "string", "enum": ["ready"]}, "gateway": _STR}),
-    "not_ready": _json_doc("no complete serving path (`missing` names what the disaggregated one lacks), or the "
-                           "registry is unreachable (`status: unavailable`)",
-                           {"status": {"type": "string", "enum": ["not_ready", "unavailable"]}, "gateway": _STR,
-                            "missing": _STRS, "error": _STR}, retry_after=True),
+                       {"status": {"type": "string", "enum": ["ready"]}, "gateway": _STR,
+                        "room": {"type": "boolean"}}),
+    "not_ready": _json_doc("no complete serving path (`missing` names what the disaggregated one lacks), the "
+                           "registry is unreachable (`status: unavailable`), or, asked with `capacity=true`, every "
+                           "path's workers have no KV pages left (`status: no_room`, `saturated` names them)",
+                           {"status": {"type": "string", "enum": ["not_ready", "unavailable", "no_room"]},
+                            "gateway": _STR, "missing": _STRS, "saturated": _STRS, "error": _STR}, retry_after=True),
     "health": _json_doc("ready: the registry view grouped by role, each instance's entry, the queue", _HEALTH_BODY),
     "health_503": _json_doc("not ready (the same body, `status: not_ready`), or the registry is unreachable "
                             "(`status: unavailable`, `error`)",
@@ -445,14 +447,19 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
         return JSONResponse({"status": "live", "gateway": instance_id})
 
     @app.get("/health/ready", responses={200: _HEALTH_DOC["ready"], 503: _HEALTH_DOC["not_ready"], **_errors()})
-    async def ready() -> Response:
+    async def ready(capacity: bool = False) -> Response:
+        """`capacity=true`: also 503 while every complete path's workers report no KV pages left (a load
+        balancer may then prefer another deployment; without it readiness says only that a path exists)."""
         try:
             entries = await probe()
         except Exception as exc:  # registry unreachable: not ready, and say why
             return _unavailable(exc, retry_after)
         path = serving_path(entries, time.time())
+        if path.ready and capacity and not path.room:
+            return JSONResponse({"status": "no_room", "gateway": instance_id, "saturated": list(path.saturated),
+                                 "error": path.full_reason}, status_code=503, headers={"Retry-After": retry_after})
         if path.ready:
-            return JSONResponse({"status": "ready", "gateway": instance_id})
+            return JSONResponse({"status": "ready", "gateway": instance_id, **({"room": True} if capacity else {})})
         return JSONResponse({"status": "not_ready", "gateway": instance_id, "missing": list(path.missing),
                              "error": path.reason}, status_code=503, headers={"Retry-After": retry_after})
 
@@ -470,6 +477,7 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
             "instances": [e.model_dump(mode="json", exclude={"schema_version"}) for e in entries],
             "ready": path.ready,
             "missing": list(path.missing),
+            "room": path.ready and path.room,
         }
         if api is not None:
             body["model"] = api.model_name

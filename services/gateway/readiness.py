@@ -2,7 +2,9 @@
 
 A path is complete with one fresh combined worker (the gateway reaches it even without a router), or
 with a fresh router, prefill worker and decode worker that has a KV transfer address (the gateway
-reaches prefill and decode only through the router's pick). `serving_path` is pure; `CachedListing`
+reaches prefill and decode only through the router's pick). The path has *room* while such a path's workers
+have KV pages left in both pools by their last load report (`/health/ready?capacity=1` answers 503 without
+room). `serving_path` is pure; `CachedListing`
 keeps probes (compose healthchecks, Kubernetes, load balancers polling every second) from each
 costing a registry scan.
 """
@@ -23,6 +25,16 @@ ListEntries = Callable[[], Awaitable[list[RegistryEntry]]]
 class Readiness:
     ready: bool
     missing: tuple[str, ...] = ()  # what the disaggregated path lacks (when there is no combined worker)
+    room: bool = True  # a complete path whose workers have KV pages left (their last load reports)
+    saturated: tuple[str, ...] = ()  # instances of the path with no pages left (when there is no room)
+
+    @property
+    def full_reason(self) -> str:
+        """One sentence saying that every path is full (empty while there is room)."""
+        if self.room:
+            return ""
+        return (f"every serving path is full: no KV pages left on {', '.join(self.saturated)} (requests wait for "
+                "room, bounded, then get 503)")
 
     @property
     def reason(self) -> str:
@@ -37,16 +49,36 @@ def serving_path(entries: Iterable[RegistryEntry], now: float) -> Readiness:
     """Pure: whether the fresh entries at unix time `now` form a complete serving path."""
     fresh = [e for e in entries if e.fresh(now)]
     roles = {e.role for e in fresh}
-    if Role.WORKER in roles:
-        return Readiness(True)
+    workers = [e for e in fresh if e.role == Role.WORKER]
+    prefills = [e for e in fresh if e.role == Role.PREFILL]
+    decodes = [e for e in fresh if e.role == Role.DECODE and e.address]
+    disagg_room = any(map(has_room, prefills)) and any(map(has_room, decodes))
+    if workers:
+        room = any(map(has_room, workers)) or (Role.ROUTER in roles and disagg_room)
+        return Readiness(True, room=room, saturated=() if room else _full(workers + prefills + decodes))
     missing = []
     if Role.ROUTER not in roles:
         missing.append("a router")
-    if Role.PREFILL not in roles:
+    if not prefills:
         missing.append("a prefill worker")
-    if not any(e.role == Role.DECODE and e.address for e in fresh):
+    if not decodes:
         missing.append("a decode worker with a KV transfer address")
-    return Readiness(not missing, tuple(missing))
+    if missing:
+        return Readiness(False, tuple(missing))
+    return Readiness(True, room=disagg_room, saturated=() if disagg_room else _full(prefills + decodes))
+
+
+def has_room(entry: RegistryEntry) -> bool:
+    """Pure: KV pages left in both pools by the instance's last load report (no report: assumed)."""
+    load = entry.load
+    if load is None:
+        return True
+    return all(total == 0 or used < total
+               for used, total in ((load.kv_full_used, load.kv_full_total), (load.kv_swa_used, load.kv_swa_total)))
+
+
+def _full(entries: list[RegistryEntry]) -> tuple[str, ...]:
+    return tuple(e.instance_id for e in entries if not has_room(e))
 
 
 class CachedListing:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -136,7 +137,8 @@ class PrefillWorker:
         self.decode_attempts = decode_attempts
         self.decode_wait_s = decode_wait_s
         self.decode_wait_queue = decode_wait_queue
-        self.waiting = 0  # requests waiting for decode room now
+        # one future per request waiting for decode room, oldest first; the oldest's is set: its turn to retry
+        self._room_queue: deque[asyncio.Future[None]] = deque()
         self.fetcher = fetcher  # multimodal models: image embeddings, fetched before the decode reservation
         cfg = engine.core.config
         if segment_pages is None:
@@ -201,30 +203,66 @@ class PrefillWorker:
     async def _reserve_decode(self, req: GenerateRequest) -> tuple[str, KVPrepareReply]:
         """`_prepare_decode`, and when every decode worker tried is full: wait (bounded, before any compute) and
         try again on the router's current pick, up to decode_wait_s, with at most decode_wait_queue requests
-        waiting at once; then DecodesFull (the client's 503 + Retry-After)."""
-        try:
-            return await self._prepare_decode(req, req.decode_instance)
-        except DecodesFull as exc:
-            if self.decode_wait_s <= 0:
-                raise
-            if self.waiting >= self.decode_wait_queue:
-                raise DecodesFull(f"{exc}; {self.waiting} requests already wait for decode room (the limit)") from exc
-            last = exc
-        self.waiting += 1
+        waiting at once; then DecodesFull (the client's 503 + Retry-After).
+
+        Waiters are served first come, first served: only the oldest one retries, the next one tries as soon as
+        it is served or gives up, and a request that arrives while others wait queues behind them instead of
+        trying first (room that frees goes to the request that has waited longest)."""
+        last: DecodesFull | None = None
+        if not self._room_queue:
+            try:
+                return await self._prepare_decode(req, req.decode_instance)
+            except DecodesFull as exc:
+                if self.decode_wait_s <= 0:
+                    raise
+                last = exc
+        if len(self._room_queue) >= self.decode_wait_queue:
+            why = last or "every decode worker was full"
+            raise DecodesFull(f"{why}; {len(self._room_queue)} requests already wait for decode room (the limit)")
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_queue.append(turn)
+        self._pass_turn()
         self.stats.waited += 1
         deadline = time.monotonic() + self.decode_wait_s
-        delay = 0.05
         try:
-            while (remaining := deadline - time.monotonic()) > 0:
+            return await self._wait_for_room(req, turn, deadline, last)
+        finally:
+            self._room_queue.remove(turn)
+            self._pass_turn()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for decode room now."""
+        return len(self._room_queue)
+
+    def _pass_turn(self) -> None:
+        """Wake the oldest waiter (it may retry now)."""
+        if self._room_queue and not self._room_queue[0].done():
+            self._room_queue[0].set_result(None)
+
+    async def _wait_for_room(self, req: GenerateRequest, turn: asyncio.Future[None], deadline: float,
+                             last: DecodesFull | None) -> tuple[str, KVPrepareReply]:
+        """Wait for this request's turn, then retry with backoff until a decode worker takes it or the deadline."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await turn
+        except TimeoutError:
+            raise DecodesFull(f"no decode worker had room within {self.decode_wait_s}s: it waited in line behind "
+                              f"older requests ({last or 'every decode worker was full'})") from None
+        delay = 0.05
+        # a request that came in behind others tries as soon as its turn comes (the one before it just got room or
+        # gave up); one that has just been refused waits first
+        pause = last is not None
+        while (remaining := deadline - time.monotonic()) > 0:
+            if pause:
                 # between attempts, never around one: a kv_prepare cut short could leave pages reserved
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(2 * delay, 0.5)
-                try:
-                    return await self._prepare_decode(req, await self._current_decode(req))
-                except DecodesFull as exc:
-                    last = exc
-        finally:
-            self.waiting -= 1
+            pause = True
+            try:
+                return await self._prepare_decode(req, await self._current_decode(req))
+            except DecodesFull as exc:
+                last = exc
         raise DecodesFull(f"no decode worker had room within {self.decode_wait_s}s: {last}")
 
     async def _current_decode(self, req: GenerateRequest) -> str:
