@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from libs.kvcache.pool import PagePool
 from libs.kvcache.types import ArenaStats, PoolStats
 
@@ -209,21 +211,76 @@ class PageLedger:
         check_pool_ids(self._swa, tree.swa + seqs.swa + seqs.lazy_swa)
 
 
+class UnitPagePool(PagePool):
+    """A group's page-id pool on the arena: handing out a page id also takes that page's `per_page` units from
+    the arena's one shared free-unit list and records them (`table[page] = its unit ids`, in chunk order);
+    freeing a page returns them. So the physical layout follows the ledger: units in use == what it counts."""
+
+    __slots__ = ("units", "table", "per_page")
+
+    def __init__(self, name: str, capacity: int, per_page: int, units: array) -> None:
+        super().__init__(name, capacity)
+        self.units = units  # shared with the other group's pool: the arena's free units (int64)
+        self.per_page = per_page
+        self.table = np.full((capacity, per_page), -1, dtype=np.int64)
+
+    def alloc(self, n: int) -> array:
+        pages = super().alloc(n)
+        if n > 0:
+            k = n * self.per_page
+            units = self.units
+            if k > len(units):
+                super().free(pages)
+                raise MemoryError(f"{self.name} pool: need {k} units, {len(units)} free")
+            got = np.frombuffer(units[-k:], dtype=np.int64)[::-1]  # a copy (array slice), lowest-first order
+            del units[-k:]
+            self.table[np.frombuffer(pages, dtype=np.int64)] = got.reshape(n, self.per_page)
+        return pages
+
+    def alloc_one(self) -> int:
+        return int(self.alloc(1)[0])
+
+    def free(self, pages: Iterable[int]) -> None:
+        if isinstance(pages, array):
+            ids = np.frombuffer(pages, dtype=np.int64) if pages.typecode == "q" else np.array(pages, np.int64)
+        else:
+            ids = np.fromiter(pages, dtype=np.int64)
+        if len(ids):
+            self.units.frombytes(self.table[ids].tobytes())
+            self.table[ids] = -1
+            self._free.frombytes(ids.tobytes())
+
+    def free_one(self, page: int) -> None:
+        self.free((page,))
+
+
 class ArenaLedger(PageLedger):
     """Both groups on one arena of `units`: a full page takes `fu` units, an SWA page `su`, and any free unit
     serves either group. The page ids stay per group (id pools as large as the arena could hold of that
     group, so ids never run out before units do); free units are derived from the pages handed out, so the
     transitions are the static ledger's and only the reads below differ.
 
+    Physically each page id maps to the units it holds (`unit_table`): the engine's KV buffer is indexed by
+    unit, so any free unit serves either group without fragmentation (docs/kvcache.md, "One arena").
+
     Units free + cached + in use == arena; promises (`reserved`) are held in units too, so a promise of SWA
     pages can be kept with bytes that full KV had cached, and the other way round."""
 
-    __slots__ = ("_units", "_fu", "_su")
+    __slots__ = ("_units", "_fu", "_su", "_free_units")
 
     def __init__(self, units: int, fu: int, su: int) -> None:
-        super().__init__(units // fu, units // su)
+        super().__init__(0, 0)
+        self._free_units = array("q", range(units - 1, -1, -1))  # ascending hand-out order, like PagePool
+        self._full = UnitPagePool("full", units // fu, fu, self._free_units)
+        self._swa = UnitPagePool("swa", units // su, su, self._free_units)
         self._units, self._fu, self._su = units, fu, su
 
+    def unit_table(self, group: str) -> np.ndarray:
+        """int64 [page ids of `group`, units per page]: the units page p holds (-1: p is free). Live rows only
+        change when the page is handed out again; the engine translates page tables through it."""
+        pool = self._full if group == "full" else self._swa
+        assert isinstance(pool, UnitPagePool)
+        return pool.table
     def free_units(self) -> int:
         f, s = self._full, self._swa
         return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)
@@ -296,6 +353,30 @@ class ArenaLedger(PageLedger):
         if st.free + st.full_cached + st.swa_cached < st.reserved:
             raise AssertionError(f"arena: promised {st.reserved} units but only "
                                  f"{st.free + st.full_cached + st.swa_cached} free or evictable")
+
+    def check_invariants(self, tree: Held, seqs: Held) -> None:
+        super().check_invariants(tree, seqs)
+        self.check_unit_map()
+
+    def check_unit_map(self) -> None:
+        """Every live page holds its units, free pages none; no unit is held by two pages or both held and
+        free; units held == what the ledger counts (arena - free units)."""
+        held = []
+        for pool in (self._full, self._swa):
+            assert isinstance(pool, UnitPagePool)
+            live = np.ones(pool.capacity, dtype=bool)
+            live[pool.free_ids()] = False
+            rows = pool.table[live]
+            if (rows < 0).any() or (pool.table[~live] != -1).any():
+                raise AssertionError(f"arena: {pool.name} unit table out of step with its free page ids")
+            held.append(rows.ravel())
+        held_units = np.concatenate(held)
+        every = np.concatenate([held_units, np.frombuffer(self._free_units, dtype=np.int64)])
+        if len(held_units) != self._units - self.free_units() or not np.array_equal(
+                np.sort(every), np.arange(self._units)):
+            raise AssertionError(f"arena: units held {len(held_units)} + free {len(self._free_units)} are not "
+                                 f"exactly 0..{self._units - 1} once each (ledger counts "
+                                 f"{self._units - self.free_units()} in use)")
 
 
 def check_pool_stats(name: str, st: PoolStats) -> None:
