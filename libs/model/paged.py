@@ -70,11 +70,14 @@ class KVArena:
                                  f"{self.units_per_page(g)}")
             self.tables[g] = torch.from_numpy(t)  # shares the ledger's memory
 
-    def rows(self, group: str, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Physical rows of page ids `ids` (CPU int64, any shape; -1 stays -1) for every table row of
-        `group`: [chunks x r_g, *ids.shape]."""
+        `group`: [chunks x r_g, *ids.shape]. `units` ([*ids.shape, chunks]): the pages' units as recorded
+        earlier (a copy made before the page was freed), instead of the table's."""
         r = self.sub[group]
-        units = self.tables[group][ids.clamp(min=0)].movedim(-1, 0)  # [chunks, *ids.shape]
+        if units is None:
+            units = self.tables[group][ids.clamp(min=0)]
+        units = units.movedim(-1, 0)  # [chunks, *ids.shape]
         rows = units.unsqueeze(1) * r + torch.arange(r).view(1, r, *([1] * ids.dim()))
         return rows.flatten(0, 1).masked_fill_(ids.unsqueeze(0) < 0, -1)
 
@@ -165,13 +168,14 @@ class KVPools:
         return (kk.view(-1, self.page_size, heads, kk.shape[-1]), vv.view(-1, self.page_size, heads, vv.shape[-1]),
                 row)
 
-    def page_rows(self, group: str, index: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself)."""
+    def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
+        `units`: see `KVArena.rows`."""
         a = self.arena
         if a is None:
             return ids
         _, _, row = a.where(group, index + (self.swa_offset if group == "swa" else 0))
-        return a.rows(group, ids.cpu())[row].to(ids.device)
+        return a.rows(group, ids.cpu(), units)[row].to(ids.device)
 
     def gather_pages(self, group: str, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on
@@ -211,7 +215,9 @@ class KVPools:
         a = self.arena
         if a is None:
             return None, None
-        return a.rows("full", full).to(device), a.rows("swa", swa).to(device)
+        # (a view without full layers, the MTP blocks', passes SWA ids in both tables)
+        fr = a.rows("full", full).to(device) if self.num_layers("full") else None
+        return fr, a.rows("swa", swa).to(device)
 
     @classmethod
     def allocate_mtp(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
