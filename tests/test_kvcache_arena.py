@@ -137,15 +137,16 @@ def test_pages_hold_their_units_and_the_audit_catches_a_unit_held_twice() -> Non
     from libs.kvcache.ledger import ArenaLedger, Held
     led = ArenaLedger(12, 1, 3)
     f, s = led.grant(2, 2)
-    ft, st_ = led.unit_table("full"), led.unit_table("swa")
-    held = set(ft[list(f)].ravel()) | set(st_[list(s)].ravel())
+    held = {u for p in f for u in led.page_units("full", p)} | {u for p in s for u in led.page_units("swa", p)}
     assert len(held) == 8 == 12 - led.free_units()
     led.free_private(list(f[:1]), [])
-    f2, s2 = led.grant(0, 1)  # 5 units free (1 returned by the full page): an SWA page takes 3 of them
-    assert led.free_units() == 2 and set(st_[list(s2)].ravel()).isdisjoint(set(st_[list(s)].ravel()))
+    _, s2 = led.grant(0, 1)  # 5 units free (1 returned by the full page): an SWA page takes 3 of them
+    assert led.free_units() == 2 and set(led.page_units("swa", s2[0])).isdisjoint(
+        {u for p in s for u in led.page_units("swa", p)})
     seqs = Held(full=list(f[1:]), swa=list(s) + list(s2))
     led.check_invariants(Held(), seqs)
-    st_[s2[0], 0] = st_[s[0], 0]  # one unit now in two pages
+    table, per_page = led.unit_table("swa")
+    table[s2[0] * per_page] = table[s[0] * per_page]  # one unit now in two pages
     with pytest.raises(AssertionError, match="once each"):
         led.check_invariants(Held(), seqs)
 

@@ -170,9 +170,9 @@ class KVCache:
 
     def _with_units(self, copies: Iterable[PageCopy], side: str) -> list[PageCopy]:
         """The copies with the units their device page (`side`) holds now (one arena; see `PageCopy.units`)."""
-        assert self.arena is not None
-        tables = {g: self.arena.unit_table(g) for g in ("full", "swa")}
-        return [dataclasses.replace(c, units=tuple(tables[c.group][getattr(c, side)].tolist())) for c in copies]
+        arena = self.arena
+        assert arena is not None
+        return [dataclasses.replace(c, units=arena.page_units(c.group, getattr(c, side))) for c in copies]
 
     def drain_events(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""

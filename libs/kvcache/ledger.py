@@ -32,8 +32,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from libs.kvcache.pool import PagePool
 from libs.kvcache.types import ArenaStats, PoolStats
 
@@ -213,45 +211,51 @@ class PageLedger:
 
 class UnitPagePool(PagePool):
     """A group's page-id pool on the arena: handing out a page id also takes that page's `per_page` units from
-    the arena's one shared free-unit list and records them (`table[page] = its unit ids`, in chunk order);
-    freeing a page returns them. So the physical layout follows the ledger: units in use == what it counts."""
+    the arena's one shared free-unit list and records them (`table[page * per_page + c]` = its c-th unit, in
+    chunk order; -1 while the page is free); freeing a page returns them. So the physical layout follows the
+    ledger: units in use == what it counts. (Flat int64 arrays: the engine views the table without a copy.)"""
 
     __slots__ = ("units", "table", "per_page")
 
     def __init__(self, name: str, capacity: int, per_page: int, units: array) -> None:
         super().__init__(name, capacity)
-        self.units = units  # shared with the other group's pool: the arena's free units (int64)
+        self.units = units  # shared with the other group's pool: the arena's free units
         self.per_page = per_page
-        self.table = np.full((capacity, per_page), -1, dtype=np.int64)
+        self.table = array("q", [-1]) * (capacity * per_page)
 
     def alloc(self, n: int) -> array:
         pages = super().alloc(n)
-        if n > 0:
-            k = n * self.per_page
-            units = self.units
-            if k > len(units):
-                super().free(pages)
-                raise MemoryError(f"{self.name} pool: need {k} units, {len(units)} free")
-            got = np.frombuffer(units[-k:], dtype=np.int64)[::-1]  # a copy (array slice), lowest-first order
-            del units[-k:]
-            self.table[np.frombuffer(pages, dtype=np.int64)] = got.reshape(n, self.per_page)
+        k = n * self.per_page
+        if k <= 0:
+            return pages
+        units, table, pp = self.units, self.table, self.per_page
+        if k > len(units):
+            super().free(pages)
+            raise MemoryError(f"{self.name} pool: need {k} units, {len(units)} free")
+        got = units[-k:]
+        del units[-k:]
+        got.reverse()  # lowest first, like the page ids
+        for i, p in enumerate(pages):
+            table[p * pp:(p + 1) * pp] = got[i * pp:(i + 1) * pp]
         return pages
 
     def alloc_one(self) -> int:
         return int(self.alloc(1)[0])
 
     def free(self, pages: Iterable[int]) -> None:
-        if isinstance(pages, array):
-            ids = np.frombuffer(pages, dtype=np.int64) if pages.typecode == "q" else np.array(pages, np.int64)
-        else:
-            ids = np.fromiter(pages, dtype=np.int64)
-        if len(ids):
-            self.units.frombytes(self.table[ids].tobytes())
-            self.table[ids] = -1
-            self._free.frombytes(ids.tobytes())
+        pages = pages if isinstance(pages, array) else array("q", pages)
+        units, table, pp = self.units, self.table, self.per_page
+        none = array("q", [-1]) * pp
+        for p in pages:
+            units.extend(table[p * pp:(p + 1) * pp])
+            table[p * pp:(p + 1) * pp] = none
+        self._free.extend(pages)
 
     def free_one(self, page: int) -> None:
         self.free((page,))
+
+    def page_units(self, page: int) -> tuple[int, ...]:
+        return tuple(self.table[page * self.per_page:(page + 1) * self.per_page])
 
 
 class ArenaLedger(PageLedger):
@@ -275,12 +279,21 @@ class ArenaLedger(PageLedger):
         self._swa = UnitPagePool("swa", units // su, su, self._free_units)
         self._units, self._fu, self._su = units, fu, su
 
-    def unit_table(self, group: str) -> np.ndarray:
-        """int64 [page ids of `group`, units per page]: the units page p holds (-1: p is free). Live rows only
-        change when the page is handed out again; the engine translates page tables through it."""
+    def unit_table(self, group: str) -> tuple[array, int]:
+        """(table, units per page) of `group`: a flat int64 array, page p's units at [p * per_page, (p + 1) *
+        per_page) (-1: p is free). A live page's units only change when it is handed out again; the engine
+        views the array (no copy) and translates page tables through it."""
+        pool = self._pool(group)
+        return pool.table, pool.per_page
+
+    def page_units(self, group: str, page: int) -> tuple[int, ...]:
+        """The units device page `page` of `group` holds now."""
+        return self._pool(group).page_units(page)
+
+    def _pool(self, group: str) -> UnitPagePool:
         pool = self._full if group == "full" else self._swa
         assert isinstance(pool, UnitPagePool)
-        return pool.table
+        return pool
     def free_units(self) -> int:
         f, s = self._full, self._swa
         return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)
@@ -361,20 +374,19 @@ class ArenaLedger(PageLedger):
     def check_unit_map(self) -> None:
         """Every live page holds its units, free pages none; no unit is held by two pages or both held and
         free; units held == what the ledger counts (arena - free units)."""
-        held = []
-        for pool in (self._full, self._swa):
-            assert isinstance(pool, UnitPagePool)
-            live = np.ones(pool.capacity, dtype=bool)
-            live[pool.free_ids()] = False
-            rows = pool.table[live]
-            if (rows < 0).any() or (pool.table[~live] != -1).any():
-                raise AssertionError(f"arena: {pool.name} unit table out of step with its free page ids")
-            held.append(rows.ravel())
-        held_units = np.concatenate(held)
-        every = np.concatenate([held_units, np.frombuffer(self._free_units, dtype=np.int64)])
-        if len(held_units) != self._units - self.free_units() or not np.array_equal(
-                np.sort(every), np.arange(self._units)):
-            raise AssertionError(f"arena: units held {len(held_units)} + free {len(self._free_units)} are not "
+        held: list[int] = []
+        for pool in (self._pool("full"), self._pool("swa")):
+            free = set(pool.free_ids())
+            for p in range(pool.capacity):
+                got = pool.page_units(p)
+                if (p in free) != (got == (-1,) * pool.per_page) or (p not in free and min(got) < 0):
+                    raise AssertionError(f"arena: {pool.name} page {p} holds units {got} but is "
+                                         f"{'free' if p in free else 'live'}")
+                if p not in free:
+                    held += got
+        every = held + list(self._free_units)
+        if len(held) != self._units - self.free_units() or sorted(every) != list(range(self._units)):
+            raise AssertionError(f"arena: units held {len(held)} + free {len(self._free_units)} are not "
                                  f"exactly 0..{self._units - 1} once each (ledger counts "
                                  f"{self._units - self.free_units()} in use)")
 

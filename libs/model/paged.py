@@ -13,9 +13,9 @@ below (`layer_kv`, `page_rows`, `gather_pages`, `pool_bytes`, ...), never throug
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kernels.kv import new_token_index
@@ -33,8 +33,8 @@ class KVArena:
     (planes x r_g), at plane s and sub-slot h; its physical row for page p is table_g[p, c] x r_g + h. Each
     plane view is contiguous, so kernels see an ordinary [rows, page, heads, dim] pool per layer.
 
-    `tables`: the cache ledger's unit tables (numpy int64 [page ids, units per page], live: the ledger
-    mutates them in place), set by the engine once both exist (`bind`)."""
+    `tables`: the cache ledger's unit tables (int64 [page ids, units per page], live: the ledger mutates them in
+    place), set by the engine once both exist (`bind`)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -63,12 +63,14 @@ class KVArena:
         s, h = divmod(i, r)
         return s, h, c * r + h
 
-    def bind(self, tables: dict[str, np.ndarray]) -> None:
-        for g, t in tables.items():
-            if t.shape[1] != self.units_per_page(g):
-                raise ValueError(f"arena: the cache's {g} pages take {t.shape[1]} units but the KV buffer's take "
+    def bind(self, tables: dict[str, tuple[array, int]]) -> None:
+        """Read the cache ledger's unit tables ({group: (flat int64 array, units per page)}) in place."""
+        for g, (t, per_page) in tables.items():
+            if per_page != self.units_per_page(g):
+                raise ValueError(f"arena: the cache's {g} pages take {per_page} units but the KV buffer's take "
                                  f"{self.units_per_page(g)}")
-            self.tables[g] = torch.from_numpy(t)  # shares the ledger's memory
+            # shares the ledger's memory (the array never grows, so its buffer stays where it is)
+            self.tables[g] = torch.frombuffer(t, dtype=torch.int64).view(-1, per_page)
 
     def rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Physical rows of page ids `ids` (CPU int64, any shape; -1 stays -1) for every table row of
