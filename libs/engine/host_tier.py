@@ -77,12 +77,13 @@ def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tens
     if src_pools.arena is not None or dst_pools.arena is not None:
         src_idx = torch.as_tensor(src_ids, dtype=torch.int64)
         dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64)
+        s_all = src_pools.group_rows(group, src_idx, units if src_pools.arena is not None else None)
+        d_all = dst_pools.group_rows(group, dst_idx, units if dst_pools.arena is not None else None)
+        s_all, d_all = s_all.to(src_pools.device), d_all.to(dst_pools.device)
         for i in range(src_pools.num_layers(group)) if layer is None else (layer,):
-            *src_t, _ = src_pools.layer_kv(group, i)
-            *dst_t, _ = dst_pools.layer_kv(group, i)
-            s_rows = src_pools.page_rows(group, i, src_idx, units if src_pools.arena is not None else None)
-            d_rows = dst_pools.page_rows(group, i, dst_idx, units if dst_pools.arena is not None else None)
-            s_rows, d_rows = s_rows.to(src_t[0].device), d_rows.to(dst_t[0].device)
+            *src_t, s_row = src_pools.layer_kv(group, i)
+            *dst_t, d_row = dst_pools.layer_kv(group, i)
+            s_rows, d_rows = s_all[s_row], d_all[d_row]
             for s, d in zip(src_t, dst_t, strict=True):
                 d.flatten(1).index_copy_(0, d_rows, s.flatten(1).index_select(0, s_rows).to(d.device,
                                                                                              non_blocking=True))

@@ -173,11 +173,16 @@ class KVPools:
     def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
         `units`: see `KVArena.rows`."""
-        a = self.arena
-        if a is None:
+        if self.arena is None:
             return ids
-        _, _, row = a.where(group, index + (self.swa_offset if group == "swa" else 0))
-        return a.rows(group, ids.cpu(), units)[row].to(ids.device)
+        return self.group_rows(group, ids, units)[self.layer_kv(group, index)[2]]
+
+    def group_rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """`page_rows` of every table row of `group` at once: [table rows, *ids.shape] on `ids`' device
+        (static: `ids[None]`); layer i reads row `layer_kv(group, i)[2]`."""
+        if self.arena is None:
+            return ids[None]
+        return self.arena.rows(group, ids.cpu(), units).to(ids.device)
 
     def gather_pages(self, group: str, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on
