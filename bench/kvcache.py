@@ -424,10 +424,10 @@ def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> No
     fig.savefig(path, dpi=120)
 
 
-def engine_arena(full_pages: int = 384, swa_pages: int = 96, page: int = 16) -> dict[str, Any]:
+def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16) -> dict[str, Any]:
     """The engine's physical KV: the tiny model's engine with two static pools and with one arena of the same
-    bytes, on two workloads: 64 short requests (32 + 8 tokens: SWA-bound on the static split) and 8 long ones
-    (600 + 8: full-bound). Bytes are read off the allocated tensors (`KVPools.pool_bytes`)."""
+    bytes, on two workloads: 32 short requests (32 + 4 tokens: SWA-bound on the static split) and 4 long ones
+    (400 + 4: full-bound). Bytes are read off the allocated tensors (`KVPools.pool_bytes`)."""
     import torch
 
     from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
@@ -435,10 +435,10 @@ def engine_arena(full_pages: int = 384, swa_pages: int = 96, page: int = 16) -> 
 
     model, cfg = load_model(None)
     gen = torch.Generator().manual_seed(7)
-    workloads = {"short": [torch.randint(3, 250, (32,), generator=gen).tolist() for _ in range(64)],
-                 "long": [torch.randint(3, 250, (600,), generator=gen).tolist() for _ in range(8)]}
+    workloads = {"short": [torch.randint(3, 250, (32,), generator=gen).tolist() for _ in range(32)],
+                 "long": [torch.randint(3, 250, (400,), generator=gen).tolist() for _ in range(4)]}
     out: dict[str, Any] = {"config": {"num_full_pages": full_pages, "num_swa_pages": swa_pages, "page_size": page,
-                                      "model": "tiny", "max_num_seqs": 256, "max_tokens": 8}}
+                                      "model": "tiny", "max_num_seqs": 256, "max_tokens": 4}}
     for name, prompts in workloads.items():
         row: dict[str, Any] = {}
         for mode in ("static", "arena"):
@@ -446,7 +446,7 @@ def engine_arena(full_pages: int = 384, swa_pages: int = 96, page: int = 16) -> 
                                            max_num_seqs=256, max_num_batched_tokens=2048, bucket_edges=(),
                                            enable_prefix_cache=False, kv_arena=mode == "arena"), model, cfg)
             for i, p in enumerate(prompts):
-                core.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True)))
+                core.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True)))
             got: dict[str, list[int]] = {}
             peak = steps = 0
             t0 = time.perf_counter()
@@ -457,6 +457,8 @@ def engine_arena(full_pages: int = 384, swa_pages: int = 96, page: int = 16) -> 
             row[mode] = {"kv_bytes": sum(core.runner.kv.pool_bytes().values()), "pool_bytes": core.runner.kv.pool_bytes(),
                          "peak_running": peak, "steps": steps, "wall_s": round(time.perf_counter() - t0, 3),
                          "outputs": got}
+            print(f"  engine arena, {name} / {mode}: {row[mode]['kv_bytes']} B, peak running {peak}, "
+                  f"{row[mode]['wall_s']} s", flush=True)
             core.close()
         row["same_outputs"] = row["static"].pop("outputs") == row["arena"].pop("outputs")
         row["peak_running_ratio"] = row["arena"]["peak_running"] / max(row["static"]["peak_running"], 1)
