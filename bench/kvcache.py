@@ -3,8 +3,11 @@ byte arena against static full/SWA splits on the conversation and the agentic tr
 replay), and the bookkeeping cost per request against a cache-disabled path.
 
     python -m bench.kvcache [--requests 2000] [--agentic-requests 1500] [--quick]
+    python -m bench.kvcache --engine-arena    # only the engine's physical arena (below)
 
-Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget).
+Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget), and
+bench/results/kvcache_engine_arena.json: the real engine (tiny model) with two static pools vs one arena of the
+same bytes (EngineConfig.kv_arena): bytes allocated, most sequences running at once, wall time, same outputs.
 """
 
 from __future__ import annotations
@@ -421,6 +424,55 @@ def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> No
     fig.savefig(path, dpi=120)
 
 
+def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16) -> dict[str, Any]:
+    """The engine's physical KV: the tiny model's engine with two static pools and with one arena of the same
+    bytes, on two workloads: 32 short requests (32 + 4 tokens: SWA-bound on the static split) and 4 long ones
+    (400 + 4: full-bound). Bytes are read off the allocated tensors (`KVPools.pool_bytes`)."""
+    import torch
+
+    from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
+    from libs.model import load_model
+
+    model, cfg = load_model(None)
+    gen = torch.Generator().manual_seed(7)
+    workloads = {"short": [torch.randint(3, 250, (32,), generator=gen).tolist() for _ in range(32)],
+                 "long": [torch.randint(3, 250, (400,), generator=gen).tolist() for _ in range(4)]}
+    out: dict[str, Any] = {"config": {"num_full_pages": full_pages, "num_swa_pages": swa_pages, "page_size": page,
+                                      "model": "tiny", "max_num_seqs": 256, "max_tokens": 4}}
+    for name, prompts in workloads.items():
+        row: dict[str, Any] = {}
+        for mode in ("static", "arena"):
+            core = EngineCore(EngineConfig(page_size=page, num_full_pages=full_pages, num_swa_pages=swa_pages,
+                                           max_num_seqs=256, max_num_batched_tokens=2048, bucket_edges=(),
+                                           enable_prefix_cache=False, kv_arena=mode == "arena"), model, cfg)
+            for i, p in enumerate(prompts):
+                core.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True)))
+            got: dict[str, list[int]] = {}
+            peak = steps = 0
+            t0 = time.perf_counter()
+            while core.has_work():
+                for o in core.step():
+                    got.setdefault(o.req_id, []).extend(o.new_token_ids)
+                peak, steps = max(peak, len(core.scheduler.running)), steps + 1
+            row[mode] = {"kv_bytes": sum(core.runner.kv.pool_bytes().values()), "pool_bytes": core.runner.kv.pool_bytes(),
+                         "peak_running": peak, "steps": steps, "wall_s": round(time.perf_counter() - t0, 3),
+                         "outputs": got}
+            print(f"  engine arena, {name} / {mode}: {row[mode]['kv_bytes']} B, peak running {peak}, "
+                  f"{row[mode]['wall_s']} s", flush=True)
+            core.close()
+        row["same_outputs"] = row["static"].pop("outputs") == row["arena"].pop("outputs")
+        row["peak_running_ratio"] = row["arena"]["peak_running"] / max(row["static"]["peak_running"], 1)
+        row["wall_ratio"] = row["arena"]["wall_s"] / max(row["static"]["wall_s"], 1e-9)
+        out[name] = row
+    (OUT / "kvcache_engine_arena.json").write_text(json.dumps(out, indent=2))
+    for name in workloads:
+        r = out[name]
+        print(f"  engine arena, {name}: {r['static']['kv_bytes']} B static vs {r['arena']['kv_bytes']} B arena; "
+              f"peak running {r['static']['peak_running']} vs {r['arena']['peak_running']}; wall "
+              f"{r['static']['wall_s']:.2f} vs {r['arena']['wall_s']:.2f} s; same outputs {r['same_outputs']}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=2000, help="trace prefix length")
@@ -429,8 +481,12 @@ def main() -> None:
                          "1.3: 0.258, 1.5: 0.258, 2: 0.257, 3: 0.248)")
     ap.add_argument("--agentic-requests", type=int, default=1500, help="requests of the generated agentic trace")
     ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
+    ap.add_argument("--engine-arena", action="store_true", help="only the engine's static pools vs one arena")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.engine_arena:
+        engine_arena()
+        return
     reqs = load_trace(args.requests)
     print(f"kvcache bench: {len(reqs)} trace requests, page {PAGE}, window {WINDOW}, MiMo-V2.5-Pro bytes")
     cap = capacity()

@@ -124,11 +124,15 @@ def run_round(core: EngineCore, prompts: dict[str, list[int]], n_out: int) -> di
     return drain(core)
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "inline", "thread"])
-def test_prefix_cache_under_memory_pressure_matches_cache_disabled(tiny, load_mode):
+@pytest.mark.parametrize(("load_mode", "kv_arena"), [("sync", False), ("inline", False), ("thread", False),
+                                                   ("thread", True)])
+def test_prefix_cache_under_memory_pressure_matches_cache_disabled(tiny, load_mode, kv_arena):
+    """kv_arena: the same bytes as one arena (the device KV in one buffer of units, L2 copies through the
+    unit tables)."""
     pressured = make_core(tiny, num_full_pages=72, num_swa_pages=36, num_host_full_pages=256,
                           num_host_swa_pages=128, max_num_batched_tokens=40, l2_backup_watermark=0.3,
-                          l2_backup_pages=16, admission_decode_tokens=2, l2_load_mode=load_mode)
+                          l2_backup_pages=16, admission_decode_tokens=2, l2_load_mode=load_mode, kv_arena=kv_arena)
+    assert (pressured.runner.kv.arena is not None) is kv_arena
     reference = make_core(tiny, enable_prefix_cache=False)
     systems, users = conversations()
     history = {c: list(systems[c % 2]) for c in range(6)}

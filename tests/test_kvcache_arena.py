@@ -129,3 +129,36 @@ def test_cache_stats_count_hit_tokens_lost_to_missing_swa() -> None:
     serve(o, "b", a[:16] + list(range(500, 517)))  # shares 16 tokens with a, whose window is at 32: no SWA at 16
     st = c.cache_stats()
     assert (st.raw_hit_tokens, st.valid_hit_tokens, st.swa_lost_tokens) == (16, 0, 16)
+
+
+def test_pages_hold_their_units_and_the_audit_catches_a_unit_held_twice() -> None:
+    """The ledger's unit map: a page id handed out takes its group's units from the one free-unit list (a full
+    page 1, an SWA page 3, interleaved anywhere), freeing returns them; a corrupted table fails the audit."""
+    from libs.kvcache.ledger import ArenaLedger, Held
+    led = ArenaLedger(12, 1, 3)
+    f, s = led.grant(2, 2)
+    held = {u for p in f for u in led.page_units("full", p)} | {u for p in s for u in led.page_units("swa", p)}
+    assert len(held) == 8 == 12 - led.free_units()
+    led.free_private(list(f[:1]), [])
+    _, s2 = led.grant(0, 1)  # 5 units free (1 returned by the full page): an SWA page takes 3 of them
+    assert led.free_units() == 2 and set(led.page_units("swa", s2[0])).isdisjoint(
+        {u for p in s for u in led.page_units("swa", p)})
+    seqs = Held(full=list(f[1:]), swa=list(s) + list(s2))
+    led.check_invariants(Held(), seqs)
+    table, per_page = led.unit_table("swa")
+    table[s2[0] * per_page] = table[s[0] * per_page]  # one unit now in two pages
+    with pytest.raises(AssertionError, match="once each"):
+        led.check_invariants(Held(), seqs)
+
+
+def test_plan_arena_units_hold_whole_layers() -> None:
+    """The tiny model's layout (2 full layers of 1 KV head, 4 SWA + 3 MTP layers of 2) and one where the pages'
+    gcd does not hold a whole SWA layer (3 full layers of 1 head): the unit is whole layer planes, the waste
+    is reported."""
+    from libs.kvcache import KVLayout
+    tiny = plan_arena(1 << 20, KVLayout(2, 7, 192, 384), 16)  # float32: 48 dims x 4 B per head
+    assert (tiny.unit_bytes, tiny.full_page_units, tiny.swa_page_units, tiny.waste) == (6144, 1, 7, (0.0, 0.0))
+    odd = plan_arena(1 << 20, KVLayout(3, 4, 192, 384), 16)  # page gcd 3072 B < one SWA layer-page (6144 B)
+    assert odd.unit_bytes % 6144 == 0 and odd.unit_bytes % 3072 == 0
+    assert odd.full_page_units * odd.unit_bytes >= 3 * 3072 and odd.swa_page_units * odd.unit_bytes >= 4 * 6144
+    assert odd.waste == pytest.approx((1 / 3, 0.0))

@@ -27,6 +27,11 @@ class EngineConfig:
     """Host (L2) full-attention pages; 0 disables the host tier."""
     num_host_swa_pages: int = 0
     """Host (L2) SWA pages."""
+    kv_arena: bool = False
+    """One device KV arena for both layer groups (issue #13, docs/kvcache.md "One arena"): the bytes the two
+    pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V buffer of
+    units that either group draws pages from, so the split follows the workload. Env WINDSERVE_KV_ARENA=1 on
+    the engine roles. Not with tp / ep > 1 yet (the ranks keep the two pools)."""
     enable_prefix_cache: bool = True
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
@@ -114,6 +119,8 @@ class EngineConfig:
         if self.layout.is_parallel and self.speculative_tokens:
             raise ValueError("EngineConfig: speculative decoding (speculative_tokens > 0) does not run with "
                              "tp / ep > 1 yet")
+        if self.kv_arena and self.layout.is_parallel:
+            raise ValueError("EngineConfig: kv_arena does not run with tp / ep > 1 yet (the ranks' pools are static)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs

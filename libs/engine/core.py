@@ -16,7 +16,7 @@ import torch
 
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
-from libs.engine.l3 import StagedValues, ValueLayout
+from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
@@ -33,7 +33,7 @@ from libs.engine.spec import (
     rejection_accept,
     run_chain,
 )
-from libs.kvcache import KVCache, KVCacheConfig, rebuild_span
+from libs.kvcache import ArenaPlan, KVCache, KVCacheConfig, plan_arena, rebuild_span
 from libs.kvcache.types import CacheStats, PoolUsage
 from libs.mm.spec import MM_TOKEN_FLAG
 
@@ -83,10 +83,23 @@ class SpecStats:
         return 1.0 + self.accepted_tokens / steps if steps else 0.0
 
 
+def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
+    """With `kv_arena`: the one arena of the bytes the two configured pools would take (`plan_arena` over the
+    model's KV layout in the pool dtype, MTP draft layers included); else None."""
+    if not config.kv_arena:
+        return None
+    layout = kv_layout(model_config, config.torch_dtype, config.speculative_tokens)
+    budget = (config.num_full_pages * layout.full_page_bytes(config.page_size)
+              + config.num_swa_pages * layout.swa_page_bytes(config.page_size))
+    return plan_arena(budget, layout, config.page_size)
+
+
 def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
+    arena = arena_plan(config, model_config)
+    pools = arena.config_fields() if arena is not None else {
+        "num_full_pages": config.num_full_pages, "num_swa_pages": config.num_swa_pages}
     return KVCacheConfig(
-        page_size=config.page_size, window=model_config.sliding_window,
-        num_full_pages=config.num_full_pages, num_swa_pages=config.num_swa_pages,
+        page_size=config.page_size, window=model_config.sliding_window, **pools,
         num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
         enable_prefix_cache=config.enable_prefix_cache, retention=config.retention,
         rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
@@ -127,15 +140,27 @@ class EngineCore:
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
-                          config.num_host_full_pages, config.num_host_swa_pages)
+                          config.num_host_full_pages, config.num_host_swa_pages, arena_plan(config, model_config))
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
         self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path)
+        if self.cache.arena is not None:  # the KV buffer is indexed by unit: it reads the ledger's unit tables
+            assert self.runner.kv.arena is not None
+            self.runner.kv.arena.bind({g: self.cache.arena.unit_table(g) for g in ("full", "swa")})
         self._ring = HiddenRing(max(self.draft_layers - 1, 0))
         self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
         self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None
         self.num_steps = 0
         self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
         self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
+
+    @property
+    def max_seq_pages(self) -> int:
+        """Most full pages one sequence can hold: the full pool, or with an arena what its units hold beside
+        the sequence's own SWA window."""
+        cfg = self.cache.cfg
+        if not cfg.arena:
+            return self.config.num_full_pages
+        return (cfg.arena_units - cfg.seq_swa_pages * cfg.swa_page_units) // cfg.full_page_units
 
     @property
     def kv_layer_is_swa(self) -> tuple[bool, ...]:
@@ -157,11 +182,10 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit the pools or its id is taken."""
         need = -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self.config.page_size)
-        if need > self.config.num_full_pages:
+        if need > self.max_seq_pages:
             raise ValueError(
                 f"request {req.req_id!r}: prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
-                f"({req.params.max_tokens}) needs {need} KV pages but the full pool has "
-                f"{self.config.num_full_pages}")
+                f"({req.params.max_tokens}) needs {need} KV pages but the full pool has {self.max_seq_pages}")
         if req.params.stop and self.tokenizer is None:
             raise ValueError(f"request {req.req_id!r} uses stop strings but the engine has no tokenizer")
         bad_bias = [t for t, _ in req.params.logit_bias if t >= self.model_config.vocab_size]

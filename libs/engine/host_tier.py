@@ -46,13 +46,47 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
     return slots
 
 
+def plan_copies(copies: Sequence, direction: str, device_pools) -> dict[str, tuple[list[int], list[int],
+                                                                                torch.Tensor | None]]:
+    """`split_copies` plus, with a device arena, the device pages' units as the cache recorded them
+    ([copies, units per page], `PageCopy.units`): a backup reads the units its source held (it may have been
+    evicted since, its units reused: the backups run first, so the bytes are still there); a load whose
+    page no longer holds its units was evicted before it ran and is dropped (its units may be another load's
+    destination in this step now)."""
+    if device_pools.arena is None:
+        return {g: (src, dst, None) for g, (src, dst) in split_copies(copies, direction).items()}
+    if direction == "h2d":
+        tables = device_pools.arena.tables
+        copies = [c for c in copies if tables[c.group][c.dst].tolist() == list(c.units)]
+    side = "src" if direction == "d2h" else "dst"
+    units: dict[tuple[str, int], tuple[int, ...]] = {(c.group, getattr(c, side)): c.units for c in copies}
+    return {g: (src, dst, torch.tensor([units[g, p] for p in (src if side == "src" else dst)], dtype=torch.int64))
+            for g, (src, dst) in split_copies(copies, direction).items()}
+
+
 def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tensor,
-               dst_ids: list[int] | torch.Tensor, layer: int | None = None) -> None:
+               dst_ids: list[int] | torch.Tensor, layer: int | None = None, units: torch.Tensor | None = None) -> None:
     """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None).
 
     One index_select + one index_copy_ per pool tensor, over pages flattened to rows (a page-dim
-    index on the 5-D tensor takes a slower strided path)."""
+    index on the 5-D tensor takes a slower strided path). With an arena on either side, one per layer and
+    tensor, through the pools' rows of those pages (`KVPools.layer_kv` / `page_rows`; `units`: the arena
+    side's pages' units, `plan_copies`)."""
     if len(src_ids) == 0:
+        return
+    if src_pools.arena is not None or dst_pools.arena is not None:
+        src_idx = torch.as_tensor(src_ids, dtype=torch.int64)
+        dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64)
+        s_all = src_pools.group_rows(group, src_idx, units if src_pools.arena is not None else None)
+        d_all = dst_pools.group_rows(group, dst_idx, units if dst_pools.arena is not None else None)
+        s_all, d_all = s_all.to(src_pools.device), d_all.to(dst_pools.device)
+        for i in range(src_pools.num_layers(group)) if layer is None else (layer,):
+            *src_t, s_row = src_pools.layer_kv(group, i)
+            *dst_t, d_row = dst_pools.layer_kv(group, i)
+            s_rows, d_rows = s_all[s_row], d_all[d_row]
+            for s, d in zip(src_t, dst_t, strict=True):
+                d.flatten(1).index_copy_(0, d_rows, s.flatten(1).index_select(0, s_rows).to(d.device,
+                                                                                             non_blocking=True))
         return
     for src_t, dst_t in zip(src_pools.group(group), dst_pools.group(group), strict=True):
         src_idx = torch.as_tensor(src_ids, dtype=torch.int64, device=src_t.device)
@@ -101,20 +135,20 @@ class LayerwiseLoad:
 
     def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence,
                  mode: LoadMode = LoadMode.THREAD, worker: CopyWorker | None = None) -> None:
-        groups = split_copies(copies, "h2d")
+        groups = plan_copies(copies, "h2d", device_pools)
         self._host, self._dev, self._slots, self._mode = host, device_pools, slots, mode
         # Index tensors are built once per group, not once per layer.
-        self._index = {g: (torch.tensor(src, dtype=torch.int64, device=host.full_k.device),
-                           torch.tensor(dst, dtype=torch.int64, device=device_pools.full_k.device))
-                       for g, (src, dst) in groups.items()}
-        self._cuda = device_pools.full_k.is_cuda
+        self._index = {g: (torch.tensor(src, dtype=torch.int64, device=host.device),
+                           torch.tensor(dst, dtype=torch.int64, device=device_pools.device), units)
+                       for g, (src, dst, units) in groups.items()}
+        self._cuda = device_pools.device.type == "cuda"
         self._copied = [slot.group not in self._index for slot in slots]  # inline bookkeeping
         self._error: BaseException | None = None
         self._done: list[threading.Event] = []
         self._cuda_events: list = []
         if mode is LoadMode.SYNC:
-            for g, (src, dst) in self._index.items():
-                copy_pages(host, device_pools, g, src, dst)
+            for g, (src, dst, units) in self._index.items():
+                copy_pages(host, device_pools, g, src, dst, units=units)
             self._copied = [True] * len(slots)
         elif mode is LoadMode.THREAD:
             if worker is None:
@@ -126,8 +160,8 @@ class LayerwiseLoad:
 
     def _copy_layer(self, i: int) -> None:
         slot = self._slots[i]
-        src, dst = self._index[slot.group]
-        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index)
+        src, dst, units = self._index[slot.group]
+        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index, units=units)
 
     def _run(self) -> None:
         try:

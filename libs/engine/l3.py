@@ -44,8 +44,7 @@ class ValueLayout:
 
     @classmethod
     def of(cls, kv: KVPools, window_pages: int) -> ValueLayout:
-        return cls(kv.page_size, window_pages, _page_bytes(kv.full_k) + _page_bytes(kv.full_v),
-                   _page_bytes(kv.swa_k) + _page_bytes(kv.swa_v))
+        return cls(kv.page_size, window_pages, kv.page_bytes("full"), kv.page_bytes("swa"))
 
     def swa_bytes(self, end: int) -> int:
         """Bytes of the checkpoint ending at page `end` (exclusive): min(window pages, end) SWA pages."""
@@ -81,20 +80,14 @@ def _page_bytes(t: torch.Tensor) -> int:
     return t.shape[0] * t[0, 0].numel() * t.element_size()
 
 
-def _gather(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on the
-    pools' device (one indexed copy per tensor: page record j is K[j] then V[j])."""
-    idx = torch.tensor(list(pages), dtype=torch.int64, device=k.device)
-    return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
-
-
 def gather_pages(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pool group's pages of `kv`, page-major (see `_gather`)."""
-    return _gather(*kv.group(group), pages)
+    """One pool group's pages of `kv`, page-major: [pages, layers, page, heads, dim] each, contiguous copies on
+    the pools' device (`KVPools.gather_pages`, also for an arena)."""
+    return kv.gather_pages(group, list(pages))
 
 
 def _records(k: torch.Tensor, v: torch.Tensor) -> list[list[memoryview]]:
-    """Per page, the (K, V) byte views of a `_gather` result copied to host memory."""
+    """Per page, the (K, V) byte views of a `gather_pages` result copied to host memory."""
     rows = [t.cpu().contiguous().view(len(t), -1).view(torch.uint8).numpy() for t in (k, v)]
     return [[rows[0][j].data, rows[1][j].data] for j in range(len(k))]
 
@@ -189,7 +182,7 @@ class KnownBlocks:
 
 @dataclass
 class WriteBack:
-    """One finished sequence's values on their way to the store: `full` (K, V page-major, `_gather`) row j is
+    """One finished sequence's values on their way to the store: `full` (K, V page-major, `gather_pages`) row j is
     the value of `full_keys[j]`; `swa` (one row per window page, or None) the checkpoint under `swa_key`. The
     tensors are copies (on the pools' device); `ready` (CUDA) is recorded after the copies, so another thread
     waits on it."""
@@ -266,7 +259,7 @@ class L3Export:
                         self.gather("full", [full[j] for j in new]) if new else None,
                         swa_key(ns, last) if ckpt else None,
                         self.gather("swa", swa[lo:npg]) if ckpt else None)
-        if kv.full_k.is_cuda:
+        if kv.device.type == "cuda":
             job.ready = torch.cuda.Event()
             job.ready.record()
         if not self.sink(job):

@@ -15,11 +15,12 @@ from typing import NamedTuple
 import torch
 
 from libs.engine import mm as mm_rows
-from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, split_copies
-from libs.engine.l3 import StagedValues, gather_pages, write_host_blocks
+from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, plan_copies
+from libs.engine.l3 import StagedValues, write_host_blocks
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import History, SampleResult, TokenMask, make_generator, sample
+from libs.kvcache import ArenaPlan
 from libs.model.paged import BatchMeta, KVPools
 
 
@@ -30,10 +31,13 @@ class PoolSizes:
     num_swa_pages: int
     num_host_full_pages: int = 0
     num_host_swa_pages: int = 0
+    arena: ArenaPlan | None = None  # one device arena instead of the two device pools (EngineConfig.kv_arena)
 
 
-def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Tensor, BatchMeta]:
-    """Flatten the plan's tokens and build the attention metadata (page tables padded with -1).
+def build_inputs(plan: BatchPlan, device: torch.device | str,
+                 kv: KVPools | None = None) -> tuple[torch.Tensor, BatchMeta]:
+    """Flatten the plan's tokens and build the attention metadata (page tables padded with -1; with an arena
+    `kv`, also the per-chunk physical tables, translated once per step on the CPU).
 
     Everything goes through flat Python lists and one torch.tensor() per tensor: per-sequence tensor
     building (or nested lists) costs more than the decode forward's attention on small models."""
@@ -53,13 +57,15 @@ def build_inputs(plan: BatchPlan, device: torch.device | str) -> tuple[torch.Ten
     # one logits row per sampling sequence; a verify step (num_draft > 0) also has one per draft
     logits_rows = [r for end, s in zip(accumulate(q_lens), seqs, strict=True) if s.sample
                    for r in range(end - 1 - s.num_draft, end)]
-    pages = torch.tensor([full, swa], dtype=torch.int64).view(2, len(seqs), width).to(device)
+    cpu_pages = torch.tensor([full, swa], dtype=torch.int64).view(2, len(seqs), width)
+    rows = kv.batch_rows(cpu_pages[0], cpu_pages[1], device) if kv is not None else (None, None)
+    pages = cpu_pages.to(device)
     rebuild = any(s.full_from for s in seqs)
     meta = BatchMeta(
         q_lens=q_lens, kv_lens=[s.start + s.num_new for s in seqs], full_page_table=pages[0],
         swa_page_table=pages[1], logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         full_write_from=[s.full_from for s in seqs] if rebuild else None,
-        swa_kv_start=[s.swa_from for s in seqs] if rebuild else None)
+        swa_kv_start=[s.swa_from for s in seqs] if rebuild else None, full_rows=rows[0], swa_rows=rows[1])
     return torch.tensor(ids, dtype=torch.int64, device=device), meta
 
 
@@ -91,8 +97,13 @@ class ModelRunner:
         # MTP draft blocks are SWA blocks: their KV is extra layers of the SWA pool (same pages, same copies)
         self.draft_layers = draft_layers
         n_swa = len(model_config.swa_layers) + draft_layers
-        self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
-                                   sizes.page_size, dtype, self.device, n_swa_layers=n_swa)
+        if sizes.arena is not None:
+            self.kv = KVPools.allocate_arena(model_config, sizes.arena.units, sizes.arena.planes, sizes.page_size,
+                                             dtype, self.device, n_swa_layers=n_swa,
+                                             unit_bytes=sizes.arena.unit_bytes)
+        else:
+            self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
+                                       sizes.page_size, dtype, self.device, n_swa_layers=n_swa)
         self.host = None
         if sizes.num_host_full_pages or sizes.num_host_swa_pages:
             self.host = KVPools.allocate(model_config, max(sizes.num_host_full_pages, 1),
@@ -146,8 +157,8 @@ class ModelRunner:
             return
         if self.host is None:
             raise RuntimeError("the cache asked for a host backup but the engine has no host tier")
-        for group, (src, dst) in split_copies(copies, "d2h").items():
-            copy_pages(self.kv, self.host, group, src, dst)
+        for group, (src, dst, units) in plan_copies(copies, "d2h", self.kv).items():
+            copy_pages(self.kv, self.host, group, src, dst, units=units)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
@@ -184,7 +195,7 @@ class ModelRunner:
         """The model inputs of the plan's forward (None when it has no sequences: copies only)."""
         if not plan.seqs:
             return None
-        input_ids, meta = build_inputs(plan, self.device)
+        input_ids, meta = build_inputs(plan, self.device, self.kv if self.kv.arena is not None else None)
         embeds = None
         if mm is not None and self.model_config.vision is not None:
             input_ids, embeds = mm_rows.model_inputs(input_ids, plan.seqs, mm, self._pad_id)
@@ -216,7 +227,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ GCache (L3) values
     def l3_gather(self, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A pool group's device pages, page-major, every KV head: what the L3 write-back copies out."""
-        return gather_pages(self.kv, group, pages)
+        return self.kv.gather_pages(group, list(pages))
 
     def write_host_blocks(self, full_ids: Sequence[int], swa_ids: Sequence[int], staged: StagedValues,
                           skip: int = 0) -> None:

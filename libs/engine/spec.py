@@ -35,9 +35,10 @@ def check_draft_layers(speculative_tokens: int, model_config) -> int:
 
 
 def draft_view(kv: KVPools, n_swa: int) -> KVPools:
-    """The MTP blocks' KV: the SWA pool layers after the model's own (views, no copy)."""
-    empty = kv.full_k[:0]
-    return KVPools(kv.page_size, empty, kv.full_v[:0], kv.swa_k[n_swa:], kv.swa_v[n_swa:])
+    """The MTP blocks' KV: the SWA pool layers after the model's own (views, no copy; with an arena the same
+    buffers, its SWA layers counted from `n_swa`)."""
+    return KVPools(kv.page_size, kv.full_k[:0], kv.full_v[:0], kv.swa_k[n_swa:], kv.swa_v[n_swa:], kv.arena,
+                   kv.swa_offset + n_swa if kv.arena is not None else 0)
 
 
 def drafts_for(params) -> bool:
@@ -161,7 +162,7 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
             tables.append(list(s.swa_pages))
             starts.append(s.kv_start)
             h_in.append(prev[b][:n])
-        meta = BatchMeta.build(q_lens, kv_lens, tables, device=device)
+        meta = BatchMeta.build(q_lens, kv_lens, tables, device=device, kv=kv_mtp)
         meta.swa_kv_start = starts
         tok = model_token_ids(torch.tensor(ids, dtype=torch.int64, device=device), pad_id)
         logits, h = model.forward_mtp(j, tok, torch.cat(h_in), meta, kv_mtp)

@@ -19,8 +19,9 @@ running sequence its lifetime growth (`reserved`), and nothing is handed out unl
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from libs.kvcache.config import KVCacheConfig
 from libs.kvcache.events import EventLog
@@ -83,7 +84,10 @@ class KVCache:
         otherwise the cache hashes the pages the walk reaches (one page when nothing matches).
         `rebuild=False`: never a rebuild hit (a caller that receives the KV instead of computing it, e.g. a
         disaggregated decode worker, must not have its tree's full pages written)."""
-        return self.index.match(tokens, block_hashes, rebuild)
+        hit = self.index.match(tokens, block_hashes, rebuild)
+        if self.arena is not None and hit.load_copies:
+            hit = dataclasses.replace(hit, load_copies=tuple(self._with_units(hit.load_copies, "dst")))
+        return hit
 
     def cached_pages(self, tokens: Sequence[int], block_hashes: Sequence[int] | None = None) -> int:
         """Leading pages of `tokens` whose full KV is cached (device or host tier); changes nothing."""
@@ -161,7 +165,14 @@ class KVCache:
         the device->host copies; run them before the next call that may evict the source pages."""
         if self.host is None:
             return []
-        return self.host.backup(self.index.nodes.values(), max_pages, self.index.lower_copy_dropped)
+        copies = self.host.backup(self.index.nodes.values(), max_pages, self.index.lower_copy_dropped)
+        return self._with_units(copies, "src") if self.arena is not None else copies
+
+    def _with_units(self, copies: Iterable[PageCopy], side: str) -> list[PageCopy]:
+        """The copies with the units their device page (`side`) holds now (one arena; see `PageCopy.units`)."""
+        arena = self.arena
+        assert arena is not None
+        return [dataclasses.replace(c, units=arena.page_units(c.group, getattr(c, side))) for c in copies]
 
     def drain_events(self) -> list[KVEvent]:
         """The pending events, oldest first (ids consecutive unless the bounded queue dropped some)."""

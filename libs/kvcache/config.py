@@ -162,12 +162,18 @@ def plan_pools(budget_bytes: int, layout: KVLayout, page_size: int, window: int,
 @dataclass(frozen=True)
 class ArenaPlan:
     """One byte arena for both groups: `units` of `unit_bytes` each; a full page is `full_page_units` units, an
-    SWA page `swa_page_units` (unit = the greatest common divisor of the two page sizes, so no byte is lost)."""
+    SWA page `swa_page_units`. A unit is `planes` layer planes of `plane_bytes` (the least common multiple of
+    the two groups' bytes per layer and page), so it holds whole layer-pages of either group: a page's layers
+    are spread over its units in chunks and any unit can serve either group (docs/kvcache.md, "One arena").
+    `waste`: per group (full, SWA), the share of a page's units its layers leave empty."""
 
     units: int
     unit_bytes: int
     full_page_units: int
     swa_page_units: int
+    planes: int = 1
+    plane_bytes: int = 0
+    waste: tuple[float, float] = (0.0, 0.0)
 
     def config_fields(self) -> dict[str, int]:
         """The `KVCacheConfig` fields of this arena."""
@@ -177,13 +183,36 @@ class ArenaPlan:
 
 def plan_arena(budget_bytes: int, layout: KVLayout, page_size: int) -> ArenaPlan:
     """Size the one arena from a byte budget: no ratio to choose, the split between the groups follows the
-    workload (the cache's eviction decides it)."""
+    workload (the cache's eviction decides it).
+
+    The unit must hold whole layer-pages of both groups (the engine's buffer is viewed per layer): it is
+    `planes` x lcm(full, SWA bytes per layer-page). Of the plane counts up to a page's, the one whose pages
+    waste the least (the larger on a tie: fewer chunks per page) wins; when the greatest common divisor of
+    the page sizes holds whole layers (MiMo-V2.5-Pro: one full page, an SWA page = 6 units) nothing is lost."""
     if budget_bytes <= 0:
         raise ValueError("plan_arena: budget must be > 0")
-    fpb, spb = layout.full_page_bytes(page_size), layout.swa_page_bytes(page_size)
-    unit = math.gcd(fpb, spb) if fpb and spb else max(fpb, spb)
-    return ArenaPlan(units=budget_bytes // unit, unit_bytes=unit, full_page_units=max(1, fpb // unit),
-                     swa_page_units=max(1, spb // unit))
+    groups = [(n, b * page_size) for n, b in ((layout.full_layers, layout.full_bytes_per_token_layer),
+                                              (layout.swa_layers, layout.swa_bytes_per_token_layer))]
+    plane = math.lcm(*(b for n, b in groups if n)) if any(n for n, _ in groups) else groups[0][1]
+    best: tuple[float, int] | None = None
+    for planes in range(1, max(-(-n * b // plane) for n, b in groups) + 1):
+        worst = max(_page_waste(n, b, planes * plane) for n, b in groups)
+        if best is None or worst <= best[0] + 1e-12:
+            best = (worst, planes)
+    assert best is not None
+    unit = best[1] * plane
+    per_page = [max(1, -(-n * b // unit)) for n, b in groups]
+    waste = (_page_waste(*groups[0], unit), _page_waste(*groups[1], unit))
+    return ArenaPlan(units=budget_bytes // unit, unit_bytes=unit, full_page_units=per_page[0],
+                     swa_page_units=per_page[1], planes=best[1], plane_bytes=plane, waste=waste)
+
+
+def _page_waste(layers: int, layer_bytes: int, unit: int) -> float:
+    """Share of a page's units (of `unit` bytes) its layers leave empty (0 for a group without layers)."""
+    if layers == 0:
+        return 0.0
+    need = layers * layer_bytes
+    return (-(-need // unit) * unit - need) / need
 
 
 def rebuild_span(swa_layers: int, window: int, page_size: int) -> int:

@@ -209,21 +209,91 @@ class PageLedger:
         check_pool_ids(self._swa, tree.swa + seqs.swa + seqs.lazy_swa)
 
 
+class UnitPagePool(PagePool):
+    """A group's page-id pool on the arena: handing out a page id also takes that page's `per_page` units from
+    the arena's one shared free-unit list and records them (`table[page * per_page + c]` = its c-th unit, in
+    chunk order; -1 while the page is free); freeing a page returns them. So the physical layout follows the
+    ledger: units in use == what it counts. (Flat int64 arrays: the engine views the table without a copy.)"""
+
+    __slots__ = ("units", "table", "per_page")
+
+    def __init__(self, name: str, capacity: int, per_page: int, units: array) -> None:
+        super().__init__(name, capacity)
+        self.units = units  # shared with the other group's pool: the arena's free units
+        self.per_page = per_page
+        self.table = array("q", [-1]) * (capacity * per_page)
+
+    def alloc(self, n: int) -> array:
+        pages = super().alloc(n)
+        k = n * self.per_page
+        if k <= 0:
+            return pages
+        units, table, pp = self.units, self.table, self.per_page
+        if k > len(units):
+            super().free(pages)
+            raise MemoryError(f"{self.name} pool: need {k} units, {len(units)} free")
+        got = units[-k:]
+        del units[-k:]
+        got.reverse()  # lowest first, like the page ids
+        for i, p in enumerate(pages):
+            table[p * pp:(p + 1) * pp] = got[i * pp:(i + 1) * pp]
+        return pages
+
+    def alloc_one(self) -> int:
+        return int(self.alloc(1)[0])
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = pages if isinstance(pages, array) else array("q", pages)
+        units, table, pp = self.units, self.table, self.per_page
+        none = array("q", [-1]) * pp
+        for p in pages:
+            units.extend(table[p * pp:(p + 1) * pp])
+            table[p * pp:(p + 1) * pp] = none
+        self._free.extend(pages)
+
+    def free_one(self, page: int) -> None:
+        self.free((page,))
+
+    def page_units(self, page: int) -> tuple[int, ...]:
+        return tuple(self.table[page * self.per_page:(page + 1) * self.per_page])
+
+
 class ArenaLedger(PageLedger):
     """Both groups on one arena of `units`: a full page takes `fu` units, an SWA page `su`, and any free unit
     serves either group. The page ids stay per group (id pools as large as the arena could hold of that
     group, so ids never run out before units do); free units are derived from the pages handed out, so the
     transitions are the static ledger's and only the reads below differ.
 
+    Physically each page id maps to the units it holds (`unit_table`): the engine's KV buffer is indexed by
+    unit, so any free unit serves either group without fragmentation (docs/kvcache.md, "One arena").
+
     Units free + cached + in use == arena; promises (`reserved`) are held in units too, so a promise of SWA
     pages can be kept with bytes that full KV had cached, and the other way round."""
 
-    __slots__ = ("_units", "_fu", "_su")
+    __slots__ = ("_units", "_fu", "_su", "_free_units")
 
     def __init__(self, units: int, fu: int, su: int) -> None:
-        super().__init__(units // fu, units // su)
+        super().__init__(0, 0)
+        self._free_units = array("q", range(units - 1, -1, -1))  # ascending hand-out order, like PagePool
+        self._full = UnitPagePool("full", units // fu, fu, self._free_units)
+        self._swa = UnitPagePool("swa", units // su, su, self._free_units)
         self._units, self._fu, self._su = units, fu, su
 
+    def unit_table(self, group: str) -> tuple[array, int]:
+        """(table, units per page) of `group`: a flat int64 array, page p's units at [p * per_page, (p + 1) *
+        per_page) (-1: p is free). A live page's units only change when it is handed out again; the engine
+        views the array (no copy) and translates page tables through it."""
+        pool = self._pool(group)
+        return pool.table, pool.per_page
+
+    def page_units(self, group: str, page: int) -> tuple[int, ...]:
+        """The units device page `page` of `group` holds now."""
+        return self._pool(group).page_units(page)
+
+    def _pool(self, group: str) -> UnitPagePool:
+        pool = self._full if group == "full" else self._swa
+        assert isinstance(pool, UnitPagePool)
+        return pool
     def free_units(self) -> int:
         f, s = self._full, self._swa
         return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)
@@ -296,6 +366,29 @@ class ArenaLedger(PageLedger):
         if st.free + st.full_cached + st.swa_cached < st.reserved:
             raise AssertionError(f"arena: promised {st.reserved} units but only "
                                  f"{st.free + st.full_cached + st.swa_cached} free or evictable")
+
+    def check_invariants(self, tree: Held, seqs: Held) -> None:
+        super().check_invariants(tree, seqs)
+        self.check_unit_map()
+
+    def check_unit_map(self) -> None:
+        """Every live page holds its units, free pages none; no unit is held by two pages or both held and
+        free; units held == what the ledger counts (arena - free units)."""
+        held: list[int] = []
+        for pool in (self._pool("full"), self._pool("swa")):
+            free = set(pool.free_ids())
+            for p in range(pool.capacity):
+                got = pool.page_units(p)
+                if (p in free) != (got == (-1,) * pool.per_page) or (p not in free and min(got) < 0):
+                    raise AssertionError(f"arena: {pool.name} page {p} holds units {got} but is "
+                                         f"{'free' if p in free else 'live'}")
+                if p not in free:
+                    held += got
+        every = held + list(self._free_units)
+        if len(held) != self._units - self.free_units() or sorted(every) != list(range(self._units)):
+            raise AssertionError(f"arena: units held {len(held)} + free {len(self._free_units)} are not "
+                                 f"exactly 0..{self._units - 1} once each (ledger counts "
+                                 f"{self._units - self.free_units()} in use)")
 
 
 def check_pool_stats(name: str, st: PoolStats) -> None:

@@ -27,6 +27,10 @@ class PageCopy:
     src: int
     dst: int
     direction: str
+    # With one arena: the units the device page held when the copy was made (KVCache attaches them). The engine
+    # copies from / to those units: a d2h source may be evicted and its units reused before the copy runs (the
+    # copies run first, so the bytes are still there), and an h2d copy whose page no longer holds them is stale.
+    units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,16 +91,21 @@ class MiMoV2Model(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def _contexts(self, meta: BatchMeta, kv: KVPools) -> tuple[AttnContext | None, AttnContext | None]:
-        """One attention plan (and rope lookup) per layer group per forward, shared by its layers."""
+    def _contexts(self, meta: BatchMeta, kv: KVPools) -> tuple[list[AttnContext], list[AttnContext]]:
+        """One attention plan (and rope lookup) per layer group per forward, shared by its layers; with one
+        arena one per table row of the group (a chunk of layers, BatchMeta.full_rows / swa_rows)."""
         pos = meta.positions
-        full = swa = None
+        full: list[AttnContext] = []
+        swa: list[AttnContext] = []
         if self.cfg.full_layers:
-            full = _context(meta, meta.full_page_table, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full,
-                            self.dtype, swa=False)
+            tables = meta.full_page_table[None] if meta.full_rows is None else meta.full_rows
+            full = [_context(meta, t, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full, self.dtype,
+                             swa=False) for t in tables]
         if self.cfg.swa_layers:
-            swa = _context(meta, meta.swa_page_table, kv.page_size, self.cfg.window_left, pos, self._rope_swa,
-                           self.inv_freq_swa, self.dtype, swa=True)
+            rows = meta.swa_rows[:_rows_used(kv, len(self.cfg.swa_layers))] if meta.swa_rows is not None else None
+            tables = meta.swa_page_table[None] if rows is None else rows
+            swa = [_context(meta, t, kv.page_size, self.cfg.window_left, pos, self._rope_swa, self.inv_freq_swa,
+                            self.dtype, swa=True) for t in tables]
         return full, swa
 
     @torch.inference_mode()
@@ -119,10 +124,9 @@ class MiMoV2Model(nn.Module):
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         for module in self.model.layers:
             layer = cast(DecoderLayer, module)
-            if layer.is_swa:
-                h = layer(h, swa, kv.swa_k[layer.pool_index], kv.swa_v[layer.pool_index])
-            else:
-                h = layer(h, full, kv.full_k[layer.pool_index], kv.full_v[layer.pool_index])
+            group, ctx = ("swa", swa) if layer.is_swa else ("full", full)
+            k, v, row = kv.layer_kv(group, layer.pool_index)
+            h = layer(h, ctx[row], k, v)
         h = self.model.norm(h)
         logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
         return (logits, h) if return_hidden else logits
@@ -135,11 +139,20 @@ class MiMoV2Model(nn.Module):
         ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp`; its SWA layer ``step`` holds this block's KV."""
         if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
             raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
-        ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
-                       self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
+        k, v, row = kv_mtp.layer_kv("swa", step)
+        table = meta.swa_page_table if meta.swa_rows is None else meta.swa_rows[row]
+        ctx = _context(meta, table, kv_mtp.page_size, self.cfg.window_left, meta.positions, self._rope_swa,
+                       self.inv_freq_swa, self.dtype, swa=True)
         emb = self.model.embed_tokens(input_ids)
-        h = self.model.mtp.layers[step](emb, prev_hidden, ctx, kv_mtp.swa_k[step], kv_mtp.swa_v[step])
+        h = self.model.mtp.layers[step](emb, prev_hidden, ctx, k, v)
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
+
+
+def _rows_used(kv: KVPools, n_swa: int) -> int:
+    """Table rows the decoder's SWA layers read (the MTP draft layers' chunks after them are not planned)."""
+    if kv.arena is None or n_swa == 0:
+        return 1
+    return max(kv.arena.where("swa", i)[2] for i in range(n_swa)) + 1
 
 
 def init_random_(model: MiMoV2Model, seed: int = 0) -> MiMoV2Model:

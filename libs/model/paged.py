@@ -3,11 +3,18 @@
 The engine owns two pools (full-attention layers, SWA layers) and, per forward, hands the model page tables
 that map each sequence's logical pages to physical pages. The model writes the new tokens' K/V and reads the
 cached ones through those tables only; it never allocates KV.
+
+With one arena (`KVPools.allocate_arena`, issue #13) both groups live in one K and one V buffer of units; a
+page id is translated to the units that hold its layers through the cache's unit table (`KVArena`), once
+per step (`BatchMeta.full_rows` / `swa_rows`). Every consumer reads and writes pages through the methods
+below (`layer_kv`, `page_rows`, `gather_pages`, `pool_bytes`, ...), never through the tensors by page id.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from array import array
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,15 +23,82 @@ from libs.model.config import ModelConfig
 
 
 @dataclass
+class KVArena:
+    """Both groups' KV in one K and one V buffer of `units` (docs/kvcache.md, "One arena").
+
+    `k` is [planes, units, page, H, qk dim] (`v` likewise), H = lcm of the two groups' KV heads: unit u is
+    plane slot u of every plane. Group g views a plane as [units x r_g, page, heads_g, dim] (r_g = H /
+    heads_g: a plane slot holds r_g of its layer-pages), so a unit holds planes x r_g layer-pages of g and a
+    page of g takes ceil(layers_g / (planes x r_g)) units (its chunks). Layer l of g is in chunk c = l //
+    (planes x r_g), at plane s and sub-slot h; its physical row for page p is table_g[p, c] x r_g + h. Each
+    plane view is contiguous, so kernels see an ordinary [rows, page, heads, dim] pool per layer.
+
+    `tables`: the cache ledger's unit tables (int64 [page ids, units per page], live: the ledger mutates them in
+    place), set by the engine once both exist (`bind`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    sub: dict[str, int]  # r_g per group
+    layers: dict[str, int]  # layers per group (the SWA group includes MTP draft layers)
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def units(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def planes(self) -> int:
+        return self.k.shape[0]
+
+    def per_unit(self, group: str) -> int:
+        return self.planes * self.sub[group]
+
+    def units_per_page(self, group: str) -> int:
+        return max(1, -(-self.layers[group] // self.per_unit(group)))
+
+    def where(self, group: str, index: int) -> tuple[int, int, int]:
+        """(plane, sub-slot, table row) of layer `index` of `group`; the table row is c x r_g + h."""
+        per, r = self.per_unit(group), self.sub[group]
+        c, i = divmod(index, per)
+        s, h = divmod(i, r)
+        return s, h, c * r + h
+
+    def bind(self, tables: dict[str, tuple[array, int]]) -> None:
+        """Read the cache ledger's unit tables ({group: (flat int64 array, units per page)}) in place."""
+        for g, (t, per_page) in tables.items():
+            if per_page != self.units_per_page(g):
+                raise ValueError(f"arena: the cache's {g} pages take {per_page} units but the KV buffer's take "
+                                 f"{self.units_per_page(g)}")
+            # shares the ledger's memory (the array never grows, so its buffer stays where it is)
+            self.tables[g] = torch.frombuffer(t, dtype=torch.int64).view(-1, per_page)
+
+    def rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """Physical rows of page ids `ids` (CPU int64, any shape; -1 stays -1) for every table row of
+        `group`: [chunks x r_g, *ids.shape]. `units` ([*ids.shape, chunks]): the pages' units as recorded
+        earlier (a copy made before the page was freed), instead of the table's."""
+        r = self.sub[group]
+        if units is None:
+            units = self.tables[group][ids.clamp(min=0)]
+        units = units.movedim(-1, 0)  # [chunks, *ids.shape]
+        rows = units.unsqueeze(1) * r + torch.arange(r).view(1, r, *([1] * ids.dim()))
+        return rows.flatten(0, 1).masked_fill_(ids.unsqueeze(0) < 0, -1)
+
+
+@dataclass
 class KVPools:
     """KV tensors owned by the engine. Page p of the full pool holds positions [j*page_size, (j+1)*page_size)
-    of whatever sequence's logical page j maps to it (same for the SWA pool)."""
+    of whatever sequence's logical page j maps to it (same for the SWA pool).
+
+    With an `arena` (allocate_arena) the four tensors are placeholders with zero pages (shapes and dtype
+    only): every page access goes through the methods, which read the arena."""
 
     page_size: int
     full_k: torch.Tensor  # [n_full_layers, num_full_pages, page_size, kv_heads_full, qk_head_dim]
     full_v: torch.Tensor  # [n_full_layers, num_full_pages, page_size, kv_heads_full, v_head_dim]
     swa_k: torch.Tensor  # [n_swa_layers, num_swa_pages, page_size, kv_heads_swa, qk_head_dim]
     swa_v: torch.Tensor  # [n_swa_layers, num_swa_pages, page_size, kv_heads_swa, v_head_dim]
+    arena: KVArena | None = None
+    swa_offset: int = 0  # a view's first SWA layer (the MTP blocks' view of the engine's pools)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int,
@@ -43,13 +117,114 @@ class KVPools:
                    z(ns, num_swa_pages, cfg.kv_heads_swa, cfg.qk_head_dim),
                    z(ns, num_swa_pages, cfg.kv_heads_swa, cfg.v_head_dim))
 
+    @classmethod
+    def allocate_arena(cls, cfg: ModelConfig, units: int, planes: int, page_size: int,
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       *, n_swa_layers: int | None = None, unit_bytes: int = 0) -> KVPools:
+        """One zero-filled K and one V buffer of `units` units of `planes` layer planes (from
+        `libs.kvcache.plan_arena`; `unit_bytes`, when given, is checked against this layout)."""
+        hf, hs = cfg.kv_heads_full, cfg.kv_heads_swa
+        heads = math.lcm(hf, hs)
+        es = torch.empty((), dtype=dtype).element_size()
+        got = planes * page_size * heads * (cfg.qk_head_dim + cfg.v_head_dim) * es
+        if unit_bytes and unit_bytes != got:
+            raise ValueError(f"arena plan: units of {unit_bytes} B, but {planes} planes of this model are {got} B")
+        k = torch.zeros(planes, units, page_size, heads, cfg.qk_head_dim, dtype=dtype, device=device)
+        v = torch.zeros(planes, units, page_size, heads, cfg.v_head_dim, dtype=dtype, device=device)
+        ns = len(cfg.swa_layers) if n_swa_layers is None else n_swa_layers
+        arena = KVArena(k, v, {"full": heads // hf, "swa": heads // hs}, {"full": len(cfg.full_layers), "swa": ns})
+        pools = cls.allocate(cfg, 0, 0, page_size, dtype, device, n_swa_layers=ns)  # zero pages: shapes only
+        pools.arena = arena
+        return pools
+
+    # ------------------------------------------------------------------ access by page id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.full_k.device
+
+    def num_layers(self, group: str) -> int:
+        return (self.full_k if group == "full" else self.swa_k).shape[0]
+
     def group(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one pool group: "full" or "swa"."""
+        """(K, V) of one static pool group: "full" or "swa" (not with an arena: use the methods below)."""
+        if self.arena is not None:
+            raise TypeError("KVPools.group: an arena has no per-group tensors (use layer_kv / page_rows)")
         return (self.full_k, self.full_v) if name == "full" else (self.swa_k, self.swa_v)
 
+    def layer_kv(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(K, V, table row) of one layer: K / V are [rows, page, heads, dim] pools (static: rows = page ids;
+        arena: a plane view, rows from `page_rows` or `BatchMeta.*_rows[table row]`)."""
+        a = self.arena
+        if a is None:
+            k, v = self.group(group)
+            return k[index], v[index], 0
+        index += self.swa_offset if group == "swa" else 0
+        s, _, row = a.where(group, index)
+        heads = self.full_k.shape[3] if group == "full" else self.swa_k.shape[3]
+        kk, vv = a.k[s], a.v[s]
+        return (kk.view(-1, self.page_size, heads, kk.shape[-1]), vv.view(-1, self.page_size, heads, vv.shape[-1]),
+                row)
+
+    def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
+        `units`: see `KVArena.rows`."""
+        if self.arena is None:
+            return ids
+        return self.group_rows(group, ids, units)[self.layer_kv(group, index)[2]]
+
+    def group_rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+        """`page_rows` of every table row of `group` at once: [table rows, *ids.shape] on `ids`' device
+        (static: `ids[None]`); layer i reads row `layer_kv(group, i)[2]`."""
+        if self.arena is None:
+            return ids[None]
+        return self.arena.rows(group, ids.cpu(), units).to(ids.device)
+
+    def gather_pages(self, group: str, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on
+        the pools' device (static: one indexed copy per tensor)."""
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        if self.arena is None:
+            k, v = self.group(group)
+            return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
+        out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        rows = self.arena.rows(group, idx.cpu()).to(self.device)
+        for layer in range(self.num_layers(group)):
+            k, v, row = self.layer_kv(group, layer)
+            out[0].append(k.index_select(0, rows[row]))
+            out[1].append(v.index_select(0, rows[row]))
+        return torch.stack(out[0], dim=1), torch.stack(out[1], dim=1)
+
+    def layer_page_bytes(self, group: str) -> int:
+        """Bytes of one page of one layer of `group` (K and V)."""
+        k, v = (self.full_k, self.full_v) if group == "full" else (self.swa_k, self.swa_v)
+        return math.prod(k.shape[2:]) * k.element_size() + math.prod(v.shape[2:]) * v.element_size()
+
+    def page_bytes(self, group: str) -> int:
+        """Bytes of one page of `group` across its layers (K and V)."""
+        return self.num_layers(group) * self.layer_page_bytes(group)
+
     def pool_bytes(self) -> dict[str, int]:
-        """Bytes each pool holds (K and V together), read off the tensors themselves."""
+        """Bytes the KV buffers hold (K and V together), read off the tensors themselves: per pool, or
+        {"arena": ...} for one arena."""
+        if self.arena is not None:
+            return {"arena": self.arena.k.nbytes + self.arena.v.nbytes}
         return {"full": self.full_k.nbytes + self.full_v.nbytes, "swa": self.swa_k.nbytes + self.swa_v.nbytes}
+
+    def batch_rows(self, full: torch.Tensor, swa: torch.Tensor,
+                   device: str | torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-layer-chunk physical page tables of a batch's page tables (CPU int64 [B, W]): (full rows, SWA
+        rows), each [table rows, B, W] on `device`; (None, None) for static pools."""
+        a = self.arena
+        if a is None:
+            return None, None
+        # (a view without full layers, the MTP blocks', passes SWA ids in both tables)
+        fr = a.rows("full", full).to(device) if self.num_layers("full") else None
+        return fr, a.rows("swa", swa).to(device)
 
     @classmethod
     def allocate_mtp(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
@@ -71,6 +246,10 @@ class BatchMeta:
     # SWA window rebuild (see docs/engine.md), per sequence; None = no sequence rebuilds:
     full_write_from: list[int] | None = None  # full-attention K/V of positions below this is cached: not written
     swa_kv_start: list[int] | None = None  # SWA layers read no key left of this position (pages there may be -1)
+    # One arena (KVPools.arena): per layer chunk, the physical rows of the page tables ([table rows, B, W],
+    # KVPools.batch_rows); a layer reads row `layer_kv(...)[2]`. None = static pools (the page tables are rows).
+    full_rows: torch.Tensor | None = None
+    swa_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = len(self.q_lens)
@@ -104,12 +283,15 @@ class BatchMeta:
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], full_pages: list[list[int]],
               swa_pages: list[list[int]] | None = None, device: str | torch.device = "cpu",
-              all_logits: bool = False) -> BatchMeta:
-        """From per-sequence page-id lists (ragged; padded with -1). ``swa_pages`` defaults to ``full_pages``."""
-        full = _pad(full_pages, device)
-        swa = full.clone() if swa_pages is None else _pad(swa_pages, device)
+              all_logits: bool = False, kv: KVPools | None = None) -> BatchMeta:
+        """From per-sequence page-id lists (ragged; padded with -1). ``swa_pages`` defaults to ``full_pages``.
+        ``kv``: the pools the forward uses (an arena's page tables are translated here, once per step)."""
+        full = _pad(full_pages, "cpu")
+        swa = full.clone() if swa_pages is None else _pad(swa_pages, "cpu")
         idx = torch.arange(sum(q_lens), device=device) if all_logits else None
-        return cls(list(q_lens), list(kv_lens), full, swa, idx)
+        rows = kv.batch_rows(full, swa, device) if kv is not None else (None, None)
+        return cls(list(q_lens), list(kv_lens), full.to(device), swa.to(device), idx, full_rows=rows[0],
+                   swa_rows=rows[1])
 
 
 def _pad(rows: list[list[int]], device) -> torch.Tensor:

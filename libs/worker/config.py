@@ -26,6 +26,8 @@ class EngineServiceConfig(ServiceConfig):
     max_num_seqs: int = Field(default=64, ge=1, description="most requests holding KV at once")
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one engine step")
     enable_prefix_cache: bool = Field(default=True, description="reuse KV across requests")
+    kv_arena: bool = Field(default=False, description="one device KV arena for both layer groups, of the bytes "
+                           "num_full_pages + num_swa_pages would take (WINDSERVE_KV_ARENA; not with tp / ep > 1)")
     bucket_edges: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (uncached tokens), JSON list")
     served_buckets: list[int] = Field(
@@ -123,7 +125,7 @@ class EngineServiceConfig(ServiceConfig):
             enable_prefix_cache=self.enable_prefix_cache, bucket_edges=tuple(self.bucket_edges),
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,
             seed=self.seed, speculative_tokens=self.speculative_tokens, tp=self.tp, ep=self.ep,
-            parallel_timeout_s=self.parallel_timeout_s)
+            parallel_timeout_s=self.parallel_timeout_s, kv_arena=self.kv_arena)
 
 
 class DisaggServiceConfig(EngineServiceConfig):

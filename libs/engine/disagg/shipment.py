@@ -63,8 +63,7 @@ class LayerPages:
 
 def page_bytes(kv: KVPools, group: str) -> int:
     """Bytes of one page of one layer of `group` (K and V)."""
-    k, v = kv.group(group)
-    return (k[0, 0].numel() * k.element_size()) + (v[0, 0].numel() * v.element_size())
+    return kv.layer_page_bytes(group)
 
 
 def shipment_layers(layer_is_swa: Sequence[bool], pages: PageSet, full_table: Sequence[int],
@@ -88,10 +87,10 @@ def shipment_layers(layer_is_swa: Sequence[bool], pages: PageSet, full_table: Se
 
 def payload_specs(kv: KVPools, layers: Sequence[LayerPages]) -> list[PayloadSpec]:
     """One PayloadSpec per layer; payload = K pages then V pages, flattened per page."""
-    dtype = str(kv.full_k.dtype).removeprefix("torch.")
+    dtype = str(kv.dtype).removeprefix("torch.")
     specs = []
     for lp in layers:
-        per_page = page_bytes(kv, lp.slot.group) // kv.full_k.element_size()
+        per_page = page_bytes(kv, lp.slot.group) // kv.dtype.itemsize
         specs.append(PayloadSpec(lp.slot.group, lp.slot.index, len(lp.pages), dtype, (len(lp.pages), per_page)))
     return specs
 
@@ -108,16 +107,17 @@ def stream_specs(kv: KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan) ->
 
 def gather_layer(kv: KVPools, lp: LayerPages) -> Payload:
     """Sender payload of one layer: [K pages, V pages] as two contiguous tensors (copies)."""
-    k, v = kv.group(lp.slot.group)
-    idx = torch.tensor(lp.pages, dtype=torch.int64, device=k.device)
-    return [k[lp.slot.index].index_select(0, idx), v[lp.slot.index].index_select(0, idx)]
+    k, v, _ = kv.layer_kv(lp.slot.group, lp.slot.index)
+    idx = kv.page_rows(lp.slot.group, lp.slot.index, torch.tensor(lp.pages, dtype=torch.int64)).to(k.device)
+    return [k.index_select(0, idx), v.index_select(0, idx)]
 
 
 def destination_views(kv: KVPools, lp: LayerPages) -> Payload:
     """Receiver destination of one layer: the pool's own page views (K pages, then V pages), written in
     place, in the same byte order as `gather_layer`."""
-    k, v = kv.group(lp.slot.group)
-    return [k[lp.slot.index, p] for p in lp.pages] + [v[lp.slot.index, p] for p in lp.pages]
+    k, v, _ = kv.layer_kv(lp.slot.group, lp.slot.index)
+    rows = kv.page_rows(lp.slot.group, lp.slot.index, torch.tensor(lp.pages, dtype=torch.int64)).tolist()
+    return [k[r] for r in rows] + [v[r] for r in rows]
 
 
 def stream_layers(layer_is_swa: Sequence[bool], plan: StreamPlan, full_table: Sequence[int],
@@ -158,7 +158,7 @@ class KVAccess:
     def gather(self, layers: Sequence[LayerPages]) -> list[Payload]:
         """Sender payloads of `layers` (engine thread, between steps): copies, complete when this returns."""
         payloads = [gather_layer(self.kv, lp) for lp in layers]
-        synchronize_copies(self.kv.full_k.device)
+        synchronize_copies(self.kv.device)
         return payloads
 
     def receive(self, layers: Sequence[LayerPages]) -> Landing:
