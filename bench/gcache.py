@@ -16,8 +16,9 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
    worst ratio over sizes >= 4 MiB, both client counts and every transport measured.
 2. Cluster simulation (bench.router's simulator, pure): N workers with their own KV caches, with and without a
-   pooled L3 of finite capacity that every worker writes prompts and finished sequences to (full pages per
-   block, an SWA checkpoint at the end) and reads misses from; hit tokens as a share of the pooled oracle
+   pooled L3 of finite capacity that every worker writes prompts and finished sequences to as the engine does
+   (full pages per block, SWA checkpoints at the end and every WINDSERVE_GCACHE_CHECKPOINT_EVERY tokens where the
+   worker's cache kept the window) and reads misses from; hit tokens as a share of the pooled oracle
    (one cache of N budgets): gcache_cluster_hit_share (goal >= 0.95), no_gcache_cluster_hit_share.
 3. Engine figures on a real topology (gateway, router, worker, cache nodes; WINDSERVE_GCACHE=1):
    l3_hit_ttft_ratio (goal <= 0.5) and l3_bytes_per_token_ratio (goal <= 1.05); null, with the reason, where the
@@ -906,9 +907,10 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
     """A second turn whose prefix (the first turn's long prompt + output) is only in L3 — the first turn computed
     and written back, then the worker restarted — vs a prompt of the same length computed from scratch on the
     same fresh worker, alternated; and the bytes the nodes hold per cached token over the dual-layout limit
-    (libs.kvcache.l3.l3_footprint) of what the first turns wrote. The engine stores an SWA checkpoint where a
-    sequence ended, so the L3 hit is a continuation's prefix (a repeat of the same prompt could not use it: one
-    prompt token must stay to compute)."""
+    (libs.kvcache.l3.l3_footprint) of what the first turns wrote (one window of SWA KV per stored checkpoint).
+    The engine stores an SWA checkpoint where a sequence ended (and every WINDSERVE_GCACHE_CHECKPOINT_EVERY
+    tokens), so the L3 hit is a continuation's prefix (a repeat of the same prompt would resume at the last
+    periodic checkpoint before its end: one prompt token must stay to compute)."""
     import torch
 
     from bench.serving import ENGINE_ENV as SERVING_ENV
@@ -918,6 +920,7 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
 
     kv_layout = importlib.import_module("libs.engine.l3").kv_layout  # wave4-engine's
     l3_footprint = importlib.import_module("libs.kvcache.l3").l3_footprint
+    l3_checkpoint_ends = importlib.import_module("libs.kvcache.l3").l3_checkpoint_ends
     page = int(SERVING_ENV["WINDSERVE_PAGE_SIZE"])
     n_tok = LONG_CHUNKS * int(SERVING_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
     count = 2 if quick else 4
@@ -932,7 +935,9 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
             await _stream(client, block_tokens(940_000, 8), 2)  # warm-up below one page: nothing stored
             first = [await _stream(client, p, ENGINE_OUTPUT) for p in turn1]
             blocks_each = (n_tok + ENGINE_OUTPUT - 1) // page  # KV of prompt + output but the last token
-            stored, keys = await _settled_usage(url, count * (blocks_each + 1))
+            # (at most: the periodic ones where the worker's cache kept the window, and the end)
+            ckpts_each = len(l3_checkpoint_ends(blocks_each, default_checkpoint_every() // page))
+            stored, keys = await _settled_usage(url, count * (blocks_each + ckpts_each))
             details_before = await _worker_gcache_details(url)
             await _restart_worker(system)
             await _stream(client, block_tokens(940_001, 8), 2)
