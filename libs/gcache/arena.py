@@ -99,7 +99,7 @@ class SegmentArena:
 
     # ------------------------------------------------------------------ prefault
 
-    def prefault(self, on_done: Callable[[], None] | None = None) -> threading.Thread:
+    def prefault(self, on_done: Callable[[], object] | None = None) -> threading.Thread:
         """Populate the mapping's page tables in a daemon thread (no data written; ctypes releases the GIL
         during each madvise). Where the kernel refuses (older than 5.14), pages just fault on first use."""
         def run() -> None:
