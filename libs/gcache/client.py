@@ -254,6 +254,8 @@ class _IOWorker:
         # transfer); values larger than a segment, or beyond the arena, get fresh buffers
         lb = self.config.landing_bytes
         self.allocate = Allocator(SegmentArena(lb, min(self.config.landing_segment_bytes, lb)) if lb else None)
+        if self.allocate.arena is not None and self.config.landing_prefault:
+            self.allocate.arena.prefault()
         self._thread: threading.Thread | None = None
         self._queue: asyncio.Queue[list[tuple[str, Buffer]]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
