@@ -306,6 +306,18 @@ def test_l3_checkpoints_are_the_end_and_every_k_pages_whose_window_the_cache_kep
     assert l3_checkpoints(table, 20, 4, 8) == [20]
 
 
+@pytest.mark.unit
+def test_the_service_turns_gcache_checkpoint_every_into_the_caches_periodic_checkpoints() -> None:
+    from libs.worker.config import EngineServiceConfig
+
+    assert EngineServiceConfig(page_size=16, gcache=True).engine_config().checkpoint_every_pages == 512 // 16
+    assert EngineServiceConfig(page_size=16, gcache=True, gcache_checkpoint_every=0).engine_config(
+    ).checkpoint_every_pages == 0
+    assert EngineServiceConfig(page_size=48).engine_config().checkpoint_every_pages == 0  # no GCache: unchanged
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        EngineServiceConfig(page_size=48, gcache=True)
+
+
 @pytest.mark.integration
 async def test_a_prompt_sharing_only_a_mid_prompt_prefix_hits_a_periodic_l3_checkpoint(tiny):
     """With checkpoint_every_pages the write-back also stores the checkpoints the cache kept every 8 pages: a

@@ -99,7 +99,7 @@ class EngineServiceConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _checkpoint_every_pages(self) -> EngineServiceConfig:
-        if self.gcache_checkpoint_every % self.page_size:
+        if self.gcache and self.gcache_checkpoint_every % self.page_size:  # (unused without GCache)
             raise ValueError(f"gcache_checkpoint_every={self.gcache_checkpoint_every} must be a multiple of "
                              f"page_size={self.page_size}")
         return self
