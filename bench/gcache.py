@@ -16,8 +16,9 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
    worst ratio over sizes >= 4 MiB, both client counts and every transport measured.
 2. Cluster simulation (bench.router's simulator, pure): N workers with their own KV caches, with and without a
-   pooled L3 of finite capacity that every worker writes prompts and finished sequences to (full pages per
-   block, an SWA checkpoint at the end) and reads misses from; hit tokens as a share of the pooled oracle
+   pooled L3 of finite capacity that every worker writes prompts and finished sequences to as the engine does
+   (full pages per block, SWA checkpoints at the end and every WINDSERVE_GCACHE_CHECKPOINT_EVERY tokens where the
+   worker's cache kept the window) and reads misses from; hit tokens as a share of the pooled oracle
    (one cache of N budgets): gcache_cluster_hit_share (goal >= 0.95), no_gcache_cluster_hit_share.
 3. Engine figures on a real topology (gateway, router, worker, cache nodes; WINDSERVE_GCACHE=1):
    l3_hit_ttft_ratio (goal <= 0.5) and l3_bytes_per_token_ratio (goal <= 1.05); null, with the reason, where the
@@ -62,7 +63,9 @@ OP_TIMEOUT_S = 120.0  # bound of one round (a 2-core CI box moving 4 x 64 MiB th
 HEADLINE_MIN_MIB = 4
 # The storage nodes' tiers for the bench: memory only, room for more than any round writes (older keys are
 # evicted LRU; a get reads the keys of its own round).
-NODE_ENV = {"WINDSERVE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_DISK_BYTES": "0"}
+# Their memory is pre-faulted at start (WINDSERVE_PREFAULT): as the raw baseline's buffers, touched before the
+# rounds; the node is ready once its arena is populated.
+NODE_ENV = {"WINDSERVE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_DISK_BYTES": "0", "WINDSERVE_PREFAULT": "1"}
 GOALS = {"put_vs_raw_ucx": ">= 0.8", "get_vs_raw_ucx": ">= 0.8", "put_vs_redis": ">= 3", "get_vs_redis": ">= 3",
          "gcache_cluster_hit_share": ">= 0.95", "l3_hit_ttft_ratio": "<= 0.5", "l3_bytes_per_token_ratio": "<= 1.05"}
 HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share")
@@ -235,6 +238,8 @@ class GCacheBackend(KVBackend):
         client_cls = importlib.import_module("libs.gcache.client").GCacheClient  # wave4-node's module
         # The bench measures throughput, not failure bounds: a round on a loaded 2-core box may take seconds.
         chunk = {"chunk_bytes": self.chunk_mib * MIB} if self.chunk_mib else {}
+        # (its landing memory is reused from the warm-up round on: landing_prefault would add 256 MiB of
+        # page population per client to the start, which made 4 starting clients miss the 60 s bound)
         self.gc = client_cls(self.where, NAMESPACE, config=GCacheConfig(op_timeout_s=OP_TIMEOUT_S / 2, **chunk))
         await self.gc.start()
         return "-"
@@ -428,7 +433,10 @@ async def run_rounds(clients: list[Child], servers: list[Child], sizes: Sequence
         size = mib * MIB
         n = max(1, round_bytes // size)
         for it in range(iters + 1):
-            rnd = si * 1000 + it
+            # Keys are immutable and the nodes serve every client count in turn: the round id carries the
+            # client count, or client 0 of the 4-client run would put the 1-client run's keys again (refused:
+            # a quarter of its values "short", though the get finds the bytes the first run stored).
+            rnd = len(clients) * 10_000 + si * 1000 + it
             for op in ("put", "get"):
                 for s in servers:
                     for c in range(len(clients)):
@@ -616,23 +624,29 @@ def worst_ratio(by_transport: dict[str, list[dict]], op: str, field: str) -> flo
 # ============================================================================ 2. cluster simulation (pure)
 
 
-ALIGNED_CKPT_TOKENS = 512  # the variant: checkpoints also at the workers' checkpoint_align (trace blocks)
 L3_GBPS = 2.0  # timing model: L3 bytes per second into a worker (below what the throughput part measures)
+
+
+def default_checkpoint_every() -> int:
+    """The engines' default `WINDSERVE_GCACHE_CHECKPOINT_EVERY` (tokens): the headline simulates it."""
+    from libs.worker.config import EngineServiceConfig
+
+    return int(EngineServiceConfig.model_fields["gcache_checkpoint_every"].default)
 
 
 class PooledL3:
     """The simulation's GCache: one pooled LRU store of `capacity` bytes. A written sequence (a prompt at the end
-    of its prefill, prompt + output when it finishes) stores one full value per page-aligned block and an SWA
-    checkpoint (one window of SWA pages) at its last full page, as the engine does (libs/engine/l3.py), and with
-    `ckpt_every` > 0 also every that many pages (what a prefix shared by different prompts needs); keys are
-    immutable (a write of a stored key only refreshes it)."""
+    of its prefill, prompt + output when it finishes) stores one full value per page-aligned block and the SWA
+    checkpoints (one window of SWA pages each) the engine's write-back stores (libs/engine/l3.py: the end, and
+    every `checkpoint_every_pages` pages whose window the worker's cache kept, `libs.kvcache.l3_checkpoints`);
+    keys are immutable (a write of a stored key only refreshes it)."""
 
-    def __init__(self, capacity: int, page: int, full_bytes: int, swa_bytes: int, ckpt_every: int = 0) -> None:
+    def __init__(self, capacity: int, page: int, full_bytes: int, swa_bytes: int) -> None:
         self.capacity, self.page, self.full_bytes, self.swa_bytes = capacity, page, full_bytes, swa_bytes
-        self.ckpt_every = ckpt_every
         self.used = 0
         self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()
         self.evicted = 0
+        self.checkpoints = 0  # checkpoint writes (stored or refreshed)
 
     def _put(self, key: tuple[str, int], nbytes: int) -> None:
         if key in self.lru:
@@ -645,11 +659,13 @@ class PooledL3:
             self.used -= b
             self.evicted += 1
 
-    def write(self, hashes: Sequence[int]) -> None:
-        for i, h in enumerate(hashes):
+    def write(self, hashes: Sequence[int], ends: Sequence[int]) -> None:
+        """Full values of `hashes` (the written blocks), checkpoints ending at the pages `ends` (exclusive)."""
+        for h in hashes:
             self._put(("F", h), self.full_bytes)
-            if i == len(hashes) - 1 or self.ckpt_every and (i + 1) % self.ckpt_every == 0:
-                self._put(("S", h), self.swa_bytes)
+        for e in ends:
+            self._put(("S", hashes[e - 1]), self.swa_bytes)
+        self.checkpoints += len(ends)
 
     def hit(self, hashes: Sequence[int], prompt_len: int) -> int:
         """Tokens of the longest valid hit: every full block up to a block with an SWA checkpoint, leaving at
@@ -669,14 +685,16 @@ class PooledL3:
 
 def l3_sim_class():
     """bench.router's Sim with a PooledL3 beside the workers (imported late: the simulator pulls in the KV
-    cache and routing libraries)."""
+    cache and routing libraries). Its workers' caches keep a checkpoint every `every_pages` pages (the engine's
+    `checkpoint_every_pages` under GCache) and write back what the engine's L3Export would."""
     from bench.router import Job, Sim, Worker
-    from libs.kvcache import block_hashes
+    from libs.kvcache import block_hashes, l3_checkpoints
 
     class L3Sim(Sim):
-        def __init__(self, n: int, lanes: int, budget: int, pick, l3: PooledL3) -> None:
-            super().__init__(n, lanes, budget, pick)
+        def __init__(self, n: int, lanes: int, budget: int, pick, l3: PooledL3, every_pages: int) -> None:
+            super().__init__(n, lanes, budget, pick, checkpoint_every_pages=every_pages)
             self.l3 = l3
+            self.every_pages = every_pages
             self.l3_tokens = 0
 
         def remote_hit(self, w: Worker, job: Job, local_tokens: int) -> tuple[int, float]:
@@ -685,19 +703,29 @@ def l3_sim_class():
             nbytes = extra // self.l3.page * self.l3.full_bytes + (self.l3.swa_bytes if extra else 0)
             return extra, nbytes / (L3_GBPS * 1e9)
 
-        def on_prefilled(self, w: Worker, job: Job) -> None:
-            self.l3.write(job.hashes)
+        def _write(self, w: Worker, job: Job, hashes: list[int], pages: int) -> None:
+            cfg = w.cache.cfg
+            _, swa = w.cache.page_tables(f"r{job.rid}")
+            # The simulated sequence computed its output too before this (bench.kvcache.compute): its window at
+            # the prompt's end may be gone here, but a prefill worker always still holds it when it writes.
+            ends = sorted({*l3_checkpoints(swa, pages, cfg.window_pages, self.every_pages), pages})
+            self.l3.write(hashes[:pages], ends)
 
-        def on_finished(self, w: Worker, job: Job) -> None:
-            self.l3.write(block_hashes(job.req.prompt + job.req.output, self.l3.page))
+        def on_prefilled(self, w: Worker, job: Job) -> None:  # a prefill worker's write: the prompt's pages
+            self._write(w, job, job.hashes, len(job.req.prompt) // self.l3.page)
+
+        def on_finished(self, w: Worker, job: Job) -> None:  # prompt + output: (len - 1) tokens computed
+            seq = job.req.prompt + job.req.output
+            self._write(w, job, block_hashes(seq, self.l3.page), (len(seq) - 1) // self.l3.page)
 
     return L3Sim
 
 
 def cluster(traces: dict[str, list], n: int, policies: Sequence[str], budget: int, l3_bytes: int,
-            aligned_ckpt_tokens: int = 0) -> dict:
-    """Per trace and policy: hit tokens with and without the pooled L3, each over the pooled oracle's; with
-    `aligned_ckpt_tokens`, also an L3 that stores SWA checkpoints every that many tokens besides the ends."""
+            checkpoint_every: int, compare_every: int = 0) -> dict:
+    """Per trace and policy: hit tokens with and without the pooled L3, each over the pooled oracle's; the L3
+    (and the workers' retention) with a checkpoint every `checkpoint_every` tokens besides the ends (the
+    headline), and beside it with `compare_every` (`gcache_ckpt<k>_hit_share`; 0 = only the ends)."""
     from bench.kvcache import FULL_PAGE_B, PAGE, SWA_PAGE_B, WINDOW
     from bench.router import Job, Sim, jobs_for, policy
 
@@ -716,22 +744,22 @@ def cluster(traces: dict[str, list], n: int, policies: Sequence[str], budget: in
         for p in policies:
             plain = Sim(n, 1, budget, policy(p)).run(fresh())
             l3 = PooledL3(l3_bytes, PAGE, FULL_PAGE_B, swa_ckpt)
-            sim = L3Sim(n, 1, budget, policy(p), l3)
+            sim = L3Sim(n, 1, budget, policy(p), l3, checkpoint_every // PAGE)
             shared = sim.run(fresh())
-            aligned = {}
-            if aligned_ckpt_tokens:
-                a = L3Sim(n, 1, budget, policy(p), PooledL3(l3_bytes, PAGE, FULL_PAGE_B, swa_ckpt,
-                                                            aligned_ckpt_tokens // PAGE)).run(fresh())
-                aligned = {f"gcache_ckpt{aligned_ckpt_tokens}_hit_share": a.hit / max(oracle.hit, 1)}
+            other = L3Sim(n, 1, budget, policy(p), PooledL3(l3_bytes, PAGE, FULL_PAGE_B, swa_ckpt),
+                          compare_every // PAGE).run(fresh())
             row[p] = {"no_gcache_hit_share": plain.hit / max(oracle.hit, 1),
                       "gcache_hit_share": shared.hit / max(oracle.hit, 1),
+                      f"gcache_ckpt{compare_every}_hit_share": other.hit / max(oracle.hit, 1),
                       "no_gcache_hit_rate": plain.hit / max(plain.prompt, 1),
                       "gcache_hit_rate": shared.hit / max(shared.prompt, 1),
                       "l3_hit_tokens": sim.l3_tokens, "l3_used_gib": l3.used / GIB, "l3_evicted_values": l3.evicted,
+                      "l3_checkpoint_writes": l3.checkpoints,
                       "gcache_ttft_p50_s": statistics.median(shared.ttft),
-                      "no_gcache_ttft_p50_s": statistics.median(plain.ttft), **aligned}
+                      "no_gcache_ttft_p50_s": statistics.median(plain.ttft)}
             print(f"[gcache] sim {tname} N={n} {p}: share {row[p]['no_gcache_hit_share']:.3f} -> "
-                  f"{row[p]['gcache_hit_share']:.3f} {aligned}", flush=True)
+                  f"{row[p]['gcache_hit_share']:.3f} (checkpoints every {checkpoint_every}; every "
+                  f"{compare_every}: {row[p][f'gcache_ckpt{compare_every}_hit_share']:.3f})", flush=True)
         out[tname] = row
     return out
 
@@ -743,19 +771,23 @@ def cluster_headline(grid: dict, head_policy: str) -> tuple[float, float, str]:
     return cell["gcache_hit_share"], cell["no_gcache_hit_share"], worst
 
 
-def simulate(n_requests: int, n: int, policies: Sequence[str], l3_bytes: int | None = None) -> dict:
+def simulate(n_requests: int, n: int, policies: Sequence[str], l3_bytes: int | None = None,
+             checkpoint_every: int | None = None) -> dict:
     from bench.router import BUDGET, agentic_like
     from bench.traces import conversation
 
     conv = conversation(n_requests)
     traces = {"conversation": conv, "agentic": agentic_like(conv, n_requests)}
     l3_bytes = l3_bytes if l3_bytes is not None else n * BUDGET
-    grid = cluster(traces, n, policies, BUDGET, l3_bytes, ALIGNED_CKPT_TOKENS)
+    every = default_checkpoint_every() if checkpoint_every is None else checkpoint_every
+    grid = cluster(traces, n, policies, BUDGET, l3_bytes, every, 0)
     with_l3, without, trace = cluster_headline(grid, policies[0])
     return {"gcache_cluster_hit_share": with_l3, "no_gcache_cluster_hit_share": without, "headline_trace": trace,
             "headline_policy": policies[0], "workers": n, "requests_per_trace": n_requests,
             "budget_gib_per_worker": BUDGET / GIB, "l3_capacity_gib": l3_bytes / GIB,
-            "l3_values": "full value per block, SWA checkpoint at the end of each written prompt and sequence",
+            "checkpoint_every_tokens": every,
+            "l3_values": f"full value per block, SWA checkpoint at the end of each written prompt and sequence and "
+                         f"every {every} tokens where the worker's cache kept the window (as the engine writes)",
             "l3_gbps_model": L3_GBPS, "grid": grid}
 
 
@@ -882,9 +914,10 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
     """A second turn whose prefix (the first turn's long prompt + output) is only in L3 — the first turn computed
     and written back, then the worker restarted — vs a prompt of the same length computed from scratch on the
     same fresh worker, alternated; and the bytes the nodes hold per cached token over the dual-layout limit
-    (libs.kvcache.l3.l3_footprint) of what the first turns wrote. The engine stores an SWA checkpoint where a
-    sequence ended, so the L3 hit is a continuation's prefix (a repeat of the same prompt could not use it: one
-    prompt token must stay to compute)."""
+    (libs.kvcache.l3.l3_footprint) of what the first turns wrote (one window of SWA KV per stored checkpoint).
+    The engine stores an SWA checkpoint where a sequence ended (and every WINDSERVE_GCACHE_CHECKPOINT_EVERY
+    tokens), so the L3 hit is a continuation's prefix (a repeat of the same prompt would resume at the last
+    periodic checkpoint before its end: one prompt token must stay to compute)."""
     import torch
 
     from bench.serving import ENGINE_ENV as SERVING_ENV
@@ -894,6 +927,7 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
 
     kv_layout = importlib.import_module("libs.engine.l3").kv_layout  # wave4-engine's
     l3_footprint = importlib.import_module("libs.kvcache.l3").l3_footprint
+    l3_checkpoint_ends = importlib.import_module("libs.kvcache.l3").l3_checkpoint_ends
     page = int(SERVING_ENV["WINDSERVE_PAGE_SIZE"])
     n_tok = LONG_CHUNKS * int(SERVING_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
     count = 2 if quick else 4
@@ -908,7 +942,9 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
             await _stream(client, block_tokens(940_000, 8), 2)  # warm-up below one page: nothing stored
             first = [await _stream(client, p, ENGINE_OUTPUT) for p in turn1]
             blocks_each = (n_tok + ENGINE_OUTPUT - 1) // page  # KV of prompt + output but the last token
-            stored, keys = await _settled_usage(url, count * (blocks_each + 1))
+            # (at most: the periodic ones where the worker's cache kept the window, and the end)
+            ckpts_each = len(l3_checkpoint_ends(blocks_each, default_checkpoint_every() // page))
+            stored, keys = await _settled_usage(url, count * (blocks_each + ckpts_each))
             details_before = await _worker_gcache_details(url)
             await _restart_worker(system)
             await _stream(client, block_tokens(940_001, 8), 2)

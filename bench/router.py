@@ -19,7 +19,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.kvcache import LAYOUT, PAGE, PREFILL_CHUNK, WINDOW, compute, windserve_cfg
@@ -84,8 +84,10 @@ class Sim:
     """Event-driven: arrivals at trace times; a worker prefills one job per lane (match + admit when it
     starts, FIFO; a job that does not fit waits for a decode to finish), then decodes beside the next."""
 
-    def __init__(self, n: int, lanes: int, budget: int, pick: Callable[[Sim, Job], Worker]) -> None:
-        cfg = windserve_cfg(budget, "checkpoints", SEQ_TOKENS, 0, CKPTS, rebuild=True)
+    def __init__(self, n: int, lanes: int, budget: int, pick: Callable[[Sim, Job], Worker],
+                 checkpoint_every_pages: int = 0) -> None:
+        cfg = replace(windserve_cfg(budget, "checkpoints", SEQ_TOKENS, 0, CKPTS, rebuild=True),
+                      checkpoint_every_pages=checkpoint_every_pages)
         self.workers = [Worker(f"w{i}", KVCache(cfg), lanes) for i in range(n)]
         self.pick = pick
         self.stats = Stats()
@@ -115,8 +117,8 @@ class Sim:
             else:
                 w, job = x  # type: ignore[misc]
                 w.decoding -= 1
+                self.on_finished(w, job)  # (before finish, as the engine's hook: the page tables are there)
                 w.cache.finish(f"r{job.rid}")
-                self.on_finished(w, job)
                 self._start(w)
         return self.stats
 
@@ -129,7 +131,7 @@ class Sim:
         """A prefill finished (its prompt's KV is complete)."""
 
     def on_finished(self, w: Worker, job: Job) -> None:
-        """A sequence finished (prompt + output)."""
+        """A sequence finished (prompt + output), before the worker's cache takes it back."""
 
     def _at(self, t: float, kind: str, x: object) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, x))

@@ -13,14 +13,18 @@ from bench.traces import agentic
 def test_pooled_l3_hit_needs_full_blocks_up_to_a_checkpoint() -> None:
     l3 = gcache.PooledL3(capacity=100, page=PAGE, full_bytes=1, swa_bytes=1)
     chain = list(range(1, 13))  # 12 pages; the SWA checkpoint at the end (page 12) only
-    l3.write(chain)
+    l3.write(chain, [12])
     assert l3.hit(chain, 12 * PAGE + 1) == 12 * PAGE
     assert l3.hit(chain, 12 * PAGE) == 0  # one prompt token must stay to compute, and no earlier checkpoint
-    l3.write(chain[:8])  # a prompt that ended at page 8
+    l3.write(chain[:8], [8])  # a prompt that ended at page 8
     assert l3.hit(chain, 12 * PAGE) == 8 * PAGE
     assert l3.hit(chain[:5] + [99] + chain[6:], 12 * PAGE + 1) == 0  # a missing full block: no checkpoint before
+    other = chain[:6] + [99] * 6  # shares pages 0..5 only: the page-8 checkpoint is out of reach
+    assert l3.hit(other, 12 * PAGE) == 0
+    l3.write(chain, [4, 12])  # a periodic checkpoint at page 4 (the engine's checkpoint_every_pages)
+    assert l3.hit(other, 12 * PAGE) == 4 * PAGE and l3.checkpoints == 4
     small = gcache.PooledL3(capacity=3, page=PAGE, full_bytes=1, swa_bytes=1)
-    small.write(chain)  # LRU keeps the last 3 values: the tail, not the prefix
+    small.write(chain, [12])  # LRU keeps the last 3 values: the tail, not the prefix
     assert small.hit(chain, 12 * PAGE + 1) == 0 and small.used <= 3 and small.evicted > 0
 
 
@@ -29,7 +33,8 @@ def test_cluster_share_with_gcache_at_least_without() -> None:
     cell = grid["agentic"]["round_robin"]
     assert cell["gcache_hit_share"] >= cell["no_gcache_hit_share"]
     assert cell["l3_hit_tokens"] > 0  # round robin spreads a session's turns: the next turn's prefix is in L3
-    assert cell["gcache_ckpt512_hit_share"] >= cell["gcache_hit_share"] - 1e-9
+    assert cell["gcache_hit_share"] >= cell["gcache_ckpt0_hit_share"] - 1e-9  # periodic checkpoints: more hits
+    assert cell["gcache_ckpt0_hit_share"] >= cell["no_gcache_hit_share"]
 
 
 def test_results_have_every_headline_key(tmp_path) -> None:

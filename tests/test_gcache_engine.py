@@ -18,7 +18,7 @@ from libs.engine import AsyncEngine, EngineCore, Request, SamplingParams
 from libs.engine.l3 import kv_layout, l3_namespace
 from libs.gcache.api import Buffer
 from libs.gcache.memory import MemoryBlockStore
-from libs.kvcache import KVCache, KVCacheConfig, l3_footprint, l3_hit_end
+from libs.kvcache import KVCache, KVCacheConfig, l3_checkpoint_ends, l3_checkpoints, l3_footprint, l3_hit_end
 from libs.model import load_model, load_tokenizer
 from libs.worker.gcache import GCacheLink
 from tests.test_engine import PAGE
@@ -89,14 +89,14 @@ def test_values_round_trip_from_device_pages_to_host_pages(dtype) -> None:
 
     export = L3Export(dev, Cache, "ns", KnownBlocks(8), lambda job: jobs.append(job) or True)
     export(Seq)  # a window page without SWA KV: the full values go, no checkpoint
-    assert jobs[0].swa_key is None and len(jobs[0].items()) == 3
+    assert jobs[0].swa_keys == [] and len(jobs[0].items()) == 3
     Cache.swa = [4, 3, 6]
     export(Seq)  # the full values are known now: only the checkpoint
-    assert jobs[1].full_keys == [] and jobs[1].swa_key == "ns:S:000000000000000d"
+    assert jobs[1].full_keys == [] and jobs[1].swa_keys == ["ns:S:000000000000000d"]
     job, items = jobs[0], {**dict(jobs[0].items()), **dict(jobs[1].items())}
     assert all(memoryview(items[k]).nbytes == layout.full_bytes for k in job.full_keys)
     full = [items[k] for k in job.full_keys]
-    staged = stage_values(host, layout, full[1:], items[jobs[1].swa_key], 3)  # blocks 1..2, window pages 0..2
+    staged = stage_values(host, layout, full[1:], items[jobs[1].swa_keys[0]], 3)  # blocks 1..2, window pages 0..2
     write_host_blocks(host, [0, 4], [1, 2, 3], staged)
     for t_dev, t_host, pairs in ((dev.full_k, host.full_k, ((2, 0), (7, 4))), (dev.full_v, host.full_v, ((2, 0), (7, 4))),
                                  (dev.swa_k, host.swa_k, ((4, 1), (3, 2), (6, 3))),
@@ -104,7 +104,7 @@ def test_values_round_trip_from_device_pages_to_host_pages(dtype) -> None:
         for d, h in pairs:
             assert torch.equal(t_dev[:, d], t_host[:, h])
     with pytest.raises(ValueError, match="layout sizes"):
-        stage_values(host, layout, full[1:], items[jobs[1].swa_key], 4)
+        stage_values(host, layout, full[1:], items[jobs[1].swa_keys[0]], 4)
 
 
 def _cache(host: int = 64) -> KVCache:
@@ -292,6 +292,50 @@ async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny):
     assert (load.hit_tokens, load.l3_hit_tokens, load.host_hit_tokens) == (80, 80, 0)
     await until(lambda: b.link.counts()["writebacks"] == 1)
     assert b.link.counts()["written_values"] == 6  # only the new blocks 20..24 and their checkpoint
+    await b.close()
+
+
+@pytest.mark.unit
+def test_l3_checkpoints_are_the_end_and_every_k_pages_whose_window_the_cache_kept() -> None:
+    assert l3_checkpoint_ends(20, 0) == [20] and l3_checkpoint_ends(0, 8) == []
+    assert l3_checkpoint_ends(20, 8) == [8, 16, 20] and l3_checkpoint_ends(16, 8) == [8, 16]
+    table = [-1] * 4 + [1, 2, 3, 4] + [-1] * 8 + [5, 6, 7, 8]  # windows kept at 8 and at the end (20)
+    assert l3_checkpoints(table, 20, 4, 8) == [8, 20]
+    assert l3_checkpoints(table, 20, 4, 0) == [20]
+    table[5] = -1  # the cache took the periodic window back: not written
+    assert l3_checkpoints(table, 20, 4, 8) == [20]
+
+
+@pytest.mark.unit
+def test_the_service_turns_gcache_checkpoint_every_into_the_caches_periodic_checkpoints() -> None:
+    from libs.worker.config import EngineServiceConfig
+
+    assert EngineServiceConfig(page_size=16, gcache=True).engine_config().checkpoint_every_pages == 512 // 16
+    assert EngineServiceConfig(page_size=16, gcache=True, gcache_checkpoint_every=0).engine_config(
+    ).checkpoint_every_pages == 0
+    assert EngineServiceConfig(page_size=48).engine_config().checkpoint_every_pages == 0  # no GCache: unchanged
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        EngineServiceConfig(page_size=48, gcache=True)
+
+
+@pytest.mark.integration
+async def test_a_prompt_sharing_only_a_mid_prompt_prefix_hits_a_periodic_l3_checkpoint(tiny):
+    """With checkpoint_every_pages the write-back also stores the checkpoints the cache kept every 8 pages: a
+    later prompt that shares only the first 40 tokens of an earlier one (not its end) gets 32 of them from L3
+    (L1 and L2 empty) and the outputs of a cache-disabled run. Without periodic checkpoints it would miss."""
+    store = MemoryBlockStore()
+    first = tokens(80, 70)
+    a = Served(tiny, store, checkpoint_every_pages=8)
+    await a.generate("p1", first, 12)  # 81 computed: 20 pages, checkpoints at 8, 16 and 20
+    await until(lambda: a.link.counts()["writebacks"] == 1)
+    await a.close()
+    assert len(store.values) == 20 + 3
+    second = [*first[:40], *tokens(81, 30)]  # shares pages 0..9 (40 tokens): the stored checkpoint at page 8
+    b = Served(tiny, store, checkpoint_every_pages=8)
+    out, cached = await b.generate("p2", second, 8)
+    assert cached == 8 * PAGE
+    assert b.link.counts()["hits"] == 1 and b.link.counts()["imported_tokens"] == 8 * PAGE
+    assert out == await reference(tiny, second, 8)
     await b.close()
 
 

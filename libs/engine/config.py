@@ -36,6 +36,9 @@ class EngineConfig:
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
     """SWA retention policy of the prefix cache ("checkpoints", "none", "all")."""
+    checkpoint_every_pages: int = 0
+    """The prefix cache also keeps an SWA checkpoint every this many pages (0 = off; best effort, from free SWA
+    memory: docs/kvcache.md, "Retention"); GCache's write-back stores the ones kept (docs/gcache.md)."""
     swa_rebuild: bool = True
     """When the cache holds full KV of a prefix further than its last SWA checkpoint, rebuild the SWA window
     there by recomputing the (SWA layers + 1) windows before it instead of everything after the checkpoint."""
@@ -104,7 +107,7 @@ class EngineConfig:
         for name in ("page_size", "num_full_pages", "num_swa_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_host_full_pages", "num_host_swa_pages"):
+        for name in ("num_host_full_pages", "num_host_swa_pages", "checkpoint_every_pages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):

@@ -102,7 +102,7 @@ def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
         page_size=config.page_size, window=model_config.sliding_window, **pools,
         num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
         enable_prefix_cache=config.enable_prefix_cache, retention=config.retention,
-        rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
+        checkpoint_every_pages=config.checkpoint_every_pages, rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
         if config.swa_rebuild else 0)
 
 

@@ -5,7 +5,8 @@ Values, per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`), 
 page of a layer group: its K [layers, page, kv heads, head dim], then its V, in the pool dtype):
 - full value `F:<hash of b>`: the record of block b's full-attention page (`ValueLayout.full_bytes`);
 - SWA checkpoint `S:<hash of b>`: the records of the SWA pages of the window ending at b, in page order,
-  w = min(window pages, b + 1) of them (`ValueLayout.swa_bytes`).
+  w = min(window pages, b + 1) of them (`ValueLayout.swa_bytes`); written at a sequence's last full block and
+  every `checkpoint_every_pages` pages the cache retained (`L3Export`).
 The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/l3.py.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from libs.gcache.api import Buffer
 from libs.gcache.keys import full_key, model_namespace, swa_key
-from libs.kvcache import KVCacheConfig, KVLayout
+from libs.kvcache import KVCacheConfig, KVLayout, l3_checkpoints
 from libs.model.paged import KVPools
 
 if TYPE_CHECKING:
@@ -168,9 +169,9 @@ class KnownBlocks:
     def has_swa(self, block_hash: int) -> bool:
         return block_hash | self._SWA in self._lru
 
-    def add(self, full_hashes: Sequence[int], swa_hash: int | None = None) -> None:
+    def add(self, full_hashes: Sequence[int], swa_hashes: Sequence[int] = ()) -> None:
         lru = self._lru
-        for h in (*full_hashes, *(() if swa_hash is None else (swa_hash | self._SWA,))):
+        for h in (*full_hashes, *(h | self._SWA for h in swa_hashes)):
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > self.max_entries:
@@ -183,13 +184,14 @@ class KnownBlocks:
 @dataclass
 class WriteBack:
     """One finished sequence's values on their way to the store: `full` (K, V page-major, `gather_pages`) row j is
-    the value of `full_keys[j]`; `swa` (one row per window page, or None) the checkpoint under `swa_key`. The
-    tensors are copies (on the pools' device); `ready` (CUDA) is recorded after the copies, so another thread
-    waits on it."""
+    the value of `full_keys[j]`; `swa` (K, V page-major, or None) holds the checkpoints' pages back to back, the
+    first `swa_pages[0]` rows the checkpoint under `swa_keys[0]`, and so on. The tensors are copies (on the
+    pools' device); `ready` (CUDA) is recorded after the copies, so another thread waits on it."""
 
     full_keys: list[str]
     full: tuple[torch.Tensor, torch.Tensor] | None
-    swa_key: str | None
+    swa_keys: list[str]
+    swa_pages: list[int]
     swa: tuple[torch.Tensor, torch.Tensor] | None
     ready: torch.cuda.Event | None = None
 
@@ -205,8 +207,11 @@ class WriteBack:
         out: list[tuple[str, Buffer]] = []
         if self.full is not None:
             out += [(k, b"".join(rec)) for k, rec in zip(self.full_keys, _records(*self.full), strict=True)]
-        if self.swa is not None and self.swa_key is not None:
-            out.append((self.swa_key, b"".join(b for rec in _records(*self.swa) for b in rec)))
+        if self.swa is not None:
+            recs, at = _records(*self.swa), 0
+            for key, n in zip(self.swa_keys, self.swa_pages, strict=True):
+                out.append((key, b"".join(b for rec in recs[at:at + n] for b in rec)))
+                at += n
         return out
 
 
@@ -214,10 +219,13 @@ class L3Export:
     """The scheduler's `on_finish` hook: copies a finishing sequence's new L3 values out of the device pools and
     hands them to `sink` (the worker's bounded write-back queue; False = full, the batch is dropped).
 
-    What it writes: the full value of every page-aligned computed block not in `known`, and the checkpoint at
-    the last full block (the window a finished sequence always still holds). Engine-thread cost per finish: the
-    block hashes (cached on the sequence), a lookup per block in `known`, and one gather per pool tensor of the
-    new blocks (on CUDA four indexed-copy kernels and an event, asynchronous; on CPU a memcpy of their bytes)."""
+    What it writes: the full value of every page-aligned computed block not in `known`, and the SWA checkpoints
+    `libs.kvcache.l3_checkpoints` names that are not in `known`: the one at the last full block (the window a
+    finished sequence always still holds) and, with the cache's `checkpoint_every_pages`, one every that many
+    pages whose window the cache's retention kept (periodic checkpoints, best effort: a window the cache took
+    back is not written). Engine-thread cost per finish: the block hashes (cached on the sequence), a lookup per
+    block in `known`, and one gather per pool tensor of the new pages (on CUDA four indexed-copy kernels and an
+    event, asynchronous; on CPU a memcpy of their bytes)."""
 
     def __init__(self, kv: KVPools, cache, namespace: str, known: KnownBlocks,
                  sink: Callable[[WriteBack], bool],
@@ -250,15 +258,16 @@ class L3Export:
         full, swa = self.cache.page_tables(seq.req_id)
         known = self.known
         new = [j for j in range(npg) if full[j] >= 0 and not known.has_full(hashes[j])]
-        lo, last = max(0, npg - wp), hashes[npg - 1]
-        ckpt = not known.has_swa(last) and all(s >= 0 for s in swa[lo:npg])
-        if not new and not ckpt:
+        ends = [e for e in l3_checkpoints(swa, npg, wp, cfg.checkpoint_every_pages)
+                if not known.has_swa(hashes[e - 1])]
+        if not new and not ends:
             return
         kv, ns = self.kv, self.namespace
+        windows = [swa[max(0, e - wp):e] for e in ends]
         job = WriteBack([full_key(ns, hashes[j]) for j in new],
                         self.gather("full", [full[j] for j in new]) if new else None,
-                        swa_key(ns, last) if ckpt else None,
-                        self.gather("swa", swa[lo:npg]) if ckpt else None)
+                        [swa_key(ns, hashes[e - 1]) for e in ends], [len(w) for w in windows],
+                        self.gather("swa", [p for w in windows for p in w]) if ends else None)
         if kv.device.type == "cuda":
             job.ready = torch.cuda.Event()
             job.ready.record()
@@ -266,4 +275,4 @@ class L3Export:
             self.dropped += 1
             return
         self.queued += 1
-        known.add([hashes[j] for j in new], last if ckpt else None)
+        known.add([hashes[j] for j in new], [hashes[e - 1] for e in ends])

@@ -40,7 +40,6 @@ import torch
 
 from libs.bus import Bus, BusError, Registry, RegistryEventKind, RegistryView, ViewConfig
 from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address, create_engine
-from libs.transfer.buffers import host_bytes
 from protos import subjects
 from protos.base import ProtocolError
 from protos.messages import (
@@ -57,6 +56,7 @@ from protos.messages import (
 
 from . import wire
 from .api import Buffer
+from .arena import Allocator, SegmentArena
 from .config import GCacheConfig
 from .keys import value_checksum
 from .ring import HashRing
@@ -250,6 +250,12 @@ class _IOWorker:
         self.bus: Bus | None = None
         self.view: RegistryView | None = None
         self.engine: KVTransferEngine | None = None
+        # get landing buffers: reused memory (a page fault per 4 KiB of fresh memory cost more than the bytes'
+        # transfer); values larger than a segment, or beyond the arena, get fresh buffers
+        lb = self.config.landing_bytes
+        self.allocate = Allocator(SegmentArena(lb, min(self.config.landing_segment_bytes, lb)) if lb else None)
+        if self.allocate.arena is not None and self.config.landing_prefault:
+            self.allocate.arena.prefault()
         self._thread: threading.Thread | None = None
         self._queue: asyncio.Queue[list[tuple[str, Buffer]]] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -394,7 +400,7 @@ class _IOWorker:
     async def _get_at(self, node: str, keys: list[str], idxs: list[int], deadline: float) -> list[Buffer | None]:
         assert self.bus is not None and self.engine is not None
         tid = uuid.uuid4().hex
-        landing = _Landing()
+        landing = _Landing(self.allocate)
         incoming = self.engine.expect(tid, landing.allocate)
         try:
             async with asyncio.timeout(self._left(deadline)):
@@ -462,17 +468,19 @@ class _IOWorker:
 
 
 class _Landing:
-    """Buffers of one get's incoming transfer, laid out from its header: one uninitialised uint8 tensor per
-    value (no zero fill: every byte is received), each chunk layer a slice of it; the values handed out are
-    memoryviews of those tensors (no copy after the bytes land)."""
+    """Buffers of one get's incoming transfer, laid out from its header: one uninitialised buffer per value (no
+    zero fill: every byte is received) from the IO thread's allocator (its arena: memory faulted once and
+    reused, libs/gcache/arena.py), each chunk layer a tensor over a slice of it; the values handed out are
+    memoryviews of those buffers (no copy after the bytes land)."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int], memoryview]) -> None:
+        self.allocate_value = allocate
         self.buffers: dict[int, memoryview] = {}
 
     def allocate(self, header: TransferHeader) -> list[torch.Tensor]:
         sizes = wire.value_sizes(header.layers)
-        tensors = {pos: torch.empty(size, dtype=torch.uint8) for pos, size in sizes.items()}
-        self.buffers = {pos: host_bytes(t) for pos, t in tensors.items()}
+        self.buffers = {pos: self.allocate_value(size) for pos, size in sizes.items()}
+        tensors = {pos: torch.frombuffer(buf, dtype=torch.uint8) for pos, buf in self.buffers.items()}
         offsets = dict.fromkeys(sizes, 0)
         views = []
         for spec in header.layers:

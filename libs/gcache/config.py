@@ -17,3 +17,10 @@ class GCacheConfig(BaseModel):
     io_threads: int = Field(default=1, ge=1, description="IO threads (each its own event loop and connections)")
     transfer_host: str = Field(default="127.0.0.1", description="bind address of the client's transfer engine")
     advertise_host: str = Field(default="", description="host nodes dial to send values (empty: transfer_host)")
+    landing_bytes: int = Field(default=256 << 20, ge=0, description="per IO thread: memory gets land in, reused "
+                               "once the values handed out are dropped (libs/gcache/arena.py); 0 = a fresh buffer "
+                               "per value")
+    landing_prefault: bool = Field(default=False, description="populate the landing memory's page tables at start "
+                                   "(background): no get ever faults; it becomes resident at once")
+    landing_segment_bytes: int = Field(default=64 << 20, ge=4096, description="arena segment (a larger value gets "
+                                       "its own buffer)")

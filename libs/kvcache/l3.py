@@ -1,9 +1,10 @@
 """GCache (L3) bookkeeping that needs no IO: which hit an L3 lookup takes, and what L3 stores per cached token.
 
 Values (docs/kvcache.md, "Engine integration (L3)"): per page-aligned block b a *full value* (the block's page of
-every full-attention layer, K and V) and, at the blocks where a sequence ended, an *SWA checkpoint* (the SWA
-layers' K and V of the window's pages ending at b: min(window pages, b + 1) pages). A hit ending at block m is
-valid when the full values of every block up to m and the checkpoint at m exist.
+every full-attention layer, K and V) and, at the blocks where a written sequence ended and (optionally) every
+`checkpoint_every_pages` pages, an *SWA checkpoint* (the SWA layers' K and V of the window's pages ending at b:
+min(window pages, b + 1) pages). A hit ending at block m is valid when the full values of every block up to m
+and the checkpoint at m exist.
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ def l3_hit_end(local_pages: int, full_present: Sequence[bool], swa_present: Sequ
             best = end
         j += 1
     return best
+
+
+def l3_checkpoint_ends(pages: int, every_pages: int) -> list[int]:
+    """End pages (exclusive) of the SWA checkpoints a write-back of a sequence's first `pages` computed pages
+    stores: every multiple of `every_pages` up to `pages` (0: none), and `pages` itself (the window the sequence
+    holds when it finishes), ascending. The engine stores one only where its window's pages still hold SWA KV
+    (the cache's retention kept them: `KVCacheConfig.checkpoint_every_pages`, docs/kvcache.md), see
+    `l3_checkpoints`; a periodic checkpoint lets a later prompt that shares only a mid-prompt prefix hit."""
+    if pages <= 0:
+        return []
+    ends = list(range(every_pages, pages, every_pages)) if every_pages > 0 else []
+    return [*ends, pages]
+
+
+def l3_checkpoints(swa_table: Sequence[int], pages: int, window_pages: int, every_pages: int) -> list[int]:
+    """The `l3_checkpoint_ends` whose window [max(0, end - window_pages), end) is whole in the sequence's SWA
+    page table (`swa_table[j]` >= 0: page j holds SWA KV now; a retained window the cache took back is skipped)."""
+    return [e for e in l3_checkpoint_ends(pages, every_pages)
+            if len(swa_table) >= e and all(s >= 0 for s in swa_table[max(0, e - window_pages):e])]
 
 
 def l3_footprint(layout: KVLayout, page_size: int, window: int, blocks: int,

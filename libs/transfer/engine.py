@@ -129,8 +129,7 @@ class BaseTransferEngine(KVTransferEngine):
                    payloads: Sequence[Payload]) -> TransferStats:
         tx = await self.begin_send(address, request_id, layers)
         try:
-            for payload in payloads:
-                await tx.send_layer(payload)
+            await tx.send_layers(payloads)  # (all layers in flight at once: no round trip per layer)
             stats = await tx.finish()
         except BaseException:
             await tx.abort("sender failed")

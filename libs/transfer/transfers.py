@@ -246,6 +246,35 @@ class OutgoingTransfer:
             self.bytes_sent += spec.nbytes
         self._raise_if_failed()
 
+    async def send_layers(self, payloads: Sequence[Payload]) -> None:
+        """Send the next `len(payloads)` layers at once (header order): every layer's announcement and send
+        are issued before the first completes, so the receiver posts all its receives at once instead of one
+        control round trip per layer. Returns when the engine no longer needs any of the buffers."""
+        self._raise_if_failed()
+        async with self._lock:
+            self._raise_if_failed()
+            start = self.next_position
+            specs = self.header.layers[start:start + len(payloads)]
+            if len(specs) != len(payloads):
+                raise ValueError(f"request {self.request_id}: {len(payloads)} layers from {start}, the header "
+                                 f"has {len(self.header.layers)}")
+            for spec, payload in zip(specs, payloads, strict=True):
+                check_payload(spec, payload, f"request {self.request_id} payload")
+            # Tasks start in creation order and each writes its announcement before its first await, so the
+            # announcements go out in header order (what the receiver checks).
+            results = await asyncio.gather(*(self.channel.send_payload(self.seq, start + i, p)
+                                             for i, p in enumerate(payloads)), return_exceptions=True)
+            failures = [r for r in results if isinstance(r, BaseException)]
+            if failures:
+                exc = failures[0]
+                if isinstance(exc, TransferError):
+                    self.fail(exc)
+                    raise self._failure or exc from None
+                raise exc
+            self.next_position += len(payloads)
+            self.bytes_sent += sum(spec.nbytes for spec in specs)
+        self._raise_if_failed()
+
     async def finish(self, timeout: float | None = None) -> TransferStats:
         """Send END and wait for the receiver's DONE (all bytes landed on the other side)."""
         self._raise_if_failed()

@@ -62,6 +62,10 @@ class EngineServiceConfig(ServiceConfig):
     gcache_host_full_pages: int = Field(default=1024, ge=1, description="host-tier full pages GCache sizes when no "
                                         "host tier is configured (L3 hits are imported there)")
     gcache_host_swa_pages: int = Field(default=256, ge=1, description="host-tier SWA pages GCache sizes then")
+    gcache_checkpoint_every: int = Field(
+        default=512, ge=0, description="tokens; GCache (L3) also stores an SWA checkpoint every this many tokens (the "
+        "prefix cache keeps those windows, best effort), so a later prompt sharing only a mid-prompt prefix hits; "
+        "0 = only where a written sequence ends. A multiple of page_size")
     gcache_op_timeout_s: float = Field(default=2.0, gt=0, description="bound of one GCache SDK exists / get / put")
     gcache_replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: both successors)")
     gcache_transfer_host: str = Field(default="127.0.0.1", description="bind address of the GCache SDK's transfer "
@@ -96,6 +100,13 @@ class EngineServiceConfig(ServiceConfig):
         return self
 
     @model_validator(mode="after")
+    def _checkpoint_every_pages(self) -> EngineServiceConfig:
+        if self.gcache and self.gcache_checkpoint_every % self.page_size:  # (unused without GCache)
+            raise ValueError(f"gcache_checkpoint_every={self.gcache_checkpoint_every} must be a multiple of "
+                             f"page_size={self.page_size}")
+        return self
+
+    @model_validator(mode="after")
     def _parallel_layout(self) -> EngineServiceConfig:
         ParallelLayout(self.tp, self.ep)  # tp / ep consistency (the model's shapes are checked at engine build)
         return self
@@ -123,6 +134,7 @@ class EngineServiceConfig(ServiceConfig):
             num_host_full_pages=self.host_pages[0], num_host_swa_pages=self.host_pages[1],
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=self.enable_prefix_cache, bucket_edges=tuple(self.bucket_edges),
+            checkpoint_every_pages=self.gcache_checkpoint_every // self.page_size if self.gcache else 0,
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,
             seed=self.seed, speculative_tokens=self.speculative_tokens, tp=self.tp, ep=self.ep,
             parallel_timeout_s=self.parallel_timeout_s, kv_arena=self.kv_arena)

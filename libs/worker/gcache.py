@@ -166,7 +166,7 @@ class GCacheLink:
             return
         self.stats.hits += 1
         self.stats.imported_tokens += pages * self.layout.page_size
-        self.known.add(hit.hashes[hit.end - pages:hit.end], hit.hashes[hit.end - 1])
+        self.known.add(hit.hashes[hit.end - pages:hit.end], [hit.hashes[hit.end - 1]])
 
     # ------------------------------------------------------------------ write-back
     def _offer(self, job: WriteBack) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class MemValue:
-    data: bytearray  # the put slot's own buffer (no copy at commit) or the bytes read back from disk
+    data: bytearray | memoryview  # the put slot's own buffer (no copy at commit) or the bytes read back from disk
     checksum: int
 
 

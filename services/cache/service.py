@@ -10,7 +10,9 @@ and the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+from libs.gcache.arena import Allocator, SegmentArena
 from libs.service import Service
 from libs.transfer import KVTransferEngine, advertised_address, create_engine
 from protos import subjects
@@ -18,6 +20,17 @@ from protos.messages import CacheExistsRequest, CacheGetRequest, CachePutRequest
 from services.cache.config import CacheConfig
 from services.cache.handlers import CacheNode
 from services.cache.store import NodeStore
+
+_PREFAULT_WAIT_S = 120.0
+_SEGMENT_BYTES = 64 << 20  # arena segment: a 64 MiB value fills one; smaller values share one
+
+
+def _arena(cfg: CacheConfig) -> SegmentArena | None:
+    """The memory tier's arena (memory_arena): memory_bytes in segments of 64 MiB (a quarter of a smaller
+    budget); values larger than a segment get their own buffers."""
+    if not cfg.memory_arena or cfg.memory_bytes < 4:
+        return None
+    return SegmentArena(cfg.memory_bytes, min(_SEGMENT_BYTES, cfg.memory_bytes // 4))
 
 
 class CacheService(Service):
@@ -28,13 +41,21 @@ class CacheService(Service):
         super().__init__(config)
         # UCX or the TCP fallback (a bad WINDSERVE_TRANSFER fails here, before any IO)
         self.transfer: KVTransferEngine = create_engine()
+        self.arena = _arena(config)
         self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_path or None,
-                               put_timeout_s=config.put_timeout_s)
+                               put_timeout_s=config.put_timeout_s, allocate=Allocator(self.arena))
         self.node: CacheNode | None = None
 
     async def setup(self) -> None:
         assert self.bus is not None
         cfg = self.config
+        if self.arena is not None and cfg.prefault:  # (before the node announces itself: its puts never fault)
+            done = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self.arena.prefault(lambda: loop.call_soon_threadsafe(done.set))
+            with contextlib.suppress(TimeoutError):  # past the bound it goes on in the background (writes nothing)
+                async with asyncio.timeout(_PREFAULT_WAIT_S):
+                    await done.wait()
         bound = await self.transfer.start(host=cfg.transfer_host, port=cfg.transfer_port)
         self.node = CacheNode(cfg, self.store, self.transfer, advertised_address(bound, cfg.advertise_host),
                               lambda coro, name: self.spawn(coro, name=name))
@@ -58,7 +79,12 @@ class CacheService(Service):
         })
 
     def health_details(self) -> dict[str, str]:
-        return self.node.details() if self.node is not None else {}
+        details = self.node.details() if self.node is not None else {}
+        if self.arena is not None:
+            a = self.arena
+            details.update(arena_bytes=str(a.capacity), arena_free_segments=str(a.free_segments()),
+                           arena_fallbacks=str(a.fallbacks), arena_prefaulted=str(a.prefaulted))
+        return details
 
     async def _upkeep_loop(self) -> None:
         """Reap unfinished puts; refresh the usage the next heartbeat publishes, and the metrics."""

@@ -53,7 +53,7 @@ class PutSlot:
     key: str
     size: int
     checksum: int
-    buffer: bytearray
+    buffer: bytearray | memoryview  # writable, exactly `size` bytes (the store's `allocate`)
     started_at: float = field(default=0.0)
     state: PutState = PutState.WRITING
 
@@ -82,8 +82,12 @@ class NodeStore:
     """
 
     def __init__(self, memory_bytes: int, disk_bytes: int = 0, disk_dir: str | Path | None = None,
-                 put_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 put_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 allocate: Callable[[int], bytearray | memoryview] = bytearray) -> None:
         self.memory_bytes, self.disk_bytes, self.put_timeout_s, self._clock = memory_bytes, disk_bytes, put_timeout_s, clock
+        # A put slot's buffer: writable, uninitialised is fine (every byte is received, and the checksum at
+        # commit catches any that was not). The node passes a SegmentArena's (reused, pre-faulted memory).
+        self._allocate = allocate
         self._memory = MemoryTier(memory_bytes)
         self._disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
         self._inflight: dict[str, PutSlot] = {}
@@ -104,7 +108,7 @@ class NodeStore:
             return None
         self._make_memory_room(size)
         self._memory.reserve(size)
-        slot = PutSlot(key, size, checksum, bytearray(size), self._clock())
+        slot = PutSlot(key, size, checksum, self._allocate(size), self._clock())
         self._inflight[key] = slot
         return slot
 
@@ -163,7 +167,7 @@ class NodeStore:
         self._stats.hits += 1
         return memoryview(data).toreadonly()
 
-    def _get_memory(self, key: str) -> bytearray | None:
+    def _get_memory(self, key: str) -> bytearray | memoryview | None:
         v = self._memory.get(key)
         if v is None:
             return None
