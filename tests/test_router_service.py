@@ -327,12 +327,18 @@ async def test_two_routers_agree_and_a_burst_split_over_them_spreads(bus, nats_u
         await shutdown(routers, workers)
 
 
-async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_url):
-    ns = "rt_disagg"
+async def disaggregated(bus, nats_url: str, ns: str, n_decodes: int):
+    """A router (no queue weight) with one prefill p0 and decodes d0..d{n-1}, all cache-backed workers."""
     router = await start_router(nats_url, ns, "r1", queue_weight=0.0)
     registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
     prefill = await CacheWorker(bus, registry, ns, "p0", role=Role.PREFILL).start()
-    decodes = [await CacheWorker(bus, registry, ns, f"d{i}", role=Role.DECODE).start() for i in range(2)]
+    decodes = [await CacheWorker(bus, registry, ns, f"d{i}", role=Role.DECODE).start() for i in range(n_decodes)]
+    return router, prefill, decodes
+
+
+async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_url):
+    ns = "rt_disagg"
+    router, prefill, decodes = await disaggregated(bus, nats_url, ns, 2)
     workers = [prefill, *decodes]
     try:
         served = conversations(random.Random(10), 4)
@@ -353,10 +359,7 @@ async def test_disaggregated_routes_predict_the_decode_side_hit_too(bus, nats_ur
 
 async def test_a_prefills_decode_re_ask_with_its_chain_goes_where_the_kv_is(bus, nats_url):
     ns = "rt_reask"
-    router = await start_router(nats_url, ns, "r1", queue_weight=0.0)
-    registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
-    prefill = await CacheWorker(bus, registry, ns, "p0", role=Role.PREFILL).start()
-    decodes = [await CacheWorker(bus, registry, ns, f"d{i}", role=Role.DECODE).start() for i in range(3)]
+    router, prefill, decodes = await disaggregated(bus, nats_url, ns, 3)
     workers = [prefill, *decodes]
     try:
         served = conversations(random.Random(14), 3)
