@@ -273,16 +273,19 @@ async def reference(tiny, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.integration
-async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny):
+@pytest.mark.parametrize("arena", [False, True], ids=["static", "arena"])
+async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny, arena):
+    """Also with the device KV on one arena (kv_arena): the write-back gathers by unit, the lookup stages values
+    by the group shapes (an arena engine's per-group tensors hold no pages: the lookup used to index them)."""
     store = MemoryBlockStore()
     first = tokens(10, 70)
-    a = Served(tiny, store)
+    a = Served(tiny, store, kv_arena=arena)
     out1, _ = await a.generate("t1", first, 12)  # 70 + 12 tokens: 81 computed, 20 pages written back
     await until(lambda: a.link.counts()["writebacks"] == 1)
     await a.close()
     assert len(store.values) == 20 + 1  # 20 full values, one checkpoint (at block 19), no SWA for every token
     turn2 = [*first, *out1, *tokens(11, 9)]
-    b = Served(tiny, store)  # its own cache is empty
+    b = Served(tiny, store, kv_arena=arena)  # its own cache is empty
     out2, cached = await b.generate("t2", turn2, 10)
     assert cached == 80  # the first turn's prompt + output, page aligned: all of it from L3
     assert out2 == await reference(tiny, turn2, 10)

@@ -13,6 +13,7 @@ The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcach
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,8 +78,9 @@ def l3_namespace(model: str, model_config, cache: KVCacheConfig, dtype: str, dra
 # ---------------------------------------------------------------------------------------------- bytes
 
 def _page_bytes(t: torch.Tensor) -> int:
-    """Bytes of one page of a pool tensor [layers, pages, page, heads, dim] across its layers."""
-    return t.shape[0] * t[0, 0].numel() * t.element_size()
+    """Bytes of one page of a pool tensor [layers, pages, page, heads, dim] across its layers (from the shape
+    alone: an arena engine's per-group tensors hold no pages, only the shapes)."""
+    return t.shape[0] * math.prod(t.shape[2:]) * t.element_size()
 
 
 def gather_pages(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
