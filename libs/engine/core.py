@@ -94,15 +94,16 @@ def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
     return plan_arena(budget, layout, config.page_size)
 
 
-def cache_config(config: EngineConfig, model_config) -> KVCacheConfig:
-    arena = arena_plan(config, model_config)
+def cache_config(config: EngineConfig, model_config, arena: ArenaPlan | None) -> KVCacheConfig:
+    """The KV cache's config: the two pools, or one arena (`arena_plan`)."""
     pools = arena.config_fields() if arena is not None else {
         "num_full_pages": config.num_full_pages, "num_swa_pages": config.num_swa_pages}
     return KVCacheConfig(
         page_size=config.page_size, window=model_config.sliding_window, **pools,
         num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
         enable_prefix_cache=config.enable_prefix_cache, retention=config.retention,
-        checkpoint_every_pages=config.checkpoint_every_pages, rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
+        checkpoint_every_pages=config.checkpoint_every_pages,
+        rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
         if config.swa_rebuild else 0)
 
 
@@ -135,12 +136,13 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.cache = KVCache(cache_config(config, model_config))
+        arena = arena_plan(config, model_config)
+        self.cache = KVCache(cache_config(config, model_config, arena))
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else ()
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
-                          config.num_host_full_pages, config.num_host_swa_pages, arena_plan(config, model_config))
+                          config.num_host_full_pages, config.num_host_swa_pages, arena)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
         self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path)
         if self.cache.arena is not None:  # the KV buffer is indexed by unit: it reads the ledger's unit tables

@@ -249,7 +249,7 @@ class UnitPagePool(PagePool):
         for p in pages:
             units.extend(table[p * pp:(p + 1) * pp])
             table[p * pp:(p + 1) * pp] = none
-        self._free.extend(pages)
+        super().free(pages)
 
     def free_one(self, page: int) -> None:
         self.free((page,))
@@ -294,6 +294,7 @@ class ArenaLedger(PageLedger):
         pool = self._full if group == "full" else self._swa
         assert isinstance(pool, UnitPagePool)
         return pool
+
     def free_units(self) -> int:
         f, s = self._full, self._swa
         return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)

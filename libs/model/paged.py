@@ -147,14 +147,18 @@ class KVPools:
     def device(self) -> torch.device:
         return self.full_k.device
 
+    def _tensors(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of a group: the pools, or with an arena the placeholders (shapes and dtype only)."""
+        return (self.full_k, self.full_v) if group == "full" else (self.swa_k, self.swa_v)
+
     def num_layers(self, group: str) -> int:
-        return (self.full_k if group == "full" else self.swa_k).shape[0]
+        return self._tensors(group)[0].shape[0]
 
     def group(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one static pool group: "full" or "swa" (not with an arena: use the methods below)."""
         if self.arena is not None:
             raise TypeError("KVPools.group: an arena has no per-group tensors (use layer_kv / page_rows)")
-        return (self.full_k, self.full_v) if name == "full" else (self.swa_k, self.swa_v)
+        return self._tensors(name)
 
     def layer_kv(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(K, V, table row) of one layer: K / V are [rows, page, heads, dim] pools (static: rows = page ids;
@@ -165,7 +169,7 @@ class KVPools:
             return k[index], v[index], 0
         index += self.swa_offset if group == "swa" else 0
         s, _, row = a.where(group, index)
-        heads = self.full_k.shape[3] if group == "full" else self.swa_k.shape[3]
+        heads = self._tensors(group)[0].shape[3]
         kk, vv = a.k[s], a.v[s]
         return (kk.view(-1, self.page_size, heads, kk.shape[-1]), vv.view(-1, self.page_size, heads, vv.shape[-1]),
                 row)
@@ -201,7 +205,7 @@ class KVPools:
 
     def layer_page_bytes(self, group: str) -> int:
         """Bytes of one page of one layer of `group` (K and V)."""
-        k, v = (self.full_k, self.full_v) if group == "full" else (self.swa_k, self.swa_v)
+        k, v = self._tensors(group)
         return math.prod(k.shape[2:]) * k.element_size() + math.prod(v.shape[2:]) * v.element_size()
 
     def page_bytes(self, group: str) -> int:

@@ -38,7 +38,6 @@ from libs.engine.disagg.shipment import (
     destination_views,
     full_transfer_bytes,
     gather_layer,
-    page_bytes,
     payload_specs,
     shipment_bytes,
     shipment_layers,
@@ -51,7 +50,7 @@ from libs.engine.request import FinishReason
 __all__ = [
     "DecodeFull", "DisaggEngineCore", "FinishReason", "KVAccess", "Landing", "LayerPages", "Payload",
     "PayloadSpec", "RemoteRequest", "RemoteSlot", "Segment", "SegmentCollector", "ShipPlan", "StreamPlan", "destination_views",
-    "first_token_finishes", "full_kv_pages", "full_transfer_bytes", "gather_layer", "page_bytes",
+    "first_token_finishes", "full_kv_pages", "full_transfer_bytes", "gather_layer",
     "payload_specs", "plan_shipment", "plan_stream", "shipment_bytes", "shipment_layers", "stream_destinations",
     "stream_layers", "stream_specs",
 ]

@@ -61,11 +61,6 @@ class LayerPages:
     pages: tuple[int, ...]
 
 
-def page_bytes(kv: KVPools, group: str) -> int:
-    """Bytes of one page of one layer of `group` (K and V)."""
-    return kv.layer_page_bytes(group)
-
-
 def shipment_layers(layer_is_swa: Sequence[bool], pages: PageSet, full_table: Sequence[int],
                     swa_table: Sequence[int]) -> list[LayerPages]:
     """Per model layer (model order), the physical page ids of `pages`' logical pages in this engine; layers
@@ -90,7 +85,7 @@ def payload_specs(kv: KVPools, layers: Sequence[LayerPages]) -> list[PayloadSpec
     dtype = str(kv.dtype).removeprefix("torch.")
     specs = []
     for lp in layers:
-        per_page = page_bytes(kv, lp.slot.group) // kv.dtype.itemsize
+        per_page = kv.layer_page_bytes(lp.slot.group) // kv.dtype.itemsize
         specs.append(PayloadSpec(lp.slot.group, lp.slot.index, len(lp.pages), dtype, (len(lp.pages), per_page)))
     return specs
 
@@ -172,13 +167,13 @@ def synchronize_copies(device: torch.device) -> None:
 
 
 def shipment_bytes(kv: KVPools, layers: Sequence[LayerPages]) -> int:
-    return sum(len(lp.pages) * page_bytes(kv, lp.slot.group) for lp in layers)
+    return sum(len(lp.pages) * kv.layer_page_bytes(lp.slot.group) for lp in layers)
 
 
 def full_transfer_bytes(kv: KVPools, layer_is_swa: Sequence[bool], num_tokens: int) -> int:
     """What shipping every layer's pages for the whole prompt would move (the non-SWA-aware baseline)."""
     pages = full_kv_pages(num_tokens, kv.page_size)
-    return sum(pages * page_bytes(kv, s.group) for s in layer_slots(layer_is_swa))
+    return sum(pages * kv.layer_page_bytes(s.group) for s in layer_slots(layer_is_swa))
 
 
 # ---------------------------------------------------------------------------------------------- streaming
