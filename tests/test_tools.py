@@ -22,7 +22,6 @@ from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.tool_calls import (
     HERMES,
     XML,
-    ToolCallSplitter,
     ToolCallStream,
     parse_tool_calls,
     tool_format_for,
@@ -71,12 +70,12 @@ def test_tool_calls_are_parsed_from_the_output_format():
 @pytest.mark.parametrize("split", [1, 3, 7])
 def test_streamed_content_holds_back_only_the_tool_call(split):
     text = 'Sure <b>: <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    s = ToolCallSplitter(["add"])
-    out = "".join(s.feed(text[i:i + split]) for i in range(0, len(text), split))
-    tail, calls = s.finish()
+    s = ToolCallStream(HERMES, {"add": None}, str)
+    out = "".join(s.feed(text[i:i + split])[0] for i in range(0, len(text), split))
+    tail, calls = s.finish()[0], [(c.name, c.arguments) for c in s.calls]
     assert out == "Sure <b>: " and tail == "" and calls == [("add", '{"a": 1, "b": 2}')]
-    plain = ToolCallSplitter(["add"])
-    assert "".join(plain.feed(c) for c in "a <tool") + plain.finish()[0] == "a <tool"  # not a call: all released
+    plain = ToolCallStream(HERMES, {"add": None}, str)
+    assert "".join(plain.feed(c)[0] for c in "a <tool") + plain.finish()[0] == "a <tool"  # not a call: all released
 
 
 def test_tools_and_tool_results_render_through_chatml_and_a_qwen_style_template():

@@ -147,6 +147,12 @@ def _hermes_whole(body: str) -> Progress:
     return Progress(obj["name"], json.dumps(args, ensure_ascii=False), True)
 
 
+def _hermes_closed(rest: str, close: int) -> Progress:
+    """The call that `rest[:close]` holds, parsed whole, ending after the `</tool_call>` at `close`."""
+    whole = _hermes_whole(rest[:close])
+    return whole if whole.bad else Progress(whole.name, whole.arguments, True, close + len(CLOSE))
+
+
 def hermes_progress(rest: str, params: Mapping[str, Any]) -> Progress:
     """`rest`: the text after `<tool_call>`. Arguments stream as their raw text (an object or array); the
     call closes at the first `</tool_call>` after them."""
@@ -155,8 +161,7 @@ def hermes_progress(rest: str, params: Mapping[str, Any]) -> Progress:
         close = rest.find(CLOSE)
         if close < 0:
             return Progress(bad=bool(rest.strip()) and not rest.lstrip().startswith("{"))
-        whole = _hermes_whole(rest[:close])
-        return whole if whole.bad else Progress(whole.name, whole.arguments, True, close + len(CLOSE))
+        return _hermes_closed(rest, close)
     try:
         name = json.loads(f'"{head.group(1)}"')
     except json.JSONDecodeError:
@@ -168,8 +173,7 @@ def hermes_progress(rest: str, params: Mapping[str, Any]) -> Progress:
         close = rest.find(CLOSE, start)
         if close < 0:
             return Progress(name)
-        whole = _hermes_whole(rest[:close])
-        return whole if whole.bad else Progress(whole.name, whole.arguments, True, close + len(CLOSE))
+        return _hermes_closed(rest, close)
     end = json_value_end(rest, start)
     if end is None:
         return Progress(name, rest[start:])
@@ -352,17 +356,3 @@ def parse_tool_calls(text: str, names: Sequence[str], fmt: str = HERMES,
         except json.JSONDecodeError:
             return None
     return stream.content, [(c.name, c.arguments) for c in stream.calls]
-
-
-class ToolCallSplitter:
-    """ToolCallStream's text side in the hermes format: `feed` returns content, `finish` (content not returned
-    yet, [(name, arguments JSON text)])."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self._stream = ToolCallStream(HERMES, dict.fromkeys(names), str)
-
-    def feed(self, delta: str) -> str:
-        return self._stream.feed(delta)[0]
-
-    def finish(self) -> tuple[str, list[tuple[str, str]]]:
-        return self._stream.finish()[0], [(c.name, c.arguments) for c in self._stream.calls]
