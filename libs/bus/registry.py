@@ -276,7 +276,7 @@ class Registration:
 
     async def _loop(self) -> None:
         last = time.monotonic()
-        while not self._stopping.is_set():
+        while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.heartbeat.interval_s):
                     await self._stopping.wait()
