@@ -2,11 +2,13 @@
 
 Faults, in order: a decode worker and then a prefill worker of a 2 prefill + 2 decode deployment (the
 prefill while prompts are still before their first token), a combined worker of a 2-worker aggregated
-deployment, then that deployment's router. Per fault: failed / in-flight streams, requests lost (no explicit
-ending), 500s, time from the kill until the first request sent after it succeeds, and the attempts the
-gateway failed over. Goal (issue 14): 0 lost, 0 x 500, recovery <= 1 s for a worker death with a survivor.
+deployment, then that deployment's router; last, the NATS node leading the registry stream of a 3-node
+cluster (`nats node`, with a client's short requests across the election: `nats_node_requests*`). Per fault:
+failed / in-flight streams, requests lost (no explicit ending), 500s, time from the kill until the first
+request sent after it succeeds, and the attempts the gateway failed over. Goals (issue 14): 0 lost, 0 x 500,
+recovery <= 1 s for a worker death with a survivor, <= the reconnect bound + 1 s for a NATS node.
 
-Writes bench/results/faults.json and faults.png (~2-4 min on 2 cores).
+Writes bench/results/faults.json and faults.png (~3-5 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fixtures.faults import FaultResult, deployment, kill_under_load
+import httpx
+
+from protos import subjects
+from tests.fixtures.faults import (
+    FaultResult,
+    deployment,
+    kill_nats_node,
+    kill_under_load,
+    nats_cluster,
+    requests_for,
+    stream_leader,
+)
 from tests.fixtures.nats import start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +66,28 @@ async def run_all(streams: int, logs: Path) -> list[FaultResult]:
             agg.stop()
     finally:
         nats.stop()
+    results.append(await nats_node_fault(streams, logs))
     return results
+
+
+async def nats_node_fault(streams: int, logs: Path) -> FaultResult:
+    """SIGKILL of the NATS node leading the registry stream of a 3-node cluster (gateway, router, prefill, decode
+    on it, R3 buckets), under streams, while a client sends short requests one after another for 15 s; those
+    requests are appended to the result's outcomes (`probes`)."""
+    async with nats_cluster(logs / "nats-cluster") as sup:
+        dep = deployment(sup.nats_url, logs / "cluster", {"WINDSERVE_NATS_REPLICAS": "3"})
+        try:
+            dep.start_all({"gateway": 1, "router": 1, "prefill": 1, "decode": 1})
+            node = await stream_leader(sup.nats_url, f"KV_{subjects.registry_bucket(dep.namespace)}")
+            async with httpx.AsyncClient(timeout=60) as client:
+                probes = asyncio.create_task(requests_for(client, dep.url, 15.0))
+                result = await kill_under_load(dep, "nats node", "decode", streams=streams, prompt_len=40,
+                                               max_tokens=200, before_first_token=False, victim=f"nats-{node}",
+                                               killer=lambda: kill_nats_node(sup, node))
+                result.probes = await probes
+        finally:
+            dep.stop()
+    return result
 
 
 def summary(results: list[FaultResult]) -> dict:
@@ -66,8 +100,18 @@ def summary(results: list[FaultResult]) -> dict:
         "max_recovery_s": max(r.recovery_s for r in results),
         "later_failed": sum(r.later_failed for r in results),
         "retried": sum(r.retried for r in results),
+        **nats_node_figures(results),
         "faults": per_fault,
     }
+
+
+def nats_node_figures(results: list[FaultResult]) -> dict:
+    """The NATS-node fault's client view across the election: requests sent, failed, slowest."""
+    probes = next((r.probes for r in results if r.fault == "nats node"), [])
+    return {"nats_node_recovery_s": next((r.recovery_s for r in results if r.fault == "nats node"), None),
+            "nats_node_requests": len(probes), "nats_node_requests_failed": sum(not o.ok for o in probes),
+            "nats_node_slowest_request_s": round(max((o.ended_at - o.sent_at for o in probes), default=0.0), 3),
+            "nats_node_errors": [f"{o.status} {o.code}: {o.message[:160]}" for o in probes if not o.ok]}
 
 
 def plot(result: dict, path: Path) -> None:

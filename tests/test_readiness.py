@@ -12,6 +12,7 @@ import pytest
 from protos.messages import RegistryEntry, Role, WorkerLoad
 from services.gateway.handlers import build_app
 from services.gateway.readiness import CachedListing, serving_path
+from tests.fixtures.waits import until
 from tests.test_gateway import FakeBackend, make_api
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -82,27 +83,49 @@ async def test_ready_with_capacity_is_503_no_room_while_every_worker_is_full():
         assert ok.status_code == 200 and ok.json() == {"status": "ready", "gateway": "gw-r", "room": True}
 
 
-async def test_cached_listing_reads_the_registry_once_per_max_age_and_retries_failures():
+async def test_cached_listing_serves_its_last_listing_at_once_and_refreshes_it_in_the_background():
     calls = 0
+    down = False
     clock = [0.0]
 
     async def listing():
         nonlocal calls
         calls += 1
-        if calls == 3:
+        if down:
             raise TimeoutError("registry down")
         return [entry(Role.WORKER, f"w{calls}")]
 
+    def ids(entries):
+        return [e.instance_id for e in entries]
+
     cached = CachedListing(listing, max_age_s=0.5, clock=lambda: clock[0])
-    assert [e.instance_id for e in await cached()] == ["w1"]
+    assert ids(await cached()) == ["w1"]  # the first read is waited for
     await asyncio.gather(cached(), cached())
-    assert calls == 1
-    clock[0] = 0.6
-    assert [e.instance_id for e in await cached()] == ["w2"] and calls == 2
-    clock[0] = 1.2
+    assert calls == 1 and cached.served_stale == 0
+    clock[0] = 0.6  # older than max_age: read again before it is served (readiness probes)
+    assert ids(await cached()) == ["w2"] and calls == 2
+    clock[0] = 1.2  # the request path (wait=False): served at once, one read in the background
+    assert ids(await cached(wait=False)) == ["w2"] and ids(await cached(wait=False)) == ["w2"]
+    await until(lambda: calls == 3, what="the background read")
+    assert ids(await cached(wait=False)) == ["w3"] and calls == 3
+    assert ids(await cached(fresh=True)) == ["w4"]  # a fresh call waits for its read
+    down, clock[0] = True, 1.8
+    assert ids(await cached()) == ["w4"] and calls == 5  # read 5 failed: the last listing
+    assert ids(await cached(fresh=True)) == ["w4"] and calls == 5  # failing: no wait, even for a fresh call
+    clock[0] = 2.4
+    down = False
+    assert ids(await cached()) == ["w4"]  # failing: at once, read 6 in the background
+    await until(lambda: calls == 6, what="the read after the failure")
+    assert ids(await cached()) == ["w6"] and cached.served_stale == 5
+    down, clock[0] = True, 40.0  # past stale_ok_s: the failure is raised
     with pytest.raises(TimeoutError):
         await cached()
-    assert [e.instance_id for e in await cached()] == ["w4"]  # the failure was not cached
+
+    first_fails = CachedListing(listing, max_age_s=0.5, clock=lambda: clock[0])
+    with pytest.raises(TimeoutError):  # no listing to fall back on: raised ...
+        await first_fails()
+    down = False
+    assert ids(await first_fails()) == ["w9"]  # ... and not cached
 
 
 async def test_health_endpoints_tell_live_from_ready():

@@ -17,6 +17,7 @@ consensus here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -68,6 +69,7 @@ class RegistryEvent:
     kind: RegistryEventKind
     key: str
     entry: RegistryEntry | None  # None for a leave
+    expired: bool = False  # a LEAVE for the entry's age (the store's TTL expiry, or the watch's sweep)
 
 
 def entry_key(role: Role | str, instance_id: str) -> str:
@@ -227,13 +229,15 @@ class WatchState:
 
     def update(self, key: str, value: bytes | None, operation: str | None, now: float) -> RegistryEvent | None:
         # An expired entry arrives as a marker with an empty body (nats-py may not name its operation).
-        if operation in (KV_DEL, KV_PURGE) or not value:
-            return self._leave(key)
+        if operation == KV_DEL:
+            return self._leave(key)  # a deregistration (or a listing's reap of an entry past its TTL)
+        if operation == KV_PURGE or not value:
+            return self._leave(key, expired=True)  # the store's TTL expiry
         entry = _decode_entry(key, value)
         if entry is None:
             return None  # malformed: ignored, the key keeps its state
         if not entry.fresh(now):
-            return self._leave(key)  # a ghost brought back by the store counts as gone
+            return self._leave(key, expired=True)  # a ghost brought back by the store counts as gone
         joined = key not in self.known
         self.known[key] = entry  # a heartbeat refresh moves the freshness deadline
         if joined:
@@ -243,12 +247,12 @@ class WatchState:
     def sweep(self, now: float) -> list[RegistryEvent]:
         """LEAVE for every known entry that is no longer fresh at `now`."""
         stale = [key for key, entry in self.known.items() if not entry.fresh(now)]
-        return [event for key in stale if (event := self._leave(key)) is not None]
+        return [event for key in stale if (event := self._leave(key, expired=True)) is not None]
 
-    def _leave(self, key: str) -> RegistryEvent | None:
+    def _leave(self, key: str, expired: bool = False) -> RegistryEvent | None:
         if self.known.pop(key, None) is None:
             return None
-        return RegistryEvent(RegistryEventKind.LEAVE, key, None)
+        return RegistryEvent(RegistryEventKind.LEAVE, key, None, expired)
 
 
 class Registration:
@@ -267,11 +271,39 @@ class Registration:
         self.heartbeat = heartbeat
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._put_at = 0.0  # unix time of the last put that succeeded
+        self._put_started: float | None = None  # unix time the put in flight began
+        self._down_since: float | None = None  # puts fail since the last success at this time
+        self._outages: collections.deque[tuple[float, float]] = collections.deque(maxlen=8)
+
+    def unwritable(self) -> list[tuple[float, float | None]]:
+        """The recent windows (unix times) in which this instance's heartbeats could not be written: from the
+        last put that succeeded to the next one (end None: still failing). Nobody's heartbeat could be stored
+        then, so a reader need not count that time against other entries' ages (`RegistryView`'s outages)."""
+        down_since = self._down_since
+        if down_since is None and self._put_started is not None and \
+                time.time() - self._put_started > self.heartbeat.interval_s:
+            down_since = self._put_at  # a put pending longer than a heartbeat interval: not (yet) stored either
+        ongoing = [] if down_since is None else [(down_since, None)]
+        return [*self._outages, *ongoing]
+
+    def _put_done(self, ok: bool) -> None:
+        self._put_started = None
+        if not ok:
+            if self._down_since is None:
+                self._down_since = self._put_at
+            return
+        now = time.time()
+        if self._down_since is not None:
+            self._outages.append((self._down_since, now))
+            self._down_since = None
+        self._put_at = now
 
     async def start(self) -> None:
         """Put the entry now (errors propagate: a service that cannot register must not start)."""
         self._stopping.clear()
         await self._registry.put(self.entry, self.heartbeat.ttl_s)
+        self._put_done(True)
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self.entry.instance_id}")
 
     async def _loop(self) -> None:
@@ -283,13 +315,16 @@ class Registration:
             if self._stopping.is_set():
                 return  # never a put after stop() began: a late put would bring the entry back
             try:
+                self._put_started = time.time()
                 await self._registry.put(self.entry, self.heartbeat.ttl_s)
+                self._put_done(True)
                 now = time.monotonic()
                 if now - last > self.heartbeat.ttl_s:  # a blocked event loop: routers did not see this instance
                     log.warning("heartbeat late: the entry may have expired meanwhile",
                                 extra={"instance": self.entry.instance_id, "gap_s": round(now - last, 3)})
                 last = now
             except Exception as exc:  # NATS down: keep trying; the entry expires meanwhile
+                self._put_done(False)
                 log.warning("heartbeat failed", extra={"instance": self.entry.instance_id, "error": repr(exc)})
 
     async def stop(self, deregister: bool = True) -> None:

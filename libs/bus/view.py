@@ -15,8 +15,16 @@ How it stays right:
 - **Freshness**: an entry whose heartbeat is older than its TTL is dropped (`RegistryEntry.fresh`), whatever
   the store says or whether its leave marker was seen: a SIGKILLed instance leaves the view within its TTL
   (+ `slack_s` + one `prune_interval_s`), and a stale entry of an earlier run never joins.
-- A re-registration under the same key with another `started_at` (a restart faster than the TTL) is a
-  LEAVE of the old entry then a JOIN of the new one.
+- **A watch that went quiet** (its consumer lived on a NATS node that died; it delivers nothing until it is
+  recreated) must not make live instances leave: before an entry is dropped for its age the store is listed
+  (at most every `stale_check_s`). If the listing holds a fresh heartbeat the view held a stale one for, the
+  watch missed refreshes: the entry stays and the watch is restarted (`watch_stalls`). An instance that really
+  died has no fresher heartbeat in the store and is dropped as before.
+- **While the registry cannot be written** (a NATS node died and the registry stream elects a new leader:
+  several seconds in which no heartbeat can be put), entries would all expire and routers would refuse every
+  request while the workers serve. A view given `outages` (the windows in which this process's own heartbeats
+  failed: `Registration.unwritable`) does not count that time against any entry's age, up to
+  `outage_keep_s`. A worker that dies meanwhile is failed over by the gateway (docs/gateway.md).
 
 Every wait is bounded (`list_timeout_s`); listeners run synchronously in the view's task and must not block.
 """
@@ -26,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -39,6 +47,8 @@ log = logging.getLogger("windserve.registry")
 
 ViewListener = Callable[[RegistryEventKind, RegistryEntry], None]
 """Called with (JOIN, the new entry) or (LEAVE, the last entry seen of the instance that went)."""
+Outages = Callable[[], Sequence[tuple[float, float | None]]]
+"""(start, end) unix times in which the registry could not be written (end None: still failing)."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,15 @@ class ViewConfig:
     """A full listing this often besides the watch (0 = only at start and after watch errors)."""
     slack_s: float = 1.0
     """Clock skew allowed on an entry's freshness (`RegistryEntry.fresh`)."""
+    outage_keep_s: float = 15.0
+    """Most registry-unwritable time not counted against an entry's age (module docstring)."""
+    stale_check_s: float = 1.0
+    """Before entries are dropped for their age, the store is listed if the last listing is older than this
+    (a stalled watch: module docstring)."""
 
     def __post_init__(self) -> None:
-        if min(self.list_timeout_s, self.retry_s, self.retry_max_s, self.prune_interval_s) <= 0:
+        if min(self.list_timeout_s, self.retry_s, self.retry_max_s, self.prune_interval_s, self.stale_check_s,
+               self.outage_keep_s) <= 0:
             raise ValueError("ViewConfig: timeouts and intervals must be > 0")
         if self.resync_interval_s < 0 or self.slack_s < 0:
             raise ValueError("ViewConfig: resync_interval_s and slack_s must be >= 0")
@@ -65,8 +81,10 @@ class ViewConfig:
 class RegistryView:
     """The registry's entries (of one role, or all) as a local dict kept by the watcher (module docstring)."""
 
-    def __init__(self, registry: Registry, role: Role | None = None, config: ViewConfig | None = None) -> None:
+    def __init__(self, registry: Registry, role: Role | None = None, config: ViewConfig | None = None,
+                 outages: Outages | None = None) -> None:
         self._registry = registry
+        self._outages = outages
         self._role = role
         self.config = config or ViewConfig()
         self._entries: dict[str, RegistryEntry] = {}
@@ -79,8 +97,16 @@ class RegistryView:
         self.resyncs = 0
         """Successful listings (start, watch errors, periodic, `resync_if_older`)."""
         self.watch_errors = 0
+        self.watch_stalls = 0
+        """Listings that found fresher heartbeats than the watch had delivered (the watch was restarted)."""
+        self._rescued = 0  # entries the last listing found fresh that the view held stale
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def listing(self) -> bool:
+        """A listing of the store is in flight."""
+        return self._lock.locked()
 
     def add_listener(self, listener: ViewListener) -> None:
         self._listeners.append(listener)
@@ -90,9 +116,20 @@ class RegistryView:
         return [self._entries[k] for k in sorted(self._entries)]
 
     def live(self, now: float, role: Role | None = None) -> list[RegistryEntry]:
-        """The entries fresh at unix time `now` (optionally of one role), sorted by key."""
-        return [e for e in self.entries()
-                if (role is None or e.role is role) and e.fresh(now, self.config.slack_s)]
+        """The entries fresh at unix time `now` (optionally of one role), sorted by key; the time the registry
+        could not be written is not counted against their age (module docstring)."""
+        return [e for e in self.entries() if (role is None or e.role is role) and self._fresh(e, now)]
+
+    def _fresh(self, entry: RegistryEntry, now: float) -> bool:
+        return entry.fresh(now - self._unwritable_since(entry.heartbeat_at, now), self.config.slack_s)
+
+    def _unwritable_since(self, since: float, now: float) -> float:
+        """Seconds of [since, now] in which the registry could not be written, at most `outage_keep_s`."""
+        if self._outages is None:
+            return 0.0
+        total = sum(max(0.0, min(now, now if end is None else end) - max(since, start))
+                    for start, end in self._outages())
+        return min(total, self.config.outage_keep_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,9 +137,11 @@ class RegistryView:
         """List once (bounded), then keep the view by the watch. False when that first listing failed (the
         watch fills the view anyway, and the next resync retries)."""
         ok = await self.resync()
-        self._tasks = [asyncio.create_task(self._watch_loop(), name="registry-view-watch"),
-                       asyncio.create_task(self._maintain_loop(), name="registry-view-maintain")]
+        self._tasks = [self._start_watch(), asyncio.create_task(self._maintain_loop(), name="registry-view-maintain")]
         return ok
+
+    def _start_watch(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._watch_loop(), name="registry-view-watch")
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -123,11 +162,15 @@ class RegistryView:
                 return False
             found = {entry_key(e.role, e.instance_id): e for e in listed}
             untouched = [k for k in {*found, *self._entries} if self._changed.get(k, -1) <= before]
+            now = time.time()
+            self._rescued = sum(1 for k in untouched if k in found and k in self._entries
+                                and not self._entries[k].fresh(now, self.config.slack_s)
+                                and found[k].fresh(now, self.config.slack_s))
             for key in untouched:
                 if key in found:
                     self._put(key, found[key])
-                else:
-                    self._drop(key)
+                elif self._entries[key].fresh(now, self.config.slack_s):
+                    self._drop(key)  # gone from the store while fresh: deregistered (past its TTL: `prune` judges)
             self._changed = {k: v for k, v in self._changed.items() if k in self._entries or v > before}
             self._listed_at = time.monotonic()
             self.resyncs += 1
@@ -142,9 +185,23 @@ class RegistryView:
 
     def prune(self, now: float) -> None:
         """Drop the entries past their TTL at unix time `now` (LEAVE for each)."""
-        for key, entry in list(self._entries.items()):
-            if not entry.fresh(now, self.config.slack_s):
-                self._drop(key)
+        for key in [k for k, e in self._entries.items() if not self._fresh(e, now)]:
+            self._drop(key)
+
+    def _expired(self, now: float) -> bool:
+        return any(not e.fresh(now, self.config.slack_s) for e in self._entries.values())
+
+    async def check_expired(self) -> None:
+        """Prune, after listing the store first when entries are about to be dropped for their age (a stalled
+        watch would otherwise make live instances leave); a listing that rescues any restarts the watch."""
+        if self._expired(time.time()) and await self.resync_if_older(self.config.stale_check_s) and self._rescued:
+            self.watch_stalls += 1
+            log.warning("registry watch missed heartbeats; restarting it",
+                        extra={"bucket": self._registry.bucket, "rescued": self._rescued})
+            if self._tasks:
+                self._tasks[0].cancel()
+                self._tasks[0] = self._start_watch()
+        self.prune(time.time())
 
     # ------------------------------------------------------------------ internals
 
@@ -170,18 +227,23 @@ class RegistryView:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.prune_interval_s)
-            self.prune(time.time())
+            await self.check_expired()
             if cfg.resync_interval_s:
                 await self.resync_if_older(cfg.resync_interval_s)
 
     def _on_event(self, event: RegistryEvent) -> None:
         if event.kind is RegistryEventKind.LEAVE:
-            self._drop(event.key)
+            held = self._entries.get(event.key)
+            if event.expired or (held is not None and not held.fresh(time.time(), self.config.slack_s)):
+                # the store's TTL expiry, the watch's age sweep, a listing's reap of an entry past its TTL: ages
+                # are judged here (`check_expired`: a stalled watch, outages)
+                return
+            self._drop(event.key)  # a deregistration: at once
         elif event.entry is not None:
             self._put(event.key, event.entry)
 
     def _put(self, key: str, entry: RegistryEntry) -> None:
-        if not entry.fresh(time.time(), self.config.slack_s):
+        if not self._fresh(entry, time.time()):
             return  # a stale entry the store kept (a persisted store across restarts): never a join
         self._touch(key)
         old = self._entries.get(key)

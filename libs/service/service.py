@@ -98,6 +98,11 @@ class Service:
         await self._registration.start()
         self._set_state(ServiceState.RUNNING)
 
+    def registry_outages(self) -> list[tuple[float, float | None]]:
+        """When this instance's heartbeats could not be written (`Registration.unwritable`): a `RegistryView`
+        of this process does not count that time against other entries' ages."""
+        return self._registration.unwritable() if self._registration is not None else []
+
     def refresh_registration(self) -> None:
         """Re-read `registry_entry()` (e.g. fresh load figures); the next heartbeat publishes it."""
         if self._registration is not None:

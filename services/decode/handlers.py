@@ -27,6 +27,7 @@ cancelled (the sender stops), an error chunk is published.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -53,6 +54,7 @@ from protos.messages import (
 )
 
 log = logging.getLogger("windserve.decode")
+_TAKEN_KEPT = 4096  # commits remembered after their hand-off closed, so a repeated ask is answered as the first
 
 Publish = Callable[[str, TokenChunk], Awaitable[None]]
 
@@ -105,6 +107,7 @@ class DecodeWorker:
         self.fetcher = fetcher  # multimodal models: the embeddings a recompute (preemption) needs
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
         self._commits: dict[str, asyncio.Future[KVCommitRequest]] = {}  # open hand-offs, by request id
+        self._taken: collections.OrderedDict[str, KVCommitRequest] = collections.OrderedDict()  # recent commits
 
     def _chunk(self, request_id: str, **fields) -> TokenChunk:
         return TokenChunk(request_id=request_id, instance_id=self.instance_id, **fields)
@@ -134,10 +137,15 @@ class DecodeWorker:
         """Prefill's first token (or its cancel) for an open hand-off. A cancel returns once the request has
         ended here (its pages freed, nothing published), so the prefill's own final chunk is the last word."""
         rid = msg.request_id
+        if self._taken.get(rid) == msg:  # prefill asked again: the reply to the first ask was lost
+            return KVCommitReply(request_id=rid)
         committed = self._commits.get(rid)
         if committed is None or committed.done():
             raise PrepareRefused(f"no hand-off of request {rid!r} is open on this decode worker")
         committed.set_result(msg)
+        self._taken[rid] = msg
+        if len(self._taken) > _TAKEN_KEPT:
+            self._taken.popitem(last=False)
         task = self.tasks.get(rid)
         if msg.cancel and task is not None:
             await asyncio.wait({task}, timeout=self.admit_timeout_s)

@@ -183,11 +183,13 @@ class NatsBackend:
 
     # --- registry ---------------------------------------------------------------------------------
 
-    async def fleet(self, fresh: bool = False) -> Registered:
-        """The registry's live entries by role (a listing at most `fleet_cache_s` old unless `fresh`)."""
-        try:
-            async with asyncio.timeout(self.config.registry_timeout_s):
-                entries = await self._listing(fresh=fresh)
+    async def fleet(self, fresh: bool = False, wait: bool = True) -> Registered:
+        """The registry's live entries by role (a listing at most `fleet_cache_s` old unless `fresh`).
+        `wait=False` (advisory reads: the size check, the chain layout): the last listing at once, refreshed
+        in the background (`CachedListing`), so no request waits for the registry there."""
+        try:  # (the listing bounds its own reads by registry_timeout_s; this is a safety net)
+            async with asyncio.timeout(self.config.registry_timeout_s + 1.0):
+                entries = await self._listing(fresh=fresh, wait=wait)
         except Exception as exc:
             raise self._control_plane("listing the registry", exc) or self.unavailable(
                 f"the registry could not be read: {exc!r}") from exc
@@ -197,7 +199,7 @@ class NatsBackend:
         """413 before anything computes when no live path can ever hold the request (skipped when the registry
         cannot be read: routing then reports the real cause)."""
         try:
-            fleet = await self.fleet()
+            fleet = await self.fleet(wait=False)
         except BackendError:
             return
         reason = too_large(fleet, num_tokens, max_tokens)
@@ -229,7 +231,7 @@ class NatsBackend:
         """The prompt's block-hash chain, made as the workers' caches make theirs (their advertised page size
         and seed; the configured page size and the default seed until one advertises them)."""
         try:
-            layout = (await self.fleet()).hash_layout()
+            layout = (await self.fleet(wait=False)).hash_layout()
         except BackendError:
             layout = None
         page_size, seed = layout or (self.config.page_size, DEFAULT_HASH_SEED)

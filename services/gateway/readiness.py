@@ -12,6 +12,7 @@ costing a registry scan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -82,25 +83,90 @@ def _full(entries: list[RegistryEntry]) -> tuple[str, ...]:
 
 
 class CachedListing:
-    """`list_entries()` reused for `max_age_s` seconds; concurrent callers share one registry read.
-    A failed read is not cached (the next probe tries again). One instance serves the gateway's readiness
-    probes and its backend (size checks, chain layout, fallbacks), so they share their reads."""
+    """The registry's listing for the gateway's readiness probes and its backend (size checks, chain layout,
+    fallbacks), so they share their reads. A listing at most `max_age_s` old is served as it is. An older one is
+    read again before it is served (concurrent callers share the read), except for callers that pass
+    `wait=False` (the backend's advisory reads on the request path: size check, chain layout): they get the last listing (up to `stale_ok_s` old) at
+    once while one background read refreshes it, so no request waits for the registry once a first listing
+    exists. `fresh` (a failover's re-pick) always reads.
 
-    def __init__(self, list_entries: ListEntries, max_age_s: float = 0.5,
+    This matters while the registry cannot be read (a NATS node died and its streams elect new leaders, a few
+    seconds): every request would otherwise wait for the registry's time bound. While the last read failed,
+    every caller gets the last listing at once (up to `stale_ok_s`). Consumers judge each entry by
+    its own heartbeat (`RegistryEntry.fresh`), so an old listing never keeps a dead instance alive past its
+    TTL. A failure with no listing to fall back on is raised, and not cached: the next call reads again."""
+
+    def __init__(self, list_entries: ListEntries, max_age_s: float = 0.5, stale_ok_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_age_s < 0:
-            raise ValueError(f"max_age_s must be >= 0, got {max_age_s}")
+        if max_age_s < 0 or stale_ok_s < 0:
+            raise ValueError(f"max_age_s and stale_ok_s must be >= 0, got {max_age_s}, {stale_ok_s}")
         self._list = list_entries
         self._max_age_s = max_age_s
+        self._stale_ok_s = stale_ok_s
         self._clock = clock
         self._lock = asyncio.Lock()
         self._entries: list[RegistryEntry] = []
-        self._read_at: float | None = None
+        self._read_at: float | None = None  # clock time of the last good read
+        self._failing = False  # the last read failed
+        self._tried_at = float("-inf")  # clock time the last read began
+        self._background: asyncio.Task[None] | None = None
+        self.served_stale = 0
+        """Calls answered with a listing older than `max_age_s` (a background read in flight, or failing)."""
 
-    async def __call__(self, fresh: bool = False) -> list[RegistryEntry]:
-        """The entries, read again when older than `max_age_s` or when `fresh` (after a failure)."""
+    async def __call__(self, fresh: bool = False, wait: bool = True) -> list[RegistryEntry]:
+        """The entries (class docstring); `fresh`: read now, unless the registry is failing; `wait=False`:
+        never wait for a read while a listing at most `stale_ok_s` old exists."""
+        served = self._served(fresh, wait)
+        if served is not None:
+            return served
         async with self._lock:
-            if fresh or self._read_at is None or self._clock() - self._read_at > self._max_age_s:
-                self._entries = await self._list()
-                self._read_at = self._clock()
+            served = self._served(fresh, wait)  # (a read finished or failed while this call waited)
+            if served is not None:
+                return served
+            try:
+                await self._read()
+            except Exception:
+                if not self._usable(self._stale_ok_s):
+                    raise
+                self.served_stale += 1
             return list(self._entries)
+
+    def _served(self, fresh: bool, wait: bool) -> list[RegistryEntry] | None:
+        """The listing this call gets without waiting, or None when it must read."""
+        if self._failing and self._usable(self._stale_ok_s):
+            return self._stale()
+        if fresh:
+            return None
+        if self._usable(self._max_age_s):
+            return list(self._entries)
+        return self._stale() if not wait and self._usable(self._stale_ok_s) else None
+
+    async def _read(self) -> None:
+        self._tried_at = self._clock()
+        try:
+            entries = await self._list()
+        except BaseException:  # (also a caller's own time bound cancelling the read)
+            self._failing = True
+            raise
+        self._entries, self._read_at, self._failing = entries, self._clock(), False
+
+    def _stale(self) -> list[RegistryEntry]:
+        self._refresh_in_background()
+        self.served_stale += 1
+        return list(self._entries)
+
+    def _usable(self, max_age_s: float) -> bool:
+        return self._read_at is not None and self._clock() - self._read_at <= max_age_s
+
+    def _refresh_in_background(self) -> None:
+        if (self._background is not None and not self._background.done()) or \
+                self._clock() - self._tried_at < self._max_age_s:
+            return
+
+        async def refresh() -> None:
+            async with self._lock:
+                if self._failing or not self._usable(self._max_age_s):
+                    with contextlib.suppress(Exception):
+                        await self._read()
+
+        self._background = asyncio.create_task(refresh(), name="registry-listing-refresh")

@@ -56,6 +56,7 @@ from protos.messages import (
 )
 
 log = logging.getLogger("windserve.prefill")
+COMMIT_ATTEMPT_S = 2.5  # a kv_commit unanswered this long is asked again (within prepare_timeout_s)
 
 Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Commit = Callable[[str, KVCommitRequest], Awaitable[KVCommitReply]]
@@ -389,12 +390,28 @@ class PrefillWorker:
         msg = KVCommitRequest(request_id=req.request_id, first_token_id=token, first_logprob=logprob,
                               prefill_cached_tokens=cached)
         try:
-            async with asyncio.timeout(self.prepare_timeout_s):
-                await self.commit(decode, msg)
+            await self._commit_asking_again(decode, msg)
         except TimeoutError:
             raise HandoffError(f"decode {decode} did not answer kv_commit within {self.prepare_timeout_s}s") from None
         except Exception as exc:
             raise HandoffError(f"decode {decode} did not take the first token: {exc}") from exc
+
+    async def _commit_asking_again(self, decode: str, msg: KVCommitRequest) -> None:
+        """kv_commit within prepare_timeout_s, asked again after every COMMIT_ATTEMPT_S without an answer: core
+        NATS delivers at most once, and a NATS node that dies with the request or its reply on it loses it.
+        Decode answers a repeat of a commit it took as it answered the first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.prepare_timeout_s
+        while True:
+            attempt = min(COMMIT_ATTEMPT_S, deadline - loop.time())
+            try:
+                async with asyncio.timeout(attempt):
+                    await self.commit(decode, msg)
+                    return
+            except TimeoutError:
+                if loop.time() >= deadline - 0.01:
+                    raise
+                log.info("kv_commit unanswered; asking again", extra={"request": msg.request_id, "decode": decode})
 
     def _count(self, req: GenerateRequest, sender: KVSender, stats: TransferStats) -> None:
         core = self.engine.core

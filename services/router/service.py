@@ -38,7 +38,8 @@ from services.router.kvsync import IndexSync
 
 log = logging.getLogger("windserve.router")
 
-_COLD_RESYNC_S = 1.0  # an empty view lists the registry at most this often (a join the watch has not shown yet)
+_ROUTE_RESYNC_S = 0.5  # most time a request waits for that listing
+_COLD_RESYNC_S = 1.0  # a view with no candidate lists the registry at most this often (it may lag the store)
 
 
 class RouterService(Service):
@@ -72,7 +73,8 @@ class RouterService(Service):
         await self._consume(subjects.route_picks(ns), RoutePick, self._on_pick, "route-picks")
         await self._consume(subjects.kv_hits(ns), KVHitReport, self._on_hit, "kv-hits")
         self.view = RegistryView(self.registry, config=ViewConfig(list_timeout_s=self.config.registry_timeout_s,
-                                                                  resync_interval_s=self.config.registry_resync_s))
+                                                                  resync_interval_s=self.config.registry_resync_s),
+                                 outages=self.registry_outages)  # (registered after setup: read when judged)
         self.view.add_listener(self.sync.on_registry)
         await self.view.start()  # every registered worker joins: each is asked for a snapshot
         if self.config.kv_events:
@@ -94,11 +96,15 @@ class RouterService(Service):
         assert self.view is not None
         start = time.perf_counter()
         now = time.time()  # the workers stamp their load snapshots with unix time
-        fleet = handlers.fleet_of(self.view.live(now))
-        if fleet.empty and await self.view.resync_if_older(_COLD_RESYNC_S):
-            fleet = handlers.fleet_of(self.view.live(now))
         try:
-            decided = self._decide(req, fleet, now)
+            try:
+                decided = self._decide(req, handlers.fleet_of(self.view.live(now)), now)
+            except LookupError:
+                # no candidate in the view: list the store (at most every _COLD_RESYNC_S) in case the view lags
+                # it (a join the watch has not shown yet, a watch that went quiet), then decide once more
+                if not await self._resync_on_the_request_path():
+                    raise
+                decided = self._decide(req, handlers.fleet_of(self.view.live(now)), now)
         except LookupError as exc:
             metrics.DECISIONS.labels(self.config.policy, "no_candidate").inc()
             raise Unavailable(f"no worker for request {req.request_id}: {exc}") from exc
@@ -111,6 +117,19 @@ class RouterService(Service):
         return RouteReply(prefill_instance=decided.prefill, decode_instance=decided.decode,
                           predicted_hit_tokens=decided.predicted_hit,
                           predicted_decode_hit_tokens=decided.predicted_decode_hit)
+
+    async def _resync_on_the_request_path(self) -> bool:
+        """A listing for a request that found no candidate: skipped while one is in flight (the registry may be
+        electing a leader: that listing waits its whole bound) and cut at _ROUTE_RESYNC_S, so the request is
+        answered well within the gateway's route timeout. False when nothing was listed."""
+        assert self.view is not None
+        if self.view.listing:
+            return False
+        try:
+            async with asyncio.timeout(_ROUTE_RESYNC_S):
+                return await self.view.resync_if_older(_COLD_RESYNC_S)
+        except TimeoutError:
+            return False
 
     def _decide(self, req: RouteRequest, fleet: Fleet, now: float) -> Route:
         """The pure decision, on the index as it is now (no await inside: events cannot interleave)."""
