@@ -23,6 +23,7 @@ import torch
 
 from libs.engine.sampling import History, adjust_logits
 from libs.mm.spec import model_token_ids
+from libs.model.layers import AttnContext
 from libs.model.paged import BatchMeta, KVPools
 
 
@@ -165,14 +166,16 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
     drafts: dict[str, list[int]] = {s.req_id: [] for s in spans if s.drafting}
     prev = list(hidden)
     live = list(range(len(spans)))
-    shape: tuple[list[int], list[int]] | None = None  # (live spans, rows of each) that `meta` describes
-    meta, contexts, h = None, {}, None
+    shape: tuple[list[int], list[int]] = ([], [])  # (live spans, rows of each) that `meta` describes
+    meta: BatchMeta | None = None
+    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row (forward_mtp fills it)
+    h = torch.empty(0)
     for j in range(num_blocks):
         live = [b for b in live if spans[b].block_end(j) >= spans[b].lo]
         if not live:
             break
         q_lens = [spans[b].block_end(j) - spans[b].lo + 1 for b in live]
-        if shape is None or (live, q_lens) != shape:
+        if meta is None or (live, q_lens) != shape:
             meta, contexts = _chain_meta(spans, live, q_lens, kv_mtp, device), {}
             h_in = torch.cat([prev[b][:n] for b, n in zip(live, q_lens, strict=True)])
         else:  # same rows as the block before: its output is this block's input as is
