@@ -316,7 +316,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     hist = results["decode"]["1"]["accept_hist"]
     a.bar([str(i + 1) for i in range(len(hist))], hist)
     a.set_xlabel("tokens emitted per verify step")
@@ -330,6 +330,17 @@ def plot(results: dict, path: Path) -> None:
     b.set_ylabel("output tokens/s")
     b.set_title("decode throughput (tiny model, CPU, 1 thread)")
     b.legend()
+    training = results["training"]["training"]
+    if isinstance(training, dict):  # trained in this run (not loaded from the cache): its learning curve
+        steps = [p["step"] for p in training["curve"]]
+        for j in range(K):
+            c.plot(steps, [p["held_top1"][j] for p in training["curve"]], marker="o", label=f"block {j} held-out")
+            c.plot(steps, [p["train_top1"][j] for p in training["curve"]], ls="--", color=f"C{j}", label=f"block {j} train")
+    c.axhline(results["training"]["held_bigram_accuracy"], color="grey", ls=":", label="last-token lookup table")
+    c.set_xlabel("training step")
+    c.set_ylabel("top-1 vs the target's greedy token")
+    c.set_title("MTP blocks' learning curve")
+    c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
