@@ -365,3 +365,31 @@ def test_sampled_requests_speculate_and_stay_reproducible_per_seed(tiny):
     assert outs[0] == outs[1]
     assert all(len(v) == 24 for v in outs[0].values())
     assert stats[0] is not None and stats[0].drafted_tokens > 0 and stats[0].accepted_tokens > 0
+
+
+def test_penalties_and_logit_bias_draft_and_equal_mtp_off(tiny):
+    """Greedy requests with presence / frequency / repetition penalties and logit bias draft too: each verified
+    row is processed as if the drafts before it had been emitted one by one, so the outputs equal MTP off
+    (oracle drafts, mostly right: accepted runs inside which the penalties change); pools at baseline."""
+    from libs.engine import SamplingParams
+
+    kinds = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(repetition_penalty=1.8),
+             dict(logit_bias={7: 4.0, 9: -3.0}, frequency_penalty=0.7)]
+    prompts = {f"k{k}p{i}": tokens(600 + i, 5 + 4 * i) for k in range(len(kinds)) for i in range(4)}
+    params = {rid: SamplingParams(max_tokens=30, ignore_eos=True, **kinds[int(rid[1])])  # type: ignore[arg-type]
+              for rid in prompts}
+
+    def go(core: EngineCore) -> dict[str, list[int]]:
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, params[rid]))
+        return drain(core)
+    want = go(make_core(tiny))
+    plain = run(make_core(tiny), prompts, 30)
+    for k in range(len(kinds)):  # every kind of processing changes some output: the comparison has power
+        assert any(want[r] != plain[r] for r in prompts if r.startswith(f"k{k}")), kinds[k]
+    on = make_core(tiny, speculative_tokens=K, max_num_seqs=16)
+    oracle(on, want, 0.85)
+    assert go(on) == want
+    spec = on.spec_stats()
+    assert spec is not None and spec.accepted_tokens > 0 and spec.accepted_len > 1.5, spec
+    assert_baseline(on)

@@ -25,6 +25,7 @@ from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.spec import (
     DraftSpan,
     HiddenRing,
+    as_if_emitted,
     check_draft_layers,
     draft_view,
     drafts_for,
@@ -320,20 +321,22 @@ class EngineCore:
         items = [s for s in plan.seqs if s.sample]
         if not any(s.num_draft for s in items):
             return self._sample_rows([s.req_id for s in items], logits), {}
-        best = logits.argmax(dim=-1).tolist()
         out: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[int, ...]] = {}
         plain, last, row = [], [], 0
         for s in items:
-            params = self.scheduler.seqs[s.req_id].req.params
-            if s.num_draft and params.greedy:
-                acc, tok = greedy_accept(best[row:row + s.num_draft + 1], s.token_ids[-s.num_draft:])
-                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
-            elif s.num_draft:
-                p = self._probs(logits[row:row + s.num_draft + 1], params)
-                q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
-                gen = self.runner.generator(s.req_id, params)
-                acc, tok = rejection_accept(p, q, s.token_ids[-s.num_draft:], gen)
+            seq = self.scheduler.seqs[s.req_id]
+            params = seq.req.params
+            if s.num_draft:
+                drafts = s.token_ids[-s.num_draft:]
+                rows = as_if_emitted(logits[row:row + s.num_draft + 1], params, seq.token_ids, seq.num_prompt,
+                                     drafts)
+                if params.greedy:
+                    acc, tok = greedy_accept(rows.argmax(dim=-1).tolist(), drafts)
+                else:
+                    q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
+                    gen = self.runner.generator(s.req_id, params)
+                    acc, tok = rejection_accept(self._probs(rows, params), q, drafts, gen)
                 accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
             else:
                 plain.append(s.req_id)
@@ -392,12 +395,18 @@ class EngineCore:
         return filter_logits(logits.float(), full(float(params.temperature)), full(params.top_k, torch.int64),
                              full(float(params.top_p)), full(float(params.min_p))).softmax(dim=-1).cpu()
 
-    def _choose(self, req_ids: list[str], logits: torch.Tensor) -> list[int]:
+    def _choose(self, req_ids: list[str], logits: torch.Tensor, drafts: list[list[int]]) -> list[int]:
         """One draft token per drafting row: the argmax for greedy requests; for sampled ones a draw from their
-        own distribution, which is kept for the rejection test of the verify step."""
+        own distribution, which is kept for the rejection test of the verify step. A request's logit bias and
+        penalties apply to its drafts as to the tokens it emits (the drafts so far counted), so they agree
+        with the verification more often."""
+        seqs = [self.scheduler.seqs[r] for r in req_ids]
+        if any(s.req.params.adjusts_logits for s in seqs):
+            logits = torch.cat([as_if_emitted(logits[i:i + 1], s.req.params, [*s.token_ids, *d], s.num_prompt, ())
+                                for i, (s, d) in enumerate(zip(seqs, drafts, strict=True))])
         best = logits.argmax(dim=-1).tolist()
-        for i, req_id in enumerate(req_ids):
-            params = self.scheduler.seqs[req_id].req.params
+        for i, (req_id, seq) in enumerate(zip(req_ids, seqs, strict=True)):
+            params = seq.req.params
             if params.greedy:
                 continue
             q = self._probs(logits[i:i + 1], params)[0]

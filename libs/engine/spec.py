@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.engine.sampling import History, adjust_logits
 from libs.mm.spec import model_token_ids
+from libs.model.layers import AttnContext
 from libs.model.paged import BatchMeta, KVPools
 
 
@@ -42,10 +44,23 @@ def draft_view(kv: KVPools, n_swa: int) -> KVPools:
 
 
 def drafts_for(params) -> bool:
-    """Requests that draft: plain greedy ones (exact acceptance) and plain sampled ones (rejection sampling over
-    temperature / top-k / top-p / min-p); logprobs, penalties, logit bias and grammars decode without drafts."""
-    return params.plain_greedy or (not params.greedy and params.logprobs is None and params.grammar is None
-                                   and not params.adjusts_logits)
+    """Requests that draft: greedy ones (exact acceptance) and sampled ones (rejection sampling over temperature /
+    top-k / top-p / min-p), with or without logit bias and presence / frequency / repetition penalties (each
+    verified row is processed as if the drafts before it had been emitted: `as_if_emitted`); requests with
+    logprobs or a grammar decode without drafts."""
+    return params.logprobs is None and params.grammar is None
+
+
+def as_if_emitted(logits: torch.Tensor, params, token_ids: Sequence[int], num_prompt: int,
+                  drafts: Sequence[int]) -> torch.Tensor:
+    """One sequence's rows ``[len(drafts) + 1, V]`` (at its last token, then at each draft) after its logit
+    processing (logit bias, penalties), row i as the step without speculation would process it after
+    ``token_ids + drafts[:i]`` had been emitted one by one: its penalties count the drafts before it."""
+    if not params.adjusts_logits:
+        return logits
+    n = logits.shape[0]
+    hist = [History([*token_ids, *drafts[:i]], num_prompt) if params.penalized else None for i in range(n)]
+    return adjust_logits(logits, [params] * n, hist)
 
 
 def rejection_accept(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int],
@@ -131,10 +146,11 @@ class HiddenRing:
         return len(self._rows)
 
 
-Choose = Callable[[list[str], torch.Tensor], list[int]]  # (drafting req ids, their logits rows) -> draft tokens
+# (drafting req ids, their logits rows, each one's drafts so far) -> the next draft token of each
+Choose = Callable[[list[str], torch.Tensor, list[list[int]]], list[int]]
 
 
-def argmax_choose(_req_ids: list[str], logits: torch.Tensor) -> list[int]:
+def argmax_choose(_req_ids: list[str], logits: torch.Tensor, _drafts: list[list[int]]) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
@@ -143,40 +159,55 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
               num_blocks: int, pad_id: int, device, choose: Choose = argmax_choose) -> dict[str, list[int]]:
     """Run MTP blocks 0..num_blocks-1 over the spans (one batched forward per block): writes each block's KV
     and returns the drafts of the drafting spans, picked by `choose` from each block's logits at their last
-    position (greedy: argmax). `hidden[b]`: target hidden of span b's [lo, hi]."""
+    position (greedy: argmax). `hidden[b]`: target hidden of span b's [lo, hi].
+
+    Blocks over the same rows (every block of a decode step: a drafting span's rows do not shrink) share one
+    batch description and one attention plan, and each takes the one before's hidden states as they are."""
     drafts: dict[str, list[int]] = {s.req_id: [] for s in spans if s.drafting}
     prev = list(hidden)
     live = list(range(len(spans)))
+    shape: tuple[list[int], list[int]] = ([], [])  # (live spans, rows of each) that `meta` describes
+    meta: BatchMeta | None = None
+    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row (forward_mtp fills it)
+    h = torch.empty(0)
     for j in range(num_blocks):
         live = [b for b in live if spans[b].block_end(j) >= spans[b].lo]
         if not live:
             break
-        ids: list[int] = []
-        q_lens, kv_lens, tables, starts, h_in = [], [], [], [], []
-        for b in live:
-            s = spans[b]
-            n = s.block_end(j) - s.lo + 1
-            ids += block_inputs(s, j, drafts.get(s.req_id, ()))
-            q_lens.append(n)
-            kv_lens.append(s.block_end(j) + 1)
-            tables.append(list(s.swa_pages))
-            starts.append(s.kv_start)
-            h_in.append(prev[b][:n])
-        meta = BatchMeta.build(q_lens, kv_lens, tables, device=device, kv=kv_mtp)
-        meta.swa_kv_start = starts
+        q_lens = [spans[b].block_end(j) - spans[b].lo + 1 for b in live]
+        if meta is None or (live, q_lens) != shape:
+            meta, contexts = _chain_meta(spans, live, q_lens, kv_mtp, device), {}
+            h_in = torch.cat([prev[b][:n] for b, n in zip(live, q_lens, strict=True)])
+        else:  # same rows as the block before: its output is this block's input as is
+            h_in = h
+        shape = (live, q_lens)
+        ids = [x for b in live for x in block_inputs(spans[b], j, drafts.get(spans[b].req_id, ()))]
         tok = model_token_ids(torch.tensor(ids, dtype=torch.int64, device=device), pad_id)
-        logits, h = model.forward_mtp(j, tok, torch.cat(h_in), meta, kv_mtp)
-        rows = [row for row, b in enumerate(live) if spans[b].drafting]
-        picked = iter(choose([spans[live[r]].req_id for r in rows],
-                             logits[torch.tensor(rows, device=logits.device)]) if rows else ())
+        logits, h = model.forward_mtp(j, tok, h_in, meta, kv_mtp, contexts)
         offs = 0
         for b, n in zip(live, q_lens, strict=True):
-            s = spans[b]
             prev[b] = h[offs:offs + n]
             offs += n
-            if s.drafting:
-                drafts[s.req_id].append(int(next(picked)))
+        drafting = [spans[b].req_id for b in live if spans[b].drafting]
+        for req_id, d in zip(drafting, choose(drafting, logits, [drafts[r] for r in drafting]) if drafting else (), strict=True):
+            drafts[req_id].append(int(d))
     return drafts
+
+
+def _chain_meta(spans: Sequence[DraftSpan], live: list[int], q_lens: list[int], kv_mtp: KVPools,
+                device) -> BatchMeta:
+    """The batch of one block over spans `live` (rows [lo, lo + q_len) each), logits only at the last row of
+    the drafting spans (the others fill KV; their logits would be thrown away)."""
+    kv_lens = [spans[b].lo + n for b, n in zip(live, q_lens, strict=True)]
+    meta = BatchMeta.build(q_lens, kv_lens, [list(spans[b].swa_pages) for b in live], device=device, kv=kv_mtp)
+    meta.swa_kv_start = [spans[b].kv_start for b in live]
+    last, ends = 0, []
+    for b, n in zip(live, q_lens, strict=True):
+        last += n
+        if spans[b].drafting:
+            ends.append(last - 1)
+    meta.logits_indices = torch.tensor(ends, dtype=torch.int64, device=device)
+    return meta
 
 
 def kv_start_of(swa_pages: Sequence[int], hi: int, page_size: int) -> int:

@@ -133,16 +133,23 @@ class MiMoV2Model(nn.Module):
 
     @torch.inference_mode()
     def forward_mtp(self, step: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMeta,
-                    kv_mtp: KVPools) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_mtp: KVPools, contexts: dict[int, AttnContext] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP block ``step``: token ids (the token following each position) and the previous stage's hidden
         states ``[T, hidden]`` -> (float32 logits at ``meta.logits_rows()``, hidden ``[T, hidden]``).
-        ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp`; its SWA layer ``step`` holds this block's KV."""
+        ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp`; its SWA layer ``step`` holds this block's KV.
+        ``contexts``: attention plans by page-table row, filled and reused by calls that share ``meta`` (the
+        blocks of one drafting pass over the same positions plan their attention once)."""
         if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
             raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
         k, v, row = kv_mtp.layer_kv("swa", step)
-        table = meta.swa_page_table if meta.swa_rows is None else meta.swa_rows[row]
-        ctx = _context(meta, table, kv_mtp.page_size, self.cfg.window_left, meta.positions, self._rope_swa,
-                       self.inv_freq_swa, self.dtype, swa=True)
+        ctx = contexts.get(row) if contexts is not None else None
+        if ctx is None:
+            table = meta.swa_page_table if meta.swa_rows is None else meta.swa_rows[row]
+            ctx = _context(meta, table, kv_mtp.page_size, self.cfg.window_left, meta.positions, self._rope_swa,
+                           self.inv_freq_swa, self.dtype, swa=True)
+            if contexts is not None:
+                contexts[row] = ctx
         emb = self.model.embed_tokens(input_ids)
         h = self.model.mtp.layers[step](emb, prev_hidden, ctx, k, v)
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
