@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import cast
 
 import torch
 from torch import nn
 
 from kernels import plan_paged_attention
+from kernels.attn_plan import AttnPlan
 from kernels.kv import new_token_index
 from libs.model.config import ModelConfig
 from libs.model.layers import (
@@ -61,16 +63,47 @@ class RopeTable:
 
 def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
              rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype, swa: bool) -> AttnContext:
+    return _contexts_of(meta, table, None, page_size, window_left, positions, rope, inv_freq, dtype, swa)[0]
+
+
+def _contexts_of(meta: BatchMeta, table: torch.Tensor, rows: torch.Tensor | None, page_size: int, window_left: int,
+                 positions: torch.Tensor, rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 swa: bool) -> list[AttnContext]:
+    """The attention contexts of one layer group: one for the page table, or with an arena one per table row
+    of `rows` ([table rows, B, W], the physical rows of `table`'s pages). The plan is built once, over the
+    table's entry indices (`_entry_table`), and each row's plan maps its slots through that row's entries
+    (`_remap`): the rows share every mask and block shape, only the slots differ."""
     cos, sin = rope.lookup(positions, max(meta.kv_lens), inv_freq, dtype)
-    plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left,
-                                meta.swa_kv_start if swa else None)
+    plan = plan_paged_attention(table if rows is None else _entry_table(table), meta.q_lens, meta.kv_lens, page_size,
+                                window_left, meta.swa_kv_start if swa else None)
+    plans = [plan] if rows is None else _remap(plan, rows, page_size)
     if swa or meta.full_write_from is None:
-        return AttnContext(cos, sin, plan, plan.write_slots)
+        return [AttnContext(cos, sin, p, p.write_slots) for p in plans]
     # window rebuild: the full-attention K/V of the span is cached (and exact); only later positions are written
     seq, _ = new_token_index(meta.q_lens, meta.kv_lens, positions.device)
     floor = torch.as_tensor(meta.full_write_from, dtype=torch.int64, device=positions.device)
-    rows = torch.nonzero(positions >= floor[seq]).flatten()
-    return AttnContext(cos, sin, plan, plan.write_slots.index_select(0, rows), rows)
+    write = torch.nonzero(positions >= floor[seq]).flatten()
+    return [AttnContext(cos, sin, p, p.write_slots.index_select(0, write), write) for p in plans]
+
+
+def _entry_table(table: torch.Tensor) -> torch.Tensor:
+    """A page table of the same shape and -1 pattern whose entries are their own flat index b x W + j: a plan
+    built on it names, for every slot it reads or writes, the table entry (slot // page) and the offset."""
+    return torch.arange(table.numel(), device=table.device).view_as(table).masked_fill(table < 0, -1)
+
+
+def _remap(plan: AttnPlan, rows: torch.Tensor, page_size: int) -> list[AttnPlan]:
+    """One plan per table row of `rows` ([R, B, W]) from a plan over `_entry_table`: slot e x page + o becomes
+    rows[t].flat[e] x page + o (the same positions, read from that row's pages), all rows at once."""
+    flat = rows.flatten(1)
+
+    def slots(s: torch.Tensor) -> torch.Tensor:  # [R, *s.shape]
+        return flat[:, torch.div(s, page_size, rounding_mode="floor")] * page_size + s % page_size
+
+    write, blocks = slots(plan.write_slots), [slots(b.slots) for b in plan.blocks]
+    return [replace(plan, page_table=rows[t], write_slots=write[t],
+                    blocks=tuple(replace(b, slots=s[t]) for b, s in zip(plan.blocks, blocks, strict=True)))
+            for t in range(rows.shape[0])]
 
 
 class MiMoV2Model(nn.Module):
@@ -98,14 +131,12 @@ class MiMoV2Model(nn.Module):
         full: list[AttnContext] = []
         swa: list[AttnContext] = []
         if self.cfg.full_layers:
-            tables = meta.full_page_table[None] if meta.full_rows is None else meta.full_rows
-            full = [_context(meta, t, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full, self.dtype,
-                             swa=False) for t in tables]
+            full = _contexts_of(meta, meta.full_page_table, meta.full_rows, kv.page_size, -1, pos, self._rope_full,
+                                self.inv_freq_full, self.dtype, swa=False)
         if self.cfg.swa_layers:
             rows = meta.swa_rows[:_rows_used(kv, len(self.cfg.swa_layers))] if meta.swa_rows is not None else None
-            tables = meta.swa_page_table[None] if rows is None else rows
-            swa = [_context(meta, t, kv.page_size, self.cfg.window_left, pos, self._rope_swa, self.inv_freq_swa,
-                            self.dtype, swa=True) for t in tables]
+            swa = _contexts_of(meta, meta.swa_page_table, rows, kv.page_size, self.cfg.window_left, pos,
+                               self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
         return full, swa
 
     @torch.inference_mode()
