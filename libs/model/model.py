@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import cast
 
 import torch
@@ -94,16 +93,29 @@ def _entry_table(table: torch.Tensor) -> torch.Tensor:
 
 def _remap(plan: AttnPlan, rows: torch.Tensor, page_size: int) -> list[AttnPlan]:
     """One plan per table row of `rows` ([R, B, W]) from a plan over `_entry_table`: slot e x page + o becomes
-    rows[t].flat[e] x page + o (the same positions, read from that row's pages), all rows at once."""
+    rows[t].flat[e] x page + o (the same positions, read from that row's pages). All rows and all of the
+    plan's slot tensors at once: slot s moves by delta[t, s // page], delta = (rows.flat - e) x page. (Per
+    row only Python objects are made: this runs once per layer group and step, a dozen torch calls.)"""
     flat = rows.flatten(1)
+    r = flat.shape[0]
+    delta = (flat - torch.arange(flat.shape[1], device=flat.device)) * page_size
+    parts = [plan.write_slots, *(b.slots for b in plan.blocks)]
+    s = torch.cat([p.flatten() for p in parts])
+    moved = s + delta[:, torch.div(s, page_size, rounding_mode="floor")]  # [R, all slots]
+    per_row = [m.view(r, *p.shape).unbind(0) for m, p in zip(moved.split([p.numel() for p in parts], dim=1), parts,
+                                                                 strict=True)]
+    tables = rows.unbind(0)
+    return [_with(plan, page_table=tables[t], write_slots=per_row[0][t],
+                  blocks=tuple(_with(b, slots=x[t]) for b, x in zip(plan.blocks, per_row[1:], strict=True)))
+            for t in range(r)]
 
-    def slots(s: torch.Tensor) -> torch.Tensor:  # [R, *s.shape]
-        return flat[:, torch.div(s, page_size, rounding_mode="floor")] * page_size + s % page_size
 
-    write, blocks = slots(plan.write_slots), [slots(b.slots) for b in plan.blocks]
-    return [replace(plan, page_table=rows[t], write_slots=write[t],
-                    blocks=tuple(replace(b, slots=s[t]) for b, s in zip(plan.blocks, blocks, strict=True)))
-            for t in range(rows.shape[0])]
+def _with(obj, **changes):
+    """`dataclasses.replace` of a frozen dataclass without its __init__ (the fields are already valid; this
+    runs per layer chunk and step)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__, **changes)
+    return new
 
 
 class MiMoV2Model(nn.Module):

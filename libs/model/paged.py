@@ -78,8 +78,11 @@ class KVArena:
         earlier (a copy made before the page was freed), instead of the table's."""
         r = self.sub[group]
         if units is None:
-            units = self.tables[group][ids.clamp(min=0)]
+            table = self.tables[group]
+            units = table.index_select(0, ids.clamp(min=0).flatten()).view(*ids.shape, table.shape[1])
         units = units.movedim(-1, 0)  # [chunks, *ids.shape]
+        if r == 1:  # (a unit slot holds one layer-page: the row is the unit)
+            return units.masked_fill(ids.unsqueeze(0) < 0, -1)
         rows = units.unsqueeze(1) * r + torch.arange(r).view(1, r, *([1] * ids.dim()))
         return rows.flatten(0, 1).masked_fill_(ids.unsqueeze(0) < 0, -1)
 
@@ -99,6 +102,8 @@ class KVPools:
     swa_v: torch.Tensor  # [n_swa_layers, num_swa_pages, page_size, kv_heads_swa, v_head_dim]
     arena: KVArena | None = None
     swa_offset: int = 0  # a view's first SWA layer (the MTP blocks' view of the engine's pools)
+    _views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=dict, repr=False, compare=False)  # arena: layer_kv's plane views, made once per layer
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int,
@@ -167,12 +172,14 @@ class KVPools:
         if a is None:
             k, v = self.group(group)
             return k[index], v[index], 0
-        index += self.swa_offset if group == "swa" else 0
-        s, _, row = a.where(group, index)
-        heads = self._tensors(group)[0].shape[3]
-        kk, vv = a.k[s], a.v[s]
-        return (kk.view(-1, self.page_size, heads, kk.shape[-1]), vv.view(-1, self.page_size, heads, vv.shape[-1]),
-                row)
+        got = self._views.get((group, index))
+        if got is None:  # (the views stay valid: the buffers are never replaced)
+            s, _, row = a.where(group, index + (self.swa_offset if group == "swa" else 0))
+            heads = self._tensors(group)[0].shape[3]
+            kk, vv = a.k[s], a.v[s]
+            got = self._views[group, index] = (kk.view(-1, self.page_size, heads, kk.shape[-1]),
+                                               vv.view(-1, self.page_size, heads, vv.shape[-1]), row)
+        return got
 
     def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
