@@ -7,7 +7,8 @@ replay), and the bookkeeping cost per request against a cache-disabled path.
 
 Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget), and
 bench/results/kvcache_engine_arena.json: the real engine (tiny model) with two static pools vs one arena of the
-same bytes (EngineConfig.kv_arena): bytes allocated, most sequences running at once, wall time, same outputs.
+same bytes (EngineConfig.kv_arena): bytes allocated, most sequences running at once, same outputs, and the
+CPU time of a workload both layouts schedule identically (the arena's own cost).
 """
 
 from __future__ import annotations
@@ -424,53 +425,122 @@ def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> No
     fig.savefig(path, dpi=120)
 
 
-def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16) -> dict[str, Any]:
+def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16, repeats: int = 7) -> dict[str, Any]:
     """The engine's physical KV: the tiny model's engine with two static pools and with one arena of the same
-    bytes, on two workloads: 32 short requests (32 + 4 tokens: SWA-bound on the static split) and 4 long ones
-    (400 + 4: full-bound). Bytes are read off the allocated tensors (`KVPools.pool_bytes`)."""
+    bytes. Capacity on two workloads: 32 short requests (32 + 4 tokens: SWA-bound on the static split) and 4
+    long ones (400 + 4: a 400-token chunk needs more transient SWA pages than the static SWA pool has, so the
+    static engine produces nothing). CPU cost on a third one both layouts schedule identically (pools large
+    enough for everything: same steps, same batches): 24 prompts of 40-200 tokens + 24 greedy tokens, prefix
+    cache on, then a second turn extending every first one; the two engines stepped in lockstep (`lockstep`),
+    the median over `repeats` runs of the ratio of their process CPU time. Bytes are read off the allocated
+    tensors (`KVPools.pool_bytes`)."""
+    import statistics
+
     import torch
 
     from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
     from libs.model import load_model
 
+    torch.set_num_threads(1)
     model, cfg = load_model(None)
     gen = torch.Generator().manual_seed(7)
-    workloads = {"short": [torch.randint(3, 250, (32,), generator=gen).tolist() for _ in range(32)],
-                 "long": [torch.randint(3, 250, (400,), generator=gen).tolist() for _ in range(4)]}
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(3, 250, (n,), generator=gen).tolist()
+
+    workloads = {"short": [prompt(32) for _ in range(32)], "long": [prompt(400) for _ in range(4)]}
+    first = [prompt(int(torch.randint(40, 200, (1,), generator=gen))) for _ in range(24)]
     out: dict[str, Any] = {"config": {"num_full_pages": full_pages, "num_swa_pages": swa_pages, "page_size": page,
-                                      "model": "tiny", "max_num_seqs": 256, "max_tokens": 4}}
-    for name, prompts in workloads.items():
-        row: dict[str, Any] = {}
-        for mode in ("static", "arena"):
-            core = EngineCore(EngineConfig(page_size=page, num_full_pages=full_pages, num_swa_pages=swa_pages,
-                                           max_num_seqs=256, max_num_batched_tokens=2048, bucket_edges=(),
-                                           enable_prefix_cache=False, kv_arena=mode == "arena"), model, cfg)
+                                      "model": "tiny", "max_num_seqs": 256, "max_tokens": 4, "repeats": repeats,
+                                      "torch_threads": 1}}
+
+    def run(mode: str, turns: list[list[list[int]]], n_out: int, **opts) -> tuple[dict[str, Any], dict]:
+        core = EngineCore(EngineConfig(page_size=page, bucket_edges=(), kv_arena=mode == "arena", **opts), model, cfg)
+        got: dict[str, list[int]] = {}
+        peak = steps = 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        for t, prompts in enumerate(turns):
             for i, p in enumerate(prompts):
-                core.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True)))
-            got: dict[str, list[int]] = {}
-            peak = steps = 0
-            t0 = time.perf_counter()
+                core.add_request(Request(f"t{t}r{i}", p, SamplingParams(max_tokens=n_out, ignore_eos=True)))
             while core.has_work():
                 for o in core.step():
                     got.setdefault(o.req_id, []).extend(o.new_token_ids)
                 peak, steps = max(peak, len(core.scheduler.running)), steps + 1
-            row[mode] = {"kv_bytes": sum(core.runner.kv.pool_bytes().values()), "pool_bytes": core.runner.kv.pool_bytes(),
-                         "peak_running": peak, "steps": steps, "wall_s": round(time.perf_counter() - t0, 3),
-                         "outputs": got}
-            print(f"  engine arena, {name} / {mode}: {row[mode]['kv_bytes']} B, peak running {peak}, "
-                  f"{row[mode]['wall_s']} s", flush=True)
-            core.close()
-        row["same_outputs"] = row["static"].pop("outputs") == row["arena"].pop("outputs")
+        row = {"kv_bytes": sum(core.runner.kv.pool_bytes().values()), "pool_bytes": core.runner.kv.pool_bytes(),
+               "peak_running": peak, "steps": steps, "wall_s": round(time.perf_counter() - t0, 3),
+               "cpu_s": round(time.process_time() - c0, 3), "hit_tokens": core.scheduler.stats.hit_tokens}
+        core.close()
+        return row, got
+
+    for name, prompts in workloads.items():
+        row: dict[str, Any] = {}
+        outs = {}
+        for mode in ("static", "arena"):
+            row[mode], outs[mode] = run(mode, [prompts], 4, num_full_pages=full_pages, num_swa_pages=swa_pages,
+                                        max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_cache=False)
+            print(f"  engine arena, {name} / {mode}: {row[mode]['kv_bytes']} B, peak running "
+                  f"{row[mode]['peak_running']}, {row[mode]['wall_s']} s", flush=True)
+        row["same_outputs"] = outs["static"] == outs["arena"]
         row["peak_running_ratio"] = row["arena"]["peak_running"] / max(row["static"]["peak_running"], 1)
-        row["wall_ratio"] = row["arena"]["wall_s"] / max(row["static"]["wall_s"], 1e-9)
         out[name] = row
+    # the CPU cost: identical schedules (the second turn extends each first prompt by its output + 8 tokens),
+    # the two engines stepped in lockstep, each step's process CPU time to its layout (which goes first
+    # alternates): the box's speed drifts by tens of percent within seconds, so whole runs side by side do not
+    # compare
+    opts = dict(num_full_pages=512, num_swa_pages=256, max_num_seqs=16, max_num_batched_tokens=256)
+    _, got = run("static", [first], 24, **opts)
+    turns = [first, [p + got[f"t0r{i}"] + prompt(8) for i, p in enumerate(first)]]
+    ratios, cpu, outs, steps = [], {"static": 0.0, "arena": 0.0}, {}, 0
+    for _ in range(repeats):
+        spent, outs, steps = lockstep(turns, 24, page, **opts)
+        ratios.append(spent["arena"] / spent["static"])
+        cpu = {m: cpu[m] + spent[m] / repeats for m in cpu}
+    out["same_schedule"] = {
+        "steps": steps, "cpu_s_static": round(cpu["static"], 3), "cpu_s_arena": round(cpu["arena"], 3),
+        "cpu_ratio": round(statistics.median(ratios), 3), "cpu_ratios": [round(r, 3) for r in ratios],
+        "same_outputs": outs["static"] == outs["arena"]}
     (OUT / "kvcache_engine_arena.json").write_text(json.dumps(out, indent=2))
     for name in workloads:
         r = out[name]
         print(f"  engine arena, {name}: {r['static']['kv_bytes']} B static vs {r['arena']['kv_bytes']} B arena; "
-              f"peak running {r['static']['peak_running']} vs {r['arena']['peak_running']}; wall "
-              f"{r['static']['wall_s']:.2f} vs {r['arena']['wall_s']:.2f} s; same outputs {r['same_outputs']}")
+              f"peak running {r['static']['peak_running']} vs {r['arena']['peak_running']}; same outputs "
+              f"{r['same_outputs']}")
+    r = out["same_schedule"]
+    print(f"  engine arena, same schedule ({r['steps']} steps): CPU {r['cpu_s_static']:.3f} s static vs "
+          f"{r['cpu_s_arena']:.3f} s arena -> {r['cpu_ratio']:.3f}x (median of {r['cpu_ratios']}); same outputs "
+          f"{r['same_outputs']}")
     return out
+
+
+def lockstep(turns: list[list[list[int]]], n_out: int, page: int, **opts) -> tuple[dict[str, float], dict, int]:
+    """Both layouts' engines over the same turns, stepped in lockstep: (CPU seconds per layout, outputs per
+    layout, steps). Raises when the schedules differ (a step count apart)."""
+    from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
+    from libs.model import load_model
+
+    model, cfg = load_model(None)
+    cores = {m: EngineCore(EngineConfig(page_size=page, bucket_edges=(), kv_arena=m == "arena", **opts), model, cfg)
+             for m in ("static", "arena")}
+    spent = {m: 0.0 for m in cores}
+    got: dict[str, dict[str, list[int]]] = {m: {} for m in cores}
+    steps = 0
+    for t, prompts in enumerate(turns):
+        for core in cores.values():
+            for i, p in enumerate(prompts):
+                core.add_request(Request(f"t{t}r{i}", p, SamplingParams(max_tokens=n_out, ignore_eos=True)))
+        while cores["static"].has_work() or cores["arena"].has_work():
+            if cores["static"].has_work() != cores["arena"].has_work():
+                raise AssertionError(f"the two layouts' schedules differ at step {steps}")
+            for m in (("static", "arena") if steps % 2 == 0 else ("arena", "static")):
+                c0 = time.process_time()
+                outs = cores[m].step()
+                spent[m] += time.process_time() - c0
+                for o in outs:
+                    got[m].setdefault(o.req_id, []).extend(o.new_token_ids)
+            steps += 1
+    for core in cores.values():
+        core.close()
+    return spent, got, steps
 
 
 def main() -> None:

@@ -77,9 +77,11 @@ def random_model(cfg: ModelConfig) -> MiMoV2Model:
 
 
 def engine_config(tp: int, ep: int, device: str = "cpu", batched_tokens: int = 64) -> EngineConfig:
-    # 64 tokens a step: the prompts' prefill is chunked
+    # 64 tokens a step: the prompts' prefill is chunked. The static pools on every layout (the ranks' pools are
+    # static; the one-process reference compares bytes per rank with them, and the direct forwards below name
+    # page ids, which on one arena would read through the cache's unit tables)
     return EngineConfig(page_size=PAGE, num_full_pages=256, num_swa_pages=128, max_num_batched_tokens=batched_tokens,
-                        max_num_seqs=16, tp=tp, ep=ep, device=device)
+                        max_num_seqs=16, tp=tp, ep=ep, device=device, kv_arena=False)
 
 
 def bench_prompts(n: int) -> list[list[int]]:

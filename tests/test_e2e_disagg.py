@@ -22,8 +22,10 @@ from tests.fixtures.nats import free_port
 from tests.fixtures.services import ServiceGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+# The static pools (WINDSERVE_KV_ARENA=0): the metrics test counts each pool's pages (on one arena a group's
+# capacity moves with the other's use) and the 8-full-page decode below is sized in static pages.
 ENGINE = {"PAGE_SIZE": "4", "NUM_FULL_PAGES": "1024", "NUM_SWA_PAGES": "128", "MAX_NUM_BATCHED_TOKENS": "64",
-          "BUCKET_EDGES": "[]", "MAX_NUM_SEQS": "16"}
+          "BUCKET_EDGES": "[]", "MAX_NUM_SEQS": "16", "KV_ARENA": "0"}
 OFFLINE = dict(page_size=4, num_full_pages=1024, num_swa_pages=128, max_num_batched_tokens=64, bucket_edges=(),
                max_num_seqs=16)
 KILL_BOUND_S = 8.0  # gateway liveness: 0.5 s probes, 2 misses; generous for 2 busy cores

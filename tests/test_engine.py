@@ -225,7 +225,7 @@ def test_seeded_sampling_is_independent_of_batching_and_cache(tiny):
 
 
 def test_add_request_rejects_what_can_never_fit(tiny):
-    core = make_core(tiny, num_full_pages=8)
+    core = make_core(tiny, num_full_pages=8, kv_arena=False)  # the static full pool: 8 pages of 4 tokens
     with pytest.raises(ValueError, match="KV pages"):
         core.add_request(Request("big", tokens(1, 30), greedy(10)))
 

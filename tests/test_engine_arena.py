@@ -40,7 +40,7 @@ def test_one_buffer_of_units_admits_more_short_sequences_than_the_static_split(t
     runs 6 at once, with the same greedy outputs."""
     _, cfg, _ = tiny
     opts = dict(num_full_pages=64, num_swa_pages=10, max_num_batched_tokens=64, enable_prefix_cache=False)
-    static, arena = make_core(tiny, **opts), make_core(tiny, kv_arena=True, **opts)
+    static, arena = make_core(tiny, kv_arena=False, **opts), make_core(tiny, kv_arena=True, **opts)
     layout = kv_layout(cfg, arena.config.torch_dtype)
     budget = 64 * layout.full_page_bytes(4) + 10 * layout.swa_page_bytes(4)
     plan = plan_arena(budget, layout, 4)
@@ -61,7 +61,7 @@ def test_mtp_draft_layers_on_the_arena_equal_mtp_off(tiny):
     """Speculative decoding with 2 MTP blocks (their KV: extra SWA layers of the arena's SWA pages) under
     memory pressure with prefix hits equals MTP off on static pools."""
     opts = dict(num_full_pages=64, num_swa_pages=28, max_num_batched_tokens=40, admission_decode_tokens=2)
-    off, on = make_core(tiny, **opts), make_core(tiny, speculative_tokens=2, kv_arena=True, **opts)
+    off, on = make_core(tiny, kv_arena=False, **opts), make_core(tiny, speculative_tokens=2, kv_arena=True, **opts)
     stem = tokens(400, 30)
     for turn in range(2):
         prompts = {f"m{i}t{turn}": stem + tokens(410 + i + 10 * turn, 5 + i) for i in range(4)}
@@ -79,9 +79,61 @@ async def test_disaggregated_hand_off_between_arena_engines_equals_colocated(tin
     prompts = [tokens(500 + i, n) for i, n in enumerate((5, 37, 70))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     expected = [list(o.token_ids) for o in LLM.from_core(
-        EngineCore(EngineConfig(**DISAGG_OPTS), model, cfg, None)).generate(prompts, params)]
+        EngineCore(EngineConfig(**{**DISAGG_OPTS, "kv_arena": False}), model, cfg, None)).generate(prompts, params)]
     async with Pipeline(tiny, ucx_config(), kv_arena=True) as pipe:
         assert pipe.decode_engine.core.runner.kv.arena is not None
         results = [await pipe.generate(f"a{i}", p, 10) for i, p in enumerate(prompts)]
         await pipe.assert_no_kv_in_use()
     assert [tokens_of(r) for r in results] == expected
+
+
+def test_request_bounds_read_the_arena(tiny):
+    """The bounds the services refuse beyond (413) are the arena's on the arena. 16 full + 8 SWA pages of 4
+    tokens as one arena: 16 + 8 x 4 = 48 units (a full page 1 unit, an SWA page 4); a sequence holds its
+    window's 5 SWA pages (20 units) and up to 28 full pages: 112 tokens (static: the 16 full pages, 64). A
+    request of exactly 112 tokens runs to its end with the outputs of a fresh recompute; one more is refused.
+    A decode worker reserves an arriving prompt whole (a full and an SWA page per prompt page, 5 units) and a
+    full page for the first token: 36 tokens (9 pages: 10 + 36 units) land, 37 (10 pages: 50 units) never do
+    (static: 8 SWA pages, 32 tokens)."""
+    from libs.engine.disagg import DecodeFull, DisaggEngineCore, RemoteRequest
+    from libs.engine.runner import direct_greedy
+
+    model, cfg, tok = tiny
+    opts = dict(num_full_pages=16, num_swa_pages=8)
+    core = make_core(tiny, **opts)
+    assert core.cache.cfg.arena_units == 48 and core.max_seq_pages == 28
+    assert (core.max_request_tokens, make_core(tiny, kv_arena=False, **opts).max_request_tokens) == (112, 64)
+    with pytest.raises(ValueError, match="needs 29 KV pages"):
+        core.add_request(Request("over", tokens(600, 101), greedy(12)))
+    prompt = tokens(601, 100)
+    got = run_round(core, {"edge": prompt}, 12)
+    assert got["edge"] == direct_greedy(model, cfg, prompt, 12, page_size=4)
+    assert_baseline(core)
+
+    decode = DisaggEngineCore(EngineConfig(page_size=4, bucket_edges=(), **opts), model, cfg, tok)
+    static = DisaggEngineCore(EngineConfig(page_size=4, bucket_edges=(), kv_arena=False, **opts), model, cfg, tok)
+    assert (decode.max_remote_prompt_tokens, static.max_remote_prompt_tokens) == (36, 32)
+    decode.add_request(RemoteRequest("fits", tokens(602, 36), greedy(1)))
+    a = decode.cache.usage().arena
+    assert a is not None and (a.full_in_use, a.swa_in_use, a.reserved, a.free) == (9, 36, 1, 3)  # 2 units spare
+    decode.abort("fits")
+    with pytest.raises(DecodeFull, match="no KV room"):
+        decode.add_request(RemoteRequest("never", tokens(603, 37), greedy(1)))
+    assert_baseline(decode)
+
+
+def test_tp_falls_back_to_the_static_pools_and_says_why(caplog):
+    """The arena is the default; with tp / ep > 1 (the ranks' pools are static) the engine keeps the two pools
+    and logs why instead of refusing the config; kv_arena=False asks for the static pools everywhere."""
+    from libs.engine.core import arena_plan
+    from libs.model.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    assert EngineConfig().use_arena and EngineConfig().arena_fallback is None
+    parallel = EngineConfig(tp=2, ep=2)
+    assert parallel.kv_arena and not parallel.use_arena and "tp=2" in (parallel.arena_fallback or "")
+    with caplog.at_level("WARNING", logger="libs.engine.core"):
+        assert arena_plan(parallel, cfg) is None
+    assert "static KV pools" in caplog.text and "tp=2" in caplog.text
+    assert arena_plan(EngineConfig(kv_arena=False), cfg) is None and EngineConfig(kv_arena=False).arena_fallback is None
+    assert arena_plan(EngineConfig(), cfg) is not None

@@ -68,13 +68,16 @@ def survivors(dep: Deployment, *roles: str) -> list[str]:
 
 
 async def test_prompt_no_decode_can_hold_is_413_before_any_prefill(disagg):
-    """Each decode's SWA pool (512 pages of 4 tokens) holds the whole arriving prompt: a longer one can never land.
-    It used to get 503 'server is at capacity' (retry!) after the prefill asked the decode workers."""
+    """Each decode reserves the whole arriving prompt at once, a full and an SWA page per prompt page: on its one
+    arena (the bytes of 2048 full + 512 SWA pages of 4 tokens: 4096 units, a full page 1 unit, an SWA page 4)
+    819 pages and the first token's full page fit, so a prompt over 819 x 4 = 3276 tokens can never land (on the
+    static pools: over its 512 SWA pages, 2048 tokens). It used to get 503 'server is at capacity' (retry!) after
+    the prefill asked the decode workers."""
     async with httpx.AsyncClient(timeout=60) as client:
         before = {i: int((await disagg.details(i))["accepted"]) for i in survivors(disagg, "prefill")}
-        out = await complete(client, disagg.url, prompt(1, 2100), 4)
+        out = await complete(client, disagg.url, prompt(1, 3277), 4)
         assert out.status == 413 and out.code == "context_length_exceeded", out
-        assert "limit of 2048 prompt tokens" in out.message
+        assert "limit of 3276 prompt tokens" in out.message
         after = {i: int((await disagg.details(i))["accepted"]) for i in before}
         assert after == before  # no prefill worker saw it
         ok = await complete(client, disagg.url, prompt(2, 2000), 4)  # below the limit: served

@@ -459,7 +459,9 @@ def test_preempted_image_requests_recompute_from_their_rows(tiny):
     """Small pools and little decode growth reserved: sequences get preempted and recompute their prompts, the
     image rows included (they stay with the request)."""
     _, cfg, _ = tiny
-    core = make_core(tiny, num_full_pages=16, num_swa_pages=64, max_num_batched_tokens=16, admission_decode_tokens=2)
+    # (the static pools: 16 full pages are the pressure; one arena of their bytes and the SWA pool's has room)
+    core = make_core(tiny, num_full_pages=16, num_swa_pages=64, max_num_batched_tokens=16, admission_decode_tokens=2,
+                     kv_arena=False)
     reqs = {}
     for i in range(3):
         prompt, off = image_prompt(cfg, 300 + i, 16, TEXT_A, TEXT_B[:4])

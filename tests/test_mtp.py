@@ -66,8 +66,12 @@ def test_greedy_accept_is_exact():
 def test_greedy_mtp_equals_off_under_pressure_with_prefix_hits(tiny, right):
     """Multi-turn chats through small pools (preemption by recompute, evictions, tombstones) with MTP on equal
     MTP off, turn by turn; prefix hits are the same tokens; pools end at their baseline. right=None: the real
-    (random) MTP blocks draft."""
-    opts = dict(num_full_pages=64, num_swa_pages=28, max_num_batched_tokens=40, admission_decode_tokens=2)
+    (random) MTP blocks draft. On the two static pools (kv_arena=False): both engines then hold the same pages
+    (the draft layers are extra layers of the same SWA pages), so the same evictions and hits; on one arena of
+    the pages' bytes an SWA page with draft layers takes more units (tests/test_engine_arena.py covers MTP
+    there)."""
+    opts = dict(num_full_pages=64, num_swa_pages=28, max_num_batched_tokens=40, admission_decode_tokens=2,
+                kv_arena=False)
     off = make_core(tiny, **opts)
     on = make_core(tiny, speculative_tokens=K, **opts)
     systems, users = conversations()
@@ -150,8 +154,7 @@ def test_draft_kv_is_counted_in_pool_sizing(tiny):
     core = make_core(tiny, speculative_tokens=K, num_full_pages=40, num_swa_pages=24)
     layout = kv_layout(cfg, torch.float32, draft_layers=K)
     assert layout.swa_layers == len(cfg.swa_layers) + K
-    kv = core.runner.kv
-    allocated = sum(t.numel() * t.element_size() for t in (kv.full_k, kv.full_v, kv.swa_k, kv.swa_v))
+    allocated = sum(core.runner.kv.pool_bytes().values())  # (read off the tensors: two pools or one arena)
     assert allocated == 40 * layout.full_page_bytes(4) + 24 * layout.swa_page_bytes(4)
     budget = allocated
     plan = plan_pools(budget, layout, 4, cfg.sliding_window, expected_seq_tokens=64)
@@ -163,8 +166,9 @@ def test_draft_kv_is_counted_in_pool_sizing(tiny):
 def test_draft_pool_has_the_target_pages(tiny):
     """Peer bug: a draft pool smaller than the target's (out of bounds). The draft layers index the SWA pool with
     the target's page ids, so every SWA page id the cache hands out is valid in them: fill the pool to its last
-    page with MTP on."""
-    core = make_core(tiny, speculative_tokens=K, num_full_pages=64, num_swa_pages=12, max_num_seqs=2)
+    page with MTP on. (The static pools' tensors: on one arena every page reads through the unit tables.)"""
+    core = make_core(tiny, speculative_tokens=K, num_full_pages=64, num_swa_pages=12, max_num_seqs=2,
+                     kv_arena=False)
     n_swa = len(core.model_config.swa_layers)
     assert core.runner.kv.swa_k.shape[:2] == (n_swa + K, 12)
     assert core._kv_mtp is not None and core._kv_mtp.swa_k.shape[:2] == (K, 12)
@@ -304,8 +308,8 @@ async def test_disaggregated_mtp_ships_the_draft_kv_and_equals_colocated_greedy(
             spec = pipe.decode_engine.core.spec_stats()
         assert [tokens_of(c) for c in results] == expected
     assert spec is not None and spec.accepted_tokens > 0
-    kv = make_core(tiny).runner.kv
-    swa_layer_page = kv.swa_k[0, 0].numel() * kv.swa_k.element_size() * 2  # K and V of one layer, one page
+    k_page = make_core(tiny).runner.kv.layer_kv("swa", 0)[0][0]  # one SWA page of one layer's K (either layout)
+    swa_layer_page = k_page.numel() * k_page.element_size() * 2  # K and V of one layer, one page
     extra = sent[K] - sent[0]
     n_swa = len(cfg.swa_layers)
     assert extra > 0 and extra % (K * swa_layer_page) == 0

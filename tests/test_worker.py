@@ -170,7 +170,9 @@ def tiny():
 @pytest.mark.integration
 async def test_decode_engine_load_counts_remote_requests_waiting_for_their_kv(tiny):
     model, cfg = tiny
-    engine_cfg = EngineConfig(**{**ENGINE, "bucket_edges": ()})
+    # the static pools: kv_full_total is the full pool's 256 pages (on one arena a group's capacity moves with
+    # the other group's use: docs/kvcache.md "One arena")
+    engine_cfg = EngineConfig(**{**ENGINE, "bucket_edges": (), "kv_arena": False})
     core = dg.DisaggEngineCore(engine_cfg, model, cfg, None)
     before = core.load()
     assert (before.running, before.waiting, before.usage.full.in_use) == (0, 0, 0)

@@ -27,11 +27,12 @@ class EngineConfig:
     """Host (L2) full-attention pages; 0 disables the host tier."""
     num_host_swa_pages: int = 0
     """Host (L2) SWA pages."""
-    kv_arena: bool = False
-    """One device KV arena for both layer groups (issue #13, docs/kvcache.md "One arena"): the bytes the two
-    pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V buffer of
-    units that either group draws pages from, so the split follows the workload. Env WINDSERVE_KV_ARENA=1 on
-    the engine roles. Not with tp / ep > 1 yet (the ranks keep the two pools)."""
+    kv_arena: bool = True
+    """One device KV arena for both layer groups (issue #13, docs/kvcache.md "One arena"; the default): the
+    bytes the two pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V
+    buffer of units that either group draws pages from, so the split follows the workload. False (env
+    WINDSERVE_KV_ARENA=0 on the engine roles): the two static pools. With tp / ep > 1 the engine falls back to
+    the static pools (the ranks' pools are static; `arena_fallback` says why, the engine logs it)."""
     enable_prefix_cache: bool = True
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
@@ -122,8 +123,6 @@ class EngineConfig:
         if self.layout.is_parallel and self.speculative_tokens:
             raise ValueError("EngineConfig: speculative decoding (speculative_tokens > 0) does not run with "
                              "tp / ep > 1 yet")
-        if self.kv_arena and self.layout.is_parallel:
-            raise ValueError("EngineConfig: kv_arena does not run with tp / ep > 1 yet (the ranks' pools are static)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs
@@ -133,6 +132,20 @@ class EngineConfig:
         if self.l2_load_mode != "auto":
             return self.l2_load_mode
         return "thread" if torch.device(self.device).type == "cuda" else "sync"
+
+    @property
+    def arena_fallback(self) -> str | None:
+        """Why the engine keeps the two static pools although `kv_arena` asks for one arena; None when it
+        does not (the arena is used, or kv_arena is off)."""
+        if self.kv_arena and self.layout.is_parallel:
+            return (f"tp={self.tp} / ep={self.ep}: the ranks' KV pools are static (the arena does not run with "
+                    f"tp / ep > 1 yet)")
+        return None
+
+    @property
+    def use_arena(self) -> bool:
+        """The device KV is one arena (kv_arena, unless the engine falls back: `arena_fallback`)."""
+        return self.kv_arena and self.arena_fallback is None
 
     @property
     def layout(self) -> ParallelLayout:

@@ -86,8 +86,12 @@ class SpecStats:
 
 def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
     """With `kv_arena`: the one arena of the bytes the two configured pools would take (`plan_arena` over the
-    model's KV layout in the pool dtype, MTP draft layers included); else None."""
-    if not config.kv_arena:
+    model's KV layout in the pool dtype, MTP draft layers included); else None, also where the engine falls
+    back to the static pools (`EngineConfig.arena_fallback`, logged)."""
+    if config.arena_fallback is not None:
+        log.warning("kv_arena: using the two static KV pools (%d full + %d SWA pages) instead of one arena: %s",
+                    config.num_full_pages, config.num_swa_pages, config.arena_fallback)
+    if not config.use_arena:
         return None
     layout = kv_layout(model_config, config.torch_dtype, config.speculative_tokens)
     budget = (config.num_full_pages * layout.full_page_bytes(config.page_size)
@@ -164,6 +168,12 @@ class EngineCore:
         if not cfg.arena:
             return self.config.num_full_pages
         return (cfg.arena_units - cfg.seq_swa_pages * cfg.swa_page_units) // cfg.full_page_units
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + max_tokens one request may ever hold here (`add_request` refuses more): `max_seq_pages`
+        pages. What the services advertise and refuse beyond (413)."""
+        return self.config.page_size * self.max_seq_pages
 
     @property
     def kv_layer_is_swa(self) -> tuple[bool, ...]:

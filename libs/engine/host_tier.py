@@ -69,24 +69,19 @@ def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tens
     """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None).
 
     One index_select + one index_copy_ per pool tensor, over pages flattened to rows (a page-dim
-    index on the 5-D tensor takes a slower strided path). With an arena on either side, one per layer and
-    tensor, through the pools' rows of those pages (`KVPools.layer_kv` / `page_rows`; `units`: the arena
-    side's pages' units, `plan_copies`)."""
+    index on the 5-D tensor takes a slower strided path). With an arena on either side, still one per
+    tensor: over both sides' flat views of all the group's layers (`KVPools.flat_kv` / `flat_rows`; `units`:
+    the arena side's pages' units, `plan_copies`)."""
     if len(src_ids) == 0:
         return
     if src_pools.arena is not None or dst_pools.arena is not None:
-        src_idx = torch.as_tensor(src_ids, dtype=torch.int64)
-        dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64)
-        s_all = src_pools.group_rows(group, src_idx, units if src_pools.arena is not None else None)
-        d_all = dst_pools.group_rows(group, dst_idx, units if dst_pools.arena is not None else None)
-        s_all, d_all = s_all.to(src_pools.device), d_all.to(dst_pools.device)
-        for i in range(src_pools.num_layers(group)) if layer is None else (layer,):
-            *src_t, s_row = src_pools.layer_kv(group, i)
-            *dst_t, d_row = dst_pools.layer_kv(group, i)
-            s_rows, d_rows = s_all[s_row], d_all[d_row]
-            for s, d in zip(src_t, dst_t, strict=True):
-                d.flatten(1).index_copy_(0, d_rows, s.flatten(1).index_select(0, s_rows).to(d.device,
-                                                                                             non_blocking=True))
+        layers = range(src_pools.num_layers(group)) if layer is None else range(layer, layer + 1)
+        s_rows = src_pools.flat_rows(group, torch.as_tensor(src_ids, dtype=torch.int64),
+                                     units if src_pools.arena is not None else None, layers).flatten()
+        d_rows = dst_pools.flat_rows(group, torch.as_tensor(dst_ids, dtype=torch.int64),
+                                     units if dst_pools.arena is not None else None, layers).flatten()
+        for s, d in zip(src_pools.flat_kv(group), dst_pools.flat_kv(group), strict=True):
+            d.index_copy_(0, d_rows, s.index_select(0, s_rows).to(d.device, non_blocking=True))
         return
     for src_t, dst_t in zip(src_pools.group(group), dst_pools.group(group), strict=True):
         src_idx = torch.as_tensor(src_ids, dtype=torch.int64, device=src_t.device)

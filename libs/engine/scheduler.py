@@ -390,7 +390,7 @@ class Scheduler:
         if self._reserve(seq, chunk, st):
             self._add_scheduled(seq, chunk, st, long=bucket > 0)
         elif not st.scheduled and self.running == [seq]:
-            self._fail_capacity(seq)
+            self._alone_without_room(seq, chunk, bucket, st)
 
     def _serve_waiting(self, seq: Seq, bucket: int, shorter_waiting: bool, st: _StepState) -> bool:
         """Admit a waiting request with its first chunk; False = not admitted (admission stops)."""
@@ -578,6 +578,18 @@ class Scheduler:
         """seq cannot get pages even after preempting every other candidate."""
         if st.scheduled or len(self.running) > 1:
             self._preempt(seq, st)  # the others will finish and free memory
+        else:
+            self._fail_capacity(seq)
+
+    def _alone_without_room(self, seq: Seq, chunk: int, bucket: int, st: _StepState) -> None:
+        """seq runs alone and its prefill chunk found no room: a chunk longer than a page takes transient SWA
+        pages for its own keys from memory nobody was promised, which a full SWA pool or arena does not have,
+        so shrink it to the tokens up to the next page boundary (the admission promise covers those); only
+        when even that fails can seq never fit."""
+        page = self.cache.cfg.page_size
+        small = min(chunk, page - seq.num_computed % page)
+        if small < chunk and self.cache.reserve(seq.req_id, small):
+            self._add_scheduled(seq, small, st, long=bucket > 0)
         else:
             self._fail_capacity(seq)
 

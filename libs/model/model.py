@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels import plan_paged_attention
+from kernels.attn_plan import AttnPlan
 from kernels.kv import new_token_index
 from libs.model.config import ModelConfig
 from libs.model.layers import (
@@ -61,16 +62,60 @@ class RopeTable:
 
 def _context(meta: BatchMeta, table: torch.Tensor, page_size: int, window_left: int, positions: torch.Tensor,
              rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype, swa: bool) -> AttnContext:
+    return _contexts_of(meta, table, None, page_size, window_left, positions, rope, inv_freq, dtype, swa)[0]
+
+
+def _contexts_of(meta: BatchMeta, table: torch.Tensor, rows: torch.Tensor | None, page_size: int, window_left: int,
+                 positions: torch.Tensor, rope: RopeTable, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 swa: bool) -> list[AttnContext]:
+    """The attention contexts of one layer group: one for the page table, or with an arena one per table row
+    of `rows` ([table rows, B, W], the physical rows of `table`'s pages). The plan is built once, over the
+    table's entry indices (`_entry_table`), and each row's plan maps its slots through that row's entries
+    (`_remap`): the rows share every mask and block shape, only the slots differ."""
     cos, sin = rope.lookup(positions, max(meta.kv_lens), inv_freq, dtype)
-    plan = plan_paged_attention(table, meta.q_lens, meta.kv_lens, page_size, window_left,
-                                meta.swa_kv_start if swa else None)
+    plan = plan_paged_attention(table if rows is None else _entry_table(table), meta.q_lens, meta.kv_lens, page_size,
+                                window_left, meta.swa_kv_start if swa else None)
+    plans = [plan] if rows is None else _remap(plan, rows, page_size)
     if swa or meta.full_write_from is None:
-        return AttnContext(cos, sin, plan, plan.write_slots)
+        return [AttnContext(cos, sin, p, p.write_slots) for p in plans]
     # window rebuild: the full-attention K/V of the span is cached (and exact); only later positions are written
     seq, _ = new_token_index(meta.q_lens, meta.kv_lens, positions.device)
     floor = torch.as_tensor(meta.full_write_from, dtype=torch.int64, device=positions.device)
-    rows = torch.nonzero(positions >= floor[seq]).flatten()
-    return AttnContext(cos, sin, plan, plan.write_slots.index_select(0, rows), rows)
+    write = torch.nonzero(positions >= floor[seq]).flatten()
+    return [AttnContext(cos, sin, p, p.write_slots.index_select(0, write), write) for p in plans]
+
+
+def _entry_table(table: torch.Tensor) -> torch.Tensor:
+    """A page table of the same shape and -1 pattern whose entries are their own flat index b x W + j: a plan
+    built on it names, for every slot it reads or writes, the table entry (slot // page) and the offset."""
+    return torch.arange(table.numel(), device=table.device).view_as(table).masked_fill(table < 0, -1)
+
+
+def _remap(plan: AttnPlan, rows: torch.Tensor, page_size: int) -> list[AttnPlan]:
+    """One plan per table row of `rows` ([R, B, W]) from a plan over `_entry_table`: slot e x page + o becomes
+    rows[t].flat[e] x page + o (the same positions, read from that row's pages). All rows and all of the
+    plan's slot tensors at once: slot s moves by delta[t, s // page], delta = (rows.flat - e) x page. (Per
+    row only Python objects are made: this runs once per layer group and step, a dozen torch calls.)"""
+    flat = rows.flatten(1)
+    r = flat.shape[0]
+    delta = (flat - torch.arange(flat.shape[1], device=flat.device)) * page_size
+    parts = [plan.write_slots, *(b.slots for b in plan.blocks)]
+    s = torch.cat([p.flatten() for p in parts])
+    moved = s + delta[:, torch.div(s, page_size, rounding_mode="floor")]  # [R, all slots]
+    per_row = [m.view(r, *p.shape).unbind(0) for m, p in zip(moved.split([p.numel() for p in parts], dim=1), parts,
+                                                                 strict=True)]
+    tables = rows.unbind(0)
+    return [_with(plan, page_table=tables[t], write_slots=per_row[0][t],
+                  blocks=tuple(_with(b, slots=x[t]) for b, x in zip(plan.blocks, per_row[1:], strict=True)))
+            for t in range(r)]
+
+
+def _with(obj, **changes):
+    """`dataclasses.replace` of a frozen dataclass without its __init__ (the fields are already valid; this
+    runs per layer chunk and step)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__, **changes)
+    return new
 
 
 class MiMoV2Model(nn.Module):
@@ -98,14 +143,12 @@ class MiMoV2Model(nn.Module):
         full: list[AttnContext] = []
         swa: list[AttnContext] = []
         if self.cfg.full_layers:
-            tables = meta.full_page_table[None] if meta.full_rows is None else meta.full_rows
-            full = [_context(meta, t, kv.page_size, -1, pos, self._rope_full, self.inv_freq_full, self.dtype,
-                             swa=False) for t in tables]
+            full = _contexts_of(meta, meta.full_page_table, meta.full_rows, kv.page_size, -1, pos, self._rope_full,
+                                self.inv_freq_full, self.dtype, swa=False)
         if self.cfg.swa_layers:
             rows = meta.swa_rows[:_rows_used(kv, len(self.cfg.swa_layers))] if meta.swa_rows is not None else None
-            tables = meta.swa_page_table[None] if rows is None else rows
-            swa = [_context(meta, t, kv.page_size, self.cfg.window_left, pos, self._rope_swa, self.inv_freq_swa,
-                            self.dtype, swa=True) for t in tables]
+            swa = _contexts_of(meta, meta.swa_page_table, rows, kv.page_size, self.cfg.window_left, pos,
+                               self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
         return full, swa
 
     @torch.inference_mode()

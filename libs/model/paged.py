@@ -78,8 +78,11 @@ class KVArena:
         earlier (a copy made before the page was freed), instead of the table's."""
         r = self.sub[group]
         if units is None:
-            units = self.tables[group][ids.clamp(min=0)]
+            table = self.tables[group]
+            units = table.index_select(0, ids.clamp(min=0).flatten()).view(*ids.shape, table.shape[1])
         units = units.movedim(-1, 0)  # [chunks, *ids.shape]
+        if r == 1:  # (a unit slot holds one layer-page: the row is the unit)
+            return units.masked_fill(ids.unsqueeze(0) < 0, -1)
         rows = units.unsqueeze(1) * r + torch.arange(r).view(1, r, *([1] * ids.dim()))
         return rows.flatten(0, 1).masked_fill_(ids.unsqueeze(0) < 0, -1)
 
@@ -99,6 +102,8 @@ class KVPools:
     swa_v: torch.Tensor  # [n_swa_layers, num_swa_pages, page_size, kv_heads_swa, v_head_dim]
     arena: KVArena | None = None
     swa_offset: int = 0  # a view's first SWA layer (the MTP blocks' view of the engine's pools)
+    _views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=dict, repr=False, compare=False)  # arena: layer_kv's plane views, made once per layer
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_full_pages: int, num_swa_pages: int, page_size: int,
@@ -167,41 +172,60 @@ class KVPools:
         if a is None:
             k, v = self.group(group)
             return k[index], v[index], 0
-        index += self.swa_offset if group == "swa" else 0
-        s, _, row = a.where(group, index)
-        heads = self._tensors(group)[0].shape[3]
-        kk, vv = a.k[s], a.v[s]
-        return (kk.view(-1, self.page_size, heads, kk.shape[-1]), vv.view(-1, self.page_size, heads, vv.shape[-1]),
-                row)
+        got = self._views.get((group, index))
+        if got is None:  # (the views stay valid: the buffers are never replaced)
+            s, _, row = a.where(group, index + (self.swa_offset if group == "swa" else 0))
+            heads = self._tensors(group)[0].shape[3]
+            kk, vv = a.k[s], a.v[s]
+            got = self._views[group, index] = (kk.view(-1, self.page_size, heads, kk.shape[-1]),
+                                               vv.view(-1, self.page_size, heads, vv.shape[-1]), row)
+        return got
 
     def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
         `units`: see `KVArena.rows`."""
         if self.arena is None:
             return ids
-        return self.group_rows(group, ids, units)[self.layer_kv(group, index)[2]]
+        return self.arena.rows(group, ids.cpu(), units)[self.layer_kv(group, index)[2]].to(ids.device)
 
-    def group_rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
-        """`page_rows` of every table row of `group` at once: [table rows, *ids.shape] on `ids`' device
-        (static: `ids[None]`); layer i reads row `layer_kv(group, i)[2]`."""
+    def flat_kv(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of every layer of `group` as one [rows, page elements] view each, indexed by `flat_rows`:
+        a copy of many layers' pages is one indexed copy per tensor (static: layer x pages + page id; arena:
+        the whole buffer seen as the group's layer-pages, plane x units x r_g + the table's row)."""
         if self.arena is None:
-            return ids[None]
-        return self.arena.rows(group, ids.cpu(), units).to(ids.device)
+            k, v = self.group(group)
+        else:
+            heads = self._tensors(group)[0].shape[3]
+            k = self.arena.k.view(-1, self.page_size, heads, self.arena.k.shape[-1])
+            v = self.arena.v.view(-1, self.page_size, heads, self.arena.v.shape[-1])
+        return k.view(-1, math.prod(k.shape[-3:])), v.view(-1, math.prod(v.shape[-3:]))  # (views: writes land)
+
+    def flat_rows(self, group: str, ids: torch.Tensor, units: torch.Tensor | None = None,
+                  layers: range | None = None) -> torch.Tensor:
+        """Rows of `flat_kv(group)` that hold pages `ids` (CPU int64 [n]) of each of `layers` (default all):
+        [len(layers), n] on the pools' device. `units`: see `KVArena.rows`."""
+        layers = range(self.num_layers(group)) if layers is None else layers
+        lay = torch.as_tensor(layers, dtype=torch.int64)
+        a = self.arena
+        if a is None:
+            return (lay[:, None] * self._tensors(group)[0].shape[1] + ids[None]).to(self.device)
+        g_rows = a.rows(group, ids, units)  # [table rows, n]
+        off = self.swa_offset if group == "swa" else 0
+        where = [a.where(group, i + off) for i in layers]
+        plane = torch.tensor([s for s, _, _ in where], dtype=torch.int64) * (a.units * a.sub[group])
+        return (plane[:, None] + g_rows[[row for _, _, row in where]]).to(self.device)
 
     def gather_pages(self, group: str, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages' K and V, page-major: [len(pages), layers, page, heads, dim] each, contiguous copies on
-        the pools' device (static: one indexed copy per tensor)."""
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        the pools' device (one indexed copy per tensor)."""
         if self.arena is None:
+            idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
             k, v = self.group(group)
             return k.transpose(0, 1).index_select(0, idx), v.transpose(0, 1).index_select(0, idx)
-        out: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        rows = self.arena.rows(group, idx.cpu()).to(self.device)
-        for layer in range(self.num_layers(group)):
-            k, v, row = self.layer_kv(group, layer)
-            out[0].append(k.index_select(0, rows[row]))
-            out[1].append(v.index_select(0, rows[row]))
-        return torch.stack(out[0], dim=1), torch.stack(out[1], dim=1)
+        rows = self.flat_rows(group, torch.tensor(pages, dtype=torch.int64)).t().flatten()  # page-major
+        shape = (len(pages), self.num_layers(group), *self._tensors(group)[0].shape[2:4])
+        k, v = self.flat_kv(group)
+        return (k.index_select(0, rows).view(*shape, -1), v.index_select(0, rows).view(*shape, -1))
 
     def layer_page_bytes(self, group: str) -> int:
         """Bytes of one page of one layer of `group` (K and V)."""

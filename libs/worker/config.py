@@ -26,8 +26,9 @@ class EngineServiceConfig(ServiceConfig):
     max_num_seqs: int = Field(default=64, ge=1, description="most requests holding KV at once")
     max_num_batched_tokens: int = Field(default=512, ge=1, description="token budget of one engine step")
     enable_prefix_cache: bool = Field(default=True, description="reuse KV across requests")
-    kv_arena: bool = Field(default=False, description="one device KV arena for both layer groups, of the bytes "
-                           "num_full_pages + num_swa_pages would take (WINDSERVE_KV_ARENA; not with tp / ep > 1)")
+    kv_arena: bool = Field(default=True, description="one device KV arena for both layer groups, of the bytes "
+                           "num_full_pages + num_swa_pages would take (WINDSERVE_KV_ARENA; 0 = two static pools; "
+                           "with tp / ep > 1 the engine falls back to the static pools and logs it)")
     bucket_edges: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (uncached tokens), JSON list")
     served_buckets: list[int] = Field(
@@ -125,7 +126,9 @@ class EngineServiceConfig(ServiceConfig):
 
     @property
     def max_request_tokens(self) -> int:
-        """Prompt + output tokens that one request can ever hold (the whole full pool)."""
+        """Prompt + output tokens that one request can ever hold on the static pools (the whole full pool); the
+        service reads the engine's own bound once it is built (`EngineCore.max_request_tokens`: on one arena,
+        what its units hold beside one window)."""
         return self.page_size * self.num_full_pages
 
     def engine_config(self) -> EngineConfig:

@@ -110,6 +110,12 @@ class EngineWorkerService(Service):
         """Role-specific health details."""
         return {}
 
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens one request can ever hold here: the engine's bound (its full pool, or on one
+        arena what the arena's units hold beside one window: `EngineCore.max_request_tokens`); before the engine
+        is built, the static pools' (`EngineServiceConfig.max_request_tokens`)."""
+        return self.engine.core.max_request_tokens if self.engine is not None else self.config.max_request_tokens
+
     def max_prompt_tokens(self) -> int:
         """Most prompt tokens one request may bring here beyond what `max_request_tokens` says (0 = no other
         limit); the registry entry advertises it so the gateway refuses what fits nowhere (413) up front."""
@@ -287,7 +293,7 @@ class EngineWorkerService(Service):
             return AckStatus.INVALID, f"request id {req.request_id!r} is already running"
         assert self.engine is not None
         mc = self.engine.core.model_config
-        return self.role_refusal(req) or request_refusal(req, int(mc.vocab_size), self.config.max_request_tokens,
+        return self.role_refusal(req) or request_refusal(req, int(mc.vocab_size), self.max_request_tokens(),
                                                          mc.vision is not None)
 
     async def publish(self, subject: str, chunk: TokenChunk) -> None:
@@ -317,9 +323,9 @@ class EngineWorkerService(Service):
         base = super().registry_entry()
         return base.model_copy(update={
             "address": self.address,
-            "capacity": self.config.capacity or self.config.max_request_tokens,
+            "capacity": self.config.capacity or self.max_request_tokens(),
             "buckets": list(self.config.served_buckets),
-            "max_tokens": self.config.max_request_tokens,
+            "max_tokens": self.max_request_tokens(),
             "max_prompt_tokens": self.max_prompt_tokens(),
             "load": self.load,
             "labels": {**base.labels, **self.layout_labels()},

@@ -41,8 +41,13 @@ class DecodeService(DisaggWorkerService):
 
     def max_prompt_tokens(self) -> int:
         # The reservation for an arriving prompt takes an SWA page per prompt page (the window slides only
-        # once the KV is committed), so a prompt longer than the SWA pool can never land here.
-        return self.config.page_size * self.config.num_swa_pages
+        # once the KV is committed), so a prompt longer than the SWA pool (or, on one arena, than its units
+        # hold of both groups' pages) can never land here.
+        if self.engine is None:  # (before the engine is built: the static pools' bound)
+            return self.config.page_size * self.config.num_swa_pages
+        core = self.engine.core
+        assert isinstance(core, DisaggEngineCore)
+        return core.max_remote_prompt_tokens
 
     def role_details(self) -> dict[str, str]:
         return self.worker.stats.as_details() if self.worker is not None else {}

@@ -78,6 +78,20 @@ class DisaggEngineCore(EngineCore):
         self.pending: dict[str, _Pending] = {}
         self._remote_order = 1 << 40  # admit_order of remote sequences (newest = first preemption victim)
 
+    @property
+    def max_remote_prompt_tokens(self) -> int:
+        """Longest prompt whose KV can ever land here. `_admit_remote` reserves the whole prompt at once, one
+        full and one SWA page per prompt page (the window slides only once the KV is committed), and its
+        admission a full page for the first token: static pools, one SWA page per prompt page (as before:
+        page x num_swa_pages); one arena, the longest L with (L // page + 1) x fu + ceil(L / page) x su <=
+        units (fu, su: a full and an SWA page's units)."""
+        cfg, page = self.cache.cfg, self.config.page_size
+        if not cfg.arena:
+            return page * self.config.num_swa_pages
+        fu, su = cfg.full_page_units, cfg.swa_page_units
+        pages = cfg.arena_units // (fu + su)  # L = pages x page - 1 fits: pages x (fu + su) units
+        return pages * page if cfg.arena_units - pages * (fu + su) >= fu else pages * page - 1
+
     def add_request(self, req: Request) -> None:
         if not isinstance(req, RemoteRequest):
             super().add_request(req)
