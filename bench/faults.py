@@ -20,17 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from protos import subjects
 from tests.fixtures.faults import (
     FaultResult,
     deployment,
-    kill_nats_node,
+    kill_registry_leader_under_load,
     kill_under_load,
     nats_cluster,
-    requests_for,
-    stream_leader,
 )
 from tests.fixtures.nats import start_nats_server
 
@@ -78,13 +73,7 @@ async def nats_node_fault(streams: int, logs: Path) -> FaultResult:
         dep = deployment(sup.nats_url, logs / "cluster", {"WINDSERVE_NATS_REPLICAS": "3"})
         try:
             dep.start_all({"gateway": 1, "router": 1, "prefill": 1, "decode": 1})
-            node = await stream_leader(sup.nats_url, f"KV_{subjects.registry_bucket(dep.namespace)}")
-            async with httpx.AsyncClient(timeout=60) as client:
-                probes = asyncio.create_task(requests_for(client, dep.url, 15.0))
-                result = await kill_under_load(dep, "nats node", "decode", streams=streams, prompt_len=40,
-                                               max_tokens=200, before_first_token=False, victim=f"nats-{node}",
-                                               killer=lambda: kill_nats_node(sup, node))
-                result.probes = await probes
+            result = await kill_registry_leader_under_load(sup, dep, streams)
         finally:
             dep.stop()
     return result

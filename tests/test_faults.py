@@ -126,20 +126,14 @@ async def test_nats_node_leading_the_registry_killed_under_load(tmp_path):
     """One node of a 3-node NATS cluster dies: the one leading the registry stream, so for seconds no heartbeat
     can be written while its replicas elect a new leader. Streams go on, later requests are served (within the
     gateway's registry bound), no instance is dropped from the routers' views meanwhile."""
-    from protos import subjects
-    from tests.fixtures.faults import kill_nats_node, nats_cluster, requests_for, stream_leader
+    from tests.fixtures.faults import kill_registry_leader_under_load, nats_cluster
 
     async with nats_cluster(tmp_path / "run") as sup:
         dep = deployment(sup.nats_url, tmp_path / "logs", {"WINDSERVE_NATS_REPLICAS": "3"})
         try:
             dep.start_all({"gateway": 1, "router": 1, "prefill": 1, "decode": 1})
-            node = await stream_leader(sup.nats_url, f"KV_{subjects.registry_bucket(dep.namespace)}")
-            async with httpx.AsyncClient(timeout=60) as client:
-                probes = asyncio.create_task(requests_for(client, dep.url, 15.0))  # across the election
-                result = await kill_under_load(dep, "nats node", "decode", streams=6, prompt_len=40,
-                                               max_tokens=200, before_first_token=False, victim=f"nats-{node}",
-                                               killer=lambda: kill_nats_node(sup, node))
-                later = await probes
+            result = await kill_registry_leader_under_load(sup, dep, streams=6)
+            later = result.probes
             check(result, may_fail=0)
             assert len(later) >= 5 and all(o.ok for o in later), [o for o in later if not o.ok]
             assert_baseline(await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")]))
