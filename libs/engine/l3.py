@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Buffer", "KnownBlocks", "L3Export", "StagedValues", "ValueLayout", "WriteBack", "gather_pages",
+__all__ = ["Buffer", "KnownBlocks", "L3Export", "StagedValues", "ValueLayout", "WriteBack",
            "kv_layout", "l3_namespace", "stage_values", "write_host_blocks"]
 
 
@@ -83,14 +83,8 @@ def _page_bytes(t: torch.Tensor) -> int:
     return t.shape[0] * math.prod(t.shape[2:]) * t.element_size()
 
 
-def gather_pages(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pool group's pages of `kv`, page-major: [pages, layers, page, heads, dim] each, contiguous copies on
-    the pools' device (`KVPools.gather_pages`, also for an arena)."""
-    return kv.gather_pages(group, list(pages))
-
-
 def _records(k: torch.Tensor, v: torch.Tensor) -> list[list[memoryview]]:
-    """Per page, the (K, V) byte views of a `gather_pages` result copied to host memory."""
+    """Per page, the (K, V) byte views of a `KVPools.gather_pages` result copied to host memory."""
     rows = [t.cpu().contiguous().view(len(t), -1).view(torch.uint8).numpy() for t in (k, v)]
     return [[rows[0][j].data, rows[1][j].data] for j in range(len(k))]
 
@@ -185,10 +179,11 @@ class KnownBlocks:
 
 @dataclass
 class WriteBack:
-    """One finished sequence's values on their way to the store: `full` (K, V page-major, `gather_pages`) row j is
-    the value of `full_keys[j]`; `swa` (K, V page-major, or None) holds the checkpoints' pages back to back, the
-    first `swa_pages[0]` rows the checkpoint under `swa_keys[0]`, and so on. The tensors are copies (on the
-    pools' device); `ready` (CUDA) is recorded after the copies, so another thread waits on it."""
+    """One finished sequence's values on their way to the store: `full` (K, V page-major,
+    `KVPools.gather_pages`) row j is the value of `full_keys[j]`; `swa` (K, V page-major, or None) holds the
+    checkpoints' pages back to back, the first `swa_pages[0]` rows the checkpoint under `swa_keys[0]`, and so
+    on. The tensors are copies (on the pools' device); `ready` (CUDA) is recorded after the copies, so another
+    thread waits on it."""
 
     full_keys: list[str]
     full: tuple[torch.Tensor, torch.Tensor] | None
@@ -234,7 +229,7 @@ class L3Export:
                  gather: Callable[[str, Sequence[int]], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.kv = kv
         # (group, pages) -> the pages' K and V page-major, every KV head (a parallel runner gathers its ranks')
-        self.gather = gather or (lambda group, pages: gather_pages(kv, group, pages))
+        self.gather = gather or (lambda group, pages: kv.gather_pages(group, list(pages)))
         self.cache = cache
         self.namespace = namespace
         self.known = known

@@ -198,7 +198,7 @@ class ShardedKV(KVAccess):
 
     def gather_group(self, group: str, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer of one pool group at `pages`, every KV head, page-major ([pages, layers, page size, heads,
-        dim], as libs/engine/l3.gather_pages): what the L3 write-back copies out."""
+        dim], as `KVPools.gather_pages`): what the L3 write-back copies out."""
         n = (self.kv.full_k if group == "full" else self.kv.swa_k).shape[0]
         payloads = self.gather([LayerPages(LayerSlot(group, i), tuple(pages)) for i in range(n)])
         return torch.stack([p[0] for p in payloads], 1), torch.stack([p[1] for p in payloads], 1)
