@@ -118,18 +118,20 @@ class RegistryView:
     def live(self, now: float, role: Role | None = None) -> list[RegistryEntry]:
         """The entries fresh at unix time `now` (optionally of one role), sorted by key; the time the registry
         could not be written is not counted against their age (module docstring)."""
-        return [e for e in self.entries() if (role is None or e.role is role) and self._fresh(e, now)]
+        windows = self._windows()
+        return [e for e in self.entries() if (role is None or e.role is role) and self._fresh(e, now, windows)]
 
-    def _fresh(self, entry: RegistryEntry, now: float) -> bool:
-        return entry.fresh(now - self._unwritable_since(entry.heartbeat_at, now), self.config.slack_s)
+    def _windows(self) -> Sequence[tuple[float, float | None]]:
+        """The registry's unwritable windows (read once per call over all entries: `live` is on the router's
+        request path)."""
+        return self._outages() if self._outages is not None else ()
 
-    def _unwritable_since(self, since: float, now: float) -> float:
-        """Seconds of [since, now] in which the registry could not be written, at most `outage_keep_s`."""
-        if self._outages is None:
-            return 0.0
-        total = sum(max(0.0, min(now, now if end is None else end) - max(since, start))
-                    for start, end in self._outages())
-        return min(total, self.config.outage_keep_s)
+    def _fresh(self, entry: RegistryEntry, now: float, windows: Sequence[tuple[float, float | None]]) -> bool:
+        """`entry.fresh` with the time in `windows` since its heartbeat not counted, at most `outage_keep_s`."""
+        since = entry.heartbeat_at
+        unwritable = sum(max(0.0, (now if end is None else min(now, end)) - max(since, start))
+                         for start, end in windows)
+        return entry.fresh(now - min(unwritable, self.config.outage_keep_s), self.config.slack_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,7 +187,8 @@ class RegistryView:
 
     def prune(self, now: float) -> None:
         """Drop the entries past their TTL at unix time `now` (LEAVE for each)."""
-        for key in [k for k, e in self._entries.items() if not self._fresh(e, now)]:
+        windows = self._windows()
+        for key in [k for k, e in self._entries.items() if not self._fresh(e, now, windows)]:
             self._drop(key)
 
     def _expired(self, now: float) -> bool:
@@ -243,7 +246,7 @@ class RegistryView:
             self._put(event.key, event.entry)
 
     def _put(self, key: str, entry: RegistryEntry) -> None:
-        if not self._fresh(entry, time.time()):
+        if not self._fresh(entry, time.time(), self._windows()):
             return  # a stale entry the store kept (a persisted store across restarts): never a join
         self._touch(key)
         old = self._entries.get(key)

@@ -86,9 +86,9 @@ class CachedListing:
     """The registry's listing for the gateway's readiness probes and its backend (size checks, chain layout,
     fallbacks), so they share their reads. A listing at most `max_age_s` old is served as it is. An older one is
     read again before it is served (concurrent callers share the read), except for callers that pass
-    `wait=False` (the backend's advisory reads on the request path: size check, chain layout): they get the last listing (up to `stale_ok_s` old) at
-    once while one background read refreshes it, so no request waits for the registry once a first listing
-    exists. `fresh` (a failover's re-pick) always reads.
+    `wait=False` (the backend's advisory reads on the request path: size check, chain layout): they get the
+    last listing (up to `stale_ok_s` old) at once while one background read refreshes it, so no request waits
+    for the registry once a first listing exists. `fresh` (a failover's re-pick) always reads.
 
     This matters while the registry cannot be read (a NATS node died and its streams elect new leaders, a few
     seconds): every request would otherwise wait for the registry's time bound. While the last read failed,
