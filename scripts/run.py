@@ -53,6 +53,7 @@ BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a child up this long counts as healthy again: its next restart waits BACKOFF_FIRST_S
 PROBE_INTERVAL_S = 1.0  # liveness: each service's health subject is asked this often ...
 PROBE_TIMEOUT_S = 2.0  # ... and must answer within this
+WATCHDOG_EXIT = 70  # libs/service/watchdog.EXIT_CODE (not imported: this script starts before the services' deps)
 CACHE_DISK_BYTES = 8 << 30  # disk tier of each storage node unless WINDSERVE_DISK_BYTES says otherwise
 
 
@@ -163,10 +164,12 @@ def restart_delay(restarts: int) -> float:
 
 
 def describe_exit(code: int) -> str:
-    """'code 1', or 'code -9 (killed by SIGKILL)' for a signal."""
+    """'code 1', 'code -9 (killed by SIGKILL)' for a signal, 'code 70 (its event loop stalled ...)'."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"code {code} (killed by {signal.Signals(-code).name})"
+    if code == WATCHDOG_EXIT:
+        return f"code {code} (its event loop stalled: the service's watchdog ended it)"
     return f"code {code}"
 
 

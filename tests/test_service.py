@@ -283,3 +283,86 @@ def test_gateway_health_groups_by_role_and_reports_registry_failure():
 
     resp = TestClient(build_app(broken, "gw")).get("/health")
     assert resp.status_code == 503 and "took over 2s" in resp.json()["error"]
+
+
+# --- the event-loop watchdog ------------------------------------------------------------------
+
+
+@pytest.mark.unit
+async def test_loop_watchdog_fires_on_a_blocked_loop_not_on_a_busy_one():
+    import time
+
+    from libs.service.watchdog import LoopWatchdog
+
+    stalls: list[float] = []
+    dog = LoopWatchdog(0.4, "test", on_stall=stalls.append)
+    dog.start()
+    try:
+        deadline = time.monotonic() + 1.5  # busy but running: many short steps, never 0.4 s without a tick
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            await asyncio.sleep(0)
+        assert stalls == []
+        time.sleep(1.5)  # the loop blocked: no tick for longer than stall_s
+        assert len(stalls) == 1 and stalls[0] >= 0.4
+    finally:
+        await dog.stop()
+
+
+_STALLING_SERVICE = """
+import asyncio, time
+from libs.service import Service, ServiceConfig
+from libs.service.service import main
+from protos.messages import Role
+
+class Stalling(Service):
+    role = Role.ROUTER
+    async def setup(self):
+        asyncio.get_running_loop().call_later(1.0, time.sleep, 120)  # a call that never returns, on the loop
+
+raise SystemExit(main(Stalling, ServiceConfig))
+"""
+
+
+def _env(nats_url: str, instance: str, namespace: str, **kw: str) -> dict[str, str]:
+    return {**os.environ, "WINDSERVE_NATS_URL": nats_url, "WINDSERVE_INSTANCE_ID": instance,
+            "WINDSERVE_NAMESPACE": namespace, "WINDSERVE_REGISTRY_TTL_S": "1",
+            "WINDSERVE_HEARTBEAT_INTERVAL_S": "0.25", **kw}
+
+
+@pytest.mark.e2e
+async def test_a_service_whose_loop_stalls_exits_70_and_a_stopped_one_resumes(bus, nats_url):
+    """A real service process whose event loop blocks ends itself with code 70 (so compose's restart policy or
+    the supervisor restarts it) within the watchdog's bound; a SIGSTOPped one resumed after longer than that
+    bound is not killed by it (frozen time is not counted) and serves again."""
+    namespace = "test_watchdog"
+    registry = await Registry.open(bus, bucket=subjects.registry_bucket(namespace))
+    stalls = subprocess.Popen([sys.executable, "-c", _STALLING_SERVICE], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=_env(nats_url, "stalls", namespace,
+                                                               WINDSERVE_LOOP_WATCHDOG_S="2"))
+    frozen = subprocess.Popen([sys.executable, "-m", "services.router"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=_env(nats_url, "frozen", namespace,
+                                                                  WINDSERVE_LOOP_WATCHDOG_S="1"))
+    try:
+        await wait_listed(registry, "stalls", True, 60)  # start-up only; slow on a loaded 2-core machine
+        await wait_listed(registry, "frozen", True, 60)
+        code = await asyncio.to_thread(stalls.wait, 30)  # 1 s to the stall + 2 s of watchdog + exit
+        err = stalls.stderr.read().decode() if stalls.stderr else ""
+        assert code == 70, err[-2000:]
+        assert "event loop stalled" in err and "stalled_s" in err
+        await wait_listed(registry, "stalls", False, 5)  # no deregistration on the way out: the TTL drops it
+
+        frozen.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(4)  # four watchdog bounds
+        frozen.send_signal(signal.SIGCONT)
+        await asyncio.sleep(3)
+        assert frozen.poll() is None
+        reply = await bus.request(subjects.health(namespace, "frozen"), HealthRequest(), HealthReply, 5)
+        assert reply.state == ServiceState.RUNNING
+    finally:
+        for proc in (stalls, frozen):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            if proc.stderr:
+                proc.stderr.close()

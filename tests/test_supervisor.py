@@ -18,6 +18,9 @@ def test_restart_backoff_doubles_and_is_capped():
 def test_exit_descriptions_name_the_signal():
     assert describe_exit(2) == "code 2"
     assert describe_exit(-9) == "code -9 (killed by SIGKILL)"
+    assert describe_exit(70) == "code 70 (its event loop stalled: the service's watchdog ended it)"
+    from libs.service.watchdog import EXIT_CODE
+    assert EXIT_CODE == 70
 
 
 def test_last_error_prefers_the_last_error_record_of_a_json_log(tmp_path):

@@ -54,6 +54,9 @@ class ServiceConfig(BaseModel):
     capacity: int = Field(default=0, ge=0, description="advertised capacity (role-specific units)")
     labels: dict[str, str] = Field(default_factory=dict, description="registry labels, JSON object")
     model: str = Field(default="", description="model directory (HF layout); empty until a model is loaded")
+    loop_watchdog_s: float = Field(
+        default=60.0, ge=0, description="exit (code 70) when the event loop has not run for this long, so a restart "
+        "policy restarts the service (libs/service/watchdog.py); 0 = off")
 
     @model_validator(mode="after")
     def _heartbeat_below_ttl(self) -> ServiceConfig:

@@ -22,6 +22,7 @@ from libs.bus import Bus, BusConfig, BusError, HeartbeatConfig, Registration, Re
 from libs.service.config import ConfigError, ServiceConfig, load_config
 from libs.service.logs import setup_logging
 from libs.service.metrics import BACKGROUND_FAILURES, SERVICE_INFO, SERVICE_STATE, MetricsServer
+from libs.service.watchdog import LoopWatchdog
 from protos import subjects
 from protos.messages import HealthReply, HealthRequest, RegistryEntry, Role, ServiceState
 
@@ -40,6 +41,7 @@ class Service:
         self.registry: Registry | None = None
         self.metrics_server: MetricsServer | None = None
         self._registration: Registration | None = None
+        self._watchdog: LoopWatchdog | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
         self._started_at = time.time()
@@ -142,15 +144,22 @@ class Service:
             await self.bus.close()
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        if self._watchdog is not None:  # last: a shutdown that stalls the loop still ends the process
+            await self._watchdog.stop()
         self._set_state(ServiceState.STOPPED)
 
-    async def run(self) -> None:
-        """Start, wait for SIGTERM/SIGINT (or request_stop), then stop gracefully."""
+    async def run(self, watchdog: bool = False) -> None:
+        """Start, wait for SIGTERM/SIGINT (or request_stop), then stop gracefully. `watchdog` (the process entry
+        point's, not a test's loop): from RUNNING on, a loop stalled for `loop_watchdog_s` ends the process."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         try:
             await self.start()
+            if watchdog and self.config.loop_watchdog_s > 0:
+                self._watchdog = LoopWatchdog(self.config.loop_watchdog_s,
+                                              f"{self.role.value}-{self.config.instance_id}")
+                self._watchdog.start()
             log.info("ready", extra={"role": self.role.value, "instance": self.config.instance_id})
             await self._stop_requested.wait()
         finally:
@@ -199,7 +208,7 @@ def main(service_cls: type[S], config_cls: type[C]) -> int:
         return 2
     setup_logging(config.log_level, service=service_cls.role.value, instance=config.instance_id)
     try:
-        asyncio.run(service_cls(config).run())
+        asyncio.run(service_cls(config).run(watchdog=True))
     except (BusError, OSError) as exc:
         log.error("service failed to start", extra={"error": str(exc)})
         return 1
