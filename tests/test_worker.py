@@ -408,3 +408,43 @@ async def test_decode_answers_kv_prepare_with_its_advertised_address_when_bindin
     await asyncio.wait_for(svc.stop(), 15)
     assert (await reader.final()).finish_reason is WireFinishReason.ABORT
     await assert_engine_at_baseline(svc)
+
+
+# --- 4. a stuck engine fails the worker --------------------------------------------------------------------
+@pytest.mark.integration
+async def test_a_worker_whose_engine_is_stuck_fails_its_requests_as_gone_deregisters_and_exits_70(bus, nats_url):
+    """The step loop stuck in one round (here: a command that never returns, as a dead lock or a kernel that
+    hangs would): within `engine_stall_s` the in-flight request's error chunk says the instance failed (the
+    gateway retries such a request elsewhere before its first token), the worker leaves the registry and its
+    `run()` ends with exit code 70. Without the watch the request waits `output_timeout_s` (300 s) and the
+    worker stays registered, taking new requests."""
+    import concurrent.futures
+    import threading
+
+    from libs.bus import Registry
+    from protos.messages import Role, ServiceState
+
+    svc = WorkerService(service_config(WorkerConfig, nats_url, engine_stall_s=1.0, **DRAIN))
+    runner = asyncio.create_task(svc.run())
+    gate = threading.Event()
+    try:
+        await until(lambda: svc.state is ServiceState.RUNNING, 60)
+        ns = svc.config.namespace
+        registry = await Registry.open(bus, bucket=subjects.registry_bucket(ns))
+        assert [e.instance_id for e in await registry.list(Role.WORKER)] == [svc.config.instance_id]
+        reader = await stream(bus, ns, "stuck")
+        assert (await ask_generate(bus, svc, generate_request(ns, "stuck", prompt(6, 20), 900))).status is \
+            AckStatus.ACCEPTED
+        await reader.next()  # it runs
+        assert svc.engine is not None
+        svc.engine._commands.put((lambda: gate.wait(60), concurrent.futures.Future()))  # the loop is stuck from here
+        final = await reader.final(timeout=15)
+        assert final.finish_reason is WireFinishReason.ERROR and final.instance_failed
+        assert "stuck in one round" in (final.error or "")
+        await asyncio.wait_for(runner, 20)
+        assert svc.exit_code == 70 and svc.state is ServiceState.STOPPED
+        assert await registry.list(Role.WORKER) == []  # deregistered on the way out
+    finally:
+        gate.set()
+        svc.request_stop()
+        await asyncio.wait_for(asyncio.shield(runner), 30)

@@ -51,6 +51,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._step_hook: Callable[[EngineCore, bool], None] | None = None
         self._prefetch: Callable[[Request], Awaitable[Prefetched]] | None = None
+        self._rounds = 0  # rounds the step loop has begun (`rounds`)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -77,6 +78,31 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def thread_alive(self) -> bool:
+        """The step loop's thread still runs (after `fail`: it is stuck in its round)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the step loop is dead (its crash, or `fail`'s cause), else None."""
+        return self._error
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the step loop has begun. A round is its commands, one step, the hook, or an idle wait of at most
+        `idle_wait_s`, so a count that does not move for far longer than one step means the loop is stuck (a dead
+        lock, a kernel that never returns): the worker's engine watch (libs/worker/service.py) reads it."""
+        return self._rounds
+
+    def fail(self, exc: BaseException) -> None:
+        """Declare the step loop dead from outside (it is stuck in a round that does not return): every stream
+        and queued command gets `exc` now, later calls raise EngineDeadError, and should the round ever return
+        the loop stops."""
+        self._error = exc
+        self._stop.set()
+        self._fail_all(exc)
 
     # ------------------------------------------------------------------ public API
     def set_step_hook(self, hook: Callable[[EngineCore, bool], None] | None) -> None:
@@ -147,7 +173,7 @@ class AsyncEngine:
         except TimeoutError:
             raise TimeoutError(f"request {req_id!r}: no output from the engine in {self.output_timeout_s}s") from None
         if isinstance(item, BaseException):
-            raise EngineDeadError(f"request {req_id!r}: engine step loop failed") from item
+            raise EngineDeadError(f"request {req_id!r}: engine step loop failed ({item})") from item
         return item
 
     # ------------------------------------------------------------------ loop thread
@@ -160,6 +186,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                self._rounds += 1
                 self._run_commands(block=not self.core.has_work())
                 if self.core.has_work():
                     self._dispatch(self.core.step(interrupt=self._interrupt_now))

@@ -22,7 +22,7 @@ from libs.bus import Bus, BusConfig, BusError, HeartbeatConfig, Registration, Re
 from libs.service.config import ConfigError, ServiceConfig, load_config
 from libs.service.logs import setup_logging
 from libs.service.metrics import BACKGROUND_FAILURES, SERVICE_INFO, SERVICE_STATE, MetricsServer
-from libs.service.watchdog import LoopWatchdog
+from libs.service.watchdog import EXIT_CODE, LoopWatchdog
 from protos import subjects
 from protos.messages import HealthReply, HealthRequest, RegistryEntry, Role, ServiceState
 
@@ -46,6 +46,7 @@ class Service:
         self._stop_requested = asyncio.Event()
         self._started_at = time.time()
         self._stopped = False
+        self.exit_code = 0  # the process's, once `run()` returns (`fail`)
 
     # --- hooks for subclasses -------------------------------------------------------------
 
@@ -122,6 +123,13 @@ class Service:
 
     def request_stop(self) -> None:
         self._stop_requested.set()
+
+    def fail(self, reason: str, exit_code: int = EXIT_CODE) -> None:
+        """This instance cannot serve any more: stop (deregistered first, as any stop) and let the process exit
+        with `exit_code`, so its restart policy restarts it."""
+        log.critical("instance failed; stopping", extra={"error": reason, "exit_code": exit_code})
+        self.exit_code = exit_code
+        self.request_stop()
 
     async def stop(self) -> None:
         """Graceful, idempotent shutdown (see module docstring for the order)."""
@@ -207,9 +215,10 @@ def main(service_cls: type[S], config_cls: type[C]) -> int:
         print(f"windserve {service_cls.role.value}: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, service=service_cls.role.value, instance=config.instance_id)
+    service = service_cls(config)
     try:
-        asyncio.run(service_cls(config).run(watchdog=True))
+        asyncio.run(service.run(watchdog=True))
     except (BusError, OSError) as exc:
         log.error("service failed to start", extra={"error": str(exc)})
         return 1
-    return 0
+    return service.exit_code

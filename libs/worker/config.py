@@ -40,6 +40,10 @@ class EngineServiceConfig(ServiceConfig):
         default=0, ge=0, description="MTP draft tokens per decode step (0 = off; at most the model's MTP layers)")
     output_timeout_s: float = Field(
         default=300.0, gt=0, description="longest wait for a request's next engine output before it fails")
+    engine_stall_s: float = Field(
+        default=30.0, ge=0, description="a step loop stuck this long in one round (a dead lock, a kernel that never "
+        "returns) fails the worker: in-flight requests get an error that says it is gone (the gateway retries those "
+        "not yet streamed), it deregisters and exits with code 70; 0 = off")
     load_interval_s: float = Field(
         default=0.5, gt=0, description="how often the load snapshot (registry entry, health, metrics) is refreshed")
     recent_aborts: int = Field(

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from libs.engine.async_engine import AsyncEngine
+from libs.engine.async_engine import AsyncEngine, EngineDeadError
 from libs.engine.core import EngineCore
 from libs.engine.l3 import l3_namespace
 from libs.gcache.api import BlockStore
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # the SDK (and its IO stack) is imported only when GCache is 
     from libs.mm.client import EncoderClient
 
 Refusal = tuple[AckStatus, str]
+log = logging.getLogger("windserve.worker")
 
 _LOAD_TIMEOUT_S = 10.0  # one load snapshot (waits for the current engine step)
 _FLUSH_TIMEOUT_S = 5.0  # the engine running the commands queued by cancelled requests, at teardown
@@ -147,6 +149,8 @@ class EngineWorkerService(Service):
         await self.start_kv_feed()
         await self.refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
+        if cfg.engine_stall_s > 0:
+            self.spawn(self._engine_watch(engine, cfg.engine_stall_s), name="engine-watch")
         await self.setup_role()
 
     async def start_gcache(self, engine: AsyncEngine) -> None:
@@ -240,6 +244,9 @@ class EngineWorkerService(Service):
         await self.tasks.drain(self.config.drain_timeout_s)
         if self.engine is None:
             return
+        if self.engine.failed is not None and self.engine.thread_alive:
+            log.error("engine step loop is stuck: not waiting for it (the process exits without it)")
+            return
         # Cancelled requests queued their engine aborts / releases; commands run in order, so once this
         # no-op has run they have too, and the engine stops with its pools back at baseline.
         with contextlib.suppress(Exception):
@@ -313,8 +320,38 @@ class EngineWorkerService(Service):
     async def _load_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.load_interval_s)
-            await self.refresh_load()
+            try:
+                await self.refresh_load()
+            except TimeoutError:  # a long step (or a stuck one: the engine watch judges that) delays the snapshot
+                log.warning("load snapshot timed out: the engine is in a long step",
+                            extra={"timeout_s": _LOAD_TIMEOUT_S})
+                continue
             self.refresh_registration()
+
+    async def _engine_watch(self, engine: AsyncEngine, bound_s: float) -> None:
+        """Fail this worker when its step loop is stuck for `bound_s` (its round count has not moved) or has
+        crashed: the in-flight requests get `EngineDeadError` at once (their error chunks say the instance
+        failed, so the gateway retries those that streamed nothing elsewhere), then the service stops and the
+        process exits with code 70 for its restart policy. Only time this watch observed counts (a late wake-up
+        counts two periods at most): a process resumed after SIGSTOP is judged on what it does next."""
+        period = min(1.0, bound_s / 4)
+        seen, stuck, last = engine.rounds, 0.0, time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            waited, last = min(now - last, 2 * period), now
+            if engine.failed is not None:
+                self.fail(f"engine step loop failed: {engine.failed!r}")
+                return
+            if engine.rounds != seen:
+                seen, stuck = engine.rounds, 0.0
+                continue
+            stuck += waited
+            if stuck >= bound_s:
+                reason = f"engine step loop stuck in one round for {stuck:.0f} s (engine_stall_s {bound_s:g})"
+                engine.fail(EngineDeadError(reason))
+                self.fail(reason)
+                return
 
     def outcome_counts(self) -> dict[str, int]:
         return {**self.outcomes.as_dict(), **self.role_outcomes()}

@@ -334,7 +334,8 @@ class DecodeWorker:
 
     async def _final_error(self, msg: KVPrepareRequest, error: str | None) -> None:
         chunk = (self._chunk(msg.request_id, finish_reason=WireFinishReason.ABORT) if error is None else
-                 self._chunk(msg.request_id, finish_reason=WireFinishReason.ERROR, error=error))
+                 self._chunk(msg.request_id, finish_reason=WireFinishReason.ERROR, error=error,
+                             instance_failed=not self.engine.is_running))  # its engine died or is stuck: gone
         try:
             async with asyncio.timeout(5):
                 await self.publish(msg.stream_subject, chunk)

@@ -196,6 +196,7 @@ class PrefillWorker:
             await self._safe_publish(req, self._chunk(
                 req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
                 retryable=isinstance(exc, DecodesFull | EncoderUnavailable),
+                instance_failed=not self.engine.is_running,  # its engine died (or is stuck): this prefill is gone
                 error_code="encoder_unavailable" if isinstance(exc, EncoderUnavailable) else ""))
         finally:
             await self._clean_up(req.request_id, h)  # 6.
