@@ -256,15 +256,43 @@ def unresponsive_s(now: float, started_at: float, answered_at: float | None, rea
     return max(0.0, now - since)
 
 
+async def nats_pongs(port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the nats-server on 127.0.0.1:`port` answers itself: its INFO line, then PONG to a PING, within
+    `timeout_s`. A stopped (SIGSTOP) or hung server still accepts the TCP connection (the kernel does that) but
+    says nothing; a dead one refuses it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                if not (await reader.readline()).startswith(b"INFO"):
+                    return False
+                writer.write(b'CONNECT {"verbose":false,"pedantic":false,"name":"run-supervisor-ping"}\r\nPING\r\n')
+                await writer.drain()
+                while line := await reader.readline():
+                    if line.startswith(b"PONG"):
+                        return True
+                    if line.startswith(b"-ERR"):
+                        return False
+                return False
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False
+
+
 class LivenessProber:
     """A background thread with its own NATS connection: every PROBE_INTERVAL_S it asks each target instance's
     health subject (the service's event loop answers it, so a hung loop or a stopped process fails it; bounded by
-    PROBE_TIMEOUT_S) and records when each last answered, and since when the prober has reached NATS."""
+    PROBE_TIMEOUT_S) and records when each last answered, and since when the prober has reached NATS. It also
+    PINGs each nats-server node on its client port (`nats_pongs`) and records when each last answered; while no
+    node answers, NATS counts as unreachable (a hung nats-server is no service's fault)."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, nats_ports: tuple[int, ...] = ()) -> None:
         self.nats_url = nats_url
+        self.nats_ports = nats_ports
         self.targets: frozenset[str] = frozenset()  # instance ids to probe (set by the supervisor loop)
         self.answered_at: dict[str, float] = {}
+        self.nats_answered_at: dict[int, float] = {}  # client port -> when that node last answered a PING
         self.reachable_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="liveness", daemon=True)
@@ -285,17 +313,29 @@ class LivenessProber:
                 if bus is None:
                     with contextlib.suppress(BusError):
                         bus = await Bus.connect(self.nats_url, name="run-supervisor-liveness", timeout=2)
-                if bus is not None and bus.is_connected:
+                nats_up = await self._ping_nats()
+                if bus is not None and bus.is_connected and nats_up:
                     if self.reachable_since is None:
                         self.reachable_since = time.monotonic()
                     await asyncio.gather(*(self._probe(bus, iid) for iid in self.targets))
                 else:
-                    self.reachable_since = None  # NATS down or reconnecting: probes say nothing about services
+                    self.reachable_since = None  # NATS down, hung or reconnecting: probes say nothing about services
                 await asyncio.sleep(PROBE_INTERVAL_S)
         finally:
             if bus is not None:
                 with contextlib.suppress(Exception):
                     await bus.close()
+
+    async def _ping_nats(self) -> bool:
+        """PING every node; True when one answered (or no port is known)."""
+        if not self.nats_ports:
+            return True
+        answers = await asyncio.gather(*(nats_pongs(port) for port in self.nats_ports))
+        now = time.monotonic()
+        for port, ok in zip(self.nats_ports, answers, strict=True):
+            if ok:
+                self.nats_answered_at[port] = now
+        return any(answers)
 
     async def _probe(self, bus: Any, instance_id: str) -> None:
         from protos import subjects
@@ -498,7 +538,7 @@ class Supervisor:
 
     def start_liveness(self) -> None:
         if self.cfg.liveness_timeout_s > 0:
-            self.prober = LivenessProber(self.nats_url)
+            self.prober = LivenessProber(self.nats_url, tuple(self.nats_ports))
             self.prober.targets = frozenset(c.instance_id for c in self.children)
             self.prober.start()
 
@@ -510,6 +550,17 @@ class Supervisor:
         running = [c for c in self.children if c.restart_at is None and c.popen.poll() is None]
         self.prober.targets = frozenset(c.instance_id for c in running)
         out: list[str] = []
+        for node, child in enumerate(self.nats_nodes):  # a nats-server that answers no PING (SIGSTOP, hung)
+            if child.restart_at is not None or child.popen.poll() is not None or child.hung_for:
+                continue
+            port = self.nats_ports[node]
+            silent = unresponsive_s(now, child.started_at, self.prober.nats_answered_at.get(port), child.started_at,
+                                    self.cfg.liveness_grace_s)
+            if silent >= self.cfg.liveness_timeout_s:
+                child.hung_for = silent
+                _signal_group(child, signal.SIGKILL)
+                out.append(f"windserve: {child.name} (port {port}, pid {child.popen.pid}) answered no PING for "
+                           f"{silent:.0f} s: hung; killing it to restart it on its port and store")
         for child in running:
             silent = unresponsive_s(now, child.started_at, self.prober.answered_at.get(child.instance_id),
                                     self.prober.reachable_since, self.cfg.liveness_grace_s)

@@ -160,6 +160,26 @@ def test_hung_service_is_killed_and_restarted_and_the_deployment_serves_again(tm
         assert len(_complete(http_port)["choices"]) == 1
 
 
+def test_hung_nats_server_is_killed_and_restarted_and_no_service_is_blamed(tmp_path):
+    """A SIGSTOPped nats-server (its port accepts, it answers nothing) fails the supervisor's PING: it is named as
+    hung, killed and restarted on its port and store; meanwhile the services' failed health probes do not count
+    against them (none is killed or restarted), they reconnect, and the deployment serves again."""
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker",
+                    "--liveness-timeout", "4", "--liveness-grace", "30") as proc:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        before = {p.pid for p in _descendants_named(proc, "services.")}
+        [victim] = _descendants_named(proc, "nats-server")
+        victim.send_signal(signal.SIGSTOP)
+        said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
+        assert "answered no PING for 4 s: hung; killing it to restart it" in said
+        assert "nats exited with code -9 (killed by SIGKILL) (killed by the supervisor: unresponsive" in said
+        assert "nats-server restarted on port" in said and not victim.is_running()
+        assert "answered no health probe" not in said and "worker restarted" not in said, said
+        assert len(_complete(http_port)["choices"]) == 1
+        assert {p.pid for p in _descendants_named(proc, "services.")} == before  # no service was restarted
+
+
 def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
