@@ -40,13 +40,14 @@ _PREFAULT_STEP = 64 << 20  # bytes per madvise call (the thread yields between s
 
 
 class SegmentArena:
-    def __init__(self, capacity: int, segment_bytes: int = 64 << 20) -> None:
+    def __init__(self, capacity: int, segment_bytes: int = 64 << 20, huge_pages: bool = True) -> None:
         if segment_bytes <= 0 or capacity < segment_bytes:
             raise ValueError(f"SegmentArena needs capacity >= segment_bytes > 0, got {capacity}, {segment_bytes}")
         self.segment_bytes = segment_bytes
         self.segments = capacity // segment_bytes
         self.capacity = self.segments * segment_bytes
         self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = huge_pages and _madvise_huge(self._map)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(self.segments))
@@ -121,6 +122,19 @@ class SegmentArena:
         thread = threading.Thread(target=run, name="gcache-prefault", daemon=True)
         thread.start()
         return thread
+
+
+def _madvise_huge(m: mmap.mmap) -> bool:
+    """Ask for transparent huge pages on the mapping (THP "madvise" mode: only madvised memory gets them, as
+    numpy does for its own large arrays). False where the kernel or Python cannot."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        m.madvise(advice)
+    except OSError:
+        return False
+    return True
 
 
 class Allocator:
