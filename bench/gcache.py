@@ -10,7 +10,8 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
    * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
               its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
-              path), value i of client c on server (c + i) % NODES;
+              path), value i of client c on server (c + i) % NODES; every buffer touched before the rounds and
+              reused (a server lands each client's puts in one buffer), as the nodes' pre-faulted arenas;
    * redis:   /usr/bin/redis-server on a free loopback port, persistence off; SET / GET of the same values in
               one pipeline per batch (redis-py).
    Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
@@ -1011,7 +1012,11 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
                 for op in ("put", "get") for base in ("raw_ucx", "redis")} for t, rows in bt.items()}
         for k in ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis"):
             if out[k] is None:
-                reasons[k] = tp.get("gcache_missing") or "a GCache round failed (see throughput)"
+                base = "redis-server" if k.endswith("redis") else "raw ucx"
+                failed = [name for name in tp.get("errors", {}) if name.startswith(base)]
+                reasons[k] = (tp.get("gcache_missing")
+                              or (f"{failed[0]} failed: {tp['errors'][failed[0]]} (throughput.errors)" if failed
+                                  else "a GCache round failed (see throughput)"))
     else:
         reasons.update({k: "throughput not run (--skip-throughput)" for k in
                         ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis")})

@@ -1,6 +1,6 @@
 """Probe (not part of the product): one client's put / get of one value against real storage nodes, timed.
 
-    python -m bench.gcache_get_probe [--transport sm] [--mib 64] [--reps 10]
+    python -m bench.gcache_get_probe [--transport sm] [--mib 64] [--reps 10] [--keep-header-timers]
 
 Starts bench.gcache's nats-server + storage nodes, puts `--values` values of `--mib` MiB with one GCacheClient
 in this process and gets them again and again (gets are repeatable), printing each get's and put's time.
@@ -24,6 +24,11 @@ from bench.gcache import MIB, NAMESPACE, cache_nodes, child_env, value_key
 async def run(args: argparse.Namespace) -> None:
     from libs.gcache import GCacheConfig
     from libs.gcache.client import GCacheClient
+
+    if args.keep_header_timers:  # the old transfer registry, in this (client) process only: A/B of the fix
+        from libs.transfer.registry import TransferRegistry
+
+        TransferRegistry._cancel_header_timer = lambda self, request_id: None  # type: ignore[method-assign]
 
     with tempfile.TemporaryDirectory() as tmp:
         async with cache_nodes(args.transport, Path(tmp)) as url:
@@ -63,6 +68,9 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--values", type=int, default=1)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--keep-header-timers", action="store_true",
+                   help="the client's transfer registry as before the fix (a finished transfer's header timer "
+                        "keeps its landing buffers for 60 s)")
     asyncio.run(run(p.parse_args()))
 
 

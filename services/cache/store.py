@@ -16,7 +16,9 @@
   is full → its least recently used value is evicted. A read of a disk value promotes it to memory when it fits
   after demoting committed values (reservations are never demoted); otherwise it is served from disk.
 - **Verification.** Every read (either tier) recomputes the value's xxh64; a mismatch drops the value, counts a
-  checksum failure and is a miss: wrong bytes are never returned.
+  checksum failure and is a miss: wrong bytes are never returned. `get` hashes before it returns; `lookup`
+  leaves a memory value's hash to the caller (the node hashes while sending, and the transfer cannot complete
+  before the hash matched), which reports a mismatch with `failed_verification`.
 
 All calls are O(1) in the number of keys (plus the IO of the values they touch), for the node's event loop.
 One owner, not thread-safe.
