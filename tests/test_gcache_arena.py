@@ -73,3 +73,38 @@ def test_store_values_in_the_arena_keep_their_segment_until_the_last_reader_lets
     assert arena.fallbacks == 1
     assert [bytes(store.get(k) or b"")[:1] for k in ("k4", "k5")] == [b"\x04", b"\x05"]
     store.check_invariants()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+async def test_a_finished_transfer_lets_go_of_its_landing_buffers(backend: str) -> None:
+    """A get's landing buffers go back to the arena as soon as the caller drops the values: nothing in the
+    transfer engine keeps a completed transfer (the header deadline's timer used to, for header_timeout_s =
+    60 s, so every get after the first few fell back to fresh memory and paid its page faults)."""
+    from libs.gcache import wire
+    from libs.transfer import TransferBackend, TransferConfig, create_engine
+
+    if backend == "ucx":
+        pytest.importorskip("ucxx")
+    kind = TransferBackend(backend)
+    rx, tx = create_engine(TransferConfig(), kind), create_engine(TransferConfig(), kind)
+    addr = await rx.start()
+    await tx.start()
+    try:
+        arena = SegmentArena(2 * 64 * KIB, 64 * KIB)
+        alloc = Allocator(arena)
+        for round_ in range(4):  # more rounds than segments: only reuse keeps the allocator in the arena
+            data = bytes([round_ + 1]) * (64 * KIB)
+            buf = alloc(len(data))
+            incoming = rx.expect(f"get-{round_}", wire.chunk_views(buf, 16 * KIB))
+            await tx.send(addr, f"get-{round_}", wire.layer_specs([len(data)], 16 * KIB),
+                          wire.chunk_views(data, 16 * KIB))
+            await incoming.wait(timeout=10)
+            assert bytes(buf) == data
+            del buf, incoming
+            gc.collect()
+            assert arena.free_segments() == 2, f"round {round_}: a finished transfer still holds its buffers"
+        assert arena.fallbacks == 0
+    finally:
+        await tx.close()
+        await rx.close()

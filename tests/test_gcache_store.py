@@ -439,3 +439,61 @@ def test_random_operations_against_the_model(disk: int, ops: list[tuple[str, str
             run.step(op, key, size)
         run.finish()
         run.s.close()
+
+
+# ---------------------------------------------------------------------------------------------- the get handler
+
+
+@pytest.mark.integration
+async def test_a_get_hashes_memory_values_in_flight_and_never_completes_with_a_bad_one() -> None:
+    """The node's get sends a memory value while hashing it: good values arrive byte-equal; a value corrupted in
+    memory fails the client's transfer (its batch misses), is dropped and counted, and a later get misses it."""
+    import asyncio
+
+    from libs.gcache import wire
+    from libs.transfer import TransferBackend, TransferConfig, TransferError, create_engine
+    from protos.messages import CacheGetRequest
+    from services.cache.config import CacheConfig
+    from services.cache.handlers import CacheNode
+
+    chunk = 64 << 10
+    store = NodeStore(1 << 22)
+    good, bad = value(1, 5 * chunk + 123), value(2, 3 * chunk)
+    for key, data in (("good", good), ("bad", bad), ("empty", b"")):
+        assert put(store, key, data) is not None
+    node_engine = create_engine(TransferConfig(), TransferBackend.TCP)
+    client = create_engine(TransferConfig(), TransferBackend.TCP)
+    tasks: set[asyncio.Task] = set()
+    node = CacheNode(CacheConfig(), store, node_engine, await node_engine.start(),
+                     lambda coro, name: tasks.add(asyncio.ensure_future(coro)))
+    addr = await client.start()
+
+    async def get(tid: str, keys: list[str]) -> tuple[list[int], dict[int, bytearray]]:
+        bufs: dict[int, bytearray] = {}
+
+        def allocate(header):  # one buffer per value, from the header (as the SDK's landing)
+            sizes = wire.value_sizes(header.layers)
+            bufs.update({pos: bytearray(n) for pos, n in sizes.items()})
+            return [v for pos in sorted(bufs) for v in wire.chunk_views(bufs[pos], chunk)]
+
+        incoming = client.expect(tid, allocate)
+        reply = await node.get(CacheGetRequest(transfer_id=tid, keys=keys, address=addr, chunk_bytes=chunk))
+        await incoming.wait(timeout=10)
+        return reply.sizes, bufs
+
+    try:
+        sizes, bufs = await get("t1", ["good", "absent", "empty", "bad"])
+        assert sizes == [len(good), -1, 0, len(bad)] and bytes(bufs[0]) == good and bytes(bufs[3]) == bad
+        stored = store._memory.peek("bad")  # scribble one byte of the stored value
+        assert stored is not None
+        stored.data[len(bad) // 2] ^= 0xFF
+        with pytest.raises(TransferError):  # the client's transfer never completes: nothing is handed out
+            await get("t2", ["good", "bad"])
+        await asyncio.wait(tasks, timeout=10)
+        assert store.stats()["checksum_failures"] == 1 and not store.exists("bad") and store.exists("good")
+        sizes, bufs = await get("t3", ["bad", "good"])
+        assert sizes == [-1, len(good)] and bytes(bufs[1]) == good
+        store.check_invariants()
+    finally:
+        await client.close()
+        await node_engine.close()

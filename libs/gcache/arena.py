@@ -5,8 +5,9 @@ more than moving the bytes: a 64 MiB put into a fresh `bytearray` spent ~150 ms 
 transfer. Raw UCX receives into buffers it already touched. So a node's put slots and a client's get landing
 buffers come from one anonymous mapping, carved into fixed-size segments, reused once freed:
 
-- `alloc(size)` bump-allocates in the open segment; when the value does not fit its rest, that segment is
-  closed (its rest stays unused until it empties) and the next free segment is opened. A value larger than a
+- `alloc(size)` bump-allocates in the open segment (from its start again once all its buffers are gone); when
+  the value does not fit its rest, that segment is closed (its rest stays unused until it empties) and the next
+  free segment is opened, touched ones first. A value larger than a
   segment, or no free segment left, gives None: the caller allocates on its own (`Allocator` below does).
 - A buffer is a writable memoryview over a numpy slice of the mapping; a `weakref.finalize` on that slice
   counts it free when the last reference to it goes (the caller's memoryview, a memoryview of it, a tensor
@@ -39,13 +40,14 @@ _PREFAULT_STEP = 64 << 20  # bytes per madvise call (the thread yields between s
 
 
 class SegmentArena:
-    def __init__(self, capacity: int, segment_bytes: int = 64 << 20) -> None:
+    def __init__(self, capacity: int, segment_bytes: int = 64 << 20, huge_pages: bool = True) -> None:
         if segment_bytes <= 0 or capacity < segment_bytes:
             raise ValueError(f"SegmentArena needs capacity >= segment_bytes > 0, got {capacity}, {segment_bytes}")
         self.segment_bytes = segment_bytes
         self.segments = capacity // segment_bytes
         self.capacity = self.segments * segment_bytes
         self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = huge_pages and _madvise_huge(self._map)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(self.segments))
@@ -64,6 +66,8 @@ class SegmentArena:
             self.fallbacks += size > 0
             return None
         with self._lock:
+            if self._open >= 0 and self._live[self._open] == 0:
+                self._top = 0  # every buffer of the open segment is gone: start it again (its pages are faulted)
             if self._open < 0 or self._top + size > self.segment_bytes:
                 if not self._next_segment():
                     self.fallbacks += 1
@@ -81,7 +85,7 @@ class SegmentArena:
         old = self._open
         self._open = -1
         if old >= 0 and self._live[old] == 0:
-            self._free.append(old)
+            self._free.appendleft(old)  # (touched already: reused before never-touched ones)
         if not self._free:
             return False
         self._open, self._top = self._free.popleft(), 0
@@ -118,6 +122,19 @@ class SegmentArena:
         thread = threading.Thread(target=run, name="gcache-prefault", daemon=True)
         thread.start()
         return thread
+
+
+def _madvise_huge(m: mmap.mmap) -> bool:
+    """Ask for transparent huge pages on the mapping (THP "madvise" mode: only madvised memory gets them, as
+    numpy does for its own large arrays). False where the kernel or Python cannot."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        m.madvise(advice)
+    except OSError:
+        return False
+    return True
 
 
 class Allocator:

@@ -62,6 +62,9 @@ class TransferRegistry:
         self._expected: dict[str, IncomingTransfer] = {}
         self._active_in: dict[str, IncomingTransfer] = {}
         self._outgoing: dict[str, OutgoingTransfer] = {}
+        # The header deadline of each expected transfer, cancelled once it leaves EXPECTED: a pending timer
+        # would keep the transfer, and through it the caller's destination buffers, alive until it fires.
+        self._header_timers: dict[str, asyncio.TimerHandle] = {}
         self._registered = asyncio.Condition()
 
     # -- receiver side ---------------------------------------------------------------------
@@ -71,7 +74,8 @@ class TransferRegistry:
         tr = IncomingTransfer(request_id, destinations, layer_timeout_s=self.config.layer_timeout_s,
                               canceller=self._cancel_unbound)
         self._expected[request_id] = tr
-        asyncio.get_running_loop().call_later(self.config.header_timeout_s, self._expire, tr)
+        self._header_timers[request_id] = asyncio.get_running_loop().call_later(
+            self.config.header_timeout_s, self._expire, tr)
         self.tasks.spawn(self._notify_registered())
         return tr
 
@@ -86,6 +90,7 @@ class TransferRegistry:
                     await self._registered.wait_for(lambda: request_id in self._expected)
         tr = self._expected.pop(request_id, None)
         if tr is not None:
+            self._cancel_header_timer(request_id)
             self._active_in[request_id] = tr
         return tr
 
@@ -96,6 +101,12 @@ class TransferRegistry:
                 self.bytes_received += tr.bytes_received
         if self._expected.get(tr.request_id) is tr:
             del self._expected[tr.request_id]
+            self._cancel_header_timer(tr.request_id)
+
+    def _cancel_header_timer(self, request_id: str) -> None:
+        timer = self._header_timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()  # (drops its reference to the transfer at once)
 
     # -- sender side -------------------------------------------------------------------------
     def add_outgoing(self, tx: OutgoingTransfer) -> None:
@@ -119,6 +130,9 @@ class TransferRegistry:
             tr.fail(err)
         self._expected.clear()
         self._active_in.clear()
+        for timer in self._header_timers.values():
+            timer.cancel()
+        self._header_timers.clear()
         await self.tasks.close()
 
     async def _notify_registered(self) -> None:

@@ -10,8 +10,11 @@ drives it:
   store: a mismatch drops it); when it fails or outlives `put_timeout_s` every slot is aborted. Nothing is
   visible before its commit, so a client that dies mid-put leaves nothing (its control connection closes:
   the transfer fails at once), and `reap` is the backstop for a transfer that never even started.
-- **get**: the store's verified values (a value failing its checksum is a miss) → the reply's sizes; the
-  found values are then sent to the client's address as the transfer it expects, bounded by `send_timeout_s`.
+- **get**: the store's values → the reply's sizes; the found values are then sent to the client's address as
+  the transfer it expects, bounded by `send_timeout_s`. A memory value is hashed while its bytes are in flight
+  and the transfer's last layer goes only once every value matched its checksum (else the transfer is
+  aborted: the client's batch misses, the bad value is dropped and counted); disk values are verified when
+  read. Either way a bad value never reaches the client as a hit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from libs.gcache import wire
+from libs.gcache.keys import value_checksum
 from libs.transfer import IncomingTransfer, KVTransferEngine, TransferError, TransferHeader
 from libs.transfer.transfers import DestinationFactory
 from protos.messages import (
@@ -36,7 +40,7 @@ from protos.messages import (
 )
 from services.cache import metrics
 from services.cache.config import CacheConfig
-from services.cache.store import NodeStore, PutSlot
+from services.cache.store import Found, NodeStore, PutSlot
 
 log = logging.getLogger("windserve.cache")
 
@@ -110,29 +114,64 @@ class CacheNode:
     # ------------------------------------------------------------------ get
 
     async def get(self, req: CacheGetRequest) -> CacheGetReply:
-        values = [self.store.get(k) for k in req.keys]
-        sizes = [-1 if v is None else len(v) for v in values]
+        values = [self.store.lookup(k) for k in req.keys]
+        for i, v in enumerate(values):  # 0-byte values have no layer to hold back: verified here
+            if v is not None and not v.verified and not len(v.data) and value_checksum(v.data) != v.checksum:
+                self.store.failed_verification(req.keys[i], v)
+                values[i] = None
+        sizes = [-1 if v is None else len(v.data) for v in values]
         hits = sum(v is not None for v in values)
         metrics.LOOKUPS.labels("hit").inc(hits)
         metrics.LOOKUPS.labels("miss").inc(len(values) - hits)
-        found = [(i, v) for i, v in enumerate(values) if v is not None and len(v)]
+        found = [(i, v) for i, v in enumerate(values) if v is not None and len(v.data)]
         if found:
             self.inflight_gets += 1
             self._spawn(self._send(req, found), f"get-{req.transfer_id}")
         return CacheGetReply(sizes=sizes)
 
-    async def _send(self, req: CacheGetRequest, found: list[tuple[int, memoryview]]) -> None:
-        specs = wire.layer_specs([len(v) for _, v in found], req.chunk_bytes, [i for i, _ in found])
-        payloads = [view for _, v in found for view in wire.chunk_views(v, req.chunk_bytes)]
+    async def _send(self, req: CacheGetRequest, found: list[tuple[int, Found]]) -> None:
+        """Send the found values; the memory tier's values are hashed (in a thread) while every layer but the
+        last is in flight, and the last goes only once every value matched its checksum: otherwise the transfer
+        is aborted (the client's whole batch misses) and the bad values are dropped. So the client's transfer
+        never completes with a bad value, and the hash costs no time of its own."""
+        specs = wire.layer_specs([len(v.data) for _, v in found], req.chunk_bytes, [i for i, _ in found])
+        payloads = [view for _, v in found for view in wire.chunk_views(v.data, req.chunk_bytes)]
+        unverified = [(req.keys[i], v) for i, v in found if not v.verified]
+        check = asyncio.ensure_future(asyncio.to_thread(_mismatches, unverified)) if unverified else None
+        taken = False  # whether the verdict was acted on here
         try:
             async with asyncio.timeout(self.config.send_timeout_s):
-                stats = await self.engine.send(req.address, req.transfer_id, specs, payloads)
+                tx = await self.engine.begin_send(req.address, req.transfer_id, specs)
+                try:
+                    await tx.send_layers(payloads[:-1])
+                    bad = await check if check is not None else []
+                    taken = True
+                    if bad:
+                        for key, v in bad:
+                            self.store.failed_verification(key, v)
+                        metrics.SEND_FAILURES.inc()
+                        log.warning("get: values failed their checksum, transfer aborted",
+                                    extra={"transfer_id": req.transfer_id, "keys": [k for k, _ in bad]})
+                        await tx.abort("a value failed its checksum")
+                        return
+                    await tx.send_layers(payloads[-1:])
+                    stats = await tx.finish()
+                except BaseException:
+                    await tx.abort("sender failed")
+                    raise
             metrics.BYTES.labels("out").inc(stats.nbytes)
         except (TransferError, TimeoutError, OSError, ValueError) as exc:  # the client left, or is too slow
             metrics.SEND_FAILURES.inc()
             log.info("get transfer failed", extra={"transfer_id": req.transfer_id, "error": repr(exc)})
         finally:
             self.inflight_gets -= 1
+            if check is not None and not taken:  # the send failed first: the verdict still counts
+                check.add_done_callback(self._late_verdict)
+
+    def _late_verdict(self, fut: asyncio.Future[list[tuple[str, Found]]]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            for key, v in fut.result():
+                self.store.failed_verification(key, v)
 
     # ------------------------------------------------------------------ upkeep
 
@@ -158,6 +197,11 @@ class CacheNode:
                 "disk_used": str(usage.disk_used), "inflight_puts": str(self.store.inflight()),
                 "inflight_gets": str(self.inflight_gets),
                 **{k: str(v) for k, v in self.store.stats().items()}}
+
+
+def _mismatches(values: list[tuple[str, Found]]) -> list[tuple[str, Found]]:
+    """The values whose bytes do not match their checksum (run in a thread: xxhash releases the GIL)."""
+    return [(key, v) for key, v in values if value_checksum(v.data) != v.checksum]
 
 
 def _destinations(slots: list[PutSlot], chunk_bytes: int, positions: list[int]) -> DestinationFactory:

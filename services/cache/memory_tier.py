@@ -54,6 +54,10 @@ class MemoryTier:
             self._values.move_to_end(key)
         return v
 
+    def peek(self, key: str) -> MemValue | None:
+        """The value, its LRU place unchanged."""
+        return self._values.get(key)
+
     def pop(self, key: str) -> MemValue | None:
         v = self._values.pop(key, None)
         if v is not None:

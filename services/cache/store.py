@@ -16,7 +16,9 @@
   is full → its least recently used value is evicted. A read of a disk value promotes it to memory when it fits
   after demoting committed values (reservations are never demoted); otherwise it is served from disk.
 - **Verification.** Every read (either tier) recomputes the value's xxh64; a mismatch drops the value, counts a
-  checksum failure and is a miss: wrong bytes are never returned.
+  checksum failure and is a miss: wrong bytes are never returned. `get` hashes before it returns; `lookup`
+  leaves a memory value's hash to the caller (the node hashes while sending, and the transfer cannot complete
+  before the hash matched), which reports a mismatch with `failed_verification`.
 
 All calls are O(1) in the number of keys (plus the IO of the values they touch), for the node's event loop.
 One owner, not thread-safe.
@@ -56,6 +58,18 @@ class PutSlot:
     buffer: bytearray | memoryview  # writable, exactly `size` bytes (the store's `allocate`)
     started_at: float = field(default=0.0)
     state: PutState = PutState.WRITING
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A value `lookup` found: its bytes (read-only) and checksum. `verified` False (a memory value): the bytes
+    were not hashed yet, and the caller must check them against `checksum` before any of them counts as read,
+    reporting a mismatch with `failed_verification`."""
+
+    data: memoryview
+    checksum: int
+    verified: bool
+    source: MemValue | None = None  # the memory tier's entry (what a failed verification drops)
 
 
 @dataclass
@@ -166,6 +180,32 @@ class NodeStore:
             return None
         self._stats.hits += 1
         return memoryview(data).toreadonly()
+
+    def lookup(self, key: str) -> Found | None:
+        """`get` with the memory tier's verification left to the caller, so that it can overlap the hash with
+        sending the bytes (the node's get handler: the transfer cannot complete before the hash matched). A
+        disk value is read and verified here, as by `get`. Counts a hit; `failed_verification` turns it into
+        a miss."""
+        v = self._memory.get(key)
+        if v is not None:
+            self._stats.hits += 1
+            return Found(memoryview(v.data).toreadonly(), v.checksum, False, v)
+        entry = self._disk.entry(key) if self._disk is not None else None
+        data = self._get_disk(self._disk, key) if self._disk is not None and entry is not None else None
+        if data is None or entry is None:
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        return Found(memoryview(data).toreadonly(), entry.checksum, True)
+
+    def failed_verification(self, key: str, found: Found) -> None:
+        """The caller's hash of an unverified `lookup` did not match: the value is dropped (if still stored)
+        and the hit counted as a miss and a checksum failure."""
+        self._stats.hits -= 1
+        self._stats.misses += 1
+        self._stats.checksum_failures += 1
+        if found.source is not None and self._memory.peek(key) is found.source:
+            self._memory.pop(key)
 
     def _get_memory(self, key: str) -> bytearray | memoryview | None:
         v = self._memory.get(key)
