@@ -1,9 +1,12 @@
 """`python -m bench.faults`: SIGKILL of each role under concurrent streams, on real processes.
 
-Faults, in order: a decode worker and then a prefill worker of a 2 prefill + 2 decode deployment (the
-prefill while prompts are still before their first token), a combined worker of a 2-worker aggregated
-deployment, then that deployment's router; last, the NATS node leading the registry stream of a 3-node
-cluster (`nats node`, with a client's short requests across the election: `nats_node_requests*`). Per fault:
+Faults, in order (`--only` selects): `roles`: a decode worker and then a prefill worker of a 2 prefill + 2
+decode deployment (the prefill while prompts are still before their first token), a combined worker of a
+2-worker aggregated deployment, then that deployment's router; `gcache_node`: one of 2 GCache storage nodes
+while requests look up and write L3 (`gcache_node_*`); `encoder`: one of 2 encoders under image chats
+(`encoder_*`); `nats_node`: the NATS node leading the registry stream of a 3-node cluster (with a client's
+short requests across the election: `nats_node_*`); `nats_hung`: that node SIGSTOPped for 6 s then continued
+(`nats_hung_*`). The request-load faults' rows count the requests in flight at the kill as `in_flight`. Per fault:
 failed / in-flight streams, requests lost (no explicit ending), 500s, time from the kill until the first
 request sent after it succeeds, and the attempts the gateway failed over. Goals (issue 14): 0 lost, 0 x 500,
 recovery <= 1 s for a worker death with a survivor, <= the reconnect bound + 1 s for a NATS node.
@@ -21,11 +24,17 @@ import time
 from pathlib import Path
 
 from tests.fixtures.faults import (
+    GCACHE_NODE_ENV,
+    GCACHE_WORKER_ENV,
     FaultResult,
     deployment,
+    hang_registry_leader_under_load,
+    kill_encoder_under_load,
+    kill_gcache_node_under_load,
     kill_registry_leader_under_load,
     kill_under_load,
     nats_cluster,
+    probe_figures,
 )
 from tests.fixtures.nats import start_nats_server
 
@@ -33,36 +42,86 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-async def run_all(streams: int, logs: Path) -> list[FaultResult]:
+FAULTS = ("roles", "nats_node", "gcache_node", "encoder", "nats_hung")
+
+
+async def run_all(streams: int, logs: Path, only: set[str]) -> list[FaultResult]:
     nats = start_nats_server(tempfile.mkdtemp(prefix="bench-faults-nats-"))
     results: list[FaultResult] = []
     try:
-        dep = deployment(nats.url, logs / "disagg")
-        try:
-            dep.start_all({"gateway": 1, "router": 1, "prefill": 2, "decode": 2},
-                          {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "16"}})
-            results.append(await kill_under_load(dep, "decode", "decode", streams=streams, prompt_len=40,
-                                                 max_tokens=400, before_first_token=False))
-            await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")])
-            results.append(await kill_under_load(dep, "prefill", "prefill", streams=streams, prompt_len=400,
-                                                 max_tokens=8, before_first_token=True, seed=100))
-        finally:
-            dep.stop()
-        agg = deployment(nats.url, logs / "aggregated")
-        try:
-            agg.start_all({"gateway": 1, "router": 1, "worker": 2})
-            results.append(await kill_under_load(agg, "worker", "worker", streams=streams, prompt_len=40,
-                                                 max_tokens=400, before_first_token=False, seed=200))
-            await agg.settled([i for i in agg.procs if i.startswith("worker")])
-            results.append(await kill_under_load(agg, "router", "router", streams=streams, prompt_len=40,
-                                                 max_tokens=200, before_first_token=False, seed=300,
-                                                 victim="router-0"))
-        finally:
-            agg.stop()
+        if "roles" in only:
+            await role_faults(nats.url, streams, logs, results)
+        if "gcache_node" in only:
+            results.append(await gcache_node_fault(nats.url, logs))
+        if "encoder" in only:
+            results.append(await encoder_fault(nats.url, logs))
     finally:
         nats.stop()
-    results.append(await nats_node_fault(streams, logs))
+    if "nats_node" in only:
+        results.append(await nats_node_fault(streams, logs))
+    if "nats_hung" in only:
+        results.append(await nats_hung_fault(streams, logs))
     return results
+
+
+async def gcache_node_fault(nats_url: str, logs: Path) -> FaultResult:
+    """SIGKILL of the GCache storage node holding most keys (of 2) while 4 clients' requests (shared documents +
+    a unique question) look up L3 and write back, on 2 combined workers, for 10 s."""
+    dep = deployment(nats_url, logs / "gcache")
+    try:
+        dep.start_all({"cache": 2, "gateway": 1, "router": 1, "worker": 2},
+                      {"cache": GCACHE_NODE_ENV, "worker": GCACHE_WORKER_ENV})
+        return await kill_gcache_node_under_load(dep, ["cache-0", "cache-1"], clients=4, load_s=10)
+    finally:
+        dep.stop()
+
+
+async def encoder_fault(nats_url: str, logs: Path) -> FaultResult:
+    """SIGKILL of one of 2 encoders while 4 clients send image chats (a new image each) for 10 s."""
+    dep = deployment(nats_url, logs / "encoder")
+    try:
+        dep.start_all({"encoder": 2, "gateway": 1, "router": 1, "worker": 1})
+        return await kill_encoder_under_load(dep, clients=4, load_s=10, timeout_s=45)
+    finally:
+        dep.stop()
+
+
+async def nats_hung_fault(streams: int, logs: Path) -> FaultResult:
+    """SIGSTOP of the NATS node leading the registry stream of a 3-node cluster for 6 s (3 registry TTLs), then
+    SIGCONT, under streams and a client's short requests for 18 s."""
+    async with nats_cluster(logs / "nats-hung") as sup:
+        dep = deployment(sup.nats_url, logs / "hung", {"WINDSERVE_NATS_REPLICAS": "3"})
+        try:
+            dep.start_all({"gateway": 1, "router": 1, "prefill": 1, "decode": 1})
+            return await hang_registry_leader_under_load(sup, dep, streams)
+        finally:
+            dep.stop()
+
+
+async def role_faults(nats_url: str, streams: int, logs: Path, results: list[FaultResult]) -> None:
+    """Decode then prefill of 2 prefill + 2 decode, a combined worker of 2, then the aggregated router."""
+    dep = deployment(nats_url, logs / "disagg")
+    try:
+        dep.start_all({"gateway": 1, "router": 1, "prefill": 2, "decode": 2},
+                      {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "16"}})
+        results.append(await kill_under_load(dep, "decode", "decode", streams=streams, prompt_len=40,
+                                             max_tokens=400, before_first_token=False))
+        await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")])
+        results.append(await kill_under_load(dep, "prefill", "prefill", streams=streams, prompt_len=400,
+                                             max_tokens=8, before_first_token=True, seed=100))
+    finally:
+        dep.stop()
+    agg = deployment(nats_url, logs / "aggregated")
+    try:
+        agg.start_all({"gateway": 1, "router": 1, "worker": 2})
+        results.append(await kill_under_load(agg, "worker", "worker", streams=streams, prompt_len=40,
+                                             max_tokens=400, before_first_token=False, seed=200))
+        await agg.settled([i for i in agg.procs if i.startswith("worker")])
+        results.append(await kill_under_load(agg, "router", "router", streams=streams, prompt_len=40,
+                                             max_tokens=200, before_first_token=False, seed=300,
+                                             victim="router-0"))
+    finally:
+        agg.stop()
 
 
 async def nats_node_fault(streams: int, logs: Path) -> FaultResult:
@@ -90,6 +149,9 @@ def summary(results: list[FaultResult]) -> dict:
         "later_failed": sum(r.later_failed for r in results),
         "retried": sum(r.retried for r in results),
         **nats_node_figures(results),
+        **probe_figures("gcache_node", next((r for r in results if r.fault == "gcache node"), None)),
+        **probe_figures("encoder", next((r for r in results if r.fault == "encoder"), None)),
+        **probe_figures("nats_hung", next((r for r in results if r.fault == "nats hung"), None)),
         "faults": per_fault,
     }
 
@@ -133,19 +195,25 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams per fault")
+    ap.add_argument("--only", default=",".join(FAULTS),
+                    help=f"comma-separated faults of {', '.join(FAULTS)} (default all; a subset writes faults_<names>.json)")
     args = ap.parse_args()
+    only = {f.strip() for f in args.only.split(",") if f.strip()}
+    if only - set(FAULTS):
+        ap.error(f"unknown faults {sorted(only - set(FAULTS))}; known: {', '.join(FAULTS)}")
+    name = "faults" if only == set(FAULTS) else "faults_" + "_".join(f for f in FAULTS if f in only)
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        results = asyncio.run(run_all(args.streams, Path(tmp)))
+        results = asyncio.run(run_all(args.streams, Path(tmp), only))
     result = {**summary(results), "streams": args.streams, "seconds": round(time.perf_counter() - started, 1)}
-    (RESULTS / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "faults.png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{name}.png")
     print(json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=2))
     for fault, row in result["faults"].items():
-        print(f"{fault:8s} failed {row['failed_of_in_flight']:>5s}  lost {row['lost']}  500s {row['status_500']}  "
+        print(f"{fault:11s} failed {row['failed_of_in_flight']:>5s}  lost {row['lost']}  500s {row['status_500']}  "
               f"recovery {row['recovery_s']:.3f}s  later failed {row['later_failed']}  retried {row['retried']}")
-    print(f"wrote {RESULTS / 'faults.json'} and faults.png")
+    print(f"wrote {RESULTS / name}.json and {name}.png")
     return 0
 
 

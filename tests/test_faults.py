@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 ERROR_BOUND_S = 10.0  # kill -> explicit error of a stream on the killed instance (0.5 s probes x 2; busy cores)
 RECOVERY_BOUND_S = 10.0  # kill -> first later request served (typically well under 1 s: bench.faults)
+HUNG_BOUND_S = 15.0  # a NATS node hung for 6 s: its clients leave it within the bus's ping bound (~3 s) or at SIGCONT
 
 
 def check(result: FaultResult, may_fail: int) -> None:
@@ -140,3 +141,92 @@ async def test_nats_node_leading_the_registry_killed_under_load(tmp_path):
         finally:
             dep.stop()
 
+
+
+def check_requests(result: FaultResult, may_fail_503: bool = False) -> None:
+    """A fault under a request load: no 500, none lost (hung or cut), every failure an explicit 503 with
+    Retry-After semantics (`may_fail_503`) or none at all, and requests sent after the fault served."""
+    outs = result.probes
+    assert result.status_500 == 0 and result.lost == 0, [o for o in outs if o.is_500 or o.lost]
+    failed = [o for o in outs if not o.ok]
+    if may_fail_503:
+        assert all(o.status == 503 for o in failed), failed
+    else:
+        assert not failed, (result.headline(), failed)
+    assert result.in_flight >= 1 and result.recovery_s < RECOVERY_BOUND_S, result.headline()
+    assert any(o.ok for o in outs[-3:]), outs[-3:]
+
+
+async def test_gcache_node_killed_under_load(nats_server, tmp_path):
+    """One of two GCache storage nodes dies while every request looks up L3 (shared documents: hits) and writes
+    back its new pages: no request fails or hangs (its lookups become misses, the prompt is recomputed), the
+    surviving node keeps taking writes (the SDK ring moved on), the workers' pools are back at baseline."""
+    from tests.fixtures.faults import GCACHE_NODE_ENV, GCACHE_WORKER_ENV, kill_gcache_node_under_load
+
+    dep = deployment(nats_server.url, tmp_path / "logs")
+    try:
+        dep.start_all({"cache": 2, "gateway": 1, "router": 1, "worker": 2},
+                      {"cache": GCACHE_NODE_ENV, "worker": GCACHE_WORKER_ENV})
+        result = await kill_gcache_node_under_load(dep, ["cache-0", "cache-1"], clients=4, load_s=10)
+        print(result.headline())
+        check_requests(result)
+        survivor = next(n for n in ("cache-0", "cache-1") if n != result.victim)
+        workers = survivors(dep, "worker")
+        lookups = {w: int((await dep.details(w))["gcache_lookups"]) for w in workers}
+        keys = int((await dep.details(survivor))["keys"])
+        async with httpx.AsyncClient(timeout=60) as client:  # after the fault: new documents land on the survivor
+            outs = [await complete(client, dep.url, prompt(70_000 + k, 64), 4) for k in range(6)]
+        assert all(o.ok for o in outs), outs
+        assert int((await dep.details(survivor))["keys"]) > keys
+        after = {w: int((await dep.details(w))["gcache_lookups"]) for w in workers}
+        assert sum(after.values()) > sum(lookups.values())
+        assert_baseline(await dep.settled(workers))
+    finally:
+        dep.stop()
+
+
+async def test_encoder_killed_under_load(nats_server, tmp_path):
+    """One of two encoders dies while image chats are encoded on both: a request not yet streamed is retried on
+    the live encoder or refused with an explicit 503 within the bound; none hangs, no 500; later chats are
+    served by the survivor; the worker's pools are back at baseline."""
+    from tests.fixtures.faults import chat_image, kill_encoder_under_load
+
+    dep = deployment(nats_server.url, tmp_path / "logs")
+    try:
+        dep.start_all({"encoder": 2, "gateway": 1, "router": 1, "worker": 1})
+        result = await kill_encoder_under_load(dep, clients=4, load_s=10, timeout_s=45)
+        print(result.headline())
+        check_requests(result, may_fail_503=True)
+        async with httpx.AsyncClient(timeout=60) as client:
+            outs = [await chat_image(client, dep.url, 80_000 + k) for k in range(4)]  # both ring halves
+        assert all(o.ok for o in outs), outs
+        assert_baseline(await dep.settled(survivors(dep, "worker")))
+    finally:
+        dep.stop()
+
+
+async def test_nats_node_leading_the_registry_hung_under_load(tmp_path):
+    """The registry leader of a 3-node cluster SIGSTOPped for 6 s (three registry TTLs; its sockets stay open,
+    nothing answers), then SIGCONT: no stream fails (a worker behind the hung node is silent, not gone), no
+    request is lost or gets a 500 (one whose router sits behind it may get an explicit 503 until the router's
+    client leaves the node), no ghost entry (the listing is the running instances), pools back at baseline."""
+    from tests.fixtures.faults import hang_registry_leader_under_load, listed_instances, nats_cluster
+
+    async with nats_cluster(tmp_path / "run") as sup:
+        dep = deployment(sup.nats_url, tmp_path / "logs", {"WINDSERVE_NATS_REPLICAS": "3"})
+        try:
+            dep.start_all({"gateway": 1, "router": 1, "prefill": 1, "decode": 1})
+            result = await hang_registry_leader_under_load(sup, dep, streams=6)
+            print(result.headline(), [round(o.ended_at - o.sent_at, 2) for o in result.probes])
+            streams = result.outcomes[:result.in_flight]
+            assert result.lost == 0 and result.status_500 == 0 and all(o.ok for o in streams), result.headline()
+            assert result.recovery_s < HUNG_BOUND_S, result.headline()
+            # a request whose router or worker sits behind the hung node until its client leaves it: an explicit
+            # 503 (retry), never a 500 or a hang
+            for o in result.probes + result.outcomes[result.in_flight:]:
+                assert o.ok or (o.status == 503 and o.ended_at - o.sent_at < HUNG_BOUND_S), o
+            assert len(result.probes) >= 5 and sum(o.ok for o in result.probes) >= len(result.probes) - 4
+            assert await listed_instances(dep) == set(dep.procs)
+            assert_baseline(await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")]))
+        finally:
+            dep.stop()

@@ -77,6 +77,8 @@ class BusConfig:
     payload_ttl_s: float = 600.0  # orphaned large payloads (dead reader) expire after this
     payload_replicas: int = 1  # replicas of the payload store when this bus creates it (3 on a 3-node cluster)
     drain_timeout_s: float = 5.0
+    ping_interval_s: float = 1.0  # a hung server (SIGSTOP, a frozen VM: its socket stays open) is left for another
+    max_outstanding_pings: int = 2  # node of the cluster after this many unanswered pings (~3-4 s; nats-py: 240 s)
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.reconnect_wait_s <= 0 or self.drain_timeout_s <= 0:
@@ -158,6 +160,8 @@ class Bus:
                     allow_reconnect=True,
                     reconnect_time_wait=cfg.reconnect_wait_s,  # type: ignore[arg-type]
                     max_reconnect_attempts=cfg.max_reconnect_attempts,
+                    ping_interval=cfg.ping_interval_s,  # type: ignore[arg-type]
+                    max_outstanding_pings=cfg.max_outstanding_pings,
                     error_cb=on_error,
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,

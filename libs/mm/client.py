@@ -12,7 +12,8 @@ Construction and lifecycle, as gateway and workers use it:
   encoders joining or leaving move only the hashes they win or held.
 - **Bounds**: each encode attempt waits at most `encode_timeout_s`; an encoder that is gone (no responders),
   silent (timeout) or refuses (unavailable: its cache is full of leased entries) is retried once on the next
-  encoder of the ring (`retries`), then `EncoderUnavailable`. A reply with an error (bad input) is
+  encoder of the ring (`retries`), then `EncoderUnavailable`; an attempt whose encoder leaves the view
+  (dies: no reply will ever come) is abandoned at once, not after the whole bound. A reply with an error (bad input) is
   `EncodeError` at once: another encoder would say the same.
 - **Fetch** (needs `engine`): one transfer per encoder (expect, then request, then await, all within
   `fetch_timeout_s`), at most 64 hashes per request; rows arrive in the requested dtype (the encoder converts).
@@ -58,6 +59,7 @@ from protos.messages import (
 
 MAX_FETCH = 64  # hashes per EmbedFetchRequest (protos)
 _RESYNC_AGE_S = 1.0  # no encoder in the view: list the registry again if the last listing is older
+_GONE_POLL_S = 0.25  # an encode attempt checks this often that its encoder is still live in the view
 
 
 def _tiny_vision() -> VisionConfig:
@@ -131,10 +133,12 @@ class EncoderClient:
         failures = []
         for iid in order:
             try:
-                reply = await self.bus.request(subjects.encoder_encode(self.namespace, iid), req, EncodeReply,
-                                               timeout=self.config.encode_timeout_s)
+                reply = await self._ask(iid, req)
             except (BusError, ProtocolError) as exc:  # gone, silent, refusing or broken: the next one may serve
                 failures.append(f"{iid}: {exc}")
+                continue
+            if reply is None:  # it left the registry while encoding (died): the next one may serve
+                failures.append(f"{iid}: left the registry while encoding")
                 continue
             if reply.error:
                 raise EncodeError(reply.error)
@@ -144,6 +148,21 @@ class EncoderClient:
                 continue
             return Encoded(mm_hash, kind, reply.num_tokens, (grid[0], grid[1], grid[2]), iid, reply.cached)
         raise EncoderUnavailable(f"no encoder served the {kind.value}: {'; '.join(failures)}")
+
+    async def _ask(self, iid: str, req: EncodeRequest) -> EncodeReply | None:
+        """One encode attempt on `iid`, bounded by `encode_timeout_s`; None as soon as `iid` is no longer a live
+        encoder of the view (a killed encoder never answers: its request would wait the whole bound)."""
+        ask = asyncio.ensure_future(self.bus.request(subjects.encoder_encode(self.namespace, iid), req, EncodeReply,
+                                                     timeout=self.config.encode_timeout_s))
+        try:
+            while True:
+                done, _ = await asyncio.wait({ask}, timeout=_GONE_POLL_S)
+                if done:
+                    return ask.result()
+                if iid not in self.encoders():
+                    return None
+        finally:
+            ask.cancel()
 
     # ------------------------------------------------------------------ fetch
 

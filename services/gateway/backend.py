@@ -115,6 +115,7 @@ class BackendConfig:
     registry_timeout_s: float = 2.0
     liveness_interval_s: float = 1.0
     liveness_misses: int = 2
+    liveness_silent_s: float = 6.0  # probes timing out (not 'no responders') this long: gone (a hung NATS node)
     idle_timeout_s: float = 300.0
     bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     namespace: str = subjects.DEFAULT_NAMESPACE
@@ -141,6 +142,7 @@ class _Liveness:
 
     misses: dict[str, int] = field(default_factory=dict)
     disconnected_since: float | None = None
+    silent_since: dict[str, float] = field(default_factory=dict)  # first probe of the current run of timeouts
 
 
 class NatsBackend:
@@ -396,8 +398,13 @@ class NatsBackend:
                 await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
                                     self.config.liveness_interval_s, f"probing {instance}")
                 misses[instance] = 0
+                live.silent_since.pop(instance, None)
             except BusError as exc:
                 misses[instance] = misses.get(instance, 0) + 1
+                if isinstance(exc, BusTimeout):  # silent, not gone: maybe its NATS node hangs (it reconnects)
+                    since = live.silent_since.setdefault(instance, time.monotonic() - self.config.liveness_interval_s)
+                    if time.monotonic() - since < self.config.liveness_silent_s:
+                        continue
                 if misses[instance] >= self.config.liveness_misses:
                     raise PeerFailed(f"worker {instance} is gone ({misses[instance]} health probes failed, last: "
                                      f"{exc})", instance, decode=_is_decode(route, instance)) from exc

@@ -52,6 +52,10 @@ class GatewayConfig(ServiceConfig):
         default=1.0, gt=0, description="without tokens for this long, the gateway probes the worker's health"
     )
     liveness_misses: int = Field(default=2, ge=1, description="failed probes in a row after which a worker is gone")
+    liveness_silent_s: float = Field(
+        default=6.0, gt=0, description="a worker whose probes time out (no 'no responders': its subscriptions still "
+        "stand, e.g. its NATS node hangs) is gone only after this long silent: its client leaves a hung node within "
+        "the bus's ping bound (libs/bus BusConfig ping_interval_s x max_outstanding_pings)")
     max_attempts: int = Field(
         default=3, ge=1, description="attempts of one request: before its first token, a request whose worker is "
         "gone or refuses as busy is retried on another instance (1 = no failover)")

@@ -108,7 +108,8 @@ class GatewayService(Service):
         self.backend = NatsBackend(self.bus, self._listing, BackendConfig(
             page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
-            liveness_misses=cfg.liveness_misses, idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
+            liveness_misses=cfg.liveness_misses, liveness_silent_s=cfg.liveness_silent_s,
+            idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
             retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
             reconnect_bound_s=cfg.reconnect_bound_s,
         ))
