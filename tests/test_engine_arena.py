@@ -11,7 +11,7 @@ from libs.engine.l3 import kv_layout
 from libs.kvcache import plan_arena
 from tests.test_disagg import OPTS as DISAGG_OPTS
 from tests.test_disagg import Pipeline, tokens_of, ucx_config
-from tests.test_engine import assert_baseline, greedy, make_core, run_round, tokens
+from tests.test_engine import PAGE, assert_baseline, greedy, make_core, run_round, tokens
 from tests.test_engine import tiny as tiny  # the module-scoped tiny model fixture
 
 pytestmark = pytest.mark.integration
@@ -137,3 +137,53 @@ def test_tp_falls_back_to_the_static_pools_and_says_why(caplog):
     assert "static KV pools" in caplog.text and "tp=2" in caplog.text
     assert arena_plan(EngineConfig(kv_arena=False), cfg) is None and EngineConfig(kv_arena=False).arena_fallback is None
     assert arena_plan(EngineConfig(), cfg) is not None
+
+
+@pytest.mark.parametrize(("load_mode", "host_pages"), [("sync", (256, 128)), ("thread", (256, 128)),
+                                                      ("sync", (24, 12)), ("thread", (24, 12))])
+def test_host_arena_under_memory_pressure_matches_cache_disabled(tiny, load_mode, host_pages):
+    """The host tier (L2) on one host arena beside the device arena: L2 backups and load-backs copy between
+    the two unit-addressed buffers (both sides translated through the cache's unit tables) and the outputs
+    equal a cache-disabled engine. (24, 12): a host arena of those pages' bytes, so small that host copies are
+    evicted (by value per unit) while loads of others are planned; the host books stay exact."""
+    from libs.engine.core import host_plan
+    from libs.kvcache import EventKind, Tier
+    from tests.test_engine import conversations
+
+    _, cfg, _ = tiny
+    nf, ns = host_pages
+    opts = dict(num_full_pages=72, num_swa_pages=36, max_num_batched_tokens=40, l2_backup_watermark=0.3,
+                l2_backup_pages=16, admission_decode_tokens=2, l2_load_mode=load_mode)
+    pressured = make_core(tiny, num_host_full_pages=nf, num_host_swa_pages=ns, **opts)
+    layout = kv_layout(cfg, pressured.config.torch_dtype)
+    budget = nf * layout.full_page_bytes(PAGE) + ns * layout.swa_page_bytes(PAGE)
+    # the same host tier sized by its byte budget alone (no ratio): the same arena
+    by_bytes = EngineConfig(**{**pressured.config.__dict__, "num_host_full_pages": 0, "num_host_swa_pages": 0,
+                               "host_kv_bytes": budget})
+    plan = host_plan(pressured.config, cfg, pressured.cache.arena and plan_arena(
+        72 * layout.full_page_bytes(PAGE) + 36 * layout.swa_page_bytes(PAGE), layout, PAGE))
+    assert plan.arena is not None and plan == host_plan(by_bytes, cfg, plan_arena(
+        72 * layout.full_page_bytes(PAGE) + 36 * layout.swa_page_bytes(PAGE), layout, PAGE))
+    host = pressured.runner.host
+    assert host is not None and host.arena is not None and pressured.cache.cfg.host_arena_units == plan.arena.units
+    assert host.pool_bytes() == {"arena": plan.arena.units * plan.arena.unit_bytes} and (
+        plan.arena.units * plan.arena.unit_bytes == budget)
+    reference = make_core(tiny, enable_prefix_cache=False)
+    systems, users = conversations()
+    history = {c: list(systems[c % 2]) for c in range(6)}
+    events = []
+    for turn in range(3):
+        prompts = {f"c{c}t{turn}": history[c] + users[(c, turn)] for c in range(6)}
+        got = run_round(pressured, prompts, n_out=22)
+        assert got == run_round(reference, prompts, n_out=22), f"turn {turn}"
+        events += pressured.drain_kv_events()
+        for c in range(6):
+            history[c] = prompts[f"c{c}t{turn}"] + got[f"c{c}t{turn}"]
+    stats = pressured.scheduler.stats
+    assert stats.backed_up_pages > 0 and stats.loaded_pages > 0 and stats.host_hit_tokens > 0
+    host_removed = any(e.kind is EventKind.REMOVED and e.tier is Tier.HOST for e in events)
+    assert host_removed == (nf < 100), "a small host arena evicts host copies, a large one does not"
+    pressured.check_invariants()  # units free + cached == host arena, the unit map exact
+    assert_baseline(pressured)
+    h = pressured.usage().host_arena
+    assert h is not None and h.units == plan.arena.units and h.free + h.full_cached + h.swa_cached == h.units

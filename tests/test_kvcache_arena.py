@@ -162,3 +162,59 @@ def test_plan_arena_units_hold_whole_layers() -> None:
     assert odd.unit_bytes % 6144 == 0 and odd.unit_bytes % 3072 == 0
     assert odd.full_page_units * odd.unit_bytes >= 3 * 3072 and odd.swa_page_units * odd.unit_bytes >= 4 * 6144
     assert odd.waste == pytest.approx((1 / 3, 0.0))
+
+
+def test_host_arena_holds_the_checkpoints_a_static_host_split_of_the_same_bytes_cannot() -> None:
+    """Four 17-token conversations, each a 4-page node with its 2-page window (4 + 2 x 3 = 10 host units), backed
+    up to a host tier of 46 units: as two host pools of 40 full + 2 SWA pages only one copy with its checkpoint
+    fits (the others cannot be backed up: no SWA room, though 36 full pages are free); one host arena of the
+    same 46 units holds all four. Then the device is flooded: the follow-ups that find their copy in the host
+    tier hit it (loaded back), the others recompute. Units free + cached == host arena after every step."""
+    prompts = [[k * 1000 + i for i in range(17)] for k in range(4)]
+    hits = {}
+    for name, host in (("arena", dict(host_arena_units=46)), ("static", dict(num_host_full_pages=40,
+                                                                              num_host_swa_pages=2))):
+        o = Oracle(KVCache(arena(60, **host), audit_tokens=True))
+        for k, p in enumerate(prompts):
+            serve(o, f"a{k}", p)
+        o.run_copies(o.cache.backup_to_host(64))
+        o.cache.check_invariants()
+        h = o.cache.usage().host_arena
+        if name == "arena":
+            assert h is not None and (h.full_cached, h.swa_cached, h.free) == (16, 24, 6)
+        # flood the device (50 full pages + its window: 59 of 60 units): every cached node leaves it, the
+        # backed-up ones stay in the host tier
+        serve(o, "flood", [90_000 + i for i in range(200)], cache=False)
+        assert all(n.full is None for n in o.cache.index.nodes.values())
+        hits[name] = sum(serve(o, f"b{k}", p + [7, 7, 7]) > 0 for k, p in enumerate(prompts))
+        assert o.cache.usage().full.in_use == 0
+    assert (hits["arena"], hits["static"]) == (4, 1), hits
+
+
+def test_host_arena_config_and_sizing() -> None:
+    """host_arena_units replaces the host page counts; the engine sizes the host tier as one byte budget with a
+    device arena (the page counts' bytes, or host_kv_bytes), and splits host_kv_bytes like the device pools
+    without one."""
+    from libs.engine.config import EngineConfig
+    from libs.engine.core import arena_plan, host_plan
+    from libs.engine.l3 import kv_layout
+    from libs.model.config import ModelConfig
+
+    with pytest.raises(ValueError, match="replaces num_host_full_pages"):
+        arena(60, host_arena_units=10, num_host_full_pages=4, num_host_swa_pages=2)
+    with pytest.raises(ValueError, match="host_kv_bytes replaces"):
+        EngineConfig(host_kv_bytes=1 << 20, num_host_full_pages=4, num_host_swa_pages=2)
+    mc = ModelConfig.tiny()
+    layout = kv_layout(mc, EngineConfig().torch_dtype)
+    fpb, spb = layout.full_page_bytes(16), layout.swa_page_bytes(16)
+    pages = EngineConfig(num_host_full_pages=64, num_host_swa_pages=32)
+    by_bytes = EngineConfig(host_kv_bytes=64 * fpb + 32 * spb)
+    a = arena_plan(pages, mc)
+    hp = host_plan(pages, mc, a)
+    assert hp.arena is not None and (hp.full, hp.swa) == (0, 0) and hp == host_plan(by_bytes, mc, a)
+    assert hp.arena.units * hp.arena.unit_bytes == 64 * fpb + 32 * spb and hp.arena.unit_bytes == a.unit_bytes  # type: ignore[union-attr]
+    static = EngineConfig(kv_arena=False, num_full_pages=2048, num_swa_pages=512, host_kv_bytes=100 * fpb + 25 * spb)
+    assert host_plan(static, mc, None) == type(hp)(100, 25)  # the device pools' byte shares: 2048:512 = 100:25
+    assert host_plan(EngineConfig(kv_arena=False, num_host_full_pages=8, num_host_swa_pages=3), mc, None) == (
+        type(hp)(8, 3))
+    assert host_plan(EngineConfig(), mc, a) == type(hp)()  # no host tier

@@ -186,9 +186,10 @@ ARENA_SETTINGS = settings(SETTINGS, max_examples=150)
 
 ARENA_CONFIGS = st.builds(
     lambda host, window, layers, **kw: KVCacheConfig(
-        num_host_full_pages=host, num_host_swa_pages=host // 2, window=window, num_full_pages=0, num_swa_pages=0,
+        num_host_full_pages=host if host > 0 else 0, num_host_swa_pages=host // 2 if host > 0 else 0,
+        host_arena_units=max(0, -host), window=window, num_full_pages=0, num_swa_pages=0,
         rebuild_tokens=-(-(layers + 1) * window // 4) * 4 if layers else 0, **kw),
-    host=st.sampled_from([0, 24]),
+    host=st.sampled_from([0, 24, -40, -90]),  # < 0: one host arena of -host units (> 0: two host pools)
     page_size=st.sampled_from([4]),
     window=st.sampled_from([4, 6, 8]),
     layers=st.sampled_from([0, 1, 3]),  # 0: no rebuilds; else S = (layers + 1) windows (tombstone leaves kept)
@@ -209,9 +210,15 @@ def test_arena_interleavings_keep_invariants_and_hits_valid(cfg: KVCacheConfig, 
     SWA per running sequence <= window + page, every hit and read checked by the oracle, nothing leaked."""
     o = Oracle(KVCache(audit_tokens=True, config=cfg))
     _run(o, ops, _long_prompt if cfg.rebuild_tokens else _prompt)
-    a = o.cache.usage().arena
+    u = o.cache.usage()
+    a = u.arena
     assert a is not None and a.full_in_use == a.swa_in_use == a.reserved == 0
     assert a.free + a.full_cached + a.swa_cached == a.units == cfg.arena_units
+    h = u.host_arena
+    assert (h is not None) == (cfg.host_arena_units > 0)
+    if h is not None:
+        assert h.full_in_use == h.swa_in_use == 0 and h.free + h.full_cached + h.swa_cached == h.units == (
+            cfg.host_arena_units)
 
 
 def _oracle_hit(tokens: list[int], cached: list[tuple[list[int], set[int]]], P: int, wp: int) -> tuple[int, int]:

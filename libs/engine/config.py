@@ -26,7 +26,12 @@ class EngineConfig:
     num_host_full_pages: int = 0
     """Host (L2) full-attention pages; 0 disables the host tier."""
     num_host_swa_pages: int = 0
-    """Host (L2) SWA pages."""
+    """Host (L2) SWA pages. With the arena (`use_arena`) the two host counts only size the host tier: their bytes
+    become one host arena (docs/kvcache.md, "One arena"), as the device pools' do; prefer `host_kv_bytes`."""
+    host_kv_bytes: int = 0
+    """The host tier (L2) as one byte budget, no ratio (0: `num_host_full_pages` / `num_host_swa_pages`, or no
+    host tier). With the arena it is one host arena of these bytes, both groups drawing from it; with the static
+    device pools (kv_arena off, tp / ep > 1) it is split into two host pools in the device pools' byte shares."""
     kv_arena: bool = True
     """One device KV arena for both layer groups (issue #13, docs/kvcache.md "One arena"; the default): the
     bytes the two pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V
@@ -108,11 +113,14 @@ class EngineConfig:
         for name in ("page_size", "num_full_pages", "num_swa_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_host_full_pages", "num_host_swa_pages", "checkpoint_every_pages"):
+        for name in ("num_host_full_pages", "num_host_swa_pages", "host_kv_bytes", "checkpoint_every_pages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
             raise ValueError("EngineConfig: set both num_host_full_pages and num_host_swa_pages, or neither")
+        if self.host_kv_bytes and self.num_host_full_pages:
+            raise ValueError("EngineConfig: host_kv_bytes replaces num_host_full_pages / num_host_swa_pages: set "
+                             "one or the other")
         if self.l2_load_mode not in ("auto", "thread", "inline", "sync"):
             raise ValueError(f"EngineConfig.l2_load_mode must be auto, thread, inline or sync, "
                              f"got {self.l2_load_mode!r}")
@@ -146,6 +154,10 @@ class EngineConfig:
     def use_arena(self) -> bool:
         """The device KV is one arena (kv_arena, unless the engine falls back: `arena_fallback`)."""
         return self.kv_arena and self.arena_fallback is None
+
+    @property
+    def has_host_tier(self) -> bool:
+        return bool(self.host_kv_bytes or self.num_host_full_pages)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -99,13 +99,52 @@ def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
     return plan_arena(budget, layout, config.page_size)
 
 
-def cache_config(config: EngineConfig, model_config, arena: ArenaPlan | None) -> KVCacheConfig:
-    """The KV cache's config: the two pools, or one arena (`arena_plan`)."""
+@dataclass(frozen=True)
+class HostPlan:
+    """The host tier (L2): two host pools of `full` / `swa` pages, or one host `arena` (both 0 then)."""
+
+    full: int = 0
+    swa: int = 0
+    arena: ArenaPlan | None = None
+
+
+def host_plan(config: EngineConfig, model_config, arena: ArenaPlan | None) -> HostPlan:
+    """The host tier's sizing. With a device arena: one host arena of `host_kv_bytes` (or the bytes the two host
+    page counts would take), in the device arena's units (same layout, same unit). With the static device pools:
+    the host page counts, or `host_kv_bytes` split in the device pools' byte shares."""
+    if not config.has_host_tier:
+        return HostPlan()
+    if arena is None and not config.host_kv_bytes:
+        return HostPlan(config.num_host_full_pages, config.num_host_swa_pages)
+    layout = kv_layout(model_config, config.torch_dtype, config.speculative_tokens)
+    fpb, spb = layout.full_page_bytes(config.page_size), layout.swa_page_bytes(config.page_size)
+    budget = config.host_kv_bytes or config.num_host_full_pages * fpb + config.num_host_swa_pages * spb
+    if arena is not None:
+        host = plan_arena(budget, layout, config.page_size)
+        assert (host.unit_bytes, host.full_page_units, host.swa_page_units) == (
+            arena.unit_bytes, arena.full_page_units, arena.swa_page_units)
+        if host.units < host.full_page_units + host.swa_page_units:
+            raise ValueError(f"host_kv_bytes={budget} B cannot hold one full and one SWA page ({host})")
+        return HostPlan(arena=host)
+    dev_full, dev_swa = config.num_full_pages * fpb, config.num_swa_pages * spb
+    full = budget * dev_full // (dev_full + dev_swa) // fpb if fpb else 0
+    swa = (budget - full * fpb) // spb if spb else 0
+    if full < 1 or swa < 1:
+        raise ValueError(f"host_kv_bytes={budget} B split like the device pools leaves {full} full and {swa} SWA "
+                         f"host pages")
+    return HostPlan(int(full), int(swa))
+
+
+def cache_config(config: EngineConfig, model_config, arena: ArenaPlan | None,
+                 host: HostPlan | None = None) -> KVCacheConfig:
+    """The KV cache's config: the two pools, or one arena (`arena_plan`); the host tier (`host_plan`)."""
     pools = arena.config_fields() if arena is not None else {
         "num_full_pages": config.num_full_pages, "num_swa_pages": config.num_swa_pages}
+    host = host_plan(config, model_config, arena) if host is None else host
     return KVCacheConfig(
         page_size=config.page_size, window=model_config.sliding_window, **pools,
-        num_host_full_pages=config.num_host_full_pages, num_host_swa_pages=config.num_host_swa_pages,
+        num_host_full_pages=host.full, num_host_swa_pages=host.swa,
+        host_arena_units=host.arena.units if host.arena is not None else 0,
         enable_prefix_cache=config.enable_prefix_cache, retention=config.retention,
         checkpoint_every_pages=config.checkpoint_every_pages,
         rebuild_tokens=rebuild_span(len(model_config.swa_layers), model_config.sliding_window, config.page_size)
@@ -142,17 +181,21 @@ class EngineCore:
         self.model_config = model_config
         self.tokenizer = tokenizer
         arena = arena_plan(config, model_config)
-        self.cache = KVCache(cache_config(config, model_config, arena))
+        host = host_plan(config, model_config, arena)
+        self.cache = KVCache(cache_config(config, model_config, arena, host))
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else ()
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
-                          config.num_host_full_pages, config.num_host_swa_pages, arena)
+                          host.full, host.swa, arena, host.arena)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
         self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path)
         if self.cache.arena is not None:  # the KV buffer is indexed by unit: it reads the ledger's unit tables
             assert self.runner.kv.arena is not None
             self.runner.kv.arena.bind({g: self.cache.arena.unit_table(g) for g in ("full", "swa")})
+        if self.cache.host is not None and self.cache.host.arena:  # so is the host KV buffer (one host arena)
+            assert self.runner.host is not None and self.runner.host.arena is not None
+            self.runner.host.arena.bind({g: self.cache.host.unit_table(g) for g in ("full", "swa")})
         self._ring = HiddenRing(max(self.draft_layers - 1, 0))
         self._draft_q: dict[str, list[torch.Tensor]] = {}  # sampled drafts' distributions, per request
         self._kv_mtp = draft_view(self.runner.kv, len(model_config.swa_layers)) if self.draft_layers else None

@@ -20,6 +20,7 @@ from enum import StrEnum
 import torch
 
 # The copy plan is cache bookkeeping; re-exported for the runner.
+from libs.kvcache.tiers import last_copies
 from libs.kvcache.tiers import split_copies as split_copies
 
 # Layer-wise load waits are bounded: a copy thread that died or hung must surface as an error.
@@ -46,40 +47,51 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
     return slots
 
 
-def plan_copies(copies: Sequence, direction: str, device_pools) -> dict[str, tuple[list[int], list[int],
-                                                                                torch.Tensor | None]]:
-    """`split_copies` plus, with a device arena, the device pages' units as the cache recorded them
-    ([copies, units per page], `PageCopy.units`): a backup reads the units its source held (it may have been
-    evicted since, its units reused: the backups run first, so the bytes are still there); a load whose
-    page no longer holds its units was evicted before it ran and is dropped (its units may be another load's
-    destination in this step now)."""
-    if device_pools.arena is None:
-        return {g: (src, dst, None) for g, (src, dst) in split_copies(copies, direction).items()}
-    if direction == "h2d":
-        tables = device_pools.arena.tables
-        copies = [c for c in copies if tables[c.group][c.dst].tolist() == list(c.units)]
-    side = "src" if direction == "d2h" else "dst"
-    units: dict[tuple[str, int], tuple[int, ...]] = {(c.group, getattr(c, side)): c.units for c in copies}
-    return {g: (src, dst, torch.tensor([units[g, p] for p in (src if side == "src" else dst)], dtype=torch.int64))
-            for g, (src, dst) in split_copies(copies, direction).items()}
+def plan_copies(copies: Sequence, direction: str, device_pools,
+                host_pools=None) -> dict[str, tuple[list[int], list[int], torch.Tensor | None, torch.Tensor | None]]:
+    """Per group (src ids, dst ids, src units, dst units): `last_copies` plus, on each side that is an arena,
+    the pages' units as the cache recorded them ([copies, units per page]; device: `PageCopy.units`, host:
+    `PageCopy.host_units`; None for a static side).
+
+    A backup reads the units its device source held (it may have been evicted since, its units reused: the
+    backups run first, so the bytes are still there); a load whose device page no longer holds its units was
+    evicted before it ran and is dropped (its units may be another load's destination in this step now). A
+    host page's units are the ones it held when the copy was made: a host page freed since (its node left the
+    tree) is not handed out again before the copies run (only a backup or an import allocates host pages)."""
+    dev_arena = device_pools.arena is not None
+    host_arena = host_pools is not None and host_pools.arena is not None
+    out = {}
+    for g, cs in last_copies(copies, direction).items():
+        if dev_arena and direction == "h2d":
+            table = device_pools.arena.tables[g]
+            cs = [c for c in cs if table[c.dst].tolist() == list(c.units)]
+            if not cs:
+                continue
+        dev = torch.tensor([c.units for c in cs], dtype=torch.int64) if dev_arena else None
+        host = torch.tensor([c.host_units for c in cs], dtype=torch.int64) if host_arena else None
+        src, dst = [c.src for c in cs], [c.dst for c in cs]
+        out[g] = (src, dst, dev, host) if direction == "d2h" else (src, dst, host, dev)
+    return out
 
 
 def copy_pages(src_pools, dst_pools, group: str, src_ids: list[int] | torch.Tensor,
-               dst_ids: list[int] | torch.Tensor, layer: int | None = None, units: torch.Tensor | None = None) -> None:
+               dst_ids: list[int] | torch.Tensor, layer: int | None = None, *, src_units: torch.Tensor | None = None,
+               dst_units: torch.Tensor | None = None) -> None:
     """dst[group][layer?, dst_ids] = src[group][layer?, src_ids] for K and V (all layers if layer is None).
 
     One index_select + one index_copy_ per pool tensor, over pages flattened to rows (a page-dim
-    index on the 5-D tensor takes a slower strided path). With an arena on either side, still one per
-    tensor: over both sides' flat views of all the group's layers (`KVPools.flat_kv` / `flat_rows`; `units`:
-    the arena side's pages' units, `plan_copies`)."""
+    index on the 5-D tensor takes a slower strided path). With an arena on either side (device, host or
+    both), still one per tensor: over both sides' flat views of all the group's layers (`KVPools.flat_kv` /
+    `flat_rows`; `src_units` / `dst_units`: an arena side's pages' units, `plan_copies`; None reads that
+    side's unit table now)."""
     if len(src_ids) == 0:
         return
     if src_pools.arena is not None or dst_pools.arena is not None:
         layers = range(src_pools.num_layers(group)) if layer is None else range(layer, layer + 1)
         s_rows = src_pools.flat_rows(group, torch.as_tensor(src_ids, dtype=torch.int64),
-                                     units if src_pools.arena is not None else None, layers).flatten()
+                                     src_units if src_pools.arena is not None else None, layers).flatten()
         d_rows = dst_pools.flat_rows(group, torch.as_tensor(dst_ids, dtype=torch.int64),
-                                     units if dst_pools.arena is not None else None, layers).flatten()
+                                     dst_units if dst_pools.arena is not None else None, layers).flatten()
         for s, d in zip(src_pools.flat_kv(group), dst_pools.flat_kv(group), strict=True):
             d.index_copy_(0, d_rows, s.index_select(0, s_rows).to(d.device, non_blocking=True))
         return
@@ -130,20 +142,22 @@ class LayerwiseLoad:
 
     def __init__(self, host, device_pools, slots: list[LayerSlot], copies: Sequence,
                  mode: LoadMode = LoadMode.THREAD, worker: CopyWorker | None = None) -> None:
-        groups = plan_copies(copies, "h2d", device_pools)
+        groups = plan_copies(copies, "h2d", device_pools, host)
         self._host, self._dev, self._slots, self._mode = host, device_pools, slots, mode
         # Index tensors are built once per group, not once per layer.
         self._index = {g: (torch.tensor(src, dtype=torch.int64, device=host.device),
-                           torch.tensor(dst, dtype=torch.int64, device=device_pools.device), units)
-                       for g, (src, dst, units) in groups.items()}
+                           # (an arena side's ids stay on the CPU: its rows are translated there)
+                           torch.tensor(dst, dtype=torch.int64,
+                                        device=device_pools.device if device_pools.arena is None else "cpu"), su, du)
+                       for g, (src, dst, su, du) in groups.items()}
         self._cuda = device_pools.device.type == "cuda"
         self._copied = [slot.group not in self._index for slot in slots]  # inline bookkeeping
         self._error: BaseException | None = None
         self._done: list[threading.Event] = []
         self._cuda_events: list = []
         if mode is LoadMode.SYNC:
-            for g, (src, dst, units) in self._index.items():
-                copy_pages(host, device_pools, g, src, dst, units=units)
+            for g, (src, dst, su, du) in self._index.items():
+                copy_pages(host, device_pools, g, src, dst, src_units=su, dst_units=du)
             self._copied = [True] * len(slots)
         elif mode is LoadMode.THREAD:
             if worker is None:
@@ -155,8 +169,8 @@ class LayerwiseLoad:
 
     def _copy_layer(self, i: int) -> None:
         slot = self._slots[i]
-        src, dst, units = self._index[slot.group]
-        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index, units=units)
+        src, dst, su, du = self._index[slot.group]
+        copy_pages(self._host, self._dev, slot.group, src, dst, layer=slot.index, src_units=su, dst_units=du)
 
     def _run(self) -> None:
         try:

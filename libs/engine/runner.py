@@ -32,6 +32,7 @@ class PoolSizes:
     num_host_full_pages: int = 0
     num_host_swa_pages: int = 0
     arena: ArenaPlan | None = None  # one device arena instead of the two device pools (EngineConfig.kv_arena)
+    host_arena: ArenaPlan | None = None  # one host arena instead of the two host pools (with a device arena)
 
 
 def build_inputs(plan: BatchPlan, device: torch.device | str,
@@ -105,7 +106,15 @@ class ModelRunner:
             self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
                                        sizes.page_size, dtype, self.device, n_swa_layers=n_swa)
         self.host = None
-        if sizes.num_host_full_pages or sizes.num_host_swa_pages:
+        if sizes.host_arena is not None:  # one host arena: unit-addressed like the device one (its tables bound later)
+            self.host = KVPools.allocate_arena(model_config, sizes.host_arena.units, sizes.host_arena.planes,
+                                               sizes.page_size, dtype, "cpu", n_swa_layers=n_swa,
+                                               unit_bytes=sizes.host_arena.unit_bytes)
+            if self.device.type == "cuda":  # pinned host memory makes h2d copies asynchronous
+                a = self.host.arena
+                assert a is not None
+                a.k, a.v = a.k.pin_memory(), a.v.pin_memory()
+        elif sizes.num_host_full_pages or sizes.num_host_swa_pages:
             self.host = KVPools.allocate(model_config, max(sizes.num_host_full_pages, 1),
                                          max(sizes.num_host_swa_pages, 1), sizes.page_size, dtype, "cpu",
                                          n_swa_layers=n_swa)
@@ -157,8 +166,8 @@ class ModelRunner:
             return
         if self.host is None:
             raise RuntimeError("the cache asked for a host backup but the engine has no host tier")
-        for group, (src, dst, units) in plan_copies(copies, "d2h", self.kv).items():
-            copy_pages(self.kv, self.host, group, src, dst, units=units)
+        for group, (src, dst, src_units, dst_units) in plan_copies(copies, "d2h", self.kv, self.host).items():
+            copy_pages(self.kv, self.host, group, src, dst, src_units=src_units, dst_units=dst_units)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

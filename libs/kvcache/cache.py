@@ -59,8 +59,9 @@ class KVCache:
             config.arena) else None
         self.ledger: PageLedger = self.arena or PageLedger(config.num_full_pages, config.num_swa_pages)
         self._evictions: dict[str, list[int]] = {r: [0, 0] for r in EVICTION_REASONS}  # reason -> victims, freed
-        self.host = HostTier(config.num_host_full_pages, config.num_host_swa_pages, self.events) if (
-            config.num_host_full_pages) else None
+        self.host = HostTier(config.num_host_full_pages, config.num_host_swa_pages, self.events,
+                             units=config.host_arena_units, fu=config.full_page_units, su=config.swa_page_units,
+                             clock=lambda: self.index.clock) if config.has_host else None
         self.tiers: tuple[LowerTier, ...] = (self.host,) if self.host is not None else ()
         nodes: dict[int, Node] = {}
         self.evictor = Evictor(nodes, self.stats.cold)
@@ -195,7 +196,8 @@ class KVCache:
         full, swa = self.ledger.usage()
         host_full, host_swa = self.host.usage() if self.host is not None else NO_TIER_USAGE
         return PoolUsage(full=full, swa=swa, host_full=host_full, host_swa=host_swa,
-                         arena=self.arena.arena_stats() if self.arena is not None else None)
+                         arena=self.arena.arena_stats() if self.arena is not None else None,
+                         host_arena=self.host.arena_stats() if self.host is not None else None)
 
     def cache_stats(self) -> CacheStats:
         """Evictions by reason (victims, units freed with an arena, pages without; "tombstone_pruned": device

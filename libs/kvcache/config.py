@@ -22,6 +22,10 @@ class KVCacheConfig:
     num_host_full_pages: int = 0
     """L2 host tier capacity (0 = no host tier)."""
     num_host_swa_pages: int = 0
+    host_arena_units: int = 0
+    """L2 host tier on one arena instead (0 = the two host pools above, or none): both groups' host copies draw
+    from this many units (the device arena's unit: `full_page_units` / `swa_page_units` per page); the host
+    evicts whole copies by value per unit (docs/kvcache.md, "One arena")."""
     enable_prefix_cache: bool = True
     retention: str = "checkpoints"
     """SWA retention policy: "checkpoints" (end of sequence, turn boundary, branch points, optional periodic),
@@ -49,7 +53,7 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         _positive(self, "page_size", "window", "max_pending_events")
         _non_negative(self, "num_full_pages", "num_swa_pages", "num_host_full_pages", "num_host_swa_pages",
-                      "checkpoint_align", "checkpoint_every_pages", "rebuild_tokens", "arena_units")
+                      "checkpoint_align", "checkpoint_every_pages", "rebuild_tokens", "arena_units", "host_arena_units")
         _positive(self, "full_page_units", "swa_page_units")
         if self.arena_units and (self.num_full_pages or self.num_swa_pages):
             raise ValueError("an arena (arena_units > 0) replaces num_full_pages / num_swa_pages: set them to 0")
@@ -65,6 +69,9 @@ class KVCacheConfig:
             raise ValueError("hash_seed must fit in 64 bits")
         if (self.num_host_full_pages == 0) != (self.num_host_swa_pages == 0):
             raise ValueError("host tier needs both num_host_full_pages and num_host_swa_pages (or neither)")
+        if self.host_arena_units and self.num_host_full_pages:
+            raise ValueError("a host arena (host_arena_units > 0) replaces num_host_full_pages / num_host_swa_pages: "
+                             "set them to 0")
 
     @property
     def window_pages(self) -> int:
@@ -79,6 +86,11 @@ class KVCacheConfig:
     @property
     def arena(self) -> bool:
         return self.arena_units > 0
+
+    @property
+    def has_host(self) -> bool:
+        """An L2 host tier (two host pools or one host arena)."""
+        return bool(self.num_host_full_pages or self.host_arena_units)
 
     @property
     def align(self) -> int:

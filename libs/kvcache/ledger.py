@@ -375,21 +375,28 @@ class ArenaLedger(PageLedger):
     def check_unit_map(self) -> None:
         """Every live page holds its units, free pages none; no unit is held by two pages or both held and
         free; units held == what the ledger counts (arena - free units)."""
-        held: list[int] = []
-        for pool in (self._pool("full"), self._pool("swa")):
-            free = set(pool.free_ids())
-            for p in range(pool.capacity):
-                got = pool.page_units(p)
-                if (p in free) != (got == (-1,) * pool.per_page) or (p not in free and min(got) < 0):
-                    raise AssertionError(f"arena: {pool.name} page {p} holds units {got} but is "
-                                         f"{'free' if p in free else 'live'}")
-                if p not in free:
-                    held += got
-        every = held + list(self._free_units)
-        if len(held) != self._units - self.free_units() or sorted(every) != list(range(self._units)):
-            raise AssertionError(f"arena: units held {len(held)} + free {len(self._free_units)} are not "
-                                 f"exactly 0..{self._units - 1} once each (ledger counts "
-                                 f"{self._units - self.free_units()} in use)")
+        check_unit_map("arena", (self._pool("full"), self._pool("swa")), self._free_units, self._units,
+                       self._units - self.free_units())
+
+
+def check_unit_map(name: str, pools: Sequence[UnitPagePool], free_units: array, units: int, counted: int) -> None:
+    """An arena's unit map (device or host): every live page of `pools` holds its units, free pages none; the
+    units held and `free_units` are exactly 0 .. units - 1 once each, and the units held == `counted` (what the
+    arena's books say is in use)."""
+    held: list[int] = []
+    for pool in pools:
+        free = set(pool.free_ids())
+        for p in range(pool.capacity):
+            got = pool.page_units(p)
+            if (p in free) != (got == (-1,) * pool.per_page) or (p not in free and min(got) < 0):
+                raise AssertionError(f"{name}: {pool.name} page {p} holds units {got} but is "
+                                     f"{'free' if p in free else 'live'}")
+            if p not in free:
+                held += got
+    every = held + list(free_units)
+    if len(held) != counted or sorted(every) != list(range(units)):
+        raise AssertionError(f"{name}: units held {len(held)} + free {len(free_units)} are not exactly "
+                             f"0..{units - 1} once each (the books count {counted} in use)")
 
 
 def check_pool_stats(name: str, st: PoolStats) -> None:

@@ -12,14 +12,16 @@ The L2 copy of a node is recorded on the node itself (`Node.host_full` / `host_s
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from libs.kvcache.events import EventLog
-from libs.kvcache.ledger import check_pool_ids, check_pool_stats
+from libs.kvcache.ledger import UnitPagePool, check_pool_ids, check_pool_stats, check_unit_map
 from libs.kvcache.pool import PagePool
 from libs.kvcache.tree import Node, PromptHashes, ids, no_pages
-from libs.kvcache.types import EventKind, Group, PageCopy, PoolStats, Tier
+from libs.kvcache.types import ArenaStats, EventKind, Group, PageCopy, PoolStats, Tier
 
 
 class LowerTier(ABC):
@@ -74,15 +76,59 @@ class LowerTier(ABC):
 
 
 class HostTier(LowerTier):
-    """L2: two host page pools (full, SWA) mirroring the device groups, copies recorded on the nodes."""
+    """L2: host copies of tree nodes (full pages, and the SWA pages that hold KV), recorded on the nodes. Either
+    two host page pools (full, SWA) mirroring the device groups, or (`units` > 0) one host arena: both groups'
+    pages draw from one budget of units, a full page `fu` units and an SWA page `su` (the device arena's unit
+    scheme), each page id mapped to the units it holds (`unit_table`), so the split between the groups follows
+    what is backed up."""
 
     tier = Tier.HOST
 
-    def __init__(self, num_full_pages: int, num_swa_pages: int, events: EventLog) -> None:
-        self._full = PagePool("host_full", num_full_pages)
-        self._swa = PagePool("host_swa", num_swa_pages)
+    def __init__(self, num_full_pages: int, num_swa_pages: int, events: EventLog, *, units: int = 0, fu: int = 1,
+                 su: int = 1, clock: Callable[[], int] | None = None) -> None:
+        """`clock`: the index's access clock (the host arena's eviction ages copies by it)."""
+        self._units, self._fu, self._su = units, fu, su
+        self._clock = clock or (lambda: 0)
+        if units:
+            self._free_units = array("q", range(units - 1, -1, -1))  # ascending hand-out order, like PagePool
+            self._full: PagePool = UnitPagePool("host_full", units // fu, fu, self._free_units)
+            self._swa: PagePool = UnitPagePool("host_swa", units // su, su, self._free_units)
+        else:
+            self._full = PagePool("host_full", num_full_pages)
+            self._swa = PagePool("host_swa", num_swa_pages)
         self._events = events
         self._imported: set[int] = set()  # nids of host-only copies imported from GCache (L3), not loaded yet
+
+    @property
+    def arena(self) -> bool:
+        return self._units > 0
+
+    def unit_table(self, group: str) -> tuple[array, int]:
+        """With a host arena: (table, units per page) of `group`, as `ArenaLedger.unit_table` (the engine's host
+        KV buffer is indexed by unit and views the table)."""
+        pool = self._full if group == "full" else self._swa
+        assert isinstance(pool, UnitPagePool), "unit_table: the host tier has no arena"
+        return pool.table, pool.per_page
+
+    def _free_units_count(self) -> int:
+        f, s = self._full, self._swa
+        return self._units - self._fu * (f.capacity - f.num_free) - self._su * (s.capacity - s.num_free)
+
+    def _has_room(self, nf: int, ns: int) -> bool:
+        if self._units:
+            return self._fu * nf + self._su * ns <= self._free_units_count()
+        return self._full.num_free >= nf and self._swa.num_free >= ns
+
+    def _with_units(self, copies: list[PageCopy], side: str) -> list[PageCopy]:
+        """With a host arena: the copies with the units their host page (`side`) holds now."""
+        if not self._units:
+            return copies
+        out = []
+        for c in copies:
+            pool = self._full if c.group == "full" else self._swa
+            assert isinstance(pool, UnitPagePool)
+            out.append(dataclasses.replace(c, host_units=pool.page_units(getattr(c, side))))
+        return out
 
     def backup(self, nodes: Collection[Node], max_pages: int, dropped: Callable[[Node], None]) -> list[PageCopy]:
         if max_pages <= 0:
@@ -107,7 +153,7 @@ class HostTier(LowerTier):
                     copies.append(PageCopy(Group.SWA, s, n.host_swa[i], "d2h"))
             fresh.add(n.nid)
             self._events.emit(EventKind.STORED, Tier.HOST, n)
-        return copies
+        return self._with_units(copies, "dst")
 
     def make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
                   dropped: Callable[[Node], None]) -> bool:
@@ -132,14 +178,22 @@ class HostTier(LowerTier):
 
     def _make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
                    dropped: Callable[[Node], None]) -> bool:
-        """Free host pages by dropping LRU copies: of unlocked device nodes (the node stays), or host-only
-        leaves (the node leaves the tree). Copies made in this backup (`keep`) stay."""
-        while self._full.num_free < nf or self._swa.num_free < ns:
+        """Free host pages by dropping copies: of unlocked device nodes (the node stays), or host-only leaves
+        (the node leaves the tree). Copies made in this backup (`keep`) stay. Two pools: the LRU copy goes. One
+        arena: the copy that saves the least recompute per unit it holds, by LRU age (its tokens / (units x
+        age), as the device arena scores a full-KV leaf), so a copy heavy in SWA pages goes before an equally
+        old full-only one."""
+        while not self._has_room(nf, ns):
             victims = [n for n in nodes if n.host_full is not None and n.nid not in keep and (
                 (n.full is not None and n.lock == 0) or (n.full is None and not n.children))]
             if not victims:
                 return False
-            v = min(victims, key=lambda n: (n.access, -n.start))
+            if self._units:
+                clock, fu, su = self._clock() + 1, self._fu, self._su
+                v = min(victims, key=lambda n: (n.npages / ((fu * n.npages + su * n.host_swa_count())
+                                                            * max(1, clock - n.access)), n.access, -n.start))
+            else:
+                v = min(victims, key=lambda n: (n.access, -n.start))
             self.free(v)
             dropped(v)  # a device node whose SWA KV was only here is a tombstone now: it may have to go
         return True
@@ -159,7 +213,7 @@ class HostTier(LowerTier):
             if h >= 0:
                 dev_swa[i] = d = next(free_swa)
                 copies.append(PageCopy(Group.SWA, h, d, "h2d"))
-        return dev_swa, copies
+        return dev_swa, self._with_units(copies, "src")
 
     def split(self, head: Node, tail: Node, k: int) -> None:
         if tail.nid in self._imported:
@@ -178,7 +232,24 @@ class HostTier(LowerTier):
         node.host_full = node.host_swa = None
 
     def usage(self) -> tuple[PoolStats, PoolStats]:
-        return _host_stats(self._full), _host_stats(self._swa)
+        """(full, SWA) pages; with a host arena the free pages are what the free units would hold of that group
+        (so free + cached == capacity per group, capacity moving with the other group's use)."""
+        if not self._units:
+            return _host_stats(self._full), _host_stats(self._swa)
+        fr = self._free_units_count()
+        out = []
+        for pool, per in ((self._full, self._fu), (self._swa, self._su)):
+            used = pool.capacity - pool.num_free
+            out.append(PoolStats(used + fr // per, fr // per, used, 0))
+        return out[0], out[1]
+
+    def arena_stats(self) -> ArenaStats | None:
+        """The host arena in units (copies are all cache: in use 0); None with two host pools."""
+        if not self._units:
+            return None
+        f, s = self._full, self._swa
+        return ArenaStats(self._units, self._free_units_count(), 0, self._fu * (f.capacity - f.num_free), 0,
+                          self._su * (s.capacity - s.num_free))
 
     def check_invariants(self, nodes: Collection[Node]) -> None:
         """Per host pool: every page is free or in exactly one node's copy; copies are as long as their node;
@@ -202,6 +273,15 @@ class HostTier(LowerTier):
                                           (self._full, self._swa), (full, swa), strict=True):
             check_pool_stats(name, st)
             check_pool_ids(pool, owned)
+        a = self.arena_stats()
+        if a is not None:  # units free + cached + in use == host arena, and the unit map agrees
+            want = self._fu * len(full) + self._su * len(swa)
+            if a.free < 0 or a.free + a.full_cached + a.swa_cached + a.full_in_use + a.swa_in_use != a.units or (
+                    a.full_cached + a.swa_cached != want):
+                raise AssertionError(f"host arena: free {a.free} + cached {a.full_cached} / {a.swa_cached} != "
+                                     f"{a.units} units, or the copies hold {want}")
+            pools = [p for p in (self._full, self._swa) if isinstance(p, UnitPagePool)]
+            check_unit_map("host arena", pools, self._free_units, self._units, a.units - a.free)
 
 
 def _host_stats(pool: PagePool) -> PoolStats:
@@ -212,13 +292,18 @@ NO_TIER_USAGE = (PoolStats(0, 0, 0, 0), PoolStats(0, 0, 0, 0))
 
 
 def split_copies(copies: Sequence[PageCopy], direction: str) -> dict[str, tuple[list[int], list[int]]]:
-    """The plan of one step's copies: {layer group: (src ids, dst ids)}; checks the direction. (The engine
-    executes it, one indexed copy per pool tensor: libs/engine/host_tier.py.)
+    """The plan of one step's copies: {layer group: (src ids, dst ids)}; checks the direction (`last_copies`)."""
+    return {g: ([c.src for c in cs], [c.dst for c in cs]) for g, cs in last_copies(copies, direction).items()}
+
+
+def last_copies(copies: Sequence[PageCopy], direction: str) -> dict[str, list[PageCopy]]:
+    """One step's copies per layer group, the last one per target page; checks the direction. (The engine
+    executes them, one indexed copy per pool tensor: libs/engine/host_tier.py.)
 
     A destination page may appear twice in one step's list (a page loaded for a probe, evicted and
     reused for another load); the later copy is the live one, and one vectorised index assignment
     with duplicate targets would pick a winner arbitrarily, so only the last copy per target is kept."""
-    last: dict[str, dict[int, int]] = {"full": {}, "swa": {}}
+    last: dict[str, dict[int, PageCopy]] = {"full": {}, "swa": {}}
     for c in copies:
         if c.direction != direction:
             raise ValueError(f"expected {direction} page copies, got {c.direction} ({c})")
@@ -226,5 +311,5 @@ def split_copies(copies: Sequence[PageCopy], direction: str) -> dict[str, tuple[
         if target is None:
             raise ValueError(f"unknown page-copy group {c.group!r} (expected 'full' or 'swa')")
         target.pop(c.dst, None)
-        target[c.dst] = c.src
-    return {g: (list(m.values()), list(m.keys())) for g, m in last.items() if m}
+        target[c.dst] = c
+    return {g: list(m.values()) for g, m in last.items() if m}

@@ -31,6 +31,11 @@ class PageCopy:
     # copies from / to those units: a d2h source may be evicted and its units reused before the copy runs (the
     # copies run first, so the bytes are still there), and an h2d copy whose page no longer holds them is stale.
     units: tuple[int, ...] = ()
+    # With one host arena (`KVCacheConfig.host_arena_units`): the units the host page held when the copy was made
+    # (the host tier attaches them). A host page may leave its node before the copy runs (a d2h target whose
+    # node was pruned, an h2d source evicted from the host after the load was planned); its units are then
+    # free, and only the next backup or import (after the copies ran) hands them out again.
+    host_units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +170,8 @@ class PoolStats:
 
 @dataclass(frozen=True, slots=True)
 class ArenaStats:
-    """The one device arena (`KVCacheConfig.arena_units`), in units: free + full and SWA in use / cached ==
-    units. `reserved` is the part of free + cached promised to running sequences."""
+    """One arena (device: `KVCacheConfig.arena_units`; host: `host_arena_units`), in units: free + full and SWA
+    in use / cached == units. `reserved` is the part of free + cached promised to running sequences."""
 
     units: int
     free: int
@@ -185,6 +190,9 @@ class PoolUsage:
     host_swa: PoolStats
     arena: ArenaStats | None = None
     """Set with an arena; `full` / `swa` then count pages of each group (free: what the free units would hold)."""
+    host_arena: ArenaStats | None = None
+    """Set with one host arena (L2); `host_full` / `host_swa` then count pages likewise. Host copies are all
+    cache (evictable): `*_in_use` stay 0."""
 
 
 @dataclass(frozen=True, slots=True)
