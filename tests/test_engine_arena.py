@@ -187,3 +187,25 @@ def test_host_arena_under_memory_pressure_matches_cache_disabled(tiny, load_mode
     assert_baseline(pressured)
     h = pressured.usage().host_arena
     assert h is not None and h.units == plan.arena.units and h.free + h.full_cached + h.swa_cached == h.units
+
+
+def test_worker_metrics_export_the_arenas_by_tier_and_state(tiny):
+    """The Prometheus gauges carry both arenas (device, host) unit for unit, their states summing to the arena."""
+    from prometheus_client import REGISTRY
+
+    from libs.worker.metrics import export
+
+    core = make_core(tiny, num_host_full_pages=64, num_host_swa_pages=32, l2_backup_watermark=0.9,
+                     l2_backup_pages=16)
+    run_round(core, {"a": tokens(3, 40), "b": tokens(4, 70)}, n_out=8)
+    load = core.load()
+    export(load, {})
+    get = REGISTRY.get_sample_value
+    for tier, arena in (("device", load.usage.arena), ("host", load.usage.host_arena)):
+        assert arena is not None, tier
+        seen = {st: get("windserve_worker_kv_arena_units", {"tier": tier, "state": st}) for st in
+                ("units", "free", "full_in_use", "full_cached", "swa_in_use", "swa_cached")}
+        assert seen["units"] == arena.units > 0 and seen["full_cached"] == arena.full_cached
+        assert seen["free"] + seen["full_in_use"] + seen["full_cached"] + seen["swa_in_use"] + seen["swa_cached"] \
+            == seen["units"]
+    assert load.usage.arena is not None and load.usage.arena.full_cached > 0  # the prompts stayed cached

@@ -28,6 +28,10 @@ HIT_TIER_TOKENS = Gauge("windserve_worker_prefix_hit_tier_tokens", "Prompt token
                         ["tier"])
 GCACHE = Gauge("windserve_worker_gcache", "GCache (L3) since start: lookups, hits, misses, refused, timeouts, errors, "
                "imported_tokens, writebacks, written_values, dropped, writeback_failures", ["event"])
+KV_ARENA_UNITS = Gauge("windserve_worker_kv_arena_units", "KV arena units by tier (device, host) and state (free, "
+                       "full_in_use, full_cached, swa_in_use, swa_cached; reserved: the part of free + cached promised "
+                       "to running sequences); units: the arena's size. Bytes = units x the arena's unit bytes "
+                       "(docs/kvcache.md)", ["tier", "state"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 SPEC_TOKENS = Gauge("windserve_worker_spec_tokens", "MTP speculative decoding since start: draft tokens verified "
                     "(drafted) and accepted", ["kind"])
@@ -67,6 +71,10 @@ def export(load: EngineLoad, outcomes: Mapping[str, int], gcache: Mapping[str, i
                               ("full", "host", usage.host_full), ("swa", "host", usage.host_swa)):
         for state in _PAGE_STATES:
             KV_PAGES.labels(pool, tier, state).set(getattr(stats, state))
+    for tier, arena in (("device", usage.arena), ("host", usage.host_arena)):
+        if arena is not None:
+            for state in ("units", "free", "full_in_use", "full_cached", "swa_in_use", "swa_cached", "reserved"):
+                KV_ARENA_UNITS.labels(tier, state).set(getattr(arena, state))
     REQUESTS.labels("running").set(load.running)
     REQUESTS.labels("waiting").set(load.waiting)
     for outcome, n in outcomes.items():
