@@ -245,15 +245,17 @@ class Child:
 
 
 def unresponsive_s(now: float, started_at: float, answered_at: float | None, reachable_since: float | None,
-                   grace_s: float) -> float:
+                   grace_s: float, checked_until: float | None = None) -> float:
     """Pure: how long a service has failed its liveness probes in a way that counts against it: since its last
     answer, or, before its first one, since the end of its startup grace (`grace_s` after its start: imports, the
     NATS connection); nothing counts while the prober itself cannot reach NATS (`reachable_since` None: every
-    probe fails then and it is no service's fault) nor before it could again."""
+    probe fails then and it is no service's fault) nor before it could again; silence counts only up to
+    `checked_until` (when NATS itself last answered a PING; None: now), so a nats-server that hangs between two
+    PING rounds stops the count at once."""
     if reachable_since is None:
         return 0.0
     since = max(answered_at if answered_at is not None else started_at + grace_s, reachable_since)
-    return max(0.0, now - since)
+    return max(0.0, min(now, checked_until if checked_until is not None else now) - since)
 
 
 async def nats_pongs(port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -293,6 +295,7 @@ class LivenessProber:
         self.targets: frozenset[str] = frozenset()  # instance ids to probe (set by the supervisor loop)
         self.answered_at: dict[str, float] = {}
         self.nats_answered_at: dict[int, float] = {}  # client port -> when that node last answered a PING
+        self.nats_ok_at: float | None = None  # when a node last answered (None: no ports known, not checked)
         self.reachable_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="liveness", daemon=True)
@@ -330,8 +333,11 @@ class LivenessProber:
         """PING every node; True when one answered (or no port is known)."""
         if not self.nats_ports:
             return True
+        asked = time.monotonic()  # a service probe sent after this moment found NATS answering
         answers = await asyncio.gather(*(nats_pongs(port) for port in self.nats_ports))
         now = time.monotonic()
+        if any(answers):
+            self.nats_ok_at = asked
         for port, ok in zip(self.nats_ports, answers, strict=True):
             if ok:
                 self.nats_answered_at[port] = now
@@ -563,7 +569,7 @@ class Supervisor:
                            f"{silent:.0f} s: hung; killing it to restart it on its port and store")
         for child in running:
             silent = unresponsive_s(now, child.started_at, self.prober.answered_at.get(child.instance_id),
-                                    self.prober.reachable_since, self.cfg.liveness_grace_s)
+                                    self.prober.reachable_since, self.cfg.liveness_grace_s, self.prober.nats_ok_at)
             if silent >= self.cfg.liveness_timeout_s and not child.hung_for:
                 child.hung_for = silent
                 _signal_group(child, signal.SIGKILL)  # (works on a stopped process too; SIGTERM would wait)

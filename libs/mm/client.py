@@ -13,7 +13,8 @@ Construction and lifecycle, as gateway and workers use it:
 - **Bounds**: each encode attempt waits at most `encode_timeout_s`; an encoder that is gone (no responders),
   silent (timeout) or refuses (unavailable: its cache is full of leased entries) is retried once on the next
   encoder of the ring (`retries`), then `EncoderUnavailable`; an attempt whose encoder leaves the view
-  (dies: no reply will ever come) is abandoned at once, not after the whole bound. A reply with an error (bad input) is
+  (dies: no reply will ever come) is abandoned once it has been out of the view for 10 s (a draining encoder
+  leaves the view too and finishes what it took within its drain bound), not after the whole 60 s bound. A reply with an error (bad input) is
   `EncodeError` at once: another encoder would say the same.
 - **Fetch** (needs `engine`): one transfer per encoder (expect, then request, then await, all within
   `fetch_timeout_s`), at most 64 hashes per request; rows arrive in the requested dtype (the encoder converts).
@@ -60,6 +61,8 @@ from protos.messages import (
 MAX_FETCH = 64  # hashes per EmbedFetchRequest (protos)
 _RESYNC_AGE_S = 1.0  # no encoder in the view: list the registry again if the last listing is older
 _GONE_POLL_S = 0.25  # an encode attempt checks this often that its encoder is still live in the view
+_GONE_GRACE_S = 10.0  # ... and gives up on it once it has been out of the view this long (a draining encoder,
+# out of the view too, finishes its encodes within its drain bound: DRAIN_TIMEOUT_S, 10 s by default)
 
 
 def _tiny_vision() -> VisionConfig:
@@ -150,16 +153,22 @@ class EncoderClient:
         raise EncoderUnavailable(f"no encoder served the {kind.value}: {'; '.join(failures)}")
 
     async def _ask(self, iid: str, req: EncodeRequest) -> EncodeReply | None:
-        """One encode attempt on `iid`, bounded by `encode_timeout_s`; None as soon as `iid` is no longer a live
-        encoder of the view (a killed encoder never answers: its request would wait the whole bound)."""
+        """One encode attempt on `iid`, bounded by `encode_timeout_s`; None once `iid` has been out of the view of
+        live encoders for `_GONE_GRACE_S` (a killed encoder never answers: its request would wait the whole bound;
+        a draining one leaves the view at once too, but finishes what it took within its drain bound)."""
         ask = asyncio.ensure_future(self.bus.request(subjects.encoder_encode(self.namespace, iid), req, EncodeReply,
                                                      timeout=self.config.encode_timeout_s))
+        gone_since: float | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({ask}, timeout=_GONE_POLL_S)
                 if done:
                     return ask.result()
-                if iid not in self.encoders():
+                if iid in self.encoders():
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = time.monotonic()
+                elif time.monotonic() - gone_since >= _GONE_GRACE_S:
                     return None
         finally:
             ask.cancel()

@@ -96,6 +96,11 @@ class HandoffError(RuntimeError):
     """The KV hand-off to decode failed; the message says at which step."""
 
 
+class DecodeSilent(HandoffError):
+    """The decode worker did not answer kv_prepare in time (it, or the NATS node it sits behind, hangs): nothing
+    was computed, so the client gets a retryable 503 (`decode_unreachable`), never a 500."""
+
+
 class DecodesFull(HandoffError):
     """Every decode worker tried had no room for the request (or none other was found): retry later."""
 
@@ -195,9 +200,10 @@ class PrefillWorker:
             error = f"prefill {self.instance_id}: {exc}"
             await self._safe_publish(req, self._chunk(
                 req.request_id, finish_reason=WireFinishReason.ERROR, error=error,
-                retryable=isinstance(exc, DecodesFull | EncoderUnavailable),
+                retryable=isinstance(exc, DecodesFull | EncoderUnavailable | DecodeSilent),
                 instance_failed=not self.engine.is_running,  # its engine died (or is stuck): this prefill is gone
-                error_code="encoder_unavailable" if isinstance(exc, EncoderUnavailable) else ""))
+                error_code="encoder_unavailable" if isinstance(exc, EncoderUnavailable) else
+                "decode_unreachable" if isinstance(exc, DecodeSilent) else ""))
         finally:
             await self._clean_up(req.request_id, h)  # 6.
 
@@ -291,7 +297,7 @@ class PrefillWorker:
                     return decode, await self.prepare(decode, prep)
             except TimeoutError:
                 await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
-                raise HandoffError(f"decode {decode} did not answer kv_prepare within "
+                raise DecodeSilent(f"decode {decode} did not answer kv_prepare within "
                                    f"{self.prepare_timeout_s}s") from None
             except Exception as exc:
                 # only "full" (UNAVAILABLE) or "gone" is worth another decode worker
