@@ -295,6 +295,7 @@ class LivenessProber:
         self.targets: frozenset[str] = frozenset()  # instance ids to probe (set by the supervisor loop)
         self.answered_at: dict[str, float] = {}
         self.nats_answered_at: dict[int, float] = {}  # client port -> when that node last answered a PING
+        self.nats_silent_since: dict[int, float] = {}  # client port -> since when its PINGs fail (none: answering)
         self.nats_ok_at: float | None = None  # when a node last answered (None: no ports known, not checked)
         self.reachable_since: float | None = None
         self._stop = threading.Event()
@@ -341,6 +342,9 @@ class LivenessProber:
         for port, ok in zip(self.nats_ports, answers, strict=True):
             if ok:
                 self.nats_answered_at[port] = now
+                self.nats_silent_since.pop(port, None)
+            else:
+                self.nats_silent_since.setdefault(port, asked)
         return any(answers)
 
     async def _probe(self, bus: Any, instance_id: str) -> None:
@@ -560,8 +564,8 @@ class Supervisor:
             if child.restart_at is not None or child.popen.poll() is not None or child.hung_for:
                 continue
             port = self.nats_ports[node]
-            silent = unresponsive_s(now, child.started_at, self.prober.nats_answered_at.get(port), child.started_at,
-                                    self.cfg.liveness_grace_s)
+            failing = self.prober.nats_silent_since.get(port)  # PINGs failing without a break since then
+            silent = 0.0 if failing is None else now - max(failing, child.started_at)
             if silent >= self.cfg.liveness_timeout_s:
                 child.hung_for = silent
                 _signal_group(child, signal.SIGKILL)
