@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -154,7 +155,8 @@ def test_hung_service_is_killed_and_restarted_and_the_deployment_serves_again(tm
         [victim] = _descendants_named(proc, "services.worker")
         victim.send_signal(signal.SIGSTOP)
         said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
-        assert "worker (worker-" in said and "answered no health probe for 3 s: hung; killing it" in said
+        # the silence is printed as measured: 3 s, or a little more when a probe round ran long on a busy machine
+        assert re.search(r"worker \(worker-\w+, pid \d+\) answered no health probe for [3-9] s: hung; killing it", said)
         assert "worker exited with code -9 (killed by SIGKILL) (killed by the supervisor: unresponsive" in said
         assert "worker restarted as worker-" in said and not victim.is_running()
         assert len(_complete(http_port)["choices"]) == 1
@@ -172,7 +174,7 @@ def test_hung_nats_server_is_killed_and_restarted_and_no_service_is_blamed(tmp_p
         [victim] = _descendants_named(proc, "nats-server")
         victim.send_signal(signal.SIGSTOP)
         said = "".join(wait_for_line(proc, "windserve: ready again", timeout=60))
-        assert "answered no PING for 4 s: hung; killing it to restart it" in said
+        assert re.search(r"answered no PING for [4-9] s: hung; killing it to restart it", said)
         assert "nats exited with code -9 (killed by SIGKILL) (killed by the supervisor: unresponsive" in said
         assert "nats-server restarted on port" in said and not victim.is_running()
         assert "answered no health probe" not in said and "worker restarted" not in said, said
