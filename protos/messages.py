@@ -251,12 +251,32 @@ class TokenChunk(WireModel):
     instance_failed: bool = Field(default=False, description="with error: the sending worker itself is failing (its "
                                   "engine died, e.g. a parallel rank was lost): treated as that worker being gone")
     instance_id: str = Field(default="", description="the worker that sent this chunk (liveness probes)")
+    seq: int = Field(default=-1, ge=-1, description="this chunk's number among the chunks `instance_id` sent for "
+                     "the request, from 0 without gaps (-1: unnumbered); a gap is a chunk lost in transit, fetched "
+                     "again with a StreamReplayRequest")
 
     @model_validator(mode="after")
     def _error_means_finished(self) -> TokenChunk:
         if self.error is not None and self.finish_reason != WireFinishReason.ERROR:
             raise ValueError("a chunk carrying an error must have finish_reason='error'")
         return self
+
+
+class StreamReplayRequest(WireModel):
+    """gateway → the worker that streams (or is to stream) a request: the chunks it sent from `from_seq` on. Core
+    NATS delivers at most once (a node that dies or hangs drops what it held), so the gateway asks when it sees a
+    gap in `seq` or hears nothing for a liveness interval; an answer also proves the worker alive."""
+
+    request_id: str
+    from_seq: int = Field(default=0, ge=0)
+
+
+class StreamReplayReply(WireModel):
+    known: bool = Field(description="the worker holds this request's chunks (false: it sent none yet, or they "
+                        "expired after the request finished)")
+    first_kept: int = Field(default=0, ge=0, description="the oldest chunk still held; asking for an older one "
+                            "cannot be answered (the chunks in between are lost)")
+    chunks: list[TokenChunk] = Field(default_factory=list, description="held chunks with seq >= from_seq, in order")
 
 
 class AbortRequest(WireModel):

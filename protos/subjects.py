@@ -64,6 +64,11 @@ def stream(ns: str, request_id: str) -> str:
     return f"{_base(ns)}.stream.{token(request_id)}"
 
 
+def stream_replay(ns: str, instance_id: str) -> str:
+    """A worker's recent token chunks of one request, sent again (request/reply: `StreamReplayRequest`)."""
+    return f"{_base(ns)}.worker.{token(instance_id)}.stream_replay"
+
+
 def kv_events(ns: str, instance_id: str) -> str:
     """KV-cache events (`KVEventBatch`: stored / removed / SWA-removed block hashes) published by one worker."""
     return f"{_base(ns)}.kv_events.{token(instance_id)}"

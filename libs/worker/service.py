@@ -14,7 +14,9 @@ serves its subject; everything else is here:
   after the engine stops;
 - load: every `load_interval_s`, `EngineCore.load()` on the engine thread -> registry entry (`load`),
   health details and the Prometheus gauges (libs/worker/metrics.py);
-- `publish(subject, chunk)`: the role's stream output, counting final chunks as outcomes;
+- `publish(subject, chunk)`: the role's stream output, numbered and kept a while by `self.streams`
+  (libs/worker/stream_ledger.py) so a gateway fetches again what NATS lost (`stream_replay`, served before the
+  role serves anything), counting final chunks as outcomes;
 - teardown: drain `self.tasks` (`drain_timeout_s`, then cancel the rest), let the engine run the aborts /
   releases the cancelled tasks queued, then stop the engine.
 """
@@ -44,6 +46,7 @@ from libs.worker.kv_events import KVFeed
 from libs.worker.kv_wire import layout_labels
 from libs.worker.metrics import Outcomes
 from libs.worker.mm import EmbeddingFetcher, LazyEncoder
+from libs.worker.stream_ledger import StreamLedger
 from libs.worker.tasks import RequestTasks
 from libs.worker.wire import load_from, request_refusal
 from protos import subjects
@@ -56,6 +59,8 @@ from protos.messages import (
     RegistryEntry,
     Role,
     ServiceState,
+    StreamReplayReply,
+    StreamReplayRequest,
     TokenChunk,
     WorkerLoad,
 )
@@ -84,6 +89,7 @@ class EngineWorkerService(Service):
         self.kv_feed: KVFeed | None = None
         self.tasks = RequestTasks(remember=config.recent_aborts)
         self.outcomes = Outcomes()
+        self.streams = StreamLedger()
         self.load = WorkerLoad()
         self.address = config.data_address
         # GCache (L3): a test injects its BlockStore here before setup; else, with `gcache` on, setup builds the
@@ -146,6 +152,8 @@ class EngineWorkerService(Service):
         self.engine = engine
         aborts = await self.bus.subscribe(subjects.abort(cfg.namespace), AbortRequest)
         self.spawn(self._abort_loop(aborts), name="aborts", critical=True)
+        await self.bus.serve(subjects.stream_replay(cfg.namespace, cfg.instance_id), StreamReplayRequest,
+                             self._stream_replay)
         await self.start_kv_feed()
         await self.refresh_load()
         self.spawn(self._load_loop(), name="load", critical=True)
@@ -307,7 +315,10 @@ class EngineWorkerService(Service):
         """Publish a TokenChunk on a request's stream (the roles' injected `publish`)."""
         assert self.bus is not None
         self.outcomes.observe(chunk)
-        await self.bus.publish(subject, chunk)
+        await self.bus.publish(subject, self.streams.number(chunk))
+
+    async def _stream_replay(self, req: StreamReplayRequest) -> StreamReplayReply:
+        return self.streams.replay(req.request_id, req.from_seq)
 
     # --- load, registry, health, metrics --------------------------------------------------------------
 

@@ -56,6 +56,8 @@ from protos.messages import (
     RegistryEntry,
     RouteReply,
     RouteRequest,
+    StreamReplayReply,
+    StreamReplayRequest,
     TokenChunk,
     WireFinishReason,
     WireMMItem,
@@ -143,6 +145,13 @@ class _Liveness:
     misses: dict[str, int] = field(default_factory=dict)
     disconnected_since: float | None = None
     silent_since: dict[str, float] = field(default_factory=dict)  # first probe of the current run of timeouts
+
+
+@dataclass
+class _StreamOrder:
+    """One attempt's next expected chunk number per sending worker."""
+
+    expected: dict[str, int] = field(default_factory=dict)
 
 
 class NatsBackend:
@@ -365,24 +374,66 @@ class NatsBackend:
             raise BackendError(status, ack.message or f"worker {target}: {ack.status.value}", code=code)
 
     async def _chunks(self, sub, request_id: str, watch: set[str], route: RouteReply) -> AsyncIterator[TokenChunk]:
+        """The attempt's chunks in order. Core NATS may lose a message (a node that dies or hangs): chunks are
+        numbered per sending worker (`TokenChunk.seq`), a gap or a silent liveness interval asks the worker for
+        what it sent again (`StreamReplayRequest`), late duplicates are dropped, and chunks the worker no longer
+        holds fail the attempt explicitly (never a silent hole or a wait for the idle bound)."""
         cfg = self.config
         last = time.monotonic()
         live = _Liveness()
+        order = _StreamOrder()
         first = True
         while True:
             try:
-                chunk = await sub.next(cfg.liveness_interval_s)
+                batch = [await sub.next(cfg.liveness_interval_s)]
             except BusTimeout:
                 if time.monotonic() - last > cfg.idle_timeout_s:
                     raise self.unavailable(f"request {request_id}: no tokens for {cfg.idle_timeout_s}s") from None
-                await self._probe(watch, live, route)
-                continue
-            last = time.monotonic()
-            if first and chunk.instance_id:
-                watch, first = {chunk.instance_id}, False  # from now on only the streaming worker matters
-            yield chunk
+                batch = await self._probe(watch, live, route, request_id, order)
+            for chunk in batch:
+                for ready in await self._in_order(chunk, order, request_id):
+                    last = time.monotonic()
+                    if first and ready.instance_id:
+                        watch, first = {ready.instance_id}, False  # from now on only the streaming worker matters
+                    yield ready
 
-    async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply) -> None:
+    async def _in_order(self, chunk: TokenChunk, order: _StreamOrder, request_id: str) -> list[TokenChunk]:
+        """`chunk` and any chunks lost before it (fetched again from its sender), or [] for a duplicate."""
+        if chunk.seq < 0 or not chunk.instance_id:
+            return [chunk]  # unnumbered: taken as it comes
+        expected = order.expected.get(chunk.instance_id, 0)
+        if chunk.seq < expected:
+            return []
+        missing: list[TokenChunk] = []
+        if chunk.seq > expected:
+            metrics.STREAM_GAPS.inc()
+            reply = await self._replay(chunk.instance_id, request_id, expected)
+            missing = [c for c in (reply.chunks if reply is not None else []) if expected <= c.seq < chunk.seq]
+            if [c.seq for c in missing] != list(range(expected, chunk.seq)):
+                raise self.unavailable(
+                    f"request {request_id}: chunks {expected}..{chunk.seq - 1} from {chunk.instance_id} were lost in "
+                    "transit (a NATS node failed?) and the worker no longer holds them", code="stream_lost")
+            metrics.STREAM_REPLAYED.inc(len(missing))
+            log.warning("token chunks lost in transit, fetched again", extra={
+                "request_id": request_id, "instance": chunk.instance_id, "chunks": len(missing), "on": "gap"})
+        order.expected[chunk.instance_id] = chunk.seq + 1
+        return [*missing, chunk]
+
+    async def _replay(self, instance: str, request_id: str, from_seq: int) -> StreamReplayReply | None:
+        """What `instance` sent for the request from `from_seq` on; None when it cannot be asked (no such
+        subject: an older worker or a fake; a timeout)."""
+        try:
+            return await self._request(subjects.stream_replay(self.config.namespace, instance),
+                                       StreamReplayRequest(request_id=request_id, from_seq=from_seq),
+                                       StreamReplayReply, self.config.liveness_interval_s, f"asking {instance} again")
+        except BusError:
+            return None
+
+    async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply, request_id: str,
+                     order: _StreamOrder) -> list[TokenChunk]:
+        """Probe the attempt's workers after a silent interval: a worker's stream replay (which proves it alive
+        and returns what it sent that never arrived), or its health subject where it serves no replay. Raises
+        PeerFailed for a worker that is gone."""
         misses = live.misses
         if not self._bus.is_connected:  # no probe can answer: not the workers' fault, until the reconnect bound
             now = time.monotonic()
@@ -391,12 +442,21 @@ class NatsBackend:
                 raise self.unavailable(f"the control plane (NATS) is unreachable for over "
                                        f"{self.config.reconnect_bound_s}s; workers {sorted(instances)} cannot be "
                                        "reached", code="control_plane_unavailable")
-            return
+            return []
         live.disconnected_since = None
+        found: list[TokenChunk] = []
         for instance in sorted(instances):
+            expected = order.expected.get(instance, 0)
             try:
-                await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
-                                    self.config.liveness_interval_s, f"probing {instance}")
+                try:
+                    reply = await self._request(
+                        subjects.stream_replay(self.config.namespace, instance),
+                        StreamReplayRequest(request_id=request_id, from_seq=expected), StreamReplayReply,
+                        self.config.liveness_interval_s, f"probing {instance}")
+                except NoResponders:  # a worker without replay (a test's fake): its health subject
+                    reply = None
+                    await self._request(subjects.health(self.config.namespace, instance), HealthRequest(),
+                                        HealthReply, self.config.liveness_interval_s, f"probing {instance}")
                 misses[instance] = 0
                 live.silent_since.pop(instance, None)
             except BusError as exc:
@@ -408,6 +468,19 @@ class NatsBackend:
                 if misses[instance] >= self.config.liveness_misses:
                     raise PeerFailed(f"worker {instance} is gone ({misses[instance]} health probes failed, last: "
                                      f"{exc})", instance, decode=_is_decode(route, instance)) from exc
+                continue
+            if reply is None:
+                continue
+            if expected and not reply.known:
+                raise self.unavailable(f"request {request_id}: {instance} no longer holds its stream (chunks from "
+                                       f"{expected} on were lost in transit)", code="stream_lost")
+            if reply.chunks:
+                metrics.STREAM_GAPS.inc()
+                metrics.STREAM_REPLAYED.inc(len(reply.chunks))
+                log.warning("token chunks lost in transit, fetched again", extra={
+                    "request_id": request_id, "instance": instance, "chunks": len(reply.chunks), "on": "silence"})
+                found.extend(reply.chunks)
+        return found
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -8,6 +8,11 @@ QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission sl
 REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
 FAILOVERS = Counter("windserve_gateway_failovers_total",
                     "Attempts retried on another instance (a worker gone or busy before the first token)")
+STREAM_GAPS = Counter("windserve_gateway_stream_gaps_total",
+                      "Token chunks found missing (a gap in a worker's numbering, or a silent interval after which "
+                      "the worker had sent more): lost in transit by NATS, fetched again from the worker")
+STREAM_REPLAYED = Counter("windserve_gateway_stream_replayed_chunks_total",
+                          "Token chunks fetched again from their worker after NATS lost them")
 DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
 PROMPT_TOKENS = Counter("windserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens served from a prefix cache")
