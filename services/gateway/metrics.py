@@ -8,6 +8,11 @@ QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission sl
 REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
 FAILOVERS = Counter("windserve_gateway_failovers_total",
                     "Attempts retried on another instance (a worker gone or busy before the first token)")
+ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
+                        "Route requests asked again of another router (one did not answer within route_try_timeout_s "
+                        "or was gone)")
+ROUTER_BYPASSED = Counter("windserve_gateway_router_bypassed_total",
+                          "Requests placed from the registry because no router answered within route_timeout_s")
 DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
 PROMPT_TOKENS = Counter("windserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens served from a prefix cache")
