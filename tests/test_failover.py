@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from libs.bus import Bus
+from libs.bus import Bus, Unavailable
 from protos import subjects
 from protos.messages import (
     AbortRequest,
@@ -214,8 +214,9 @@ async def test_a_router_that_ignores_exclusions_is_overridden(bus):
 
 
 class FakeRouter:
-    """A router replica on the bus, registered by the test's listing: `answer` routes to that instance; None = hung
-    (subscribed on its own subject and in the queue group, as a SIGSTOPped router stays, but never answers)."""
+    """A router replica on the bus, registered by the test's listing: `answer` routes to that instance; "" refuses
+    (no worker in its view); None = hung (subscribed on its own subject and in the queue group, as a SIGSTOPped
+    router stays, but never answers)."""
 
     def __init__(self, bus: Bus, instance: str, answer: str | None) -> None:
         self.bus, self.instance, self.answer = bus, instance, answer
@@ -239,6 +240,8 @@ class FakeRouter:
     async def _route(self, req: RouteRequest) -> RouteReply:
         self.asked.append(req.request_id)
         assert self.answer is not None
+        if not self.answer:
+            raise Unavailable(f"no worker for request {req.request_id}: {self.instance}'s view is empty")
         return RouteReply(prefill_instance=self.answer, decode_instance=self.answer)
 
     def stop(self) -> None:
@@ -270,6 +273,20 @@ async def test_a_silent_router_costs_one_try_then_is_asked_last(bus):
         assert hung.asked == ["first"] and live.asked == ["first"] + [f"later{k}" for k in range(4)]
     finally:
         hung.stop()
+
+
+async def test_a_router_that_refuses_is_passed_over_for_one_that_places(bus):
+    """A router whose view lags (just started, or resumed after a stop) answers 'no worker': the next router is
+    asked; when every router refuses, the 503 carries their reason."""
+    empty = await FakeRouter(bus, "r-a", "").start()
+    live = await FakeRouter(bus, "r-b", "w-ok").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await run(backend(bus, [entry("r-a", Role.ROUTER), entry("r-b", Role.ROUTER), entry("w-ok")]), "one")
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["one"]
+    assert empty.asked == ["one"] and live.asked == ["one"]
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("r-a", Role.ROUTER), entry("w-ok")]), "two")
+    assert err.value.status == 503 and "view is empty" in err.value.message and empty.asked == ["one", "two"]
 
 
 async def test_every_router_silent_places_from_the_registry(bus):

@@ -254,12 +254,13 @@ class NatsBackend:
         """The first answer of a router, within `route_timeout_s` in all: each registered router by name (in turn;
         those that lately did not answer last) for at most `route_try_timeout_s`, then the queue group until the
         bound. Raises NoResponders when nothing listens anywhere (no router running), RoutersSilent when
-        something listens but nothing answered in time, RemoteError when a router answered that it cannot place
-        the request (the others share its registry: not asked again)."""
+        something listens but nothing answered in time, RemoteError when the routers that answered all said they
+        cannot place the request (one refusing is passed over: its registry view may lag the others')."""
         cfg = self.config
         ns = cfg.namespace
         deadline = time.monotonic() + cfg.route_timeout_s
         silent: list[str] = []
+        refused: RemoteError | None = None
 
         async def ask(subject: str, what: str) -> RouteReply:
             timeout = min(cfg.route_try_timeout_s, deadline - time.monotonic())
@@ -272,8 +273,9 @@ class NatsBackend:
                 metrics.ROUTE_RETRIES.inc()
             try:
                 reply = await ask(subjects.router_route(ns, router), f"asking router {router}")
-            except RemoteError:
-                raise
+            except RemoteError as exc:  # its view may lag (just started or resumed): the next one may place it
+                refused = refused or exc
+                continue
             except NoResponders:  # gone (listed until its entry expires), or a router of an older release
                 self._silent_routers[router] = time.monotonic()
                 continue
@@ -285,6 +287,8 @@ class NatsBackend:
                 continue
             self._silent_routers.pop(router, None)
             return reply
+        if refused is not None:  # every router that answered refused it (the queue group holds the same ones)
+            raise refused
         while deadline - time.monotonic() >= _MIN_TRY_S:  # a router the listing does not show (yet), or none listed
             try:
                 return await ask(subjects.route(ns), "asking the router")
