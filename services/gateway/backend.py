@@ -135,8 +135,8 @@ class BackendConfig:
     fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
 
     def __post_init__(self) -> None:
-        if min(self.route_timeout_s, self.route_try_timeout_s, self.router_suspect_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s,
-               self.failover_timeout_s, self.reconnect_bound_s) <= 0:
+        if min(self.route_timeout_s, self.route_try_timeout_s, self.router_suspect_s, self.ack_timeout_s,
+               self.liveness_interval_s, self.idle_timeout_s, self.failover_timeout_s, self.reconnect_bound_s) <= 0:
             raise ValueError("BackendConfig timeouts must be > 0")
         if self.liveness_misses < 1 or self.page_size < 1 or self.max_attempts < 1:
             raise ValueError("BackendConfig: liveness_misses, page_size and max_attempts must be >= 1")
@@ -261,6 +261,7 @@ class NatsBackend:
         deadline = time.monotonic() + cfg.route_timeout_s
         silent: list[str] = []
         refused: RemoteError | None = None
+        passed_over = 0  # named routers that did not give an answer to use
 
         async def ask(subject: str, what: str) -> RouteReply:
             timeout = min(cfg.route_try_timeout_s, deadline - time.monotonic())
@@ -269,19 +270,21 @@ class NatsBackend:
         for router in await self._router_order():
             if deadline - time.monotonic() < _MIN_TRY_S:
                 break
-            if silent:
+            if passed_over:
                 metrics.ROUTE_RETRIES.inc()
             try:
                 reply = await ask(subjects.router_route(ns, router), f"asking router {router}")
             except RemoteError as exc:  # its view may lag (just started or resumed): the next one may place it
-                refused = refused or exc
+                refused, passed_over = refused or exc, passed_over + 1
                 continue
             except NoResponders:  # gone (listed until its entry expires), or a router of an older release
                 self._silent_routers[router] = time.monotonic()
+                passed_over += 1
                 continue
             except BusError as exc:  # silent: hung, or behind a hung NATS node
                 self._silent_routers[router] = time.monotonic()
                 silent.append(f"{router}: {exc}")
+                passed_over += 1
                 log.warning("router did not answer; asking another", extra={"request_id": req.request_id,
                                                                             "router": router, "error": str(exc)})
                 continue

@@ -9,8 +9,8 @@ REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 42
 FAILOVERS = Counter("windserve_gateway_failovers_total",
                     "Attempts retried on another instance (a worker gone or busy before the first token)")
 ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
-                        "Route requests asked again of another router (one did not answer within route_try_timeout_s "
-                        "or was gone)")
+                        "Route requests asked again of another router (one did not answer within route_try_timeout_s, "
+                        "was gone, or refused it)")
 ROUTER_BYPASSED = Counter("windserve_gateway_router_bypassed_total",
                           "Requests placed from the registry because no router answered within route_timeout_s")
 DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
