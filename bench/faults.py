@@ -6,7 +6,8 @@ decode deployment (the prefill while prompts are still before their first token)
 while requests look up and write L3 (`gcache_node_*`); `encoder`: one of 2 encoders under image chats
 (`encoder_*`); `nats_node`: the NATS node leading the registry stream of a 3-node cluster (with a client's
 short requests across the election: `nats_node_*`); `nats_hung`: that node SIGSTOPped for 6 s then continued
-(`nats_hung_*`). The request-load faults' rows count the requests in flight at the kill as `in_flight`. Per fault:
+(`nats_hung_*`); `router_hung`: one of 2 routers SIGSTOPped for 6 s then continued under 4 clients' short
+requests (`router_hung_*`). The request-load faults' rows count the requests in flight at the kill as `in_flight`. Per fault:
 failed / in-flight streams, requests lost (no explicit ending), 500s, time from the kill until the first
 request sent after it succeeds, and the attempts the gateway failed over. Goals (issue 14): 0 lost, 0 x 500,
 recovery <= 1 s for a worker death with a survivor, <= the reconnect bound + 1 s for a NATS node.
@@ -35,6 +36,7 @@ from tests.fixtures.faults import (
     kill_under_load,
     nats_cluster,
     probe_figures,
+    stop_router_under_load,
 )
 from tests.fixtures.nats import start_nats_server
 
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-FAULTS = ("roles", "nats_node", "gcache_node", "encoder", "nats_hung")
+FAULTS = ("roles", "nats_node", "gcache_node", "encoder", "nats_hung", "router_hung")
 
 
 async def run_all(streams: int, logs: Path, only: set[str]) -> list[FaultResult]:
@@ -55,6 +57,8 @@ async def run_all(streams: int, logs: Path, only: set[str]) -> list[FaultResult]
             results.append(await gcache_node_fault(nats.url, logs))
         if "encoder" in only:
             results.append(await encoder_fault(nats.url, logs))
+        if "router_hung" in only:
+            results.append(await router_hung_fault(nats.url, logs))
     finally:
         nats.stop()
     if "nats_node" in only:
@@ -82,6 +86,17 @@ async def encoder_fault(nats_url: str, logs: Path) -> FaultResult:
     try:
         dep.start_all({"encoder": 2, "gateway": 1, "router": 1, "worker": 1})
         return await kill_encoder_under_load(dep, clients=4, load_s=10, timeout_s=45)
+    finally:
+        dep.stop()
+
+
+async def router_hung_fault(nats_url: str, logs: Path) -> FaultResult:
+    """SIGSTOP of one of 2 routers (gateway, 2 routers, prefill, decode) for 6 s, then SIGCONT, while 4 clients send
+    short completions for 14 s (the stop 3 s in). `retried`: routes asked again of the other router."""
+    dep = deployment(nats_url, logs / "router-hung")
+    try:
+        dep.start_all({"gateway": 1, "router": 2, "prefill": 1, "decode": 1})
+        return await stop_router_under_load(dep, "router-0", stop_s=6.0, clients=4, kill_after_s=3, load_s=14)
     finally:
         dep.stop()
 
@@ -152,6 +167,7 @@ def summary(results: list[FaultResult]) -> dict:
         **probe_figures("gcache_node", next((r for r in results if r.fault == "gcache node"), None)),
         **probe_figures("encoder", next((r for r in results if r.fault == "encoder"), None)),
         **probe_figures("nats_hung", next((r for r in results if r.fault == "nats hung"), None)),
+        **probe_figures("router_hung", next((r for r in results if r.fault == "router hung"), None)),
         "faults": per_fault,
     }
 

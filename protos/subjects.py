@@ -44,6 +44,12 @@ def route(ns: str) -> str:
     return f"{_base(ns)}.route"
 
 
+def router_route(ns: str, instance_id: str) -> str:
+    """Routing requests addressed to one router replica (request/reply, no queue group): the gateway asks a
+    named router, so when one does not answer in time it asks another, not the queue group's random pick."""
+    return f"{_base(ns)}.router.{token(instance_id)}.route"
+
+
 def abort(ns: str) -> str:
     """Abort broadcasts: every worker of the namespace frees what it holds for the request."""
     return f"{_base(ns)}.abort"

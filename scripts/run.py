@@ -54,6 +54,7 @@ STABLE_S = 30.0  # a child up this long counts as healthy again: its next restar
 PROBE_INTERVAL_S = 1.0  # liveness: each service's health subject is asked this often ...
 PROBE_TIMEOUT_S = 2.0  # ... and must answer within this
 WATCHDOG_EXIT = 70  # libs/service/watchdog.EXIT_CODE (not imported: this script starts before the services' deps)
+SELF_CHECK_EXIT = 69  # libs/service/selfcheck.EXIT_CODE (likewise)
 CACHE_DISK_BYTES = 8 << 30  # disk tier of each storage node unless WINDSERVE_DISK_BYTES says otherwise
 
 
@@ -170,6 +171,8 @@ def describe_exit(code: int) -> str:
             return f"code {code} (killed by {signal.Signals(-code).name})"
     if code == WATCHDOG_EXIT:
         return f"code {code} (its event loop stalled: the service's watchdog ended it)"
+    if code == SELF_CHECK_EXIT:
+        return f"code {code} (its own NATS subscriptions stopped answering: the service's bus self-check ended it)"
     return f"code {code}"
 
 

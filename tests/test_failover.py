@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from libs.bus import Bus
+from libs.bus import Bus, Unavailable
 from protos import subjects
 from protos.messages import (
     AbortRequest,
@@ -211,6 +211,142 @@ async def test_a_router_that_ignores_exclusions_is_overridden(bus):
     chunks = await run(backend(bus, [entry("w-dead"), entry("w-ok", running=3)]))
     assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["req-r1"]
     assert [r.exclude_instances for r in asked] == [[], ["w-dead"]]
+
+
+class FakeRouter:
+    """A router replica on the bus, registered by the test's listing: `answer` routes to that instance; "" refuses
+    (no worker in its view); None = hung (subscribed on its own subject and in the queue group, as a SIGSTOPped
+    router stays, but never answers)."""
+
+    def __init__(self, bus: Bus, instance: str, answer: str | None) -> None:
+        self.bus, self.instance, self.answer = bus, instance, answer
+        self.asked: list[str] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> FakeRouter:
+        for subject, queue in ((subjects.router_route(NS, self.instance), None),
+                               (subjects.route(NS), subjects.ROUTER_QUEUE)):
+            if self.answer is None:
+                sub = await self.bus.subscribe(subject, RouteRequest, queue=queue)
+                self._tasks.append(asyncio.create_task(self._swallow(sub)))
+            else:
+                await self.bus.serve(subject, RouteRequest, self._route, queue=queue)
+        return self
+
+    async def _swallow(self, sub) -> None:
+        async for req in sub:
+            self.asked.append(req.request_id)
+
+    async def _route(self, req: RouteRequest) -> RouteReply:
+        self.asked.append(req.request_id)
+        assert self.answer is not None
+        if not self.answer:
+            raise Unavailable(f"no worker for request {req.request_id}: {self.instance}'s view is empty")
+        return RouteReply(prefill_instance=self.answer, decode_instance=self.answer)
+
+    def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+
+async def test_a_silent_router_costs_one_try_then_is_asked_last(bus):
+    """Two registered routers, one hung (it holds its subscriptions but never answers, as a SIGSTOPped router or one
+    behind a hung NATS node): the request it was asked first is answered by the other after one short try (not
+    route_timeout_s, not a 503); later requests ask the live one first and never wait on the hung one."""
+    hung = await FakeRouter(bus, "r-a", None).start()  # sorted first: asked first on the first route
+    live = await FakeRouter(bus, "r-b", "w-ok").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    retries = metrics.ROUTE_RETRIES._value.get()
+    b = backend(bus, [entry("r-a", Role.ROUTER), entry("r-b", Role.ROUTER), entry("w-ok")],
+                route_timeout_s=3.0, route_try_timeout_s=0.4)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        chunks = await run(b, "first")
+        took = loop.time() - started
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["first"]
+        assert hung.asked == ["first"] and live.asked == ["first"], (hung.asked, live.asked)
+        assert 0.4 <= took < 3.0, took  # one try on the hung router, not the whole route bound
+        assert metrics.ROUTE_RETRIES._value.get() == retries + 1
+        for k in range(4):  # the turn would alternate; the hung one is asked last while suspect
+            await run(b, f"later{k}")
+        assert hung.asked == ["first"] and live.asked == ["first"] + [f"later{k}" for k in range(4)]
+    finally:
+        hung.stop()
+
+
+async def test_a_router_that_refuses_is_passed_over_for_one_that_places(bus):
+    """A router whose view lags (just started, or resumed after a stop) answers 'no worker': the next router is
+    asked; when every router refuses, the 503 carries their reason."""
+    empty = await FakeRouter(bus, "r-a", "").start()
+    live = await FakeRouter(bus, "r-b", "w-ok").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await run(backend(bus, [entry("r-a", Role.ROUTER), entry("r-b", Role.ROUTER), entry("w-ok")]), "one")
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["one"]
+    assert empty.asked == ["one"] and live.asked == ["one"]
+    with pytest.raises(BackendError) as err:
+        await run(backend(bus, [entry("r-a", Role.ROUTER), entry("w-ok")]), "two")
+    assert err.value.status == 503 and "view is empty" in err.value.message and empty.asked == ["one", "two"]
+
+
+async def test_every_router_silent_places_from_the_registry(bus):
+    """Every registered router hung: within route_timeout_s the gateway places the request itself from the registry
+    (a combined worker; a disaggregated pair too) instead of answering 503."""
+    hung = await FakeRouter(bus, "r-a", None).start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    bypassed = metrics.ROUTER_BYPASSED._value.get()
+    b = backend(bus, [entry("r-a", Role.ROUTER), entry("w-ok")], route_timeout_s=1.0, route_try_timeout_s=0.4)
+    disagg = backend(bus, [entry("r-a", Role.ROUTER), entry("p-0", Role.PREFILL),
+                           entry("d-0", Role.DECODE, address="tcp://127.0.0.1:1")],
+                     route_timeout_s=1.0, route_try_timeout_s=0.4)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        chunks = await run(b, "alone")
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["alone"]
+        assert 1.0 <= loop.time() - started < 3.0  # the route bound, then the placement (no router answered)
+        assert hung.asked[0] == "alone" and set(hung.asked) == {"alone"}  # by name, then via the queue group
+        reply = await disagg.route("pair", [1, 2, 3])
+        assert (reply.prefill_instance, reply.decode_instance) == ("p-0", "d-0")
+        assert metrics.ROUTER_BYPASSED._value.get() == bypassed + 2
+    finally:
+        hung.stop()
+
+
+async def test_every_router_silent_and_nothing_to_place_is_an_explicit_503(bus):
+    hung = await FakeRouter(bus, "r-a", None).start()
+    b = backend(bus, [entry("r-a", Role.ROUTER), entry("p-0", Role.PREFILL)], route_timeout_s=1.0,
+                route_try_timeout_s=0.4)
+    try:
+        with pytest.raises(BackendError) as err:
+            await asyncio.wait_for(run(b), 5)
+        assert (err.value.status, err.value.code, err.value.retry_after_s) == (503, "router_unavailable", 1)
+        assert "router did not answer" in err.value.message and "r-a" in err.value.message
+        assert "decode" in err.value.message  # why nothing could be placed: no decode worker
+    finally:
+        hung.stop()
+
+
+async def test_a_listed_router_that_is_gone_is_passed_over_at_once(bus):
+    """The listing still shows a SIGKILLed router (until its entry expires): no responders on its subject, the
+    next one answers; with only dead routers listed, the request is the no-router case (registry fallback)."""
+    live = await FakeRouter(bus, "r-b", "w-ok").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    b = backend(bus, [entry("r-a", Role.ROUTER), entry("r-b", Role.ROUTER), entry("w-ok")], route_try_timeout_s=5.0)
+    chunks = await asyncio.wait_for(run(b, "one"), 4)  # r-a first: no responders, no wait for its try
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and live.asked == ["one"] and ok.requests == ["one"]
+
+
+async def test_only_dead_routers_listed_is_the_no_router_case(bus):
+    """Every listed router gone (no responders by name or in the queue group): the registry fallback as with no
+    router at all (a combined worker), and a disaggregated fleet's 503 still says to start a router."""
+    ok = await FakeWorker(bus, "w-ok").start()
+    chunks = await asyncio.wait_for(run(backend(bus, [entry("r-dead", Role.ROUTER), entry("w-ok")]), "two"), 4)
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and ok.requests == ["two"]
+    entries = [entry("r-dead", Role.ROUTER), entry("p-0", Role.PREFILL), entry("d-0", Role.DECODE, address="tcp://h:1")]
+    with pytest.raises(BackendError) as err:
+        await asyncio.wait_for(run(backend(bus, entries)), 4)
+    assert err.value.code == "router_unavailable" and "no router is running" in err.value.message
 
 
 async def test_no_router_with_a_disaggregated_fleet_names_the_router(bus):

@@ -230,3 +230,42 @@ async def test_nats_node_leading_the_registry_hung_under_load(tmp_path):
             assert_baseline(await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")]))
         finally:
             dep.stop()
+
+
+async def test_one_of_two_routers_stopped_under_load(nats_server, tmp_path):
+    """One of two routers SIGSTOPped for 6 s (three registry TTLs of the suite) under 4 clients' short requests,
+    then SIGCONT: its subscriptions stay with nats-server and nothing answers on them. No request fails (the
+    gateway asks the other router after one short try, then asks the stopped one last), none is lost or slower
+    than the route bound allows; after SIGCONT the router answers by name again and is listed, no ghost, pools at
+    baseline."""
+    from libs.bus import Bus
+    from protos import subjects
+    from protos.messages import RouteReply, RouteRequest
+    from tests.fixtures.faults import listed_instances, stop_router_under_load
+
+    dep = deployment(nats_server.url, tmp_path / "logs")
+    try:
+        dep.start_all({"gateway": 1, "router": 2, "prefill": 1, "decode": 1})
+        result = await stop_router_under_load(dep, "router-0", stop_s=6.0, clients=4, kill_after_s=3, load_s=14)
+        print(result.headline(), max(round(o.ended_at - o.sent_at, 2) for o in result.probes))
+        outs = result.probes
+        assert result.status_500 == 0 and result.lost == 0, [o for o in outs if o.is_500 or o.lost]
+        assert all(o.ok for o in outs), [o for o in outs if not o.ok]  # not even a 503
+        assert len(outs) >= 20 and result.recovery_s < RECOVERY_BOUND_S, result.headline()
+        assert result.retried >= 1, result.headline()  # the stopped router was asked, and passed over
+        # bounded: a route waits one try (0.75 s) per silent router, never route_timeout_s (2 s) + a 503
+        assert max(o.ended_at - o.sent_at for o in result.probes) < RECOVERY_BOUND_S, result.headline()
+        assert await listed_instances(dep) == set(dep.procs)
+        bus = await Bus.connect(nats_server.url, name="fault-check", timeout=5)
+        try:
+            reply = await bus.request(subjects.router_route(dep.namespace, "router-0"),
+                                      RouteRequest(request_id="after-cont", num_tokens=12), RouteReply, 10)
+        finally:
+            await bus.close()
+        assert (reply.prefill_instance, reply.decode_instance) == ("prefill-0", "decode-0")
+        async with httpx.AsyncClient(timeout=30) as client:
+            outs = [await complete(client, dep.url, prompt(90_000 + k, 12), 4) for k in range(4)]
+        assert all(o.ok for o in outs), outs
+        assert_baseline(await dep.settled(survivors(dep, "prefill", "decode")))
+    finally:
+        dep.stop()

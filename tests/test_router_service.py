@@ -323,6 +323,13 @@ async def test_two_routers_agree_and_a_burst_split_over_them_spreads(bus, nats_u
             first = await routers[0].route(req)
             await until(lambda: routers[1].remote_picks > seen, what="pick shared")  # noqa: B023
             assert await routers[1].route(req) == first
+        # each replica answers on its own subject too (the gateway asks a named router when one is silent)
+        for i, router in enumerate(routers):
+            other = routers[1 - i]
+            seen = other.remote_picks
+            await bus.request(subjects.router_route(ns, router.router_id),
+                              RouteRequest(request_id=f"named{i}", num_tokens=8), RouteReply, 10)
+            await until(lambda: other.remote_picks > seen, what="the named replica answered")  # noqa: B023
     finally:
         await shutdown(routers, workers)
 

@@ -1,6 +1,7 @@
 """Service base: config loading, JSON logs, lifecycle (health, drain, deregister), real processes."""
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
@@ -366,3 +367,110 @@ async def test_a_service_whose_loop_stalls_exits_70_and_a_stopped_one_resumes(bu
                 proc.wait(5)
             if proc.stderr:
                 proc.stderr.close()
+
+
+# --- the bus self-check ---------------------------------------------------------------------------
+
+
+async def _health_sub_lost(svc: Service) -> None:
+    """Unsubscribe the service's own health subscription behind its back (as a subscription lost in a reconnect
+    would be): its loop runs, its bus is connected, nothing answers `windserve.<ns>.health.<id>`."""
+    assert svc.bus is not None
+    subject = subjects.health(svc.config.namespace, svc.config.instance_id)
+    sub = next(s for s in svc.bus._servers if s.subject == subject)
+    await sub.unsubscribe()
+
+
+@pytest.mark.integration
+async def test_self_check_ignores_a_nats_outage_and_stops_a_service_whose_subscription_is_gone(tmp_path):
+    """nats-server stopped for three self-check bounds, then restarted on its port and store: the service is not
+    stopped (a NATS outage is not the service's), its asks are answered again after the reconnect; then its
+    health subscription is removed while the connection is up: it stops with exit code 69 within the bound,
+    naming the cause."""
+    from libs.service.selfcheck import EXIT_CODE
+    from tests.fixtures.nats import start_nats_server
+
+    nats = start_nats_server(str(tmp_path / "nats"))
+    svc = EchoService(svc_config(nats.url, self_check_s=1.0))
+    runner = asyncio.create_task(svc.run(self_check=False))
+    try:
+        async with asyncio.timeout(10):
+            while svc.state != ServiceState.RUNNING:
+                await asyncio.sleep(0.02)
+        check = svc.start_self_check(interval_s=0.2, timeout_s=0.2)
+        async with asyncio.timeout(5):
+            while check.asks < 3:
+                await asyncio.sleep(0.05)
+        nats.stop()
+        await asyncio.sleep(3.0)  # 3 x self_check_s without NATS
+        assert not runner.done() and svc.exit_code == 0 and svc.state == ServiceState.RUNNING
+        nats = start_nats_server(str(tmp_path / "nats"), port=nats.port)
+        asks = check.asks
+        async with asyncio.timeout(15):  # reconnected (reconnect_wait 1 s) and its restored subscription answers
+            while check.asks < asks + 3:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)
+        assert not runner.done() and svc.exit_code == 0
+
+        loop = asyncio.get_running_loop()
+        lost_at = loop.time()
+        await _health_sub_lost(svc)
+        await asyncio.wait_for(asyncio.shield(runner), 15)
+        assert svc.exit_code == EXIT_CODE == 69 and svc.state == ServiceState.STOPPED
+        # bound: self_check_s of failed asks (+ one ask's timeout), then a graceful stop (nothing in flight)
+        assert loop.time() - lost_at < 1.0 + 0.2 + 0.2 + 5.0
+    finally:
+        svc.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner, 15)
+        nats.stop()
+
+
+_LOSING_SERVICE = """
+import asyncio
+import contextlib
+from libs.service import Service, ServiceConfig
+from libs.service.service import main
+from protos import subjects
+from protos.messages import Role
+
+class Losing(Service):
+    role = Role.ROUTER
+    async def setup(self):
+        async def lose():
+            await asyncio.sleep(1.0)
+            subject = subjects.health(self.config.namespace, self.config.instance_id)
+            await next(s for s in self.bus._servers if s.subject == subject).unsubscribe()  # behind the bus's back
+        self.spawn(lose(), name="lose-health-subscription")
+
+raise SystemExit(main(Losing, ServiceConfig))
+"""
+
+
+@pytest.mark.e2e
+async def test_a_service_whose_subscription_is_gone_exits_69_and_deregisters(bus, nats_url):
+    """A real service process (its entry point: the self-check on by default) whose health subscription is gone
+    while its loop runs and its connection is up ends itself with code 69 within WINDSERVE_SELF_CHECK_S (+ one
+    ask), names the cause in its log, and deregisters on the way out (a graceful stop)."""
+    namespace = "test_selfcheck"
+    registry = await Registry.open(bus, bucket=subjects.registry_bucket(namespace))
+    proc = subprocess.Popen([sys.executable, "-c", _LOSING_SERVICE], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=_env(nats_url, "loses", namespace, WINDSERVE_SELF_CHECK_S="2",
+                                                             WINDSERVE_REGISTRY_TTL_S="30",
+                                                             WINDSERVE_DRAIN_TIMEOUT_S="2"))
+    try:
+        await wait_listed(registry, "loses", True, 60)  # start-up only; slow on a loaded 2-core machine
+        listed_at = asyncio.get_running_loop().time()
+        code = await asyncio.to_thread(proc.wait, 30)
+        took = asyncio.get_running_loop().time() - listed_at
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert code == 69, err[-2000:]
+        assert "own health subscription" in err and "its subscriptions are gone" in err, err[-2000:]
+        assert 1.5 <= took < 20, took  # lost 1 s in; 2 s of failed asks (0.5 s apart); a graceful stop
+        assert "loses" not in [e.instance_id for e in await registry.list()]  # deregistered (its TTL is 30 s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr:
+            proc.stderr.close()

@@ -19,6 +19,7 @@ def test_exit_descriptions_name_the_signal():
     assert describe_exit(2) == "code 2"
     assert describe_exit(-9) == "code -9 (killed by SIGKILL)"
     assert describe_exit(70) == "code 70 (its event loop stalled: the service's watchdog ended it)"
+    assert "bus self-check" in describe_exit(69)
     from libs.service.watchdog import EXIT_CODE
     assert EXIT_CODE == 70
 

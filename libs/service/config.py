@@ -57,6 +57,11 @@ class ServiceConfig(BaseModel):
     loop_watchdog_s: float = Field(
         default=60.0, ge=0, description="exit (code 70) when the event loop has not run for this long, so a restart "
         "policy restarts the service (libs/service/watchdog.py); 0 = off")
+    self_check_s: float = Field(
+        default=30.0, ge=0, description="exit (code 69) when this instance's own health subscription has not "
+        "answered it over the bus for this long while the NATS connection is up (its subscriptions are gone), so "
+        "a restart policy restarts the service (libs/service/selfcheck.py); not counted while NATS is "
+        "unreachable; 0 = off")
 
     @model_validator(mode="after")
     def _heartbeat_below_ttl(self) -> ServiceConfig:

@@ -22,6 +22,8 @@ from libs.bus import Bus, BusConfig, BusError, HeartbeatConfig, Registration, Re
 from libs.service.config import ConfigError, ServiceConfig, load_config
 from libs.service.logs import setup_logging
 from libs.service.metrics import BACKGROUND_FAILURES, SERVICE_INFO, SERVICE_STATE, MetricsServer
+from libs.service.selfcheck import EXIT_CODE as SELF_CHECK_EXIT
+from libs.service.selfcheck import BusSelfCheck
 from libs.service.watchdog import EXIT_CODE, LoopWatchdog
 from protos import subjects
 from protos.messages import HealthReply, HealthRequest, RegistryEntry, Role, ServiceState
@@ -42,6 +44,7 @@ class Service:
         self.metrics_server: MetricsServer | None = None
         self._registration: Registration | None = None
         self._watchdog: LoopWatchdog | None = None
+        self.self_check: BusSelfCheck | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
         self._started_at = time.time()
@@ -156,9 +159,11 @@ class Service:
             await self._watchdog.stop()
         self._set_state(ServiceState.STOPPED)
 
-    async def run(self, watchdog: bool = False) -> None:
+    async def run(self, watchdog: bool = False, self_check: bool | None = None) -> None:
         """Start, wait for SIGTERM/SIGINT (or request_stop), then stop gracefully. `watchdog` (the process entry
-        point's, not a test's loop): from RUNNING on, a loop stalled for `loop_watchdog_s` ends the process."""
+        point's, not a test's loop): from RUNNING on, a loop stalled for `loop_watchdog_s` ends the process.
+        `self_check` (default: as `watchdog`): own health subject unanswered over the bus for `self_check_s` while
+        connected stops the service with exit code 69 (libs/service/selfcheck.py)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
@@ -168,10 +173,24 @@ class Service:
                 self._watchdog = LoopWatchdog(self.config.loop_watchdog_s,
                                               f"{self.role.value}-{self.config.instance_id}")
                 self._watchdog.start()
+            if (watchdog if self_check is None else self_check) and self.config.self_check_s > 0:
+                self.start_self_check()
             log.info("ready", extra={"role": self.role.value, "instance": self.config.instance_id})
             await self._stop_requested.wait()
         finally:
             await self.stop()
+
+    def start_self_check(self, interval_s: float | None = None, timeout_s: float | None = None) -> BusSelfCheck:
+        """Ask this instance's own health subject over the bus in the background (`BusSelfCheck`); asks failing for
+        `self_check_s` while connected and RUNNING stop the service with exit code 69."""
+        assert self.bus is not None
+        cfg = self.config
+        self.self_check = BusSelfCheck(
+            self.bus, subjects.health(cfg.namespace, cfg.instance_id), cfg.instance_id, cfg.self_check_s,
+            on_fail=lambda reason: self.fail(reason, SELF_CHECK_EXIT),
+            active=lambda: self.state is ServiceState.RUNNING, interval_s=interval_s, timeout_s=timeout_s)
+        self.spawn(self.self_check.run(), name="bus-self-check")
+        return self.self_check
 
     # --- background tasks -------------------------------------------------------------------
 

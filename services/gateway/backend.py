@@ -3,9 +3,15 @@
 Contract with any worker that streams (combined worker, or prefill + decode in disaggregated mode):
 1. the gateway checks the request fits some live serving path (registry limits; else 413 before anything
    computes), subscribes to `windserve.stream.<attempt id>` first, so no chunk can be missed;
-2. it asks the router (`windserve.route`) for (prefill, decode); if no router answers (none is running) it
-   picks the least-loaded live combined worker from the registry itself, with the router's own choice
-   function (`libs.routing.pick_worker`); a disaggregated fleet needs the router (the error says so);
+2. it asks a router for (prefill, decode): the registered routers by name (`windserve.<ns>.router.<id>.route`,
+   in turn, those that lately did not answer last), each for at most `route_try_timeout_s`, then the queue
+   group (`windserve.<ns>.route`: a router the listing does not show yet), all within `route_timeout_s`.
+   A router that does not answer in time (hung, or behind a hung NATS node) costs one try, not the
+   request. If no router is running (no responders anywhere) it picks the least-loaded live combined worker
+   from the registry itself, with the router's own choice function (`libs.routing.pick_worker`); a
+   disaggregated fleet needs the router (the error says so). If routers are registered but none answered
+   within `route_timeout_s`, it places the request from the registry (`repick`: pairs too, without
+   affinity) rather than fail it;
 3. it sends `GenerateRequest` to `windserve.worker.<prefill>.generate` (with `decode_instance` set
    when decode runs elsewhere) and waits, bounded, for a `GenerateAck` (a reply with only request
    and instance id is an acceptance);
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -112,7 +119,9 @@ _ACK_STATUS = {
 @dataclass(frozen=True)
 class BackendConfig:
     page_size: int = 16
-    route_timeout_s: float = 2.0
+    route_timeout_s: float = 2.0  # every router try of one route together (then: placed from the registry)
+    route_try_timeout_s: float = 0.75  # one router's answer; past it the next router is asked
+    router_suspect_s: float = 5.0  # a router that did not answer is asked last this long (about a registry TTL)
     ack_timeout_s: float = 30.0
     registry_timeout_s: float = 2.0
     liveness_interval_s: float = 1.0
@@ -128,8 +137,8 @@ class BackendConfig:
     fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
 
     def __post_init__(self) -> None:
-        if min(self.route_timeout_s, self.ack_timeout_s, self.liveness_interval_s, self.idle_timeout_s,
-               self.failover_timeout_s, self.reconnect_bound_s) <= 0:
+        if min(self.route_timeout_s, self.route_try_timeout_s, self.router_suspect_s, self.ack_timeout_s,
+               self.liveness_interval_s, self.idle_timeout_s, self.failover_timeout_s, self.reconnect_bound_s) <= 0:
             raise ValueError("BackendConfig timeouts must be > 0")
         if self.liveness_misses < 1 or self.page_size < 1 or self.max_attempts < 1:
             raise ValueError("BackendConfig: liveness_misses, page_size and max_attempts must be >= 1")
@@ -154,6 +163,17 @@ class _StreamOrder:
     expected: dict[str, int] = field(default_factory=dict)
 
 
+_MIN_TRY_S = 0.05  # a router try shorter than this is not started (the route's bound is spent)
+
+
+class RoutersSilent(Exception):
+    """Routers are registered (or subscribed) but none answered the route within `route_timeout_s`."""
+
+    def __init__(self, tried: list[str], bound_s: float) -> None:
+        super().__init__(f"no router answered within {bound_s}s (tried {'; '.join(tried) or 'none'})")
+        self.tried = tried
+
+
 class NatsBackend:
     """Backend over the bus. Cleanup (unsubscribe, abort) runs in tasks of its own, because the HTTP
     layer may cancel the consumer repeatedly and a cancelled `finally` cannot await."""
@@ -166,6 +186,8 @@ class NatsBackend:
         self.config = config
         self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
+        self._router_turn = itertools.count()  # spreads routes over the registered routers
+        self._silent_routers: dict[str, float] = {}  # router -> monotonic time it last failed to answer
 
     # --- errors -----------------------------------------------------------------------------------
 
@@ -225,18 +247,101 @@ class NatsBackend:
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
                            block_hashes=await self._chain(token_ids), mm_hashes=list(mm_hashes),
                            exclude_instances=sorted(avoid.instances), exclude_decodes=sorted(avoid.decodes))
-        subject = subjects.route(self.config.namespace)
         try:
-            reply = await self._request(subject, req, RouteReply, self.config.route_timeout_s, "asking the router")
+            reply = await self._ask_routers(req)
         except NoResponders:
             return await self._route_direct(request_id, len(token_ids), avoid)  # no router running
         except RemoteError as exc:
             raise self.unavailable(f"router could not place the request: {exc.message}") from exc
-        except BusError as exc:
-            raise self.unavailable(f"router did not answer: {exc}", code="router_unavailable") from exc
+        except RoutersSilent as exc:
+            return await self._place_without_router(request_id, len(token_ids), avoid, exc)
         if avoid and avoid.hits(reply.prefill_instance, reply.decode_instance):
             return await self._repick(request_id, len(token_ids), avoid, reply)
         return reply
+
+    async def _ask_routers(self, req: RouteRequest) -> RouteReply:
+        """The first answer of a router, within `route_timeout_s` in all: each registered router by name (in turn;
+        those that lately did not answer last) for at most `route_try_timeout_s`, then the queue group until the
+        bound. Raises NoResponders when nothing listens anywhere (no router running), RoutersSilent when
+        something listens but nothing answered in time, RemoteError when the routers that answered all said they
+        cannot place the request (one refusing is passed over: its registry view may lag the others')."""
+        cfg = self.config
+        ns = cfg.namespace
+        deadline = time.monotonic() + cfg.route_timeout_s
+        silent: list[str] = []
+        refused: RemoteError | None = None
+        passed_over = 0  # named routers that did not give an answer to use
+
+        async def ask(subject: str, what: str) -> RouteReply:
+            timeout = min(cfg.route_try_timeout_s, deadline - time.monotonic())
+            return await self._request(subject, req, RouteReply, timeout, what)
+
+        for router in await self._router_order():
+            if deadline - time.monotonic() < _MIN_TRY_S:
+                break
+            if passed_over:
+                metrics.ROUTE_RETRIES.inc()
+            try:
+                reply = await ask(subjects.router_route(ns, router), f"asking router {router}")
+            except RemoteError as exc:  # its view may lag (just started or resumed): the next one may place it
+                refused, passed_over = refused or exc, passed_over + 1
+                continue
+            except NoResponders:  # gone (listed until its entry expires), or a router of an older release
+                self._silent_routers[router] = time.monotonic()
+                passed_over += 1
+                continue
+            except BusError as exc:  # silent: hung, or behind a hung NATS node
+                self._silent_routers[router] = time.monotonic()
+                silent.append(f"{router}: {exc}")
+                passed_over += 1
+                log.warning("router did not answer; asking another", extra={"request_id": req.request_id,
+                                                                            "router": router, "error": str(exc)})
+                continue
+            self._silent_routers.pop(router, None)
+            return reply
+        if refused is not None:  # every router that answered refused it (the queue group holds the same ones)
+            raise refused
+        while deadline - time.monotonic() >= _MIN_TRY_S:  # a router the listing does not show (yet), or none listed
+            try:
+                return await ask(subjects.route(ns), "asking the router")
+            except NoResponders:
+                if silent:  # a silent router left meanwhile: no router answers
+                    break
+                raise
+            except RemoteError:
+                raise
+            except BusError as exc:
+                silent.append(f"queue group {subjects.ROUTER_QUEUE}: {exc}")
+        raise RoutersSilent(silent, cfg.route_timeout_s)
+
+    async def _router_order(self) -> list[str]:
+        """The fresh registered routers to ask, in turn from one route to the next, those that did not answer
+        within the last `router_suspect_s` last (oldest silence first). Empty when the registry cannot be read."""
+        try:
+            routers = sorted(e.instance_id for e in (await self.fleet(wait=False)).routers)
+        except BackendError:
+            return []
+        now = time.monotonic()
+        self._silent_routers = {r: t for r, t in self._silent_routers.items()
+                                if now - t < self.config.router_suspect_s}
+        if routers:
+            k = next(self._router_turn) % len(routers)
+            routers = routers[k:] + routers[:k]
+        return sorted(routers, key=lambda r: self._silent_routers.get(r, float("-inf")))  # (stable sort)
+
+    async def _place_without_router(self, request_id: str, num_tokens: int, avoid: Avoid,
+                                    silent: RoutersSilent) -> RouteReply:
+        """No router answered in time: place the request from the registry with the router's own choice functions
+        (pairs too; no prefix affinity), or 503 naming both failures."""
+        try:
+            prefill, decode = repick(await self.fleet(), num_tokens, self._buckets, request_id, avoid)
+        except LookupError as exc:
+            raise self.unavailable(f"router did not answer: {silent}; and no worker can be placed from the "
+                                   f"registry: {exc}", code="router_unavailable") from exc
+        metrics.ROUTER_BYPASSED.inc()
+        log.warning("no router answered: placed from the registry", extra={
+            "request_id": request_id, "prefill": prefill, "decode": decode, "error": str(silent)})
+        return RouteReply(prefill_instance=prefill, decode_instance=decode)
 
     async def _chain(self, token_ids: list[int]) -> list[int]:
         """The prompt's block-hash chain, made as the workers' caches make theirs (their advertised page size

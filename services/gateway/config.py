@@ -46,7 +46,14 @@ class GatewayConfig(ServiceConfig):
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait for a slot before 429")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After (seconds) sent with 429 and with 503 server_busy")
     page_size: int = Field(default=16, ge=1, description="KV page size of the route's block-hash chain until a worker advertises its kv_page_size label")
-    route_timeout_s: float = Field(default=2.0, gt=0, description="max wait for the router's answer")
+    route_timeout_s: float = Field(
+        default=2.0, gt=0, description="max wait for a router's answer, every router asked together; past it "
+        "(routers registered but silent: hung, or behind a hung NATS node) the request is placed from the registry")
+    route_try_timeout_s: float = Field(
+        default=0.75, gt=0, description="max wait for one router's answer before the next registered router is "
+        "asked (within route_timeout_s)")
+    router_suspect_s: float = Field(
+        default=5.0, gt=0, description="a router that did not answer is asked last among the routers for this long")
     ack_timeout_s: float = Field(default=30.0, gt=0, description="max wait for a worker to accept a request")
     liveness_interval_s: float = Field(
         default=1.0, gt=0, description="without tokens for this long, the gateway probes the worker's health"

@@ -46,6 +46,7 @@ class Registered:
     prefills: tuple[RegistryEntry, ...] = ()
     decodes: tuple[RegistryEntry, ...] = ()
     workers: tuple[RegistryEntry, ...] = ()
+    routers: tuple[RegistryEntry, ...] = ()
 
     @classmethod
     def of(cls, entries: Sequence[RegistryEntry], now: float) -> Registered:
@@ -54,7 +55,7 @@ class Registered:
 
         def role(r: Role) -> tuple[RegistryEntry, ...]:
             return tuple(e for e in live if e.role is r)
-        return cls(role(Role.PREFILL), role(Role.DECODE), role(Role.WORKER))
+        return cls(role(Role.PREFILL), role(Role.DECODE), role(Role.WORKER), role(Role.ROUTER))
 
     @property
     def disaggregated(self) -> bool:

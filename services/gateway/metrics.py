@@ -13,6 +13,11 @@ STREAM_GAPS = Counter("windserve_gateway_stream_gaps_total",
                       "the worker had sent more): lost in transit by NATS, fetched again from the worker")
 STREAM_REPLAYED = Counter("windserve_gateway_stream_replayed_chunks_total",
                           "Token chunks fetched again from their worker after NATS lost them")
+ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
+                        "Route requests asked again of another router (one did not answer within route_try_timeout_s, "
+                        "was gone, or refused it)")
+ROUTER_BYPASSED = Counter("windserve_gateway_router_bypassed_total",
+                          "Requests placed from the registry because no router answered within route_timeout_s")
 DISCONNECTS = Counter("windserve_gateway_client_disconnects_total", "Requests aborted because the client left")
 PROMPT_TOKENS = Counter("windserve_gateway_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens served from a prefix cache")

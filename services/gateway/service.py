@@ -106,7 +106,8 @@ class GatewayService(Service):
         assert self.bus is not None
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model or None)
         self.backend = NatsBackend(self.bus, self._listing, BackendConfig(
-            page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, ack_timeout_s=cfg.ack_timeout_s,
+            page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, route_try_timeout_s=cfg.route_try_timeout_s,
+            router_suspect_s=cfg.router_suspect_s, ack_timeout_s=cfg.ack_timeout_s,
             registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
             liveness_misses=cfg.liveness_misses, liveness_silent_s=cfg.liveness_silent_s,
             idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,

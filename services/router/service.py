@@ -1,5 +1,6 @@
-"""Wiring of the router service: answers `windserve.<ns>.route` (queue group `router`) from a local registry
-view and the cluster's prefix index (docs/routing.md, "The router service").
+"""Wiring of the router service: answers `windserve.<ns>.route` (queue group `router`) and its own
+`windserve.<ns>.router.<id>.route` (the gateway asks replicas by name) from a local registry view and the
+cluster's prefix index (docs/routing.md, "The router service").
 
 Subscriptions: `kv_events.*` (plain: every replica indexes every worker), `route_picks` (the replicas' picks,
 counted as load), `kv_hits` (the workers' actual hits, matched with this router's predictions). Requests out:
@@ -81,6 +82,8 @@ class RouterService(Service):
             self.spawn(self._snapshot_loop(), name="kv-snapshots")
         self.spawn(self._maintain_loop(), name="kv-index-maintenance")
         await self.bus.serve(subjects.route(ns), RouteRequest, self.route, queue=subjects.ROUTER_QUEUE)
+        # addressed to this replica: a gateway whose first router did not answer in time asks another by name
+        await self.bus.serve(subjects.router_route(ns, self.router_id), RouteRequest, self.route)
 
     async def teardown(self) -> None:
         if self.view is not None:
