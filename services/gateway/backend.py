@@ -526,13 +526,19 @@ class NatsBackend:
 
     async def _replay(self, instance: str, request_id: str, from_seq: int) -> StreamReplayReply | None:
         """What `instance` sent for the request from `from_seq` on; None when it cannot be asked (no such
-        subject: an older worker or a fake; a timeout)."""
-        try:
-            return await self._request(subjects.stream_replay(self.config.namespace, instance),
-                                       StreamReplayRequest(request_id=request_id, from_seq=from_seq),
-                                       StreamReplayReply, self.config.liveness_interval_s, f"asking {instance} again")
-        except BusError:
-            return None
+        subject: an older worker or a fake; silent). While NATS is unreachable (the very failure that loses
+        chunks) it asks again until the reconnect bound."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.reconnect_bound_s
+        while True:
+            try:
+                return await self._bus.request(subjects.stream_replay(cfg.namespace, instance),
+                                               StreamReplayRequest(request_id=request_id, from_seq=from_seq),
+                                               StreamReplayReply, cfg.liveness_interval_s)
+            except Exception:
+                if self._bus.is_connected or time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(0.2)
 
     async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply, request_id: str,
                      order: _StreamOrder) -> list[TokenChunk]:
@@ -554,17 +560,22 @@ class NatsBackend:
             expected = order.expected.get(instance, 0)
             try:
                 try:
-                    reply = await self._request(
+                    reply = await self._bus.request(
                         subjects.stream_replay(self.config.namespace, instance),
                         StreamReplayRequest(request_id=request_id, from_seq=expected), StreamReplayReply,
-                        self.config.liveness_interval_s, f"probing {instance}")
+                        self.config.liveness_interval_s)
                 except NoResponders:  # a worker without replay (a test's fake): its health subject
                     reply = None
-                    await self._request(subjects.health(self.config.namespace, instance), HealthRequest(),
-                                        HealthReply, self.config.liveness_interval_s, f"probing {instance}")
+                    await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(),
+                                            HealthReply, self.config.liveness_interval_s)
                 misses[instance] = 0
                 live.silent_since.pop(instance, None)
-            except BusError as exc:
+            except Exception as exc:
+                if not self._bus.is_connected:  # the probe died with the connection: NATS's outage, not the
+                    live.disconnected_since = live.disconnected_since or time.monotonic()  # worker's (bound above)
+                    return found
+                if not isinstance(exc, BusError):
+                    exc = BusError(f"probing {instance}: {exc!r}")
                 misses[instance] = misses.get(instance, 0) + 1
                 if isinstance(exc, BusTimeout):  # silent, not gone: maybe its NATS node hangs (it reconnects)
                     since = live.silent_since.setdefault(instance, time.monotonic() - self.config.liveness_interval_s)
