@@ -225,7 +225,8 @@ async def test_nats_node_leading_the_registry_hung_under_load(tmp_path):
             # 503 (retry), never a 500 or a hang
             for o in result.probes + result.outcomes[result.in_flight:]:
                 assert o.ok or (o.status == 503 and o.ended_at - o.sent_at < HUNG_BOUND_S), o
-            assert len(result.probes) >= 5 and sum(o.ok for o in result.probes) >= len(result.probes) - 4
+            failed = [(o.code, o.message[:160]) for o in result.probes if not o.ok]
+            assert len(result.probes) >= 5 and len(failed) <= 4, failed
             assert await listed_instances(dep) == set(dep.procs)
             assert_baseline(await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")]))
         finally:
