@@ -205,6 +205,64 @@ async def test_encoder_killed_under_load(nats_server, tmp_path):
         dep.stop()
 
 
+async def test_the_only_gcache_node_killed_under_load(nats_server, tmp_path):
+    """The only GCache storage node dies while every request looks up and writes L3: L3 is gone, not the service:
+    no request fails or hangs (lookups and writes become misses and skips, prompts are recomputed), requests
+    after it are served, the workers' pools are back at baseline."""
+    from tests.fixtures.faults import GCACHE_NODE_ENV, GCACHE_WORKER_ENV, kill_gcache_node_under_load
+
+    dep = deployment(nats_server.url, tmp_path / "logs")
+    try:
+        dep.start_all({"cache": 1, "gateway": 1, "router": 1, "worker": 2},
+                      {"cache": GCACHE_NODE_ENV, "worker": GCACHE_WORKER_ENV})
+        result = await kill_gcache_node_under_load(dep, ["cache-0"], clients=4, load_s=8)
+        print(result.headline())
+        check_requests(result)
+        async with httpx.AsyncClient(timeout=60) as client:
+            outs = [await complete(client, dep.url, prompt(71_000 + k, 64), 4) for k in range(4)]
+        assert all(o.ok for o in outs), outs
+        assert_baseline(await dep.settled(survivors(dep, "worker")))
+    finally:
+        dep.stop()
+
+
+async def test_the_only_encoder_killed_under_load(nats_server, tmp_path):
+    """The only encoder dies under image chats and text completions: every image chat ends (served, or an explicit
+    503 `encoder_unavailable` within the encoder client's bound; no 500, none lost), text requests keep being
+    served throughout, and the worker's pools are back at baseline."""
+    from tests.fixtures.faults import chat_image, fault_under_requests
+
+    dep = deployment(nats_server.url, tmp_path / "logs")
+    try:
+        dep.start_all({"encoder": 1, "gateway": 1, "router": 1, "worker": 1})
+
+        texts, images = [], []
+
+        async def send(client: httpx.AsyncClient, k: int):
+            if k % 2:
+                texts.append(await complete(client, dep.url, prompt(90_000 + k, 32), 4))
+                return texts[-1]
+            images.append(await chat_image(client, dep.url, 60_000 + k))
+            return images[-1]
+
+        result = await fault_under_requests(dep, "encoder", "encoder-0", lambda: dep.kill("encoder-0"), send,
+                                            clients=4, load_s=10, timeout_s=45)
+        print(result.headline())
+        outs = result.probes
+        assert result.status_500 == 0 and result.lost == 0, [o for o in outs if o.is_500 or o.lost]
+        assert texts and all(o.ok for o in texts), [o for o in texts if not o.ok]
+        failed = [o for o in images if not o.ok]
+        assert failed and all(o.status == 503 and o.code == "encoder_unavailable" for o in failed), failed
+        assert max(o.ended_at - o.sent_at for o in failed) < 20, failed
+        async with httpx.AsyncClient(timeout=60) as client:
+            assert (await complete(client, dep.url, prompt(91_000, 32), 4)).ok
+            late = await chat_image(client, dep.url, 61_000)
+        assert late.status == 503 and late.code == "encoder_unavailable", late
+        assert_baseline(await dep.settled(survivors(dep, "worker")))
+    finally:
+        dep.stop()
+
+
 async def test_nats_node_leading_the_registry_hung_under_load(tmp_path):
     """The registry leader of a 3-node cluster SIGSTOPped for 6 s (three registry TTLs; its sockets stay open,
     nothing answers), then SIGCONT: no stream fails (a worker behind the hung node is silent, not gone), no
