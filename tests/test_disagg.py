@@ -625,3 +625,31 @@ async def test_requests_waiting_for_decode_room_are_served_first_come_first_serv
         assert served == ["a", "b", "c"]
         assert pipe.prefill.stats.waited == 3 and pipe.prefill.waiting == 0
         await pipe.assert_no_kv_in_use()
+
+
+async def test_lost_kv_prepare_reply_is_asked_again_and_joins_the_first_reservation(tiny, monkeypatch):
+    """The first kv_prepare's reply is lost (a NATS node died or hung with it): prefill asks again after
+    COMMIT_ATTEMPT_S, decode answers the repeat from the same hand-off (one reservation, not a duplicate-id
+    refusal), and the tokens equal the colocated engine's; every page is back afterwards."""
+    from services.prefill import handlers as prefill_handlers
+
+    monkeypatch.setattr(prefill_handlers, "COMMIT_ATTEMPT_S", 0.3)
+    model, cfg, _ = tiny
+    tokens = prompt(78, 40)
+    want = list(LLM.from_core(EngineCore(EngineConfig(**OPTS), model, cfg, None)).generate(
+        [tokens], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        asks = []
+
+        async def prepare(decode_instance, msg):
+            asks.append(msg)
+            reply = await pipe.decode.prepare(msg)  # decode took it ...
+            if len(asks) == 1:
+                await asyncio.sleep(3600)  # ... and its reply never reached prefill
+            return reply
+
+        pipe.prefill.prepare = prepare
+        chunks = await pipe.generate("lost-reply", tokens, 6)
+        assert tokens_of(chunks) == want and chunks[-1].finish_reason is WireFinishReason.LENGTH
+        assert len(asks) == 2 and asks[0] == asks[1]
+        await pipe.assert_no_kv_in_use()

@@ -107,6 +107,8 @@ class DecodeWorker:
         self.fetcher = fetcher  # multimodal models: the embeddings a recompute (preemption) needs
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)
         self._commits: dict[str, asyncio.Future[KVCommitRequest]] = {}  # open hand-offs, by request id
+        # open hand-offs' kv_prepare (message, its answer, the request's task), so a repeated ask joins the first
+        self._prepares: dict[str, tuple[KVPrepareRequest, asyncio.Future[KVPrepareReply], asyncio.Task[None]]] = {}
         self._taken: collections.OrderedDict[str, KVCommitRequest] = collections.OrderedDict()  # recent commits
 
     def _chunk(self, request_id: str, **fields) -> TokenChunk:
@@ -114,15 +116,22 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ entry points
     async def prepare(self, msg: KVPrepareRequest) -> KVPrepareReply:
-        """Admit the request and expect its KV; returns once the transfer may start."""
+        """Admit the request and expect its KV; returns once the transfer may start. The same kv_prepare asked
+        again while its hand-off is open (the first ask or its reply was lost with a NATS node) joins the
+        first: one reservation, the same answer."""
         self._check_layout(msg)
         rid = msg.request_id
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[KVPrepareReply] = loop.create_future()
-        committed: asyncio.Future[KVCommitRequest] = loop.create_future()
-        task = self._spawn(msg, ready, committed)
-        self._commits[rid] = committed
-        task.add_done_callback(lambda _: self._commits.pop(rid, None))
+        open_ = self._prepares.get(rid)
+        if open_ is not None and open_[0] == msg:
+            _, ready, task = open_
+        else:
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            committed: asyncio.Future[KVCommitRequest] = loop.create_future()
+            task = self._spawn(msg, ready, committed)
+            self._commits[rid] = committed
+            entry = self._prepares[rid] = (msg, ready, task)
+            task.add_done_callback(lambda _: self._close_handoff(rid, entry))
         waiters: set[asyncio.Future] = {ready, task}
         await asyncio.wait(waiters, timeout=self.admit_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
@@ -132,6 +141,11 @@ class DecodeWorker:
                 raise Unavailable(str(exc)) from exc  # the prefill may try another decode worker
         task.cancel()
         raise PrepareRefused(f"request {rid!r} was not admitted within {self.admit_timeout_s}s")
+
+    def _close_handoff(self, rid: str, entry: tuple) -> None:
+        self._commits.pop(rid, None)
+        if self._prepares.get(rid) is entry:
+            del self._prepares[rid]
 
     async def commit(self, msg: KVCommitRequest) -> KVCommitReply:
         """Prefill's first token (or its cancel) for an open hand-off. A cancel returns once the request has

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from libs.bus import NoResponders, RemoteError, Unavailable
 from libs.engine import AsyncEngine, Request, RequestOutput
@@ -56,7 +57,8 @@ from protos.messages import (
 )
 
 log = logging.getLogger("windserve.prefill")
-COMMIT_ATTEMPT_S = 2.5  # a kv_commit unanswered this long is asked again (within prepare_timeout_s)
+T = TypeVar("T")
+COMMIT_ATTEMPT_S = 2.5  # a kv_prepare / kv_commit unanswered this long is asked again (within prepare_timeout_s)
 
 Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Commit = Callable[[str, KVCommitRequest], Awaitable[KVCommitReply]]
@@ -293,8 +295,8 @@ class PrefillWorker:
         gone: list[str] = []
         while True:
             try:
-                async with asyncio.timeout(self.prepare_timeout_s):
-                    return decode, await self.prepare(decode, prep)
+                return decode, await self._asking_again(lambda: self.prepare(decode, prep), "kv_prepare",
+                                                        req.request_id, decode)
             except TimeoutError:
                 await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
                 raise DecodeSilent(f"decode {decode} did not answer kv_prepare within "
@@ -404,21 +406,24 @@ class PrefillWorker:
             raise HandoffError(f"decode {decode} did not take the first token: {exc}") from exc
 
     async def _commit_asking_again(self, decode: str, msg: KVCommitRequest) -> None:
-        """kv_commit within prepare_timeout_s, asked again after every COMMIT_ATTEMPT_S without an answer: core
-        NATS delivers at most once, and a NATS node that dies with the request or its reply on it loses it.
-        Decode answers a repeat of a commit it took as it answered the first."""
+        await self._asking_again(lambda: self.commit(decode, msg), "kv_commit", msg.request_id, decode)
+
+    async def _asking_again(self, ask: Callable[[], Awaitable[T]], what: str, request_id: str, decode: str) -> T:
+        """`ask()` within prepare_timeout_s, asked again after every COMMIT_ATTEMPT_S without an answer (then
+        TimeoutError): core NATS delivers at most once, and a NATS node that dies or hangs with the request or
+        its reply on it loses it. Decode answers a repeat of a kv_prepare or kv_commit as it answered the first
+        (a repeated kv_prepare joins the first: one reservation)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.prepare_timeout_s
         while True:
             attempt = min(COMMIT_ATTEMPT_S, deadline - loop.time())
             try:
                 async with asyncio.timeout(attempt):
-                    await self.commit(decode, msg)
-                    return
+                    return await ask()
             except TimeoutError:
                 if loop.time() >= deadline - 0.01:
                     raise
-                log.info("kv_commit unanswered; asking again", extra={"request": msg.request_id, "decode": decode})
+                log.info(f"{what} unanswered; asking again", extra={"request": request_id, "decode": decode})
 
     def _count(self, req: GenerateRequest, sender: KVSender, stats: TransferStats) -> None:
         core = self.engine.core
