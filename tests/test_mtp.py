@@ -245,6 +245,53 @@ def test_drafts_equal_a_one_pass_reference(tiny):
     assert checked >= 20
 
 
+def test_drafting_pass_plans_attention_once_for_every_block(tiny, monkeypatch):
+    """On one arena each block's KV layer sits in its own table row: the pass plans attention once and remaps
+    it per row (before: one plan per block). The remapped contexts equal a plan built on each row's own page
+    table, slot for slot (the drafts themselves are checked against a one-pass reference above)."""
+    import libs.model.model as model_mod
+
+    model, cfg, _ = tiny
+    core = make_core(tiny, speculative_tokens=K, max_num_batched_tokens=16)  # kv_arena on (the default)
+    kv = core._kv_mtp
+    assert kv is not None and kv.arena is not None
+    assert len({kv.layer_kv("swa", j)[2] for j in range(K)}) == K  # the case: a row per block
+    core.add_request(Request("a", tokens(5, 21), greedy(24)))
+    while core.has_work() and not core.scheduler.seqs["a"].is_decoding:
+        core.step()
+    plans: list[int] = []
+    real_plan = model_mod.plan_paged_attention
+    monkeypatch.setattr(model_mod, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    metas = []
+    real_contexts = type(model).mtp_contexts
+
+    def contexts(self, meta, kv_mtp, steps):
+        metas.append(meta)
+        return real_contexts(self, meta, kv_mtp, steps)
+    monkeypatch.setattr(type(model), "mtp_contexts", contexts)
+    real_draft, per_pass = core._draft, []
+
+    def draft(plan):
+        before = len(plans)
+        real_draft(plan)
+        per_pass.append(len(plans) - before)
+    core._draft = draft  # type: ignore[method-assign]
+    for _ in range(5):
+        core.step()
+    assert per_pass == [1] * 5 and core.scheduler.seqs["a"].drafts
+    meta = metas[-1]
+    shared = real_contexts(model, meta, kv, range(K))
+    for j in range(K):
+        row = kv.layer_kv("swa", j)[2]
+        own = model_mod._context(meta, meta.swa_rows[row], kv.page_size, cfg.window_left, meta.positions,
+                                 model._rope_swa, model.inv_freq_swa, model.dtype, swa=True)
+        got = shared[row]
+        assert torch.equal(got.slots, own.slots)
+        assert len(got.plan.blocks) == len(own.plan.blocks)
+        for a, b in zip(got.plan.blocks, own.plan.blocks, strict=True):
+            assert torch.equal(a.slots, b.slots)
+
+
 def test_block_inputs_use_drafts_past_the_verified_tokens():
     span = DraftSpan("r", lo=3, hi=5, tokens=list(range(10, 17)), swa_pages=[0, 1], kv_start=0, drafting=True)
     assert block_inputs(span, 0, []) == [14, 15, 16]

@@ -168,7 +168,7 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
     live = list(range(len(spans)))
     shape: tuple[list[int], list[int]] = ([], [])  # (live spans, rows of each) that `meta` describes
     meta: BatchMeta | None = None
-    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row (forward_mtp fills it)
+    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row
     h = torch.empty(0)
     for j in range(num_blocks):
         live = [b for b in live if spans[b].block_end(j) >= spans[b].lo]
@@ -176,7 +176,8 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
             break
         q_lens = [spans[b].block_end(j) - spans[b].lo + 1 for b in live]
         if meta is None or (live, q_lens) != shape:
-            meta, contexts = _chain_meta(spans, live, q_lens, kv_mtp, device), {}
+            meta = _chain_meta(spans, live, q_lens, kv_mtp, device)
+            contexts = model.mtp_contexts(meta, kv_mtp, range(j, num_blocks))  # one plan, each block's row
             h_in = torch.cat([prev[b][:n] for b, n in zip(live, q_lens, strict=True)])
         else:  # same rows as the block before: its output is this block's input as is
             h_in = h

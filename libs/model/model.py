@@ -174,6 +174,20 @@ class MiMoV2Model(nn.Module):
         logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
         return (logits, h) if return_hidden else logits
 
+    def mtp_contexts(self, meta: BatchMeta, kv_mtp: KVPools, steps: range) -> dict[int, AttnContext]:
+        """The attention contexts of MTP blocks `steps` over one `meta`, by page-table row (`forward_mtp`'s
+        `contexts`): one plan and rope lookup for all of them; with an arena, where each block's KV layer sits
+        in its own table row, that plan is remapped per row (`_remap`, a dozen ops) instead of planned again."""
+        rows = sorted({kv_mtp.layer_kv("swa", j)[2] for j in steps})
+        if meta.swa_rows is None:
+            ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
+                           self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
+            return dict.fromkeys(rows, ctx)
+        picked = meta.swa_rows[torch.tensor(rows, device=meta.swa_rows.device)]
+        ctxs = _contexts_of(meta, meta.swa_page_table, picked, kv_mtp.page_size, self.cfg.window_left,
+                            meta.positions, self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
+        return dict(zip(rows, ctxs, strict=True))
+
     @torch.inference_mode()
     def forward_mtp(self, step: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMeta,
                     kv_mtp: KVPools, contexts: dict[int, AttnContext] | None = None
