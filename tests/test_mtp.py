@@ -7,13 +7,14 @@ corrupted, so verification accepts 0..k drafts in mixed batches and rolls back t
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from libs.engine import EngineCore, Request
 from libs.engine.l3 import kv_layout
-from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, greedy_accept
+from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, check_draft_layers, greedy_accept
 from libs.kvcache import KVCache, KVCacheConfig
 from libs.kvcache.config import plan_pools
 from libs.model.paged import BatchMeta, KVPools
@@ -197,9 +198,50 @@ def test_each_draft_uses_its_own_mtp_block(tiny, monkeypatch):
     assert steps[:K] == list(range(K)) and set(steps) == set(range(K))
 
 
-def test_speculative_tokens_beyond_mtp_layers_is_refused(tiny):
-    with pytest.raises(ValueError, match="MTP layers"):
-        make_core(tiny, speculative_tokens=4)
+def test_a_model_without_mtp_layers_refuses_to_draft():
+    with pytest.raises(ValueError, match="no MTP layers"):
+        check_draft_layers(2, SimpleNamespace(num_mtp_layers=0))
+    assert check_draft_layers(0, SimpleNamespace(num_mtp_layers=0)) == 0
+    assert check_draft_layers(5, SimpleNamespace(num_mtp_layers=3)) == 5
+
+
+@pytest.mark.parametrize("kv_arena", [False, True])
+def test_speculative_tokens_beyond_mtp_layers_reuse_the_last_block(tiny, monkeypatch, kv_arena):
+    """k = 5 on the tiny model's 3 blocks: steps 3 and 4 run block 2 again, chained, each step with its own KV
+    layer (the draft pools have 5). Greedy outputs equal MTP off with the real blocks and with an oracle
+    drafter (accepted runs up to 5 drafts, rollback of the rest) through small pools; pools end at baseline."""
+    model, cfg, _ = tiny
+    k = 5
+    calls: list[int] = []  # which block each draft step ran
+    blocks = list(model.model.mtp.layers)
+    for i, layer in enumerate(blocks):
+        real_fwd = layer.forward
+
+        def spy(*a, _i=i, _real=real_fwd, **kw):
+            calls.append(_i)
+            return _real(*a, **kw)
+        monkeypatch.setattr(layer, "forward", spy)
+    opts = dict(num_full_pages=96, num_swa_pages=40, max_num_batched_tokens=40, kv_arena=kv_arena)
+    off = make_core(tiny, **opts)
+    prompts = {f"p{i}": tokens(700 + i, n) for i, n in enumerate((5, 19, 33, 8))}
+    want = run(off, prompts, 30)
+    real_on = make_core(tiny, speculative_tokens=k, **opts)
+    assert real_on._kv_mtp is not None and real_on._kv_mtp.num_layers("swa") == k
+    calls.clear()
+    assert run(real_on, prompts, 30) == want
+    assert set(calls) == {0, 1, 2} and calls.count(2) > calls.count(1)  # block 2 runs for steps 2, 3 and 4
+    if not kv_arena:  # (static pools: one tensor per layer)
+        keys = [real_on._kv_mtp.layer_kv("swa", j)[0] for j in range(k)]
+        for j in (3, 4):  # steps 3 and 4 wrote their own KV layers: written, not block 2's step-2 rows
+            assert keys[j].abs().sum() > 0 and not torch.equal(keys[j], keys[j - 1])
+    on = make_core(tiny, speculative_tokens=k, **opts)
+    oracle(on, want, 0.9)
+    assert run(on, prompts, 30) == want
+    spec = on.spec_stats()
+    assert spec is not None and len(spec.accept_hist) == k + 1 and spec.accept_hist[k] > 0  # 5 drafts accepted
+    assert spec.accepted_len > 3.0, spec
+    assert_baseline(on)
+    assert_baseline(real_on)
 
 
 def test_drafts_equal_a_one_pass_reference(tiny):

@@ -28,11 +28,12 @@ from libs.model.paged import BatchMeta, KVPools
 
 
 def check_draft_layers(speculative_tokens: int, model_config) -> int:
-    """Validate `speculative_tokens` against the model: the number of MTP blocks a step drafts with."""
+    """Validate `speculative_tokens` against the model: the draft steps (and draft KV layers) of a pass. Up
+    to the model's MTP layers each step has its own block; beyond them the last block is reused, chained
+    (`MiMoV2Model.forward_mtp`), each step with its own KV layer. A model without MTP layers cannot draft."""
     have = getattr(model_config, "num_mtp_layers", 0)
-    if speculative_tokens > have:
-        raise ValueError(f"speculative_tokens={speculative_tokens} but the model has {have} MTP layers "
-                         f"(each draft token needs its own MTP block)")
+    if speculative_tokens > 0 and have == 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens} but the model has no MTP layers")
     return speculative_tokens
 
 
