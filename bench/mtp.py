@@ -245,13 +245,15 @@ def trained_model(model, cfg, train_text: torch.Tensor, held_text: torch.Tensor)
     held_t = (torch.tensor(held_seqs), held_hidden)
     info["held_block_accuracy_before"] = block_accuracy(model, *held_t)
     info["held_bigram_accuracy"] = bigram_accuracy(seqs, held_seqs)
+    facts = path.with_suffix(".json")  # the training facts (learning curve) of the run that trained the cache
     if path.exists():
         model.model.mtp.load_state_dict(torch.load(path))
-        info["training"] = "loaded from cache"
+        info["training"] = {"loaded_from_cache": True, **(json.loads(facts.read_text()) if facts.exists() else {})}
     else:
         info["training"] = train(model, cfg, torch.tensor(seqs), hidden, held_t)
         CACHE.mkdir(parents=True, exist_ok=True)
         torch.save(model.model.mtp.state_dict(), path)
+        facts.write_text(json.dumps(info["training"]))
     info["held_block_accuracy"] = block_accuracy(model, *held_t)
     info["held_copy_accuracy"] = copy_accuracy(held_seqs)
     info["held_samples"] = [{"prompt": _text(s[:PROMPT]), "greedy": _text(s[PROMPT:])} for s in held_seqs[:3]]
@@ -344,7 +346,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(20, 4))
     hist = results["decode"]["1"]["accept_hist"]
     a.bar([str(i + 1) for i in range(len(hist))], hist)
     a.set_xlabel("tokens emitted per verify step")
@@ -359,16 +361,26 @@ def plot(results: dict, path: Path) -> None:
     b.set_title("decode throughput (tiny model, CPU, 1 thread)")
     b.legend()
     training = results["training"]["training"]
-    if isinstance(training, dict):  # trained in this run (not loaded from the cache): its learning curve
+    if "curve" in training:  # (from the run that trained the cached blocks when loaded from the cache)
         steps = [p["step"] for p in training["curve"]]
         for j in range(K):
             c.plot(steps, [p["held_top1"][j] for p in training["curve"]], marker="o", label=f"block {j} held-out")
             c.plot(steps, [p["train_top1"][j] for p in training["curve"]], ls="--", color=f"C{j}", label=f"block {j} train")
     c.axhline(results["training"]["held_bigram_accuracy"], color="grey", ls=":", label="last-token lookup table")
+    c.axhline(results["training"]["held_copy_accuracy"], color="black", ls="-.", label="copy of the last 3-gram's successor")
     c.set_xlabel("training step")
     c.set_ylabel("top-1 vs the target's greedy token")
     c.set_title("MTP blocks' learning curve")
     c.legend(fontsize=7)
+    target = results["target"]["training"]
+    if "curve" in target:
+        steps = [p["step"] for p in target["curve"]]
+        d.plot(steps, [p["held"]["top1"] for p in target["curve"]], marker="o", label="held-out files")
+        d.plot(steps, [p["train"]["top1"] for p in target["curve"]], ls="--", label="training files")
+    d.set_xlabel("training step")
+    d.set_ylabel("next-byte top-1")
+    d.set_title("target: tiny model as a byte LM on the repo's docs")
+    d.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -192,14 +192,16 @@ def trained_target(model, cfg, root: Path, cache: Path) -> tuple[dict, torch.Ten
     info: dict = {"corpus_commit": CORPUS_COMMIT, "corpus_files": len(files), "train_bytes": train_text.numel(),
                   "held_files": list(HELD_FILES), "held_bytes": held_text.numel(), "cache": str(path.relative_to(root))}
     info["dense_vs_paged_max_abs_before"] = check_dense_matches_paged(model, cfg, held_text[:200])
+    facts = path.with_suffix(".json")  # the training facts (learning curve) of the run that trained the cache
     if path.exists():
         model.load_state_dict(torch.load(path), strict=False)
-        info["training"] = "loaded from cache"
+        info["training"] = {"loaded_from_cache": True, **(json.loads(facts.read_text()) if facts.exists() else {})}
     else:
         info["training"] = train_target(model, train_text, held_text)
         cache.mkdir(parents=True, exist_ok=True)
         names = {id(p) for p in trainable(model)}
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if id(p) in names}, path)
+        facts.write_text(json.dumps(info["training"]))
     info["dense_vs_paged_max_abs"] = check_dense_matches_paged(model, cfg, held_text[:200])
     info["held"] = evaluate(model, windows(held_text, 32, SEQ + 1, torch.Generator().manual_seed(11)))
     info["held"]["bits_per_byte"] = info["held"]["loss"] / math.log(2)
