@@ -7,13 +7,14 @@ corrupted, so verification accepts 0..k drafts in mixed batches and rolls back t
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from libs.engine import EngineCore, Request
 from libs.engine.l3 import kv_layout
-from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, greedy_accept
+from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, check_draft_layers, greedy_accept
 from libs.kvcache import KVCache, KVCacheConfig
 from libs.kvcache.config import plan_pools
 from libs.model.paged import BatchMeta, KVPools
@@ -197,9 +198,50 @@ def test_each_draft_uses_its_own_mtp_block(tiny, monkeypatch):
     assert steps[:K] == list(range(K)) and set(steps) == set(range(K))
 
 
-def test_speculative_tokens_beyond_mtp_layers_is_refused(tiny):
-    with pytest.raises(ValueError, match="MTP layers"):
-        make_core(tiny, speculative_tokens=4)
+def test_a_model_without_mtp_layers_refuses_to_draft():
+    with pytest.raises(ValueError, match="no MTP layers"):
+        check_draft_layers(2, SimpleNamespace(num_mtp_layers=0))
+    assert check_draft_layers(0, SimpleNamespace(num_mtp_layers=0)) == 0
+    assert check_draft_layers(5, SimpleNamespace(num_mtp_layers=3)) == 5
+
+
+@pytest.mark.parametrize("kv_arena", [False, True])
+def test_speculative_tokens_beyond_mtp_layers_reuse_the_last_block(tiny, monkeypatch, kv_arena):
+    """k = 5 on the tiny model's 3 blocks: steps 3 and 4 run block 2 again, chained, each step with its own KV
+    layer (the draft pools have 5). Greedy outputs equal MTP off with the real blocks and with an oracle
+    drafter (accepted runs up to 5 drafts, rollback of the rest) through small pools; pools end at baseline."""
+    model, cfg, _ = tiny
+    k = 5
+    calls: list[int] = []  # which block each draft step ran
+    blocks = list(model.model.mtp.layers)
+    for i, layer in enumerate(blocks):
+        real_fwd = layer.forward
+
+        def spy(*a, _i=i, _real=real_fwd, **kw):
+            calls.append(_i)
+            return _real(*a, **kw)
+        monkeypatch.setattr(layer, "forward", spy)
+    opts = dict(num_full_pages=96, num_swa_pages=40, max_num_batched_tokens=40, kv_arena=kv_arena)
+    off = make_core(tiny, **opts)
+    prompts = {f"p{i}": tokens(700 + i, n) for i, n in enumerate((5, 19, 33, 8))}
+    want = run(off, prompts, 30)
+    real_on = make_core(tiny, speculative_tokens=k, **opts)
+    assert real_on._kv_mtp is not None and real_on._kv_mtp.num_layers("swa") == k
+    calls.clear()
+    assert run(real_on, prompts, 30) == want
+    assert set(calls) == {0, 1, 2} and calls.count(2) > calls.count(1)  # block 2 runs for steps 2, 3 and 4
+    if not kv_arena:  # (static pools: one tensor per layer)
+        keys = [real_on._kv_mtp.layer_kv("swa", j)[0] for j in range(k)]
+        for j in (3, 4):  # steps 3 and 4 wrote their own KV layers: written, not block 2's step-2 rows
+            assert keys[j].abs().sum() > 0 and not torch.equal(keys[j], keys[j - 1])
+    on = make_core(tiny, speculative_tokens=k, **opts)
+    oracle(on, want, 0.9)
+    assert run(on, prompts, 30) == want
+    spec = on.spec_stats()
+    assert spec is not None and len(spec.accept_hist) == k + 1 and spec.accept_hist[k] > 0  # 5 drafts accepted
+    assert spec.accepted_len > 3.0, spec
+    assert_baseline(on)
+    assert_baseline(real_on)
 
 
 def test_drafts_equal_a_one_pass_reference(tiny):
@@ -243,6 +285,53 @@ def test_drafts_equal_a_one_pass_reference(tiny):
                 assert d == best[j][hi], (length, j)
                 checked += 1
     assert checked >= 20
+
+
+def test_drafting_pass_plans_attention_once_for_every_block(tiny, monkeypatch):
+    """On one arena each block's KV layer sits in its own table row: the pass plans attention once and remaps
+    it per row (before: one plan per block). The remapped contexts equal a plan built on each row's own page
+    table, slot for slot (the drafts themselves are checked against a one-pass reference above)."""
+    import libs.model.model as model_mod
+
+    model, cfg, _ = tiny
+    core = make_core(tiny, speculative_tokens=K, max_num_batched_tokens=16)  # kv_arena on (the default)
+    kv = core._kv_mtp
+    assert kv is not None and kv.arena is not None
+    assert len({kv.layer_kv("swa", j)[2] for j in range(K)}) == K  # the case: a row per block
+    core.add_request(Request("a", tokens(5, 21), greedy(24)))
+    while core.has_work() and not core.scheduler.seqs["a"].is_decoding:
+        core.step()
+    plans: list[int] = []
+    real_plan = model_mod.plan_paged_attention
+    monkeypatch.setattr(model_mod, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    metas = []
+    real_contexts = type(model).mtp_contexts
+
+    def contexts(self, meta, kv_mtp, steps):
+        metas.append(meta)
+        return real_contexts(self, meta, kv_mtp, steps)
+    monkeypatch.setattr(type(model), "mtp_contexts", contexts)
+    real_draft, per_pass = core._draft, []
+
+    def draft(plan):
+        before = len(plans)
+        real_draft(plan)
+        per_pass.append(len(plans) - before)
+    core._draft = draft  # type: ignore[method-assign]
+    for _ in range(5):
+        core.step()
+    assert per_pass == [1] * 5 and core.scheduler.seqs["a"].drafts
+    meta = metas[-1]
+    shared = real_contexts(model, meta, kv, range(K))
+    for j in range(K):
+        row = kv.layer_kv("swa", j)[2]
+        own = model_mod._context(meta, meta.swa_rows[row], kv.page_size, cfg.window_left, meta.positions,
+                                 model._rope_swa, model.inv_freq_swa, model.dtype, swa=True)
+        got = shared[row]
+        assert torch.equal(got.slots, own.slots)
+        assert len(got.plan.blocks) == len(own.plan.blocks)
+        for a, b in zip(got.plan.blocks, own.plan.blocks, strict=True):
+            assert torch.equal(a.slots, b.slots)
 
 
 def test_block_inputs_use_drafts_past_the_verified_tokens():

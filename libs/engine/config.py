@@ -93,8 +93,9 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine-wide generator used by unseeded sampled requests."""
     speculative_tokens: int = 0
-    """MTP speculative decoding: draft tokens per decode step from the model's MTP layers (0 = off; at most
-    the model's number of MTP layers; see docs/mtp.md). Their KV lives in extra SWA-pool layers."""
+    """MTP speculative decoding: draft tokens per decode step from the model's MTP layers (0 = off; beyond
+    the model's number of MTP layers the last one is reused, chained; see docs/mtp.md). Their KV lives in
+    extra SWA-pool layers, one per draft token."""
     speculative_in_prefill: bool = True
     """With speculative_tokens: the last prefill step drafts after the first token too, so the first decode
     step already verifies (False: drafting starts after the first decode step)."""

@@ -28,11 +28,12 @@ from libs.model.paged import BatchMeta, KVPools
 
 
 def check_draft_layers(speculative_tokens: int, model_config) -> int:
-    """Validate `speculative_tokens` against the model: the number of MTP blocks a step drafts with."""
+    """Validate `speculative_tokens` against the model: the draft steps (and draft KV layers) of a pass. Up
+    to the model's MTP layers each step has its own block; beyond them the last block is reused, chained
+    (`MiMoV2Model.forward_mtp`), each step with its own KV layer. A model without MTP layers cannot draft."""
     have = getattr(model_config, "num_mtp_layers", 0)
-    if speculative_tokens > have:
-        raise ValueError(f"speculative_tokens={speculative_tokens} but the model has {have} MTP layers "
-                         f"(each draft token needs its own MTP block)")
+    if speculative_tokens > 0 and have == 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens} but the model has no MTP layers")
     return speculative_tokens
 
 
@@ -168,7 +169,7 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
     live = list(range(len(spans)))
     shape: tuple[list[int], list[int]] = ([], [])  # (live spans, rows of each) that `meta` describes
     meta: BatchMeta | None = None
-    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row (forward_mtp fills it)
+    contexts: dict[int, AttnContext] = {}  # attention plans of `meta`, by page-table row
     h = torch.empty(0)
     for j in range(num_blocks):
         live = [b for b in live if spans[b].block_end(j) >= spans[b].lo]
@@ -176,7 +177,8 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
             break
         q_lens = [spans[b].block_end(j) - spans[b].lo + 1 for b in live]
         if meta is None or (live, q_lens) != shape:
-            meta, contexts = _chain_meta(spans, live, q_lens, kv_mtp, device), {}
+            meta = _chain_meta(spans, live, q_lens, kv_mtp, device)
+            contexts = model.mtp_contexts(meta, kv_mtp, range(j, num_blocks))  # one plan, each block's row
             h_in = torch.cat([prev[b][:n] for b, n in zip(live, q_lens, strict=True)])
         else:  # same rows as the block before: its output is this block's input as is
             h_in = h

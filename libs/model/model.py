@@ -174,17 +174,35 @@ class MiMoV2Model(nn.Module):
         logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
         return (logits, h) if return_hidden else logits
 
+    def mtp_contexts(self, meta: BatchMeta, kv_mtp: KVPools, steps: range) -> dict[int, AttnContext]:
+        """The attention contexts of MTP blocks `steps` over one `meta`, by page-table row (`forward_mtp`'s
+        `contexts`): one plan and rope lookup for all of them; with an arena, where each block's KV layer sits
+        in its own table row, that plan is remapped per row (`_remap`, a dozen ops) instead of planned again."""
+        rows = sorted({kv_mtp.layer_kv("swa", j)[2] for j in steps})
+        if meta.swa_rows is None:
+            ctx = _context(meta, meta.swa_page_table, kv_mtp.page_size, self.cfg.window_left, meta.positions,
+                           self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
+            return dict.fromkeys(rows, ctx)
+        picked = meta.swa_rows[torch.tensor(rows, device=meta.swa_rows.device)]
+        ctxs = _contexts_of(meta, meta.swa_page_table, picked, kv_mtp.page_size, self.cfg.window_left,
+                            meta.positions, self._rope_swa, self.inv_freq_swa, self.dtype, swa=True)
+        return dict(zip(rows, ctxs, strict=True))
+
     @torch.inference_mode()
     def forward_mtp(self, step: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor, meta: BatchMeta,
                     kv_mtp: KVPools, contexts: dict[int, AttnContext] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP block ``step``: token ids (the token following each position) and the previous stage's hidden
-        states ``[T, hidden]`` -> (float32 logits at ``meta.logits_rows()``, hidden ``[T, hidden]``).
-        ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp`; its SWA layer ``step`` holds this block's KV.
-        ``contexts``: attention plans by page-table row, filled and reused by calls that share ``meta`` (the
-        blocks of one drafting pass over the same positions plan their attention once)."""
-        if self.model.mtp is None or not 0 <= step < len(self.model.mtp.layers):
-            raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers")
+        """MTP draft step ``step``: token ids (the token following each position) and the previous stage's
+        hidden states ``[T, hidden]`` -> (float32 logits at ``meta.logits_rows()``, hidden ``[T, hidden]``).
+        Step j runs MTP block min(j, L - 1) of the model's L: steps past the last block reuse it, chained (each
+        step reads the one before's hidden states). ``kv_mtp`` comes from :meth:`KVPools.allocate_mtp` (or the
+        engine's draft view, one layer per draft step); its SWA layer ``step`` holds this step's KV, so a reused
+        block keeps one KV layer per step. ``contexts``: attention plans by page-table row, filled and reused
+        by calls that share ``meta`` (the steps of one drafting pass over the same positions plan once)."""
+        if self.model.mtp is None or step < 0 or step >= kv_mtp.num_layers("swa"):
+            raise ValueError(f"MTP step {step} requested but the model has {self.cfg.num_mtp_layers} MTP layers "
+                             f"and the draft pools {kv_mtp.num_layers('swa')} layers")
+        block = self.model.mtp.layers[min(step, len(self.model.mtp.layers) - 1)]
         k, v, row = kv_mtp.layer_kv("swa", step)
         ctx = contexts.get(row) if contexts is not None else None
         if ctx is None:
@@ -194,7 +212,7 @@ class MiMoV2Model(nn.Module):
             if contexts is not None:
                 contexts[row] = ctx
         emb = self.model.embed_tokens(input_ids)
-        h = self.model.mtp.layers[step](emb, prev_hidden, ctx, k, v)
+        h = block(emb, prev_hidden, ctx, k, v)
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
 
 

@@ -37,7 +37,8 @@ class EngineServiceConfig(ServiceConfig):
     device: str = Field(default="cpu", description="torch device of the model and KV pools")
     seed: int = Field(default=0, description="seed of the engine-wide generator (unseeded sampling)")
     speculative_tokens: int = Field(
-        default=0, ge=0, description="MTP draft tokens per decode step (0 = off; at most the model's MTP layers)")
+        default=0, ge=0,
+        description="MTP draft tokens per decode step (0 = off; past the model's MTP layers the last is reused)")
     output_timeout_s: float = Field(
         default=300.0, gt=0, description="longest wait for a request's next engine output before it fails")
     engine_stall_s: float = Field(
