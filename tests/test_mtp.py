@@ -486,3 +486,78 @@ def test_penalties_and_logit_bias_draft_and_equal_mtp_off(tiny):
     spec = on.spec_stats()
     assert spec is not None and spec.accepted_tokens > 0 and spec.accepted_len > 1.5, spec
     assert_baseline(on)
+
+
+def drain_logprobs(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Like `drain`, also collecting each request's logprob entries (None for requests that ask for none)."""
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    for _ in range(5000):
+        if not core.has_work():
+            return got, lps
+        for out in core.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            entries = lps.setdefault(out.req_id, [])
+            if out.logprobs is None:
+                entries.extend([None] * len(out.new_token_ids))
+            else:
+                assert len(out.logprobs) == len(out.new_token_ids), out
+                entries.extend(out.logprobs)
+        core.check_invariants()
+    raise AssertionError("engine did not drain")
+
+
+@pytest.mark.parametrize("right", [None, 0.8])
+def test_logprobs_requests_draft_and_equal_mtp_off(tiny, right):
+    """Greedy requests with logprobs (top_logprobs 0, 1 and 5; one with a frequency penalty, whose logprobs are
+    still the raw distribution's) draft, batched with requests without logprobs, different lengths (stops
+    inside accepted runs): same tokens as MTP off, and every emitted token's logprob entry (its logprob, the
+    top ids and their logprobs) equals MTP off's within 1e-5. right=None: the real (random) blocks draft;
+    0.8: oracle drafts, so most entries come from accepted drafts' rows. Pools at baseline."""
+    from libs.engine import SamplingParams
+
+    kinds = [dict(logprobs=0), dict(logprobs=1), dict(logprobs=5), dict(logprobs=3, frequency_penalty=1.2),
+             dict()]
+    prompts = {f"k{k}p{i}": tokens(700 + 10 * k + i, 4 + 7 * i) for k in range(len(kinds)) for i in range(4)}
+    params = {rid: SamplingParams(max_tokens=9 + 5 * int(rid[3]), ignore_eos=True,
+                                  **kinds[int(rid[1])])  # type: ignore[arg-type]
+              for rid in prompts}
+
+    def go(core: EngineCore):
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, params[rid]))
+        return drain_logprobs(core)
+    want, want_lp = go(make_core(tiny))
+    on = make_core(tiny, speculative_tokens=K)
+    if right is not None:
+        oracle(on, want, right)
+    verified: dict[str, int] = {}  # request -> drafts accepted in its verify steps
+    real_sample = on._sample
+
+    def sample(plan, logits):
+        out, accepted = real_sample(plan, logits)
+        for rid, acc in accepted.items():
+            verified[rid] = verified.get(rid, 0) + len(acc)
+        return out, accepted
+    on._sample = sample  # type: ignore[method-assign]
+    got, got_lp = go(on)
+    assert got == want
+    for rid in prompts:
+        k = params[rid].logprobs
+        assert len(got_lp[rid]) == len(want_lp[rid]) == len(want[rid])
+        for n, (g, w, t) in enumerate(zip(got_lp[rid], want_lp[rid], want[rid], strict=True)):
+            if k is None:
+                assert g is None and w is None
+                continue
+            assert g.token_id == w.token_id == t, (rid, n)
+            assert abs(g.logprob - w.logprob) < 1e-5, (rid, n, g, w)
+            assert len(g.top) == len(w.top) == k, (rid, n)
+            assert [i for i, _ in g.top] == [i for i, _ in w.top], (rid, n, g.top, w.top)
+            assert max((abs(a - b) for (_, a), (_, b) in zip(g.top, w.top, strict=True)), default=0) < 1e-5
+    # the logprobs requests themselves verified drafts (not only the ones without logprobs)
+    assert all(rid in verified for rid in prompts), sorted(set(prompts) - set(verified))
+    if right:
+        assert all(verified[rid] > 0 for rid in prompts), verified
+        spec = on.spec_stats()
+        assert spec is not None and spec.accepted_len > 1.5, spec
+    assert_baseline(on)

@@ -20,7 +20,7 @@ from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask, filter_logits
+from libs.engine.sampling import History, TokenMask, filter_logits, token_logprobs
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.spec import (
     DraftSpan,
@@ -382,15 +382,20 @@ class EngineCore:
             params = seq.req.params
             if s.num_draft:
                 drafts = s.token_ids[-s.num_draft:]
-                rows = as_if_emitted(logits[row:row + s.num_draft + 1], params, seq.token_ids, seq.num_prompt,
-                                     drafts)
+                raw = logits[row:row + s.num_draft + 1]
+                rows = as_if_emitted(raw, params, seq.token_ids, seq.num_prompt, drafts)
                 if params.greedy:
                     acc, tok = greedy_accept(rows.argmax(dim=-1).tolist(), drafts)
                 else:
                     q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
                     gen = self.runner.generator(s.req_id, params)
                     acc, tok = rejection_accept(self._probs(rows, params), q, drafts, gen)
-                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
+                accepted[s.req_id] = acc
+                if params.logprobs is None:
+                    out[s.req_id] = SampledToken(tok)
+                else:  # row i is the target's distribution after the tokens before it: what MTP off reports
+                    lps = token_logprobs(raw[:len(acc) + 1], [*acc, tok], [params] * (len(acc) + 1))
+                    out[s.req_id] = SampledToken(tok, lps[-1], tuple(lps[:-1]))  # type: ignore[arg-type]
             else:
                 plain.append(s.req_id)
                 last.append(row)
