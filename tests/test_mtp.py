@@ -561,3 +561,133 @@ def test_logprobs_requests_draft_and_equal_mtp_off(tiny, right):
         spec = on.spec_stats()
         assert spec is not None and spec.accepted_len > 1.5, spec
     assert_baseline(on)
+
+
+def test_structured_output_drafts_and_equals_mtp_off(tiny):
+    """Requests under a JSON schema draft: each verified row is masked by the grammar after the drafts before
+    it, a draft the grammar refuses ends acceptance, the matcher rolls back over rejected drafts. Greedy (with
+    logprobs on some) and seeded sampled requests under the schema, batched with unconstrained ones, real
+    (random) blocks and an oracle drafter (the MTP-off output, some tokens corrupted: refused and rejected
+    drafts): greedy outputs and logprobs equal MTP off, every constrained output is valid JSON of the schema,
+    the constrained requests accepted drafts; matchers released, pools at baseline."""
+    import json
+
+    import jsonschema
+
+    from libs.engine import SamplingParams
+    from libs.engine.request import GrammarSpec
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]}, "tags": {"type": "array", "items": {"type": "boolean"},
+                                                               "maxItems": 3}},
+        "required": ["name", "age", "color", "tags"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    _, _, tok = tiny
+    prompts = {f"g{i}": tokens(800 + i, 5 + 6 * i) for i in range(6)}
+    prompts.update({f"u{i}": tokens(850 + i, 7 + 3 * i) for i in range(2)})
+    params = {rid: SamplingParams(max_tokens=160, grammar=spec, logprobs=2 if int(rid[1]) % 2 else None)
+              if rid[0] == "g" else SamplingParams(max_tokens=20, ignore_eos=True) for rid in prompts}
+    sampled = {f"s{i}": SamplingParams(max_tokens=160, temperature=1.0, seed=30 + i, grammar=spec) for i in range(3)}
+
+    def go(core: EngineCore, with_sampled: bool = False):
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, params[rid]))
+        if with_sampled:
+            for i, (rid, p) in enumerate(sampled.items()):
+                core.add_request(Request(rid, tokens(870 + i, 9), p))
+        return drain_logprobs(core)
+
+    def valid(out: dict[str, list[int]], rids) -> None:
+        for rid in rids:
+            text = tok.decode(out[rid], skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), schema)
+
+    want, want_lp = go(make_core(tiny))
+    valid(want, [r for r in prompts if r[0] == "g"])
+    for right in (None, 0.8):
+        on = make_core(tiny, speculative_tokens=K)
+        if right is not None:
+            oracle(on, want, right)
+        verified: dict[str, int] = {}
+        real_sample = on._sample
+
+        def sample(plan, logits, real_sample=real_sample, verified=verified):
+            out, accepted = real_sample(plan, logits)
+            for rid, acc in accepted.items():
+                verified[rid] = verified.get(rid, 0) + len(acc)
+            return out, accepted
+        on._sample = sample  # type: ignore[method-assign]
+        got, got_lp = go(on, with_sampled=right is None)
+        assert {r: got[r] for r in prompts} == want, right
+        for rid in prompts:
+            for g, w in zip(got_lp[rid], want_lp[rid], strict=True):
+                assert (g is None) == (w is None)
+                if g is not None:
+                    assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-5
+                    assert [i for i, _ in g.top] == [i for i, _ in w.top]
+        valid(got, [r for r in got if r[0] in "gs"])
+        assert all(r in verified for r in prompts if r[0] == "g"), verified
+        if right is not None:
+            assert all(verified[r] > 0 for r in prompts if r[0] == "g"), verified
+        assert len(on.grammars) == 0
+        assert_baseline(on)
+
+
+def test_grammar_verify_masks_rows_after_the_drafts_and_rolls_back_rejected_ones():
+    """`GrammarBook.verify_bitmask`: row i is the mask of a fresh matcher fed the tokens so far and drafts[:i];
+    the allowed count stops at the first draft the grammar refuses; `settle` leaves the matcher as one fed only
+    the accepted drafts and the sampled token (same next mask); drafting's `feed_draft` / `unwind` likewise."""
+    import json
+
+    import xgrammar as xgr
+
+    from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
+    from libs.engine.request import GrammarSpec
+    from libs.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                  "required": ["a"], "additionalProperties": False}))
+    vocab = 512
+    cache = GrammarCache(tok, vocab, tok.eos_token_ids)
+    prompt = [5, 6, 7]
+    out = list(b'{"a": ')
+
+    def fresh_mask(fed: list[int]) -> torch.Tensor:
+        m = xgr.GrammarMatcher(cache.compile(spec))
+        for t in fed:
+            assert m.accept_token(t)
+        mask = xgr.allocate_token_bitmask(1, vocab)
+        m.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    for drafts, allowed in ((list(b"12}"), 3), (list(b"1x3"), 1), (list(b"x12"), 0)):
+        book = GrammarBook(cache)
+        row = ConstrainedRow(0, "r", spec, prompt + out, len(prompt))
+        mask, applied, n = book.verify_bitmask(row, drafts, "cpu")
+        assert n == allowed, drafts
+        assert applied == list(range(allowed + 1))
+        for i in applied:
+            assert torch.equal(mask[i], fresh_mask(out + drafts[:i])), (drafts, i)
+        for acc in range(allowed + 1):  # any acceptance up to the allowed drafts, then a sampled token
+            book = GrammarBook(cache)
+            book.verify_bitmask(row, drafts, "cpu")
+            # the target's token after them (one the grammar allows there): a digit, or the stop token once the
+            # object is closed ("12}" accepted)
+            nxt = tok.eos_token_ids[0] if acc == 3 else ord("4")
+            book.settle("r", acc, nxt)
+            done = out + drafts[:acc] + [nxt]
+            assert book._matchers["r"].matcher.is_terminated() == (acc == 3)
+            if acc == 3:
+                continue
+            assert torch.equal(book.bitmask([ConstrainedRow(0, "r", spec, prompt + done, len(prompt))], 1, "cpu")[0][0],
+                               fresh_mask(done)), (drafts, acc)
+    book = GrammarBook(cache)
+    row = ConstrainedRow(0, "r", spec, prompt + out, len(prompt))
+    book.bitmask([row], 1, "cpu")
+    for t in b"12":
+        book.feed_draft("r", t)
+    assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out + list(b"12")))
+    book.unwind("r")
+    assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out))
