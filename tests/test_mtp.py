@@ -691,3 +691,30 @@ def test_grammar_verify_masks_rows_after_the_drafts_and_rolls_back_rejected_ones
     assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out + list(b"12")))
     book.unwind("r")
     assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out))
+
+
+def test_sampled_logprobs_with_mtp_equal_a_full_recompute(tiny):
+    """Sampled requests (temperature > 0, rejection sampling) with logprobs draft and accept drafts; every
+    emitted token's entry equals the raw distribution of a one-forward recompute over the prompt and the
+    tokens before it (an independent reference; MTP off would sample other tokens)."""
+    from libs.engine import SamplingParams
+    from libs.engine.runner import one_shot_logits
+
+    model, cfg, _ = tiny
+    on = make_core(tiny, speculative_tokens=K)
+    prompts = {f"s{i}": tokens(900 + i, 6 + 5 * i) for i in range(3)}
+    for i, (rid, p) in enumerate(prompts.items()):
+        on.add_request(Request(rid, p, SamplingParams(max_tokens=16, temperature=2.0, seed=40 + i, logprobs=3,
+                                                      ignore_eos=True)))
+    got, lps = drain_logprobs(on)
+    spec = on.spec_stats()
+    assert spec is not None and spec.accepted_tokens > 0, spec
+    for rid, p in prompts.items():
+        assert len(got[rid]) == 16
+        for n, (t, e) in enumerate(zip(got[rid], lps[rid], strict=True)):
+            ref = one_shot_logits(model, cfg, p + got[rid][:n]).float().log_softmax(dim=-1)
+            assert e.token_id == t and abs(e.logprob - float(ref[t])) < 1e-5, (rid, n)
+            vals, ids = ref.topk(3)
+            assert [i for i, _ in e.top] == ids.tolist(), (rid, n)
+            assert max(abs(a - float(b)) for (_, a), b in zip(e.top, vals, strict=True)) < 1e-5
+    assert_baseline(on)
