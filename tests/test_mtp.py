@@ -718,3 +718,21 @@ def test_sampled_logprobs_with_mtp_equal_a_full_recompute(tiny):
             assert [i for i, _ in e.top] == ids.tolist(), (rid, n)
             assert max(abs(a - float(b)) for (_, a), b in zip(e.top, vals, strict=True)) < 1e-5
     assert_baseline(on)
+
+
+def test_forced_tool_calls_and_schemas_stay_valid_with_mtp():
+    """Sampled constrained requests with MTP (structural-tag tool calls in both formats, JSON schemas, json
+    objects): the engine-level checks of tests/test_tools.py and tests/test_structured.py hold on an engine that
+    drafts, and the constrained requests accepted drafts."""
+    from libs.engine import LLM
+    from tests import test_structured as ts
+    from tests import test_tools as tt
+
+    torch.manual_seed(0)
+    llm = LLM(None, speculative_tokens=K, **ts.ENGINE)
+    tt.test_forced_calls_always_parse_and_validate_over_seeds_in_the_engine(llm)
+    tt.test_forced_xml_calls_parse_and_validate_over_seeds_in_the_engine(llm)
+    ts.test_json_schema_outputs_always_validate_over_many_seeds(llm)
+    ts.test_json_object_outputs_parse_as_objects(llm)
+    spec = llm.core.spec_stats()
+    assert spec is not None and spec.accepted_tokens > 0, spec
