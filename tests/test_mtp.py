@@ -486,3 +486,253 @@ def test_penalties_and_logit_bias_draft_and_equal_mtp_off(tiny):
     spec = on.spec_stats()
     assert spec is not None and spec.accepted_tokens > 0 and spec.accepted_len > 1.5, spec
     assert_baseline(on)
+
+
+def drain_logprobs(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Like `drain`, also collecting each request's logprob entries (None for requests that ask for none)."""
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    for _ in range(5000):
+        if not core.has_work():
+            return got, lps
+        for out in core.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            entries = lps.setdefault(out.req_id, [])
+            if out.logprobs is None:
+                entries.extend([None] * len(out.new_token_ids))
+            else:
+                assert len(out.logprobs) == len(out.new_token_ids), out
+                entries.extend(out.logprobs)
+        core.check_invariants()
+    raise AssertionError("engine did not drain")
+
+
+@pytest.mark.parametrize("right", [None, 0.8])
+def test_logprobs_requests_draft_and_equal_mtp_off(tiny, right):
+    """Greedy requests with logprobs (top_logprobs 0, 1 and 5; one with a frequency penalty, whose logprobs are
+    still the raw distribution's) draft, batched with requests without logprobs, different lengths (stops
+    inside accepted runs): same tokens as MTP off, and every emitted token's logprob entry (its logprob, the
+    top ids and their logprobs) equals MTP off's within 1e-5. right=None: the real (random) blocks draft;
+    0.8: oracle drafts, so most entries come from accepted drafts' rows. Pools at baseline."""
+    from libs.engine import SamplingParams
+
+    kinds = [dict(logprobs=0), dict(logprobs=1), dict(logprobs=5), dict(logprobs=3, frequency_penalty=1.2),
+             dict()]
+    prompts = {f"k{k}p{i}": tokens(700 + 10 * k + i, 4 + 7 * i) for k in range(len(kinds)) for i in range(4)}
+    params = {rid: SamplingParams(max_tokens=9 + 5 * int(rid[3]), ignore_eos=True,
+                                  **kinds[int(rid[1])])  # type: ignore[arg-type]
+              for rid in prompts}
+
+    def go(core: EngineCore):
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, params[rid]))
+        return drain_logprobs(core)
+    want, want_lp = go(make_core(tiny))
+    on = make_core(tiny, speculative_tokens=K)
+    if right is not None:
+        oracle(on, want, right)
+    verified: dict[str, int] = {}  # request -> drafts accepted in its verify steps
+    real_sample = on._sample
+
+    def sample(plan, logits):
+        out, accepted = real_sample(plan, logits)
+        for rid, acc in accepted.items():
+            verified[rid] = verified.get(rid, 0) + len(acc)
+        return out, accepted
+    on._sample = sample  # type: ignore[method-assign]
+    got, got_lp = go(on)
+    assert got == want
+    for rid in prompts:
+        k = params[rid].logprobs
+        assert len(got_lp[rid]) == len(want_lp[rid]) == len(want[rid])
+        for n, (g, w, t) in enumerate(zip(got_lp[rid], want_lp[rid], want[rid], strict=True)):
+            if k is None:
+                assert g is None and w is None
+                continue
+            assert g.token_id == w.token_id == t, (rid, n)
+            assert abs(g.logprob - w.logprob) < 1e-5, (rid, n, g, w)
+            assert len(g.top) == len(w.top) == k, (rid, n)
+            assert [i for i, _ in g.top] == [i for i, _ in w.top], (rid, n, g.top, w.top)
+            assert max((abs(a - b) for (_, a), (_, b) in zip(g.top, w.top, strict=True)), default=0) < 1e-5
+    # the logprobs requests themselves verified drafts (not only the ones without logprobs)
+    assert all(rid in verified for rid in prompts), sorted(set(prompts) - set(verified))
+    if right:
+        assert all(verified[rid] > 0 for rid in prompts), verified
+        spec = on.spec_stats()
+        assert spec is not None and spec.accepted_len > 1.5, spec
+    assert_baseline(on)
+
+
+def test_structured_output_drafts_and_equals_mtp_off(tiny):
+    """Requests under a JSON schema draft: each verified row is masked by the grammar after the drafts before
+    it, a draft the grammar refuses ends acceptance, the matcher rolls back over rejected drafts. Greedy (with
+    logprobs on some) and seeded sampled requests under the schema, batched with unconstrained ones, real
+    (random) blocks and an oracle drafter (the MTP-off output, some tokens corrupted: refused and rejected
+    drafts): greedy outputs and logprobs equal MTP off, every constrained output is valid JSON of the schema,
+    the constrained requests accepted drafts; matchers released, pools at baseline."""
+    import json
+
+    import jsonschema
+
+    from libs.engine import SamplingParams
+    from libs.engine.request import GrammarSpec
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]}, "tags": {"type": "array", "items": {"type": "boolean"},
+                                                               "maxItems": 3}},
+        "required": ["name", "age", "color", "tags"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    _, _, tok = tiny
+    prompts = {f"g{i}": tokens(800 + i, 5 + 6 * i) for i in range(6)}
+    prompts.update({f"u{i}": tokens(850 + i, 7 + 3 * i) for i in range(2)})
+    params = {rid: SamplingParams(max_tokens=160, grammar=spec, logprobs=2 if int(rid[1]) % 2 else None)
+              if rid[0] == "g" else SamplingParams(max_tokens=20, ignore_eos=True) for rid in prompts}
+    sampled = {f"s{i}": SamplingParams(max_tokens=160, temperature=1.0, seed=30 + i, grammar=spec) for i in range(3)}
+
+    def go(core: EngineCore, with_sampled: bool = False):
+        for rid, p in prompts.items():
+            core.add_request(Request(rid, p, params[rid]))
+        if with_sampled:
+            for i, (rid, p) in enumerate(sampled.items()):
+                core.add_request(Request(rid, tokens(870 + i, 9), p))
+        return drain_logprobs(core)
+
+    def valid(out: dict[str, list[int]], rids) -> None:
+        for rid in rids:
+            text = tok.decode(out[rid], skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), schema)
+
+    want, want_lp = go(make_core(tiny))
+    valid(want, [r for r in prompts if r[0] == "g"])
+    for right in (None, 0.8):
+        on = make_core(tiny, speculative_tokens=K)
+        if right is not None:
+            oracle(on, want, right)
+        verified: dict[str, int] = {}
+        real_sample = on._sample
+
+        def sample(plan, logits, real_sample=real_sample, verified=verified):
+            out, accepted = real_sample(plan, logits)
+            for rid, acc in accepted.items():
+                verified[rid] = verified.get(rid, 0) + len(acc)
+            return out, accepted
+        on._sample = sample  # type: ignore[method-assign]
+        got, got_lp = go(on, with_sampled=right is None)
+        assert {r: got[r] for r in prompts} == want, right
+        for rid in prompts:
+            for g, w in zip(got_lp[rid], want_lp[rid], strict=True):
+                assert (g is None) == (w is None)
+                if g is not None:
+                    assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-5
+                    assert [i for i, _ in g.top] == [i for i, _ in w.top]
+        valid(got, [r for r in got if r[0] in "gs"])
+        assert all(r in verified for r in prompts if r[0] == "g"), verified
+        if right is not None:
+            assert all(verified[r] > 0 for r in prompts if r[0] == "g"), verified
+        assert len(on.grammars) == 0
+        assert_baseline(on)
+
+
+def test_grammar_verify_masks_rows_after_the_drafts_and_rolls_back_rejected_ones():
+    """`GrammarBook.verify_bitmask`: row i is the mask of a fresh matcher fed the tokens so far and drafts[:i];
+    the allowed count stops at the first draft the grammar refuses; `settle` leaves the matcher as one fed only
+    the accepted drafts and the sampled token (same next mask); drafting's `feed_draft` / `unwind` likewise."""
+    import json
+
+    import xgrammar as xgr
+
+    from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
+    from libs.engine.request import GrammarSpec
+    from libs.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                  "required": ["a"], "additionalProperties": False}))
+    vocab = 512
+    cache = GrammarCache(tok, vocab, tok.eos_token_ids)
+    prompt = [5, 6, 7]
+    out = list(b'{"a": ')
+
+    def fresh_mask(fed: list[int]) -> torch.Tensor:
+        m = xgr.GrammarMatcher(cache.compile(spec))
+        for t in fed:
+            assert m.accept_token(t)
+        mask = xgr.allocate_token_bitmask(1, vocab)
+        m.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    for drafts, allowed in ((list(b"12}"), 3), (list(b"1x3"), 1), (list(b"x12"), 0)):
+        book = GrammarBook(cache)
+        row = ConstrainedRow(0, "r", spec, prompt + out, len(prompt))
+        mask, applied, n = book.verify_bitmask(row, drafts, "cpu")
+        assert n == allowed, drafts
+        assert applied == list(range(allowed + 1))
+        for i in applied:
+            assert torch.equal(mask[i], fresh_mask(out + drafts[:i])), (drafts, i)
+        for acc in range(allowed + 1):  # any acceptance up to the allowed drafts, then a sampled token
+            book = GrammarBook(cache)
+            book.verify_bitmask(row, drafts, "cpu")
+            # the target's token after them (one the grammar allows there): a digit, or the stop token once the
+            # object is closed ("12}" accepted)
+            nxt = tok.eos_token_ids[0] if acc == 3 else ord("4")
+            book.settle("r", acc, nxt)
+            done = out + drafts[:acc] + [nxt]
+            assert book._matchers["r"].matcher.is_terminated() == (acc == 3)
+            if acc == 3:
+                continue
+            assert torch.equal(book.bitmask([ConstrainedRow(0, "r", spec, prompt + done, len(prompt))], 1, "cpu")[0][0],
+                               fresh_mask(done)), (drafts, acc)
+    book = GrammarBook(cache)
+    row = ConstrainedRow(0, "r", spec, prompt + out, len(prompt))
+    book.bitmask([row], 1, "cpu")
+    for t in b"12":
+        book.feed_draft("r", t)
+    assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out + list(b"12")))
+    book.unwind("r")
+    assert torch.equal(book.bitmask([row], 1, "cpu")[0][0], fresh_mask(out))
+
+
+def test_sampled_logprobs_with_mtp_equal_a_full_recompute(tiny):
+    """Sampled requests (temperature > 0, rejection sampling) with logprobs draft and accept drafts; every
+    emitted token's entry equals the raw distribution of a one-forward recompute over the prompt and the
+    tokens before it (an independent reference; MTP off would sample other tokens)."""
+    from libs.engine import SamplingParams
+    from libs.engine.runner import one_shot_logits
+
+    model, cfg, _ = tiny
+    on = make_core(tiny, speculative_tokens=K)
+    prompts = {f"s{i}": tokens(900 + i, 6 + 5 * i) for i in range(3)}
+    for i, (rid, p) in enumerate(prompts.items()):
+        on.add_request(Request(rid, p, SamplingParams(max_tokens=16, temperature=2.0, seed=40 + i, logprobs=3,
+                                                      ignore_eos=True)))
+    got, lps = drain_logprobs(on)
+    spec = on.spec_stats()
+    assert spec is not None and spec.accepted_tokens > 0, spec
+    for rid, p in prompts.items():
+        assert len(got[rid]) == 16
+        for n, (t, e) in enumerate(zip(got[rid], lps[rid], strict=True)):
+            ref = one_shot_logits(model, cfg, p + got[rid][:n]).float().log_softmax(dim=-1)
+            assert e.token_id == t and abs(e.logprob - float(ref[t])) < 1e-5, (rid, n)
+            vals, ids = ref.topk(3)
+            assert [i for i, _ in e.top] == ids.tolist(), (rid, n)
+            assert max(abs(a - float(b)) for (_, a), b in zip(e.top, vals, strict=True)) < 1e-5
+    assert_baseline(on)
+
+
+def test_forced_tool_calls_and_schemas_stay_valid_with_mtp():
+    """Sampled constrained requests with MTP (structural-tag tool calls in both formats, JSON schemas, json
+    objects): the engine-level checks of tests/test_tools.py and tests/test_structured.py hold on an engine that
+    drafts, and the constrained requests accepted drafts."""
+    from libs.engine import LLM
+    from tests import test_structured as ts
+    from tests import test_tools as tt
+
+    torch.manual_seed(0)
+    llm = LLM(None, speculative_tokens=K, **ts.ENGINE)
+    tt.test_forced_calls_always_parse_and_validate_over_seeds_in_the_engine(llm)
+    tt.test_forced_xml_calls_parse_and_validate_over_seeds_in_the_engine(llm)
+    ts.test_json_schema_outputs_always_validate_over_many_seeds(llm)
+    ts.test_json_object_outputs_parse_as_objects(llm)
+    spec = llm.core.spec_stats()
+    assert spec is not None and spec.accepted_tokens > 0, spec

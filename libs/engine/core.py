@@ -20,7 +20,7 @@ from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
 from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask, filter_logits
+from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.spec import (
     DraftSpan,
@@ -382,15 +382,32 @@ class EngineCore:
             params = seq.req.params
             if s.num_draft:
                 drafts = s.token_ids[-s.num_draft:]
-                rows = as_if_emitted(logits[row:row + s.num_draft + 1], params, seq.token_ids, seq.num_prompt,
-                                     drafts)
+                raw = logits[row:row + s.num_draft + 1]
+                rows = as_if_emitted(raw, params, seq.token_ids, seq.num_prompt, drafts)
+                c = s.num_draft  # drafts to verify
+                if params.grammar is not None:  # row i masked by the grammar's state after drafts[:i]
+                    row_mask, applied, allowed = self.grammars.verify_bitmask(
+                        ConstrainedRow(0, s.req_id, params.grammar, seq.token_ids, seq.num_prompt), drafts,
+                        logits.device)
+                    rows = rows.clone() if rows is raw else rows  # (raw stays unmasked: the logprobs' rows)
+                    apply_mask(rows, TokenMask(row_mask, applied))
+                    # a refused draft (the one after the allowed ones) is verified too: its masked row gives
+                    # it probability 0, so it is rejected, as it must be for the rejection test to be exact
+                    c = min(allowed + 1, s.num_draft)
                 if params.greedy:
-                    acc, tok = greedy_accept(rows.argmax(dim=-1).tolist(), drafts)
+                    acc, tok = greedy_accept(rows[:c + 1].argmax(dim=-1).tolist(), drafts[:c])
                 else:
-                    q = torch.stack(self._draft_q.pop(s.req_id)[:s.num_draft])
+                    q = torch.stack(self._draft_q.pop(s.req_id)[:c])  # (c >= 1)
                     gen = self.runner.generator(s.req_id, params)
-                    acc, tok = rejection_accept(self._probs(rows, params), q, drafts, gen)
-                accepted[s.req_id], out[s.req_id] = acc, SampledToken(tok)
+                    acc, tok = rejection_accept(self._probs(rows[:c + 1], params), q, drafts[:c], gen)
+                if params.grammar is not None:
+                    self.grammars.settle(s.req_id, len(acc), tok)
+                accepted[s.req_id] = acc
+                if params.logprobs is None:
+                    out[s.req_id] = SampledToken(tok)
+                else:  # row i is the target's distribution after the tokens before it: what MTP off reports
+                    lps = token_logprobs(raw[:len(acc) + 1], [*acc, tok], [params] * (len(acc) + 1))
+                    out[s.req_id] = SampledToken(tok, lps[-1], tuple(lps[:-1]))  # type: ignore[arg-type]
             else:
                 plain.append(s.req_id)
                 last.append(row)
@@ -433,8 +450,13 @@ class EngineCore:
         if not spans:
             return
         pad = self.model_config.image_token_id or 0
-        drafts = run_chain(self.runner.model, spans, rows, self._kv_mtp, self.draft_layers, pad, self.runner.device,
-                           self._choose)
+        try:
+            drafts = run_chain(self.runner.model, spans, rows, self._kv_mtp, self.draft_layers, pad,
+                               self.runner.device, self._choose)
+        finally:  # constrained drafts advanced their matchers (`_choose`): back to the verified tokens
+            if self._grammars is not None:
+                for span in spans:
+                    self._grammars.unwind(span.req_id)
         for req_id, d in drafts.items():
             sch.seqs[req_id].drafts = d
 
@@ -457,6 +479,11 @@ class EngineCore:
         if any(s.req.params.adjusts_logits for s in seqs):
             logits = torch.cat([as_if_emitted(logits[i:i + 1], s.req.params, [*s.token_ids, *d], s.num_prompt, ())
                                 for i, (s, d) in enumerate(zip(seqs, drafts, strict=True))])
+        constrained = [ConstrainedRow(i, s.req_id, s.req.params.grammar, s.token_ids, s.num_prompt)
+                       for i, s in enumerate(seqs) if s.req.params.grammar is not None]
+        if constrained:  # a grammar's drafts follow it: its matcher is fed the drafts so far (unwound after)
+            logits = logits.clone()
+            apply_mask(logits, TokenMask(*self.grammars.bitmask(constrained, len(seqs), logits.device)))
         best = logits.argmax(dim=-1).tolist()
         for i, (req_id, seq) in enumerate(zip(req_ids, seqs, strict=True)):
             params = seq.req.params
@@ -465,6 +492,8 @@ class EngineCore:
             q = self._probs(logits[i:i + 1], params)[0]
             best[i] = int(torch.multinomial(q, 1, generator=self.runner.generator(req_id, params)))
             self._draft_q.setdefault(req_id, []).append(q)
+        for c in constrained:
+            self.grammars.feed_draft(c.req_id, best[c.row])
         return best
 
     def _sample_rows(self, rows: list[str], logits: torch.Tensor) -> dict[str, SampledToken]:

@@ -263,6 +263,9 @@ class GrammarBook:
     def __init__(self, cache: GrammarCache) -> None:
         self.cache = cache
         self._matchers: dict[str, _Matcher] = {}
+        # drafts a matcher was advanced over: by a verify step until `settle`, by drafting until `unwind`
+        self._fed: dict[str, int] = {}
+        self._unfed: set[str] = set()  # drafting stopped feeding these (a refused draft, a terminated matcher)
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -290,8 +293,71 @@ class GrammarBook:
             log.error("request %s: the grammar refused token %d; no longer constraining it", req_id, token_id)
         m.accepted += 1
 
+    def verify_bitmask(self, r: ConstrainedRow, drafts: Sequence[int], device) -> tuple[Any, list[int], int]:
+        """A verify step of a constrained sequence (MTP, docs/mtp.md): (token bitmask [len(drafts) + 1, words] on
+        `device`, the rows it applies to, m). Row i is the grammar's mask after the sequence's tokens and
+        drafts[:i], as the step without speculation would fill it had they been emitted one by one; m = the
+        leading drafts the grammar allows (rows past m are not filled: draft m, when m < len(drafts), is
+        refused, so acceptance ends there). The matcher is left advanced over those m drafts until `settle`.
+        Rows where the plain path does not constrain (the matcher terminated or broken) are left out, and a
+        draft there is allowed, as the plain path's `accept` lets any token through."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(drafts) + 1, self.cache.vocab_size)
+        m = self._synced(r)
+        applied: list[int] = []
+        allowed = fed = 0
+        for i in range(len(drafts) + 1):
+            free = m.broken or m.matcher.is_terminated()
+            if not free:
+                m.matcher.fill_next_token_bitmask(mask, i)
+                applied.append(i)
+            if i == len(drafts):
+                break
+            if not free:
+                if not m.matcher.accept_token(drafts[i]):
+                    break
+                fed += 1
+            allowed += 1
+        self._fed[r.req_id] = fed
+        return mask.to(device, non_blocking=True), applied, allowed
+
+    def settle(self, req_id: str, num_accepted: int, token_id: int) -> None:
+        """After `verify_bitmask`: roll the matcher back over the drafts it was advanced over and the verification
+        rejected, count the accepted ones as accepted, then accept the token sampled after them."""
+        fed = self._fed.pop(req_id, 0)
+        m = self._matchers.get(req_id)
+        if m is None:
+            return
+        if fed > num_accepted:  # the fed drafts are the leading ones: drafts[:fed]
+            m.matcher.rollback(fed - num_accepted)
+        m.accepted += num_accepted
+        self.accept(req_id, token_id)
+
+    def feed_draft(self, req_id: str, token_id: int) -> None:
+        """Drafting (MTP): advance the matcher over a draft token so that the next draft's mask (`bitmask`)
+        follows it; `unwind` undoes every fed draft. Nothing is fed once the matcher refused one, terminated or
+        broke (the drafts after that are unconstrained; verification checks them all)."""
+        m = self._matchers.get(req_id)
+        if m is None or m.broken or req_id in self._unfed:
+            return
+        if m.matcher.is_terminated() or not m.matcher.accept_token(token_id):
+            self._unfed.add(req_id)
+            return
+        self._fed[req_id] = self._fed.get(req_id, 0) + 1
+
+    def unwind(self, req_id: str) -> None:
+        """Roll the matcher back over the drafts `feed_draft` advanced it over."""
+        fed = self._fed.pop(req_id, 0)
+        self._unfed.discard(req_id)
+        m = self._matchers.get(req_id)
+        if m is not None and fed:
+            m.matcher.rollback(fed)
+
     def release(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
+        self._fed.pop(req_id, None)
+        self._unfed.discard(req_id)
 
     def _synced(self, r: ConstrainedRow) -> _Matcher:
         """The row's matcher, built if new and advanced over output tokens it has not accepted (the first

@@ -139,7 +139,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _logprob_entries(logprobs: torch.Tensor, chosen: list[int],
+def token_logprobs(logits: torch.Tensor, chosen: Sequence[int],
+                   params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """Each row's logprob entry for its chosen token (None where the row's params ask for none): the logprob
+    and the top-k of the raw distribution of `logits` (before processing, masks, temperature / filtering)."""
+    if all(p.logprobs is None for p in params):
+        return [None] * len(params)
+    return _logprob_entries(logits.float().log_softmax(dim=-1), chosen, params)
+
+
+def _logprob_entries(logprobs: torch.Tensor, chosen: Sequence[int],
                      params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
     want = [p.logprobs for p in params]
     if all(w is None for w in want):
@@ -183,6 +192,4 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
         probs = filter_logits(logits[idx], temp, top_k, top_p, min_p).softmax(dim=-1).cpu()
         for j, row in enumerate(random_rows):
             chosen[row] = int(torch.multinomial(probs[j], 1, generator=generators[row]))
-    if all(p.logprobs is None for p in params):
-        return SampleResult(chosen, [None] * len(params))
-    return SampleResult(chosen, _logprob_entries(raw.log_softmax(dim=-1), chosen, params))
+    return SampleResult(chosen, token_logprobs(raw, chosen, params))

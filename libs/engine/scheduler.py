@@ -192,6 +192,9 @@ class Seq:
 class SampledToken(NamedTuple):
     token_id: int
     logprob: TokenLogprob | None = None
+    # a verify step: the logprob entries of the accepted drafts before token_id, one per accepted draft (empty
+    # when the request asks for no logprobs)
+    accepted_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass
@@ -677,7 +680,7 @@ class Scheduler:
                 continue  # aborted between schedule and update
             if item.num_draft:
                 acc = accepted.get(item.req_id, ()) if accepted else ()
-                outputs.append(self._accept(seq, item, acc, sampled[item.req_id].token_id))
+                outputs.append(self._accept(seq, item, acc, sampled[item.req_id]))
                 continue
             # The cache already knows the tokens whose KV was written; it is told the sampled one.
             tok = sampled[item.req_id] if item.sample else None
@@ -687,10 +690,12 @@ class Scheduler:
                 outputs.append(self._append_token(seq, tok))
         return outputs
 
-    def _accept(self, seq: Seq, item: ScheduledSeq, accepted: Sequence[int], sampled: int) -> RequestOutput:
-        """A verify step: emit the accepted drafts and the sampled token up to the first stop, commit the KV of
-        the positions that hold verified tokens and free the pages reserved for the rejected ones (their K/V
-        sits past num_computed: no attention reads it, and the next step overwrites it)."""
+    def _accept(self, seq: Seq, item: ScheduledSeq, accepted: Sequence[int], tok: SampledToken) -> RequestOutput:
+        """A verify step: emit the accepted drafts and the sampled token up to the first stop (with their
+        logprob entries, when asked for), commit the KV of the positions that hold verified tokens and free the
+        pages reserved for the rejected ones (their K/V sits past num_computed: no attention reads it, and the
+        next step overwrites it)."""
+        sampled = tok.token_id
         if len(accepted) > item.num_draft:
             raise ValueError(f"{seq.req_id}: {len(accepted)} accepted drafts of {item.num_draft}")
         self.stats.observe_verify(item.num_draft, len(accepted))
@@ -709,7 +714,13 @@ class Scheduler:
         self.cache.trim(seq.req_id)
         if reason is not None:
             self._finish_into_cache(seq, reason)
-        return self._output(seq, new, None)
+        logprobs = None
+        if tok.logprob is not None:
+            if len(tok.accepted_logprobs) != len(accepted):
+                raise ValueError(f"{seq.req_id}: {len(tok.accepted_logprobs)} logprob entries for "
+                                 f"{len(accepted)} accepted drafts")
+            logprobs = (*tok.accepted_logprobs, tok.logprob)[:len(new)]
+        return self._output(seq, new, logprobs)
 
     def _append_token(self, seq: Seq, tok: SampledToken) -> RequestOutput:
         seq.token_ids.append(tok.token_id)

@@ -47,9 +47,11 @@ def draft_view(kv: KVPools, n_swa: int) -> KVPools:
 def drafts_for(params) -> bool:
     """Requests that draft: greedy ones (exact acceptance) and sampled ones (rejection sampling over temperature /
     top-k / top-p / min-p), with or without logit bias and presence / frequency / repetition penalties (each
-    verified row is processed as if the drafts before it had been emitted: `as_if_emitted`); requests with
-    logprobs or a grammar decode without drafts."""
-    return params.logprobs is None and params.grammar is None
+    verified row is processed as if the drafts before it had been emitted: `as_if_emitted`), with or without
+    logprobs (each emitted token's entry is the target's raw distribution at its verified row) and with or
+    without a grammar (each verified row masked by the grammar's state after the drafts before it; a draft the
+    grammar refuses ends acceptance: `GrammarBook.verify_bitmask`)."""
+    return True
 
 
 def as_if_emitted(logits: torch.Tensor, params, token_ids: Sequence[int], num_prompt: int,
