@@ -195,14 +195,18 @@ async def test_close_drains_in_flight_handler(nats_url):
 
     try:
         await server_bus.serve("t.drain", RouteRequest, slowish)
-        pending = asyncio.create_task(
-            client.request("t.drain", RouteRequest(request_id="d", num_tokens=1), RouteReply, timeout=5)
-        )
-        began = asyncio.create_task(started.wait())
-        await asyncio.wait({began, pending}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-        if pending.done():  # answered or failed before the handler ran: say how
-            began.cancel()
-            raise AssertionError(f"the request ended before its handler started: {pending!r}")
+        for attempt in range(3):  # CI once saw 'no responders' here right after serve() on a machine at load ~10
+            pending = asyncio.create_task(
+                client.request("t.drain", RouteRequest(request_id="d", num_tokens=1), RouteReply, timeout=5)
+            )
+            began = asyncio.create_task(started.wait())
+            await asyncio.wait({began, pending}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                break
+            began.cancel()  # answered or failed before the handler ran: say how (a no-responders race is retried)
+            if attempt == 2 or not isinstance(pending.exception(), NoResponders):
+                raise AssertionError(f"the request ended before its handler started: {pending!r}")
+            await server_bus.flush()
         assert began.done(), "the handler did not start within 30 s"
         assert server_bus.in_flight == 1
         await server_bus.close()  # must let the running handler answer before closing
