@@ -126,12 +126,16 @@ class NodeStore:
         self._inflight[key] = slot
         return slot
 
-    def commit(self, slot: PutSlot) -> bool:
+    def commit(self, slot: PutSlot, digest: int | None = None) -> bool:
         """Make the slot's value visible if its bytes match its checksum; otherwise drop it. False: dropped (or
-        the slot was no longer in flight: aborted, reaped, committed already)."""
+        the slot was no longer in flight: aborted, reaped, committed already). `digest`: the value's xxh64
+        (`value_checksum`) the caller computed over the slot's buffer after its bytes landed (the node's direct
+        path hashes chunk by chunk as they arrive); None: hashed here."""
         if not self._end_put(slot):
             return False
-        if len(slot.buffer) != slot.size or value_checksum(slot.buffer) != slot.checksum:
+        if digest is None and len(slot.buffer) == slot.size:
+            digest = value_checksum(slot.buffer)
+        if len(slot.buffer) != slot.size or digest != slot.checksum:
             slot.state = PutState.DROPPED
             self._stats.checksum_failures += 1
             return False
