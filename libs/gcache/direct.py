@@ -123,7 +123,7 @@ async def _all_done(requests: list[asyncio.Future], timeout: float) -> None:
 
 
 @dataclass
-class _Call:
+class _DirectCall:
     conn: Connection
     msg_id: int
     reply: asyncio.Future[dict[str, Any]]
@@ -148,7 +148,7 @@ class DirectCalls:
         self.chunk_bytes = chunk_bytes
         self.drain_timeout_s = drain_timeout_s
         self._ids = itertools.count(1)
-        self._calls: dict[tuple[int, int], _Call] = {}
+        self._calls: dict[tuple[int, int], _DirectCall] = {}
         self._scratch: list[np.ndarray] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.calls = 0  # direct calls made (tests, health)
@@ -211,7 +211,7 @@ class DirectCalls:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _post_receives(self, call: _Call, sizes: list[int]) -> dict[int, memoryview]:
+    def _post_receives(self, call: _DirectCall, sizes: list[int]) -> dict[int, memoryview]:
         """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order."""
         link, index = call.conn.link, 0
         buffers: dict[int, memoryview] = {}
@@ -234,14 +234,14 @@ class DirectCalls:
             raise DirectError(f"the connection to {address} has no tagged data plane (not UCX)")
         return conn
 
-    def _open(self, conn: Connection) -> _Call:
+    def _open(self, conn: Connection) -> _DirectCall:
         loop = asyncio.get_running_loop()
-        call = _Call(conn, next(self._ids), loop.create_future(), loop.create_future())
+        call = _DirectCall(conn, next(self._ids), loop.create_future(), loop.create_future())
         self._calls[(id(conn), call.msg_id)] = call
         self.calls += 1
         return call
 
-    def _close(self, call: _Call) -> None:
+    def _close(self, call: _DirectCall) -> None:
         """The call is over here: forget it; UCX requests still pending get the drain bound, then the
         connection is dropped (which cancels them)."""
         self._calls.pop((id(call.conn), call.msg_id), None)

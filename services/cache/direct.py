@@ -47,7 +47,7 @@ log = logging.getLogger("windserve.cache")
 Spawn = Callable[[Coroutine[Any, Any, Any], str], object]
 
 
-class _Hasher:
+class _ChunkHasher:
     """The xxh64 of one value, fed its chunks in order as they land (out-of-order landings wait for their
     predecessors) on the node's hashing thread."""
 
@@ -73,12 +73,12 @@ class _Hasher:
         return self._state.intdigest()
 
 
-class _Put:
+class _DirectPut:
     def __init__(self, conn: Connection, msg_id: int, slots: list[PutSlot | None]) -> None:
         self.conn, self.msg_id, self.slots = conn, msg_id, slots
         self.sums: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()  # the second message
         self.requests: list[asyncio.Future] = []
-        self.hashers: list[_Hasher | None] = []
+        self.hashers: list[_ChunkHasher | None] = []
         self.task: asyncio.Future[Any] | None = None
         self.over = False
 
@@ -93,8 +93,8 @@ class DirectNode:
         self.config = node.config
         self._spawn = spawn
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-hash")
-        self._puts: dict[int, set[_Put]] = {}  # by id(connection)
-        self._by_id: dict[tuple[int, int], _Put] = {}  # by (id(connection), message id)
+        self._puts: dict[int, set[_DirectPut]] = {}  # by id(connection)
+        self._by_id: dict[tuple[int, int], _DirectPut] = {}  # by (id(connection), message id)
         self._scratch: list[np.ndarray] = []
         self.puts = 0  # direct requests served (health)
         self.gets = 0
@@ -152,13 +152,13 @@ class DirectNode:
         metrics.PUTS.labels("accepted").inc(len(taken))
         metrics.PUTS.labels("refused").inc(len(slots) - len(taken))
         self.puts += 1
-        put = _Put(conn, msg_id, slots)
+        put = _DirectPut(conn, msg_id, slots)
         link, index = conn.link, 0
         try:
             for (_, size), slot in zip(items, slots, strict=True):
                 if slot is not None:
                     views = wire.chunk_views(slot.buffer, chunk)
-                    hasher = _Hasher(views, self._pool)
+                    hasher = _ChunkHasher(views, self._pool)
                     put.hashers.append(hasher)
                     for k, view in enumerate(views):
                         fut = link.post_recv(message_tag(link.nonce, msg_id, index), view)
@@ -179,7 +179,7 @@ class DirectNode:
         task = self._spawn(self._finish_put(put), f"direct-put-{msg_id}")
         put.task = task if isinstance(task, asyncio.Future) else None
 
-    async def _finish_put(self, put: _Put) -> None:
+    async def _finish_put(self, put: _DirectPut) -> None:
         try:
             if put.requests:
                 _, pending = await asyncio.wait(put.requests, timeout=self.config.put_timeout_s)
@@ -222,7 +222,7 @@ class DirectNode:
         metrics.BYTES.labels("in").inc(sum(s.size for s in put.slots if s is not None))
         self._reply(put.conn, put.msg_id, {"stored": stored})
 
-    def _abort(self, put: _Put, why: str) -> None:
+    def _abort(self, put: _DirectPut, why: str) -> None:
         if put.over:
             return
         put.over = True
@@ -244,7 +244,7 @@ class DirectNode:
         else:
             put.sums.set_result(sums)
 
-    def _forget(self, put: _Put) -> None:
+    def _forget(self, put: _DirectPut) -> None:
         self._by_id.pop((id(put.conn), put.msg_id), None)
         puts = self._puts.get(id(put.conn))
         if puts is not None:
