@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from libs.gcache import wire
 from libs.gcache.direct import MAX_CHUNK_BYTES, DirectError, decode, encode, scratch
-from libs.gcache.keys import GCACHE_CHECKSUM_SEED
+from libs.gcache.keys import checksum_state
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
@@ -48,13 +47,13 @@ Spawn = Callable[[Coroutine[Any, Any, Any], str], object]
 
 
 class _ChunkHasher:
-    """The xxh64 of one value, fed its chunks in order as they land (out-of-order landings wait for their
+    """The checksum of one value, fed its chunks in order as they land (out-of-order landings wait for their
     predecessors) on the node's hashing thread."""
 
     def __init__(self, views: list[torch.Tensor], pool: concurrent.futures.Executor) -> None:
         self._views = views
         self._pool = pool
-        self._state = xxhash.xxh64(seed=GCACHE_CHECKSUM_SEED)
+        self._state = checksum_state()
         self._landed: set[int] = set()
         self._next = 0
         self._last: concurrent.futures.Future[None] | None = None
