@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import torch
 
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
@@ -99,12 +98,12 @@ def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
     return value
 
 
-def scratch(nbytes: int, cache: list[np.ndarray]) -> torch.Tensor:
+def scratch(nbytes: int, cache: list[np.ndarray]) -> np.ndarray:
     """`nbytes` of throwaway memory to drain a payload nobody wants into (one buffer, grown as needed and shared
     by every drain: what lands there is never read)."""
     if not cache or len(cache[0]) < nbytes:
         cache[:] = [np.empty(max(nbytes, 1), dtype=np.uint8)]
-    return torch.from_numpy(cache[0][:nbytes])
+    return cache[0][:nbytes]
 
 
 async def _all_done(requests: list[asyncio.Future], timeout: float) -> None:
@@ -171,7 +170,7 @@ class DirectCalls:
                 [key, len(value)] for key, value in items]}))
             link, index = conn.link, 0
             for _, value in items:
-                for view in wire.chunk_views(value, chunk):
+                for view in wire.chunk_arrays(value, chunk):
                     call.requests.append(link.post_send(message_tag(link.nonce, call.msg_id, index), view))
                     index += 1
             async with asyncio.timeout(self._left(deadline)):
@@ -219,7 +218,7 @@ class DirectCalls:
             if size <= 0:
                 continue
             buffers[pos] = buf = self.allocate(size)
-            for view in wire.chunk_views(buf, self.chunk_bytes):
+            for view in wire.chunk_arrays(buf, self.chunk_bytes):
                 call.requests.append(link.post_recv(message_tag(link.nonce, call.msg_id, index), view))
                 index += 1
         return buffers

@@ -29,7 +29,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
-import torch
 
 from libs.gcache import wire
 from libs.gcache.direct import MAX_CHUNK_BYTES, DirectError, decode, encode, scratch
@@ -50,7 +49,7 @@ class _ChunkHasher:
     """The checksum of one value, fed its chunks in order as they land (out-of-order landings wait for their
     predecessors) on the node's hashing thread."""
 
-    def __init__(self, views: list[torch.Tensor], pool: concurrent.futures.Executor) -> None:
+    def __init__(self, views: list[np.ndarray], pool: concurrent.futures.Executor) -> None:
         self._views = views
         self._pool = pool
         self._state = checksum_state()
@@ -61,7 +60,7 @@ class _ChunkHasher:
     def landed(self, k: int) -> None:
         self._landed.add(k)
         while self._next in self._landed:
-            self._last = self._pool.submit(self._state.update, self._views[self._next].numpy())
+            self._last = self._pool.submit(self._state.update, self._views[self._next])
             self._next += 1
 
     async def digest(self) -> int:
@@ -156,7 +155,7 @@ class DirectNode:
         try:
             for (_, size), slot in zip(items, slots, strict=True):
                 if slot is not None:
-                    views = wire.chunk_views(slot.buffer, chunk)
+                    views = wire.chunk_arrays(slot.buffer, chunk)
                     hasher = _ChunkHasher(views, self._pool)
                     put.hashers.append(hasher)
                     for k, view in enumerate(views):
@@ -276,7 +275,7 @@ class DirectNode:
         link, index, sends = conn.link, 0, []
         try:
             for _, v in found:
-                for view in wire.chunk_views(v.data, chunk):
+                for view in wire.chunk_arrays(v.data, chunk):
                     sends.append(link.post_send(message_tag(link.nonce, msg_id, index), view))
                     index += 1
         except TransferError as exc:

@@ -11,6 +11,7 @@ import asyncio
 import base64
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..buffers import ucx_buffer
@@ -58,7 +59,7 @@ class UcxLink:
     def nonce(self) -> int:
         return self._nonce
 
-    def post_recv(self, tag: int, data: torch.Tensor) -> asyncio.Future:
+    def post_recv(self, tag: int, data: torch.Tensor | np.ndarray) -> asyncio.Future:
         """Post a tagged receive into ``data`` now (before this returns, so a message sent after it cannot miss
         it); the future is done when the bytes landed. The request keeps ``data`` alive until then; closing
         the link cancels it."""
@@ -66,16 +67,16 @@ class UcxLink:
         from ucxx.types import Tag, TagMaskFull
 
         ep = self._live_endpoint()
-        req = ep._ep.tag_recv(Array(ucx_buffer(data)), Tag(tag), TagMaskFull)
+        req = ep._ep.tag_recv(Array(_host_or_device(data)), Tag(tag), TagMaskFull)
         return _hold(asyncio.ensure_future(req.wait()), data)
 
-    def post_send(self, tag: int, data: torch.Tensor) -> asyncio.Future:
+    def post_send(self, tag: int, data: torch.Tensor | np.ndarray) -> asyncio.Future:
         """Issue a tagged send of ``data`` now; the future is done when ``data`` may be reused."""
         from ucxx._lib.arr import Array
         from ucxx.types import Tag
 
         ep = self._live_endpoint()
-        req = ep._ep.tag_send(Array(ucx_buffer(data)), Tag(tag))
+        req = ep._ep.tag_send(Array(_host_or_device(data)), Tag(tag))
         return _hold(asyncio.ensure_future(req.wait()), data)
 
     def _live_endpoint(self) -> Any:
@@ -93,7 +94,11 @@ class UcxLink:
             ep.abort(period=10**8, max_attempts=1)
 
 
-def _hold(fut: asyncio.Future, data: torch.Tensor) -> asyncio.Future:
+def _host_or_device(data: torch.Tensor | np.ndarray) -> object:
+    return data if isinstance(data, np.ndarray) else ucx_buffer(data)
+
+
+def _hold(fut: asyncio.Future, data: object) -> asyncio.Future:
     """Keep ``data`` referenced until the request is over (its memory must not be reused before)."""
     fut.add_done_callback(lambda _f, _keep=data: None)
     return fut
