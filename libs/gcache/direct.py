@@ -47,6 +47,7 @@ import numpy as np
 import orjson
 
 from libs.transfer import PeerDisconnected, TransferError
+from libs.transfer.backends.ucx import UcxLink
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
 
@@ -89,6 +90,13 @@ def int_list(msg: dict[str, Any], name: str, n: int | None = None) -> list[int]:
     if n is not None and len(value) != n:
         raise DirectError(f"direct message field {name!r}: {len(value)} entries for {n}")
     return value
+
+
+def tagged_link(conn: Connection) -> UcxLink:
+    """The connection's UCX link (tagged payloads), or DirectError: the direct path needs a UCX engine."""
+    if not isinstance(conn.link, UcxLink):
+        raise DirectError(f"the connection to {conn.peer} has no tagged data plane (not UCX)")
+    return conn.link
 
 
 def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
@@ -168,7 +176,7 @@ class DirectCalls:
         try:
             conn.post_message(call.msg_id, encode({"op": "put", "chunk": chunk, "items": [
                 [key, len(value)] for key, value in items]}))
-            link, index = conn.link, 0
+            link, index = tagged_link(conn), 0
             for _, value in items:
                 for view in wire.chunk_arrays(value, chunk):
                     call.requests.append(link.post_send(message_tag(link.nonce, call.msg_id, index), view))
@@ -212,7 +220,7 @@ class DirectCalls:
 
     def _post_receives(self, call: _DirectCall, sizes: list[int]) -> dict[int, memoryview]:
         """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order."""
-        link, index = call.conn.link, 0
+        link, index = tagged_link(call.conn), 0
         buffers: dict[int, memoryview] = {}
         for pos, size in enumerate(sizes):
             if size <= 0:
@@ -229,8 +237,7 @@ class DirectCalls:
                 conn = await self.engine.connect(address)
         except (PeerDisconnected, OSError) as exc:
             raise DirectUnreachable(f"cannot reach {address}: {exc}") from exc
-        if not hasattr(conn.link, "post_recv"):
-            raise DirectError(f"the connection to {address} has no tagged data plane (not UCX)")
+        tagged_link(conn)
         return conn
 
     def _open(self, conn: Connection) -> _DirectCall:
@@ -289,8 +296,9 @@ class DirectCalls:
             sizes = int_list(msg, "sizes")
         except DirectError:
             return  # a put's reply or a verdict: nothing is in flight towards us
-        link, index, pending = conn.link, 0, []
+        index, pending = 0, []
         try:
+            link = tagged_link(conn)
             for size in sizes:
                 for n in wire.chunk_sizes(max(size, 0), self.chunk_bytes):
                     pending.append(link.post_recv(message_tag(link.nonce, msg_id, index), scratch(n, self._scratch)))

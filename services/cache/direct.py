@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from libs.gcache import wire
-from libs.gcache.direct import MAX_CHUNK_BYTES, DirectError, decode, encode, scratch
+from libs.gcache.direct import MAX_CHUNK_BYTES, DirectError, decode, encode, scratch, tagged_link
 from libs.gcache.keys import checksum_state
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
@@ -60,8 +60,15 @@ class _ChunkHasher:
     def landed(self, k: int) -> None:
         self._landed.add(k)
         while self._next in self._landed:
-            self._last = self._pool.submit(self._state.update, self._views[self._next])
+            self._last = self._pool.submit(self._state.update, self._views[self._next].data)
             self._next += 1
+
+    def when_landed(self, k: int) -> Callable[[asyncio.Future[Any]], None]:
+        """The done callback of chunk `k`'s receive: hash it (and what it unblocks) once it landed intact."""
+        def done(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.landed(k)
+        return done
 
     async def digest(self) -> int:
         """Once every chunk landed: the value's checksum (`value_checksum` of its bytes)."""
@@ -108,8 +115,7 @@ class DirectNode:
         try:
             msg = decode(body)
             op = msg.get("op")
-            if not hasattr(conn.link, "post_recv"):
-                raise DirectError("the direct path needs a UCX engine")
+            tagged_link(conn)  # (DirectError: the direct path needs a UCX engine)
             if op is None and "sums" in msg:
                 self._sums(conn, msg_id, msg)
                 return
@@ -151,7 +157,7 @@ class DirectNode:
         metrics.PUTS.labels("refused").inc(len(slots) - len(taken))
         self.puts += 1
         put = _DirectPut(conn, msg_id, slots)
-        link, index = conn.link, 0
+        link, index = tagged_link(conn), 0
         try:
             for (_, size), slot in zip(items, slots, strict=True):
                 if slot is not None:
@@ -160,7 +166,7 @@ class DirectNode:
                     put.hashers.append(hasher)
                     for k, view in enumerate(views):
                         fut = link.post_recv(message_tag(link.nonce, msg_id, index), view)
-                        fut.add_done_callback(lambda f, h=hasher, k=k: f.cancelled() or f.exception() or h.landed(k))
+                        fut.add_done_callback(hasher.when_landed(k))
                         put.requests.append(fut)
                         index += 1
                 else:
@@ -272,7 +278,7 @@ class DirectNode:
                                    "verdict": bool(unverified)})
         if not found:
             return
-        link, index, sends = conn.link, 0, []
+        link, index, sends = tagged_link(conn), 0, []
         try:
             for _, v in found:
                 for view in wire.chunk_arrays(v.data, chunk):

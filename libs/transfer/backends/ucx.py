@@ -100,7 +100,10 @@ def _host_or_device(data: torch.Tensor | np.ndarray) -> object:
 
 def _hold(fut: asyncio.Future, data: object) -> asyncio.Future:
     """Keep ``data`` referenced until the request is over (its memory must not be reused before)."""
-    fut.add_done_callback(lambda _f, _keep=data: None)
+    def release(_fut: asyncio.Future, _keep: object = data) -> None:
+        pass  # (the closure is the reference; dropped once the callback ran)
+
+    fut.add_done_callback(release)
     return fut
 
 
