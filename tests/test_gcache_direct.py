@@ -173,11 +173,13 @@ async def test_a_get_abandoned_at_its_deadline_leaves_nothing_pending(pair):
     from libs.transfer import TransferError
 
     gave_up = 0
-    for _ in range(5):
+    for _ in range(50):  # until one gives up (an idle machine can answer within the first deadlines)
         try:
-            got = await pair.get(["v"], timeout=0.0005)  # (usually gives up before the reply)
+            got = await pair.get(["v"], timeout=0.0002)  # (usually gives up before the reply)
         except (TimeoutError, TransferError):  # (the client maps these to misses)
             gave_up += 1
+            if gave_up >= 3:
+                break
         else:
             assert bytes(got[0]) == value
     assert gave_up
