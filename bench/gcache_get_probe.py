@@ -1,6 +1,6 @@
 """Probe (not part of the product): one client's put / get of one value against real storage nodes, timed.
 
-    python -m bench.gcache_get_probe [--transport sm] [--mib 64] [--reps 10] [--keep-header-timers]
+    python -m bench.gcache_get_probe [--transport sm] [--mib 64] [--reps 10] [--keep-header-timers] [--nats-path]
 
 Starts bench.gcache's nats-server + storage nodes, puts `--values` values of `--mib` MiB with one GCacheClient
 in this process and gets them again and again (gets are repeatable), printing each get's and put's time.
@@ -33,7 +33,7 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with cache_nodes(args.transport, Path(tmp)) as url:
             os.environ.update(child_env(args.transport))
-            gc = GCacheClient(url, NAMESPACE, GCacheConfig(op_timeout_s=60))
+            gc = GCacheClient(url, NAMESPACE, GCacheConfig(op_timeout_s=60, direct=not args.nats_path))
             await gc.start()
             size = args.mib * MIB
             src = np.random.default_rng(0).integers(0, 256, size * args.values, dtype=np.uint8)
@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--keep-header-timers", action="store_true",
                    help="the client's transfer registry as before the fix (a finished transfer's header timer "
                         "keeps its landing buffers for 60 s)")
+    p.add_argument("--nats-path", action="store_true",
+                   help="the NATS request + transfer path instead of the direct one (A/B)")
     asyncio.run(run(p.parse_args()))
 
 

@@ -485,7 +485,7 @@ class CacheGetReply(WireModel):
 class CachePutItem(WireModel):
     key: str = Field(min_length=1, max_length=512)
     size: int = Field(ge=0)
-    checksum: int = Field(ge=0, description="xxh64 (seed GCACHE_CHECKSUM_SEED) of the value bytes")
+    checksum: int = Field(ge=0, description="xxh3-64 (seed GCACHE_CHECKSUM_SEED) of the value bytes")
 
 
 class CachePutRequest(WireModel):

@@ -44,6 +44,7 @@ from libs.transfer.frames import (
     Hello,
     HelloAck,
     Layer,
+    Message,
     Reject,
     decode_frame,
     decode_prefix,
@@ -155,7 +156,7 @@ def test_every_frame_round_trips_through_its_codec():
     header = TransferHeader("r", (LayerSpec("full", 0, 2, "int8", (2, 4)),))
     frames = [Hello(1, "ucx", "e1", 2**64 - 1, "d2FybQ=="), HelloAck(engine="e2"), HelloAck(error="nope"),
               Header(3, header), Accept(3), Reject(3, "why"), Layer(3, 0, 8), End(3), Done(3, 8), Abort(3, "stop"),
-              Cancel(3, "gone")]
+              Cancel(3, "gone"), Message(3, b"\x00opaque{"), Message(2**64 - 1, b"")]
     for frame in frames:
         raw = encode_frame(frame)
         ftype, length = decode_prefix(raw[:FRAME_PREFIX.size], max_body=1 << 20)
@@ -175,6 +176,7 @@ def test_every_frame_round_trips_through_its_codec():
     (FrameType.CANCEL, b"[1, 2]", "CANCEL frame body must be an object, got list"),
     (FrameType.ABORT, b"{oops", "ABORT frame body is not JSON"),
     (FrameType.LAYER, b"short", "LAYER frame body must be 16 bytes, got 5"),
+    (FrameType.MESSAGE, b"short", "MESSAGE frame body must hold at least 8 bytes, got 5"),
 ])
 def test_malformed_frames_raise_a_clear_error(ftype, body, message):
     with pytest.raises(FrameError, match=message.replace("|", r"\|")) as info:
@@ -194,6 +196,40 @@ def test_malformed_header_error_keeps_the_seq_so_one_transfer_can_be_rejected():
 
 
 # -- transfers on both engines -------------------------------------------------------------
+@pytest.mark.integration
+async def test_messages_go_both_ways_outside_transfers_and_a_drop_is_heard(pair):
+    """MESSAGE frames (the GCache direct path's requests) reach the other engine's handler, in order, either
+    way; when the connection drops every drop listener hears of it."""
+    rx, tx = pair
+    at_rx: list[tuple[int, bytes]] = []
+    at_tx: list[tuple[int, bytes]] = []
+    dropped: list[object] = []
+
+    def answer(conn, msg_id, body):
+        at_rx.append((msg_id, body))
+        conn.post_message(msg_id, body.upper())
+
+    rx.set_message_handler(answer)
+    tx.set_message_handler(lambda conn, msg_id, body: at_tx.append((msg_id, body)))
+    rx.add_drop_listener(lambda conn, err: dropped.append(err))
+    conn = await tx.connect(rx.address)
+    conn.post_message(5, b"ping")
+    await conn.send_message(6, b"")
+    conn.post_message(2**64 - 1, b"x" * 100_000)
+    async with asyncio.timeout(10):
+        while len(at_tx) < 3:
+            await asyncio.sleep(0.01)
+    assert at_rx == [(5, b"ping"), (6, b""), (2**64 - 1, b"x" * 100_000)]
+    assert at_tx == [(5, b"PING"), (6, b""), (2**64 - 1, b"X" * 100_000)]
+    await conn.drop(PeerDisconnected("test"))
+    async with asyncio.timeout(10):
+        while not dropped:
+            await asyncio.sleep(0.01)
+    assert isinstance(dropped[0], TransferError)
+    with pytest.raises(PeerDisconnected):
+        conn.post_message(7, b"late")
+
+
 @pytest.mark.integration
 async def test_round_trip_is_byte_exact_with_pages_and_accounting(pair):
     rx, tx = pair

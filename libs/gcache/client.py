@@ -39,7 +39,14 @@ from typing import Any, TypeVar
 import torch
 
 from libs.bus import Bus, BusError, Registry, RegistryEventKind, RegistryView, ViewConfig
-from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address, create_engine
+from libs.transfer import (
+    KVTransferEngine,
+    TransferBackend,
+    TransferError,
+    TransferHeader,
+    advertised_address,
+    create_engine,
+)
 from protos import subjects
 from protos.base import ProtocolError
 from protos.messages import (
@@ -58,6 +65,7 @@ from . import wire
 from .api import Buffer
 from .arena import Allocator, SegmentArena
 from .config import GCacheConfig
+from .direct import DirectCalls, DirectUnreachable
 from .keys import value_checksum
 from .ring import HashRing
 
@@ -250,6 +258,8 @@ class _IOWorker:
         self.bus: Bus | None = None
         self.view: RegistryView | None = None
         self.engine: KVTransferEngine | None = None
+        self.direct: DirectCalls | None = None  # the direct path (UCX engines, `GCacheConfig.direct`)
+        self.addresses: dict[str, str] = {}  # node id -> its transfer address (registry entries)
         # get landing buffers: reused memory (a page fault per 4 KiB of fresh memory cost more than the bytes'
         # transfer); values larger than a segment, or beyond the arena, get fresh buffers
         lb = self.config.landing_bytes
@@ -278,6 +288,9 @@ class _IOWorker:
         self.engine = create_engine()
         bound = await self.engine.start(host=cfg.transfer_host)
         self.address = advertised_address(bound, cfg.advertise_host)
+        if cfg.direct and self.engine.backend is TransferBackend.UCX:
+            self.direct = DirectCalls(self.engine, self.allocate, cfg.chunk_bytes,
+                                      getattr(getattr(self.engine, "config", None), "drain_timeout_s", 2.0))
         self.bus = await Bus.connect(client.nats_url, name=f"gcache-{uuid.uuid4().hex[:8]}-{self.index}",
                                      timeout=_CONNECT_TIMEOUT_S)
         registry = await Registry.open(self.bus, bucket=subjects.registry_bucket(client.namespace))
@@ -318,10 +331,13 @@ class _IOWorker:
 
     def _on_member(self, kind: RegistryEventKind, entry: RegistryEntry) -> None:
         iid = entry.instance_id
+        if kind is not RegistryEventKind.LEAVE and entry.address:
+            self.addresses[iid] = entry.address
         if kind is RegistryEventKind.JOIN and entry.address:
             self.ring.add(iid)
             log.info("gcache node joined", extra={"instance": iid, "address": entry.address})
         elif kind is RegistryEventKind.LEAVE:
+            self.addresses.pop(iid, None)
             if self.ring.remove(iid):
                 log.info("gcache node left", extra={"instance": iid})
 
@@ -397,8 +413,19 @@ class _IOWorker:
         self.counters.add(hits=len(hits), misses=len(out) - len(hits), bytes_read=sum(len(v) for v in hits))
         return out
 
+    def _direct_address(self, node: str) -> str | None:
+        """The node's transfer address when this call may take the direct path (a UCX engine on both ends)."""
+        address = self.addresses.get(node)
+        if self.direct is None or address is None or not address.startswith("ucx://"):
+            return None
+        return address
+
     async def _get_at(self, node: str, keys: list[str], idxs: list[int], deadline: float) -> list[Buffer | None]:
         assert self.bus is not None and self.engine is not None
+        address = self._direct_address(node)
+        if address is not None and self.direct is not None:
+            with contextlib.suppress(DirectUnreachable):  # (then the NATS path: its reply names the address)
+                return await self.direct.get(address, [keys[i] for i in idxs], deadline)
         tid = uuid.uuid4().hex
         landing = _Landing(self.allocate)
         incoming = self.engine.expect(tid, landing.allocate)
@@ -419,7 +446,10 @@ class _IOWorker:
 
     async def put(self, items: list[tuple[str, Buffer]]) -> list[bool]:
         deadline = self._deadline()
-        sums = [value_checksum(v) for _, v in items]
+        # The values' checksums, hashed on a thread (xxhash releases the GIL): the direct path sends the chunks
+        # meanwhile and the checksums after them; the NATS path needs them in its request.
+        sums: asyncio.Future[list[int]] = asyncio.ensure_future(
+            asyncio.to_thread(lambda: [value_checksum(v) for _, v in items]))
         out = await self._any_replica([k for k, _ in items],
                                       lambda node, idxs: self._put_at(node, items, sums, idxs, deadline))
         stored_n = sum(out)
@@ -427,13 +457,19 @@ class _IOWorker:
                           bytes_written=sum(len(items[i][1]) for i, s in enumerate(out) if s))
         return out
 
-    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: list[int], idxs: list[int],
+    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: asyncio.Future[list[int]], idxs: list[int],
                       deadline: float) -> list[bool]:
         assert self.bus is not None and self.engine is not None
+        address = self._direct_address(node)
+        if address is not None and self.direct is not None:
+            with contextlib.suppress(DirectUnreachable):  # (then the NATS path: its reply names the address)
+                return await self.direct.put(address, [items[i] for i in idxs], sums, idxs, deadline)
         tid = uuid.uuid4().hex
         chunk = self.config.chunk_bytes
+        async with asyncio.timeout(self._left(deadline)):
+            checksums = await asyncio.shield(sums)
         req = CachePutRequest(transfer_id=tid, chunk_bytes=chunk, items=[
-            CachePutItem(key=items[i][0], size=len(items[i][1]), checksum=sums[i]) for i in idxs])
+            CachePutItem(key=items[i][0], size=len(items[i][1]), checksum=checksums[i]) for i in idxs])
         reply = await self.bus.request(subjects.cache_put(self.client.namespace, node), req, CachePutReply,
                                        timeout=self._left(deadline))
         if len(reply.accepted) != len(idxs):

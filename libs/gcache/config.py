@@ -22,5 +22,8 @@ class GCacheConfig(BaseModel):
                                "per value")
     landing_prefault: bool = Field(default=False, description="populate the landing memory's page tables at start "
                                    "(background): no get ever faults; it becomes resident at once")
+    direct: bool = Field(default=True, description="UCX engines: puts and gets on the direct path (requests on the "
+                         "transfer engine's control connection, one tagged UCX message per chunk; docs/gcache.md); "
+                         "False, or a TCP engine: NATS request + transfer")
     landing_segment_bytes: int = Field(default=64 << 20, ge=4096, description="arena segment (a larger value gets "
                                        "its own buffer)")

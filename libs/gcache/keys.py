@@ -13,7 +13,7 @@ import re
 
 import xxhash
 
-GCACHE_CHECKSUM_SEED = 0x6763616368650001  # "gcache" + version: value checksums (xxh64)
+GCACHE_CHECKSUM_SEED = 0x6763616368650002  # "gcache" + version: value checksums (xxh3-64; version 1 was xxh64)
 _NS_SEED = 0x6763616368656E73
 
 _SLUG_RE = re.compile(r"[^A-Za-z0-9_\-]+")
@@ -36,4 +36,11 @@ def swa_key(namespace: str, block_hash: int) -> str:
 
 
 def value_checksum(data: bytes | bytearray | memoryview) -> int:
-    return xxhash.xxh64_intdigest(data, seed=GCACHE_CHECKSUM_SEED)
+    """A value's checksum: xxh3-64 with a fixed seed (8x faster than xxh64 here: 2.4 vs 19 ms per 64 MiB on the
+    dev VM, and every put hashes each byte twice and every memory get once; docs/gcache.md "Checksums")."""
+    return xxhash.xxh3_64_intdigest(data, seed=GCACHE_CHECKSUM_SEED)
+
+
+def checksum_state() -> xxhash.xxh3_64:
+    """A streaming `value_checksum`: `update` it with a value's bytes in order, then `intdigest()`."""
+    return xxhash.xxh3_64(seed=GCACHE_CHECKSUM_SEED)

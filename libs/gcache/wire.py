@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from libs.transfer import LayerSpec
@@ -64,3 +65,10 @@ def chunk_views(buffer: Buffer, chunk_bytes: int) -> list[torch.Tensor]:
             out.append(torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset))
             offset += n
     return out
+
+
+def chunk_arrays(buffer: Buffer, chunk_bytes: int) -> list[np.ndarray]:
+    """Zero-copy flat uint8 numpy views of `buffer`'s chunks (what ucxx takes as is: the direct path's tagged
+    messages); read-only when `buffer` is."""
+    whole = np.frombuffer(buffer, dtype=np.uint8) if len(memoryview(buffer)) else np.empty(0, dtype=np.uint8)
+    return [whole[i:i + chunk_bytes] for i in range(0, len(whole), chunk_bytes)]

@@ -28,6 +28,7 @@ from .frames import (
     FrameType,
     Header,
     Layer,
+    Message,
     Reject,
     decode_frame,
     decode_prefix,
@@ -100,6 +101,17 @@ class Connection:
             await self.drop(PeerDisconnected(f"payload to {self.peer} failed: {exc}"))
             raise
 
+    def post_message(self, msg_id: int, body: bytes) -> None:
+        """Write a MESSAGE frame now, without waiting for the stream to drain (no event-loop hop: the direct
+        path's requests and replies are small). PeerDisconnected when the connection is closed."""
+        if self.closed or self.writer.is_closing():
+            raise PeerDisconnected(f"connection to {self.peer} is closed")
+        self.writer.write(encode_frame(Message(msg_id, body)))
+
+    async def send_message(self, msg_id: int, body: bytes) -> None:
+        """A MESSAGE frame to the peer's message handler (either side may send; bounded like every frame)."""
+        await self.send_frame(Message(msg_id, body))
+
     async def send_end(self, seq: int) -> None:
         await self.send_frame(End(seq))
 
@@ -137,7 +149,9 @@ class Connection:
             return None
 
     async def _dispatch(self, frame: Frame) -> None:
-        if isinstance(frame, Layer):
+        if isinstance(frame, Message):
+            self.registry.on_message(self, frame.msg_id, frame.body)
+        elif isinstance(frame, Layer):
             await self._on_layer(frame)
         elif self.side is ConnectionSide.RECEIVER:
             self._on_receiver_frame(frame)
@@ -282,5 +296,6 @@ class Connection:
             tr.fail(err)
             self.registry.incoming_finished(tr)
         self.incoming.clear()
+        self.registry.dropped(self, err)  # (after the link closed: no posted receive can land any more)
         if self.reader_task is not None and self.reader_task is not asyncio.current_task():
             self.reader_task.cancel()

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .api import KVTransferEngine
@@ -142,6 +142,18 @@ class BaseTransferEngine(KVTransferEngine):
             return False
         await tx.abort(reason)
         return True
+
+    # -- messages (outside transfers: the direct path) -----------------------------------------
+    def set_message_handler(self, handler: Callable[[Connection, int, bytes], None] | None) -> None:
+        """Call ``handler(connection, msg_id, body)`` (on this loop, from the connection's reader) for every
+        MESSAGE frame on any of this engine's connections, dialled or accepted; reply with
+        ``connection.send_message``. It must not block: spawn what takes time."""
+        self._registry.message_handler = handler
+
+    def add_drop_listener(self, listener: Callable[[Connection, TransferError], None]) -> None:
+        """Call ``listener(connection, error)`` when a connection drops (peer gone, protocol error, close): after
+        its link closed, so nothing posted on it can still land."""
+        self._registry.drop_listeners.append(listener)
 
     async def connect(self, address: str) -> Connection:
         """The cached control connection to ``address``, dialled (bounded) on first use."""

@@ -23,6 +23,7 @@ from .protocol import TransferHeader
 
 FRAME_PREFIX = struct.Struct("!BQ")  # frame type, body length
 LAYER_BODY = struct.Struct("!IIQ")  # transfer seq, layer position, payload bytes
+MESSAGE_ID = struct.Struct("!Q")  # a MESSAGE frame's id; its opaque body follows
 
 
 class FrameType(enum.IntEnum):
@@ -36,6 +37,7 @@ class FrameType(enum.IntEnum):
     DONE = 8
     ABORT = 9
     CANCEL = 10
+    MESSAGE = 11
 
 
 class FrameError(ValueError):
@@ -130,7 +132,17 @@ class Cancel:
     reason: str
 
 
-Frame = Hello | HelloAck | Header | Accept | Reject | Layer | End | Done | Abort | Cancel
+@dataclass(frozen=True)
+class Message:
+    """Either direction, outside any transfer: an opaque ``body`` for the engine's message handler (what the
+    direct path of GCache speaks, docs/transfer.md "Messages"). Binary: ``!Q`` id, then the body bytes."""
+
+    TYPE: ClassVar[FrameType] = FrameType.MESSAGE
+    msg_id: int
+    body: bytes
+
+
+Frame = Hello | HelloAck | Header | Accept | Reject | Layer | End | Done | Abort | Cancel | Message
 _CLASSES: dict[FrameType, type[Any]] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, Header, Accept, Reject, Layer, End, Done, Abort, Cancel)}
 _HINTS = {cls: get_type_hints(cls) for cls in _CLASSES.values()}  # field -> declared type, for decoding
@@ -143,6 +155,9 @@ def encode_frame(frame: Frame) -> bytes:
         # On the TCP backend ``nbytes`` payload bytes follow this frame on the stream.
         return FRAME_PREFIX.pack(FrameType.LAYER, LAYER_BODY.size) + LAYER_BODY.pack(
             frame.seq, frame.position, frame.nbytes)
+    if isinstance(frame, Message):
+        return FRAME_PREFIX.pack(FrameType.MESSAGE, MESSAGE_ID.size + len(frame.body)) + MESSAGE_ID.pack(
+            frame.msg_id) + frame.body
     if isinstance(frame, Header):
         body = frame.header.to_wire(frame.seq)
     else:
@@ -168,6 +183,11 @@ def decode_frame(ftype: FrameType, body: bytes) -> Frame:
         if len(body) != LAYER_BODY.size:
             raise FrameError(f"LAYER frame body must be {LAYER_BODY.size} bytes, got {len(body)}", ftype=ftype)
         return Layer(*LAYER_BODY.unpack(body))
+    if ftype is FrameType.MESSAGE:
+        if len(body) < MESSAGE_ID.size:
+            raise FrameError(f"MESSAGE frame body must hold at least {MESSAGE_ID.size} bytes, got {len(body)}",
+                             ftype=ftype)
+        return Message(MESSAGE_ID.unpack_from(body)[0], bytes(body[MESSAGE_ID.size:]))
     obj = _json_object(ftype, body)
     if ftype is FrameType.HEADER:
         return _decode_header(obj)

@@ -105,6 +105,14 @@ def payload_tag(nonce: int, seq: int, position: int) -> int:
     return xxhash.xxh64_intdigest(struct.pack("!QII", nonce, seq, position), seed=TAG_SEED)
 
 
+MESSAGE_TAG_DOMAIN = 0x4D  # keeps message payload tags apart from transfer payload tags (docs/transfer.md, "Messages")
+
+
+def message_tag(nonce: int, msg_id: int, index: int) -> int:
+    """64-bit UCX tag of payload ``index`` of message ``msg_id`` on a connection (the direct path)."""
+    return xxhash.xxh64_intdigest(struct.pack("!QQIB", nonce, msg_id, index, MESSAGE_TAG_DOMAIN), seed=TAG_SEED)
+
+
 def parse_address(address: str) -> tuple[str, str, int]:
     """'ucx://host:port' -> ('ucx', host, port), with an error naming the bad address."""
     scheme, sep, rest = address.partition("://")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .config import TransferConfig
@@ -66,6 +66,11 @@ class TransferRegistry:
         # would keep the transfer, and through it the caller's destination buffers, alive until it fires.
         self._header_timers: dict[str, asyncio.TimerHandle] = {}
         self._registered = asyncio.Condition()
+        # MESSAGE frames (outside transfers) go to the engine's handler: (connection, msg id, body); a connection
+        # that drops tells every drop listener (connection, error). Typed loosely: this module imports no
+        # connection code.
+        self.message_handler: Callable[[Any, int, bytes], None] | None = None
+        self.drop_listeners: list[Callable[[Any, TransferError], None]] = []
 
     # -- receiver side ---------------------------------------------------------------------
     def expect(self, request_id: str, destinations: Destinations) -> IncomingTransfer:
@@ -122,6 +127,20 @@ class TransferRegistry:
             del self._outgoing[tx.request_id]
             if tx.state is TransferState.COMPLETE:
                 self.bytes_sent += tx.bytes_sent
+
+    # -- messages ---------------------------------------------------------------------------
+    def on_message(self, conn: Any, msg_id: int, body: bytes) -> None:
+        if self.message_handler is None:
+            log.warning("MESSAGE frame with no handler dropped", extra={"msg_id": msg_id})
+            return
+        self.message_handler(conn, msg_id, body)
+
+    def dropped(self, conn: Any, err: TransferError) -> None:
+        for listener in list(self.drop_listeners):
+            try:
+                listener(conn, err)
+            except Exception:  # one listener's bug must not keep the others from hearing of the drop
+                log.exception("transfer drop listener failed")
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def close(self, err: TransferError) -> None:

@@ -2,7 +2,7 @@
 
 File format (`<xxh3-128 of the key>.gcv`, little endian):
 
-    magic "GCV1" | key length u16 | value size u64 | value checksum u64 | header check u64 | key (utf-8) | value
+    magic "GCV2" | key length u16 | value size u64 | value checksum u64 | header check u64 | key (utf-8) | value
 
 The header check is the xxh64 of everything before it plus the key, so a torn or scribbled header is told apart
 from a valid one without reading the value; the value's own checksum is verified by the store on every read.
@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import xxhash
 
-MAGIC = b"GCV1"
+MAGIC = b"GCV2"  # (GCV1 files held xxh64 value checksums: a re-index deletes them)
 SUFFIX = ".gcv"
 _FIXED = struct.Struct("<4sHQQQ")  # magic, key length, value size, value checksum, header check
 _HEADER_SEED = 0x6763616368656864

@@ -113,16 +113,22 @@ class CacheNode:
 
     # ------------------------------------------------------------------ get
 
-    async def get(self, req: CacheGetRequest) -> CacheGetReply:
-        values = [self.store.lookup(k) for k in req.keys]
-        for i, v in enumerate(values):  # 0-byte values have no layer to hold back: verified here
+    def lookup_all(self, keys: list[str]) -> list[Found | None]:
+        """The store's values of `keys` (a memory value unverified: the caller hashes it while sending; a 0-byte
+        one is verified here, having no bytes to hold back), hits and misses counted."""
+        values = [self.store.lookup(k) for k in keys]
+        for i, v in enumerate(values):
             if v is not None and not v.verified and not len(v.data) and value_checksum(v.data) != v.checksum:
-                self.store.failed_verification(req.keys[i], v)
+                self.store.failed_verification(keys[i], v)
                 values[i] = None
-        sizes = [-1 if v is None else len(v.data) for v in values]
         hits = sum(v is not None for v in values)
         metrics.LOOKUPS.labels("hit").inc(hits)
         metrics.LOOKUPS.labels("miss").inc(len(values) - hits)
+        return values
+
+    async def get(self, req: CacheGetRequest) -> CacheGetReply:
+        values = self.lookup_all(req.keys)
+        sizes = [-1 if v is None else len(v.data) for v in values]
         found = [(i, v) for i, v in enumerate(values) if v is not None and len(v.data)]
         if found:
             self.inflight_gets += 1

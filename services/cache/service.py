@@ -14,10 +14,11 @@ import contextlib
 
 from libs.gcache.arena import Allocator, SegmentArena
 from libs.service import Service
-from libs.transfer import KVTransferEngine, advertised_address, create_engine
+from libs.transfer import KVTransferEngine, TransferBackend, advertised_address, create_engine
 from protos import subjects
 from protos.messages import CacheExistsRequest, CacheGetRequest, CachePutRequest, RegistryEntry, Role
 from services.cache.config import CacheConfig
+from services.cache.direct import DirectNode
 from services.cache.handlers import CacheNode
 from services.cache.store import NodeStore
 
@@ -45,6 +46,7 @@ class CacheService(Service):
         self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_path or None,
                                put_timeout_s=config.put_timeout_s, allocate=Allocator(self.arena))
         self.node: CacheNode | None = None
+        self.direct: DirectNode | None = None
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -59,6 +61,8 @@ class CacheService(Service):
         bound = await self.transfer.start(host=cfg.transfer_host, port=cfg.transfer_port)
         self.node = CacheNode(cfg, self.store, self.transfer, advertised_address(bound, cfg.advertise_host),
                               lambda coro, name: self.spawn(coro, name=name))
+        if self.transfer.backend is TransferBackend.UCX:  # the direct path (clients' puts and gets without NATS)
+            self.direct = DirectNode(self.node, self.transfer, lambda coro, name: self.spawn(coro, name=name))
         ns, iid = cfg.namespace, cfg.instance_id
         await self.bus.serve(subjects.cache_exists(ns, iid), CacheExistsRequest, self.node.exists)
         await self.bus.serve(subjects.cache_put(ns, iid), CachePutRequest, self.node.put)
@@ -69,6 +73,8 @@ class CacheService(Service):
         try:
             await self.transfer.close()
         finally:
+            if self.direct is not None:
+                self.direct.close()
             self.store.close()
 
     def registry_entry(self) -> RegistryEntry:
@@ -80,6 +86,8 @@ class CacheService(Service):
 
     def health_details(self) -> dict[str, str]:
         details = self.node.details() if self.node is not None else {}
+        if self.direct is not None:
+            details.update(direct_puts=str(self.direct.puts), direct_gets=str(self.direct.gets))
         if self.arena is not None:
             a = self.arena
             details.update(arena_bytes=str(a.capacity), arena_free_segments=str(a.free_segments()),

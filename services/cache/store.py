@@ -15,7 +15,7 @@
   value is demoted to disk (or evicted when there is no disk tier or it is larger than the disk budget); disk
   is full → its least recently used value is evicted. A read of a disk value promotes it to memory when it fits
   after demoting committed values (reservations are never demoted); otherwise it is served from disk.
-- **Verification.** Every read (either tier) recomputes the value's xxh64; a mismatch drops the value, counts a
+- **Verification.** Every read (either tier) recomputes the value's checksum (xxh3-64); a mismatch drops the value, counts a
   checksum failure and is a miss: wrong bytes are never returned. `get` hashes before it returns; `lookup`
   leaves a memory value's hash to the caller (the node hashes while sending, and the transfer cannot complete
   before the hash matched), which reports a mismatch with `failed_verification`.
@@ -126,12 +126,16 @@ class NodeStore:
         self._inflight[key] = slot
         return slot
 
-    def commit(self, slot: PutSlot) -> bool:
+    def commit(self, slot: PutSlot, digest: int | None = None) -> bool:
         """Make the slot's value visible if its bytes match its checksum; otherwise drop it. False: dropped (or
-        the slot was no longer in flight: aborted, reaped, committed already)."""
+        the slot was no longer in flight: aborted, reaped, committed already). `digest`: the value's checksum
+        (`value_checksum`) the caller computed over the slot's buffer after its bytes landed (the node's direct
+        path hashes chunk by chunk as they arrive); None: hashed here."""
         if not self._end_put(slot):
             return False
-        if len(slot.buffer) != slot.size or value_checksum(slot.buffer) != slot.checksum:
+        if digest is None and len(slot.buffer) == slot.size:
+            digest = value_checksum(slot.buffer)
+        if len(slot.buffer) != slot.size or digest != slot.checksum:
             slot.state = PutState.DROPPED
             self._stats.checksum_failures += 1
             return False

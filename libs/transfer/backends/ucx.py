@@ -11,6 +11,7 @@ import asyncio
 import base64
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..buffers import ucx_buffer
@@ -53,12 +54,57 @@ class UcxLink:
         tag = payload_tag(self._nonce, seq, position)
         return asyncio.ensure_future(self._ep.recv(ucx_buffer(buf), tag=tag, force_tag=True))
 
+    # -- tagged payloads outside transfers (the direct path, docs/transfer.md "Messages") ------------
+    @property
+    def nonce(self) -> int:
+        return self._nonce
+
+    def post_recv(self, tag: int, data: torch.Tensor | np.ndarray) -> asyncio.Future:
+        """Post a tagged receive into ``data`` now (before this returns, so a message sent after it cannot miss
+        it); the future is done when the bytes landed. The request keeps ``data`` alive until then; closing
+        the link cancels it."""
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        ep = self._live_endpoint()
+        req = ep._ep.tag_recv(Array(_host_or_device(data)), Tag(tag), TagMaskFull)
+        return _hold(asyncio.ensure_future(req.wait()), data)
+
+    def post_send(self, tag: int, data: torch.Tensor | np.ndarray) -> asyncio.Future:
+        """Issue a tagged send of ``data`` now; the future is done when ``data`` may be reused."""
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+
+        ep = self._live_endpoint()
+        req = ep._ep.tag_send(Array(_host_or_device(data)), Tag(tag))
+        return _hold(asyncio.ensure_future(req.wait()), data)
+
+    def _live_endpoint(self) -> Any:
+        ep = self._ep
+        if ep is None or ep.closed:
+            raise TransferError("UCX endpoint closed")
+        ep._ep.raise_on_error()
+        return ep
+
     async def close(self) -> None:
         # Closing the endpoint cancels every request still posted on it, so no buffer is
         # written after this returns. The period bounds how long UCX may block the loop.
         ep, self._ep = self._ep, None
         if ep is not None:
             ep.abort(period=10**8, max_attempts=1)
+
+
+def _host_or_device(data: torch.Tensor | np.ndarray) -> object:
+    return data if isinstance(data, np.ndarray) else ucx_buffer(data)
+
+
+def _hold(fut: asyncio.Future, data: object) -> asyncio.Future:
+    """Keep ``data`` referenced until the request is over (its memory must not be reused before)."""
+    def release(_fut: asyncio.Future, _keep: object = data) -> None:
+        pass  # (the closure is the reference; dropped once the callback ran)
+
+    fut.add_done_callback(release)
+    return fut
 
 
 class UcxDataPlane(DataPlane):
