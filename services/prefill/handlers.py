@@ -295,7 +295,7 @@ class PrefillWorker:
         gone: list[str] = []
         while True:
             try:
-                return decode, await self._asking_again(lambda: self.prepare(decode, prep), "kv_prepare",
+                return decode, await self._asking_again(lambda d=decode: self.prepare(d, prep), "kv_prepare",
                                                         req.request_id, decode)
             except TimeoutError:
                 await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
