@@ -197,11 +197,20 @@ class Bus:
         return min(self.config.large_threshold, self._nc.max_payload - _HEADER_ROOM)
 
     async def stop_serving(self) -> None:
-        """Unsubscribe every `serve()` subscription: no new requests are accepted."""
+        """Unsubscribe every `serve()` subscription: no new requests are accepted. Drained, not dropped: a
+        request the server routed here before it saw the unsubscribe is still handled (answered, e.g. "busy"
+        while draining) instead of left unanswered until its asker's timeout (seen under compose's scale-down:
+        3 requests waited out the gateway's 30 s ack bound). Bounded: a hung server costs at most 2 s."""
         servers, self._servers = self._servers, []
-        for sub in servers:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        if not servers:
+            return
+        drains = [asyncio.ensure_future(sub.drain()) for sub in servers]
+        await asyncio.wait(drains, timeout=2.0)
+        for sub, drain in zip(servers, drains, strict=True):
+            if not drain.done() or drain.cancelled() or drain.exception() is not None:
+                drain.cancel()
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     async def drain_handlers(self, timeout: float) -> bool:
         """Wait up to `timeout` for in-flight handlers; cancel the rest. True if all finished."""
