@@ -27,7 +27,6 @@ from protos.messages import StreamReplayReply, TokenChunk
 class _Stream:
     next_seq: int = 0
     chunks: deque[TokenChunk] = field(default_factory=deque)
-    finished_at: float | None = None
 
 
 class StreamLedger:
@@ -49,7 +48,7 @@ class StreamLedger:
         starts a new stream (the same request id tried again)."""
         now = self._clock()
         stream = self._streams.get(chunk.request_id)
-        if stream is None or stream.finished_at is not None:
+        if stream is None or chunk.request_id in self._finished:
             stream = self._streams[chunk.request_id] = _Stream(chunks=deque(maxlen=self.keep_chunks))
             self._streams.move_to_end(chunk.request_id)
             self._finished.pop(chunk.request_id, None)
@@ -57,7 +56,7 @@ class StreamLedger:
         stream.next_seq += 1
         stream.chunks.append(numbered)
         if numbered.finish_reason is not None:
-            stream.finished_at = self._finished[chunk.request_id] = now
+            self._finished[chunk.request_id] = now
         self._prune(now)
         return numbered
 

@@ -524,17 +524,20 @@ class NatsBackend:
         order.expected[chunk.instance_id] = chunk.seq + 1
         return [*missing, chunk]
 
+    async def _ask_replay(self, instance: str, request_id: str, from_seq: int) -> StreamReplayReply:
+        """One stream_replay request to `instance` (bus errors raised as they come)."""
+        return await self._bus.request(subjects.stream_replay(self.config.namespace, instance),
+                                       StreamReplayRequest(request_id=request_id, from_seq=from_seq),
+                                       StreamReplayReply, self.config.liveness_interval_s)
+
     async def _replay(self, instance: str, request_id: str, from_seq: int) -> StreamReplayReply | None:
         """What `instance` sent for the request from `from_seq` on; None when it cannot be asked (no such
         subject: an older worker or a fake; silent). While NATS is unreachable (the very failure that loses
         chunks) it asks again until the reconnect bound."""
-        cfg = self.config
-        deadline = time.monotonic() + cfg.reconnect_bound_s
+        deadline = time.monotonic() + self.config.reconnect_bound_s
         while True:
             try:
-                return await self._bus.request(subjects.stream_replay(cfg.namespace, instance),
-                                               StreamReplayRequest(request_id=request_id, from_seq=from_seq),
-                                               StreamReplayReply, cfg.liveness_interval_s)
+                return await self._ask_replay(instance, request_id, from_seq)
             except Exception:
                 if self._bus.is_connected or time.monotonic() > deadline:
                     return None
@@ -560,10 +563,7 @@ class NatsBackend:
             expected = order.expected.get(instance, 0)
             try:
                 try:
-                    reply = await self._bus.request(
-                        subjects.stream_replay(self.config.namespace, instance),
-                        StreamReplayRequest(request_id=request_id, from_seq=expected), StreamReplayReply,
-                        self.config.liveness_interval_s)
+                    reply = await self._ask_replay(instance, request_id, expected)
                 except NoResponders:  # a worker without replay (a test's fake): its health subject
                     reply = None
                     await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(),
