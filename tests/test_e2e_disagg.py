@@ -221,20 +221,25 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         max_tokens = 1500  # long enough that no stream can finish before the kill (decode is ~3-10 ms/token)
         progress: dict[int, int] = {}
         tasks = []
-        for i, p in enumerate(prompts):  # one by one: the router's own recent picks spread them over both decoders
-            tasks.append(asyncio.create_task(_stream_tokens(client, p, max_tokens, progress, i)))
-            await _until(lambda i=i: progress.get(i, 0) >= 1, 30, lambda i=i: f"stream {i} did not start: {progress}",
-                         tasks)
-        await _until(lambda: min(progress.values()) >= 3, 30, lambda: f"streams stalled: {progress}", tasks)
         # Where the streams run, from the decoders' own load reports (refreshed every 0.2 s).
         placement: dict[str, int] = {}
 
-        def placed() -> bool:
+        def placed(n: int) -> bool:
             placement.clear()
             placement.update({i["instance_id"]: i["load"]["running"] for i in topo.health()["instances"]
                               if i["role"] == "decode" and i.get("load")})
-            return sum(placement.values()) == 4
-        await _until(placed, 10, lambda: f"decode loads never added up to the 4 streams: {placement}", tasks)
+            return sum(placement.values()) == n
+        # One by one, each sent once the decoders' load reports show the streams before it: the router then
+        # sees them in the load (a pick the decoder had not yet seen at its next report is no longer counted,
+        # so on a busy box two quick picks could both land on one decoder) and spreads them over both.
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.create_task(_stream_tokens(client, p, max_tokens, progress, i)))
+            await _until(lambda i=i: progress.get(i, 0) >= 1 and placed(i + 1), 30,
+                         lambda i=i: f"stream {i} did not start on a decoder: {progress} {placement}", tasks)
+            await asyncio.sleep(0.5)  # the router's view of the loads: refreshed as often as the gateway's
+        await _until(lambda: min(progress.values()) >= 3, 30, lambda: f"streams stalled: {progress}", tasks)
+        await _until(lambda: placed(4), 10, lambda: f"decode loads never added up to the 4 streams: {placement}",
+                     tasks)
         split = sorted(d for d, n in placement.items() if 0 < n < 4)
         assert split, f"streams not on both decoders: {placement}"
         victim, survivor = split[0], next(d for d in placement if d != split[0])

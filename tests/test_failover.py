@@ -197,6 +197,49 @@ async def test_every_worker_gone_is_503_with_retry_after(bus):
     assert "w-a" in err.value.message and "w-b" in err.value.message
 
 
+async def test_the_only_worker_unreachable_for_a_moment_is_asked_again(bus):
+    """The only listed worker has no responders at first (its client moving to another node of a NATS cluster:
+    its subscriptions reach the gateway's node a moment later): with nothing else to send it to, the gateway asks
+    it again within unreachable_grace_s instead of failing the request."""
+    worker = FakeWorker(bus, "w-moving")
+    before = metrics.REASKS._value.get()
+
+    async def later() -> None:
+        await asyncio.sleep(0.4)
+        await worker.start()
+    task = asyncio.create_task(later())
+    chunks = await asyncio.wait_for(run(backend(bus, [entry("w-moving")]), "moving"), 5)
+    await task
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4]
+    assert worker.requests and worker.requests[-1].startswith("moving-r") and metrics.REASKS._value.get() > before
+
+
+async def test_the_only_worker_gone_fails_after_the_grace(bus):
+    """Gone for good: the 503 comes once unreachable_grace_s is spent (bounded), naming the worker."""
+    b = backend(bus, [entry("w-gone")], unreachable_grace_s=0.5)
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(BackendError) as err:
+        await asyncio.wait_for(run(b, "gone"), 5)
+    assert err.value.status == 503 and "w-gone" in err.value.message
+    assert 0.5 <= asyncio.get_running_loop().time() - start < 3
+
+
+async def test_the_only_router_unreachable_for_a_moment_is_asked_again(bus):
+    """A disaggregated fleet (nothing to place without a router) whose listed router has no responders at first:
+    asked again within the grace, the request is served once its subscriptions are back."""
+    ok = await FakeWorker(bus, "w-ok").start()
+    router = FakeRouter(bus, "r-moving", "w-ok")
+    entries = [entry("r-moving", Role.ROUTER), entry("p-0", Role.PREFILL), entry("d-0", Role.DECODE, address="tcp://h:1")]
+
+    async def later() -> None:
+        await asyncio.sleep(0.4)
+        await router.start()
+    task = asyncio.create_task(later())
+    chunks = await asyncio.wait_for(run(backend(bus, entries), "three"), 5)
+    await task
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and router.asked and ok.requests == ["three"]
+
+
 async def test_a_router_that_ignores_exclusions_is_overridden(bus):
     """The router keeps answering the dead worker (as one that ignores exclude_instances would): the gateway
     chooses the live one from the registry."""

@@ -93,13 +93,16 @@ class BackendError(Exception):
 
 class PeerFailed(BackendError):
     """A worker of this attempt is gone or refused it as busy: another instance may serve the request.
-    `decode` tells which exclusion list names `instance`."""
+    `decode` tells which exclusion list names `instance`; `unreachable`: nothing listened on its subject (no
+    responders), which is also what a live worker looks like for a moment while its client moves to another
+    node of a NATS cluster."""
 
     def __init__(self, message: str, instance: str, decode: bool = False, code: str = "worker_gone",
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, unreachable: bool = False) -> None:
         super().__init__(503, message, code=code, retry_after_s=retry_after_s)
         self.instance = instance
         self.decode = decode
+        self.unreachable = unreachable
 
 
 class Backend(Protocol):
@@ -134,11 +137,13 @@ class BackendConfig:
     max_attempts: int = 3  # attempts of one request (1 = no failover)
     failover_timeout_s: float = 30.0  # no new attempt starts later than this after the first one
     reconnect_bound_s: float = 10.0  # NATS unreachable this long: the request fails (control plane down)
+    unreachable_grace_s: float = 1.5  # a listed peer with no responders, asked again this long when nothing else can
     fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
 
     def __post_init__(self) -> None:
         if min(self.route_timeout_s, self.route_try_timeout_s, self.router_suspect_s, self.ack_timeout_s,
-               self.liveness_interval_s, self.idle_timeout_s, self.failover_timeout_s, self.reconnect_bound_s) <= 0:
+               self.liveness_interval_s, self.idle_timeout_s, self.failover_timeout_s, self.reconnect_bound_s,
+               self.unreachable_grace_s) <= 0:
             raise ValueError("BackendConfig timeouts must be > 0")
         if self.liveness_misses < 1 or self.page_size < 1 or self.max_attempts < 1:
             raise ValueError("BackendConfig: liveness_misses, page_size and max_attempts must be >= 1")
@@ -164,6 +169,7 @@ class _StreamOrder:
 
 
 _MIN_TRY_S = 0.05  # a router try shorter than this is not started (the route's bound is spent)
+_REASK_PAUSE_S = 0.1  # between two asks of a listed peer that had no responders (within unreachable_grace_s)
 
 
 class RoutersSilent(Exception):
@@ -247,17 +253,31 @@ class NatsBackend:
         req = RouteRequest(request_id=request_id, num_tokens=len(token_ids),
                            block_hashes=await self._chain(token_ids), mm_hashes=list(mm_hashes),
                            exclude_instances=sorted(avoid.instances), exclude_decodes=sorted(avoid.decodes))
-        try:
-            reply = await self._ask_routers(req)
-        except NoResponders:
-            return await self._route_direct(request_id, len(token_ids), avoid)  # no router running
-        except RemoteError as exc:
-            raise self.unavailable(f"router could not place the request: {exc.message}") from exc
-        except RoutersSilent as exc:
-            return await self._place_without_router(request_id, len(token_ids), avoid, exc)
+        grace_end = time.monotonic() + self.config.unreachable_grace_s
+        while True:
+            try:
+                reply = await self._ask_routers(req)
+                break
+            except NoResponders:  # no router running, or the listed ones are moving to another NATS node
+                try:
+                    return await self._route_direct(request_id, len(token_ids), avoid)
+                except BackendError:
+                    if time.monotonic() >= grace_end or not await self._routers_listed():
+                        raise
+                await asyncio.sleep(_REASK_PAUSE_S)
+            except RemoteError as exc:
+                raise self.unavailable(f"router could not place the request: {exc.message}") from exc
+            except RoutersSilent as exc:
+                return await self._place_without_router(request_id, len(token_ids), avoid, exc)
         if avoid and avoid.hits(reply.prefill_instance, reply.decode_instance):
             return await self._repick(request_id, len(token_ids), avoid, reply)
         return reply
+
+    async def _routers_listed(self) -> bool:
+        try:
+            return bool((await self.fleet(wait=False)).routers)
+        except BackendError:
+            return False
 
     async def _ask_routers(self, req: RouteRequest) -> RouteReply:
         """The first answer of a router, within `route_timeout_s` in all: each registered router by name (in turn;
@@ -381,8 +401,13 @@ class NatsBackend:
         await self._check_fits(len(token_ids), sampling.max_tokens)
         cfg = self.config
         avoid = Avoid()
+        unreachable = Avoid()  # the failed instances that only had no responders
+        tried = Avoid()  # every instance an attempt failed on
         deadline = time.monotonic() + cfg.failover_timeout_s
-        for attempt in range(cfg.max_attempts):
+        grace_end: float | None = None  # re-asking those until then, when nothing else can take the request
+        failed = 0  # attempts that failed on an instance (a re-ask of an unreachable one within the grace: free)
+        reask = False
+        for attempt in itertools.count():
             attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             sent = False
             try:
@@ -391,15 +416,34 @@ class NatsBackend:
                     yield chunk
                 return
             except PeerFailed as exc:
-                if sent or attempt + 1 >= cfg.max_attempts or time.monotonic() >= deadline:
+                now = time.monotonic()
+                free = reask and exc.unreachable and grace_end is not None and now < grace_end
+                tried.add(exc.instance, exc.decode)
+                if sent or now >= deadline or (failed + 1 >= cfg.max_attempts and not free):
                     if not sent and attempt:
-                        exc.message = f"{exc.message} (after {attempt + 1} attempts)"
+                        exc.message = f"{exc.message} (after {attempt + 1} attempts on {tried})"
                     exc.retry_after_s = cfg.retry_after_s
                     raise
+                failed += 0 if free else 1
                 avoid.add(exc.instance, exc.decode)
+                if exc.unreachable:
+                    unreachable.add(exc.instance, exc.decode)
+                    grace_end = grace_end or now + cfg.unreachable_grace_s
                 metrics.FAILOVERS.inc()
                 log.info("retrying on another instance", extra={"request_id": request_id, "attempt": attempt + 1,
                                                                 "failed": exc.instance, "error": exc.message})
+                reask = False
+            except BackendError:
+                # nothing but the instances this request failed on can take it: when each only had no
+                # responders (its client may be moving to another NATS node), ask them again within the grace
+                if (sent or reask or not avoid or avoid != unreachable or grace_end is None
+                        or time.monotonic() >= min(grace_end, deadline)):
+                    raise
+                await asyncio.sleep(_REASK_PAUSE_S)
+                avoid, reask = Avoid(), True
+                metrics.REASKS.inc()
+                log.info("asking an unreachable instance again", extra={"request_id": request_id,
+                                                                         "instances": str(unreachable)})
 
     async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid,
                        mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
@@ -447,7 +491,8 @@ class NatsBackend:
                                     self.config.liveness_interval_s, f"probing {instance}")
             except BusError as exc:
                 return PeerFailed(f"worker {instance} is gone ({exc}); the request failed with: {chunk.error}",
-                                  instance, decode=_is_decode(route, instance))
+                                  instance, decode=_is_decode(route, instance),
+                                  unreachable=isinstance(exc, NoResponders))
         return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
 
     async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
@@ -461,7 +506,7 @@ class NatsBackend:
             ack = await self._request(subjects.generate(self.config.namespace, target), msg, GenerateAck,
                                       self.config.ack_timeout_s, f"sending the request to {target}")
         except NoResponders as exc:
-            raise PeerFailed(f"worker {target} is not reachable (gone?)", target) from exc
+            raise PeerFailed(f"worker {target} is not reachable (gone?)", target, unreachable=True) from exc
         except BusTimeout as exc:
             raise PeerFailed(f"worker {target} did not accept the request within "
                              f"{self.config.ack_timeout_s}s", target) from exc

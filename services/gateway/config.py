@@ -70,6 +70,10 @@ class GatewayConfig(ServiceConfig):
         default=30.0, gt=0, description="no retry starts later than this after the request's first attempt")
     reconnect_bound_s: float = Field(
         default=10.0, gt=0, description="NATS unreachable this long fails a waiting request (control plane down)")
+    unreachable_grace_s: float = Field(
+        default=1.5, gt=0, description="a listed router or worker with no responders on its subject (gone, or its "
+        "client moving to another node of a NATS cluster) is asked again for this long when nothing else can take "
+        "the request, before the request fails")
     idle_timeout_s: float = Field(
         default=300.0, gt=0, description="longest gap between two chunks of a live worker before the request fails"
     )

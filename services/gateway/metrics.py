@@ -13,6 +13,9 @@ STREAM_GAPS = Counter("windserve_gateway_stream_gaps_total",
                       "the worker had sent more): lost in transit by NATS, fetched again from the worker")
 STREAM_REPLAYED = Counter("windserve_gateway_stream_replayed_chunks_total",
                           "Token chunks fetched again from their worker after NATS lost them")
+REASKS = Counter("windserve_gateway_unreachable_reasks_total",
+                 "Attempts sent again to a listed instance that had no responders, because nothing else could take "
+                 "the request (within unreachable_grace_s: its client may be moving to another NATS node)")
 ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
                         "Route requests asked again of another router (one did not answer within route_try_timeout_s, "
                         "was gone, or refused it)")

@@ -112,7 +112,7 @@ class GatewayService(Service):
             liveness_misses=cfg.liveness_misses, liveness_silent_s=cfg.liveness_silent_s,
             idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
             retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
-            reconnect_bound_s=cfg.reconnect_bound_s,
+            reconnect_bound_s=cfg.reconnect_bound_s, unreachable_grace_s=cfg.unreachable_grace_s,
         ))
         mc = await asyncio.to_thread(model_config, cfg.model)
         vision = VisionTokens.of(mc, tokenizer.decode) if mc is not None else None
