@@ -51,6 +51,8 @@ class WorkerLoad(WireModel):
     kv_swa_used: int = Field(default=0, ge=0, description="SWA-pool pages in use by requests")
     kv_swa_total: int = Field(default=0, ge=0)
     updated_at: float = Field(default=0.0, description="unix time of this snapshot")
+    arrivals: int = Field(default=-1, ge=-1, description="requests this instance has taken on since it started, as "
+                          "of this snapshot (a decode worker: its kv_prepare reservations); -1 = not reported")
 
 
 class CacheUsage(WireModel):

@@ -240,6 +240,8 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         await _until(lambda: min(progress.values()) >= 3, 30, lambda: f"streams stalled: {progress}", tasks)
         await _until(lambda: placed(4), 10, lambda: f"decode loads never added up to the 4 streams: {placement}",
                      tasks)
+        # each decoder counted its requests' arrivals (at kv_prepare): what the router matches its picks against
+        assert sum(i["load"]["arrivals"] for i in topo.health()["instances"] if i["role"] == "decode") == 4
         split = sorted(d for d, n in placement.items() if 0 < n < 4)
         assert split, f"streams not on both decoders: {placement}"
         victim, survivor = split[0], next(d for d in placement if d != split[0])

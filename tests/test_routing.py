@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from libs.routing import (
     Instance,
     LengthBuckets,
     RecentPicks,
+    Reflected,
     Route,
     Router,
     instance_of,
@@ -28,9 +30,9 @@ pytestmark = pytest.mark.unit
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _inst(iid, running=0, waiting=0, buckets=(), address="ucx://h:1", used=0, updated_at=None):
+def _inst(iid, running=0, waiting=0, buckets=(), address="ucx://h:1", used=0, updated_at=None, arrivals=None):
     return Instance(iid, address=address, buckets=tuple(buckets), running=running, waiting=waiting,
-                    kv_full_used=used, kv_full_total=100, updated_at=updated_at)
+                    kv_full_used=used, kv_full_total=100, updated_at=updated_at, arrivals=arrivals)
 
 
 # ------------------------------------------------------------------------------------------ length buckets
@@ -152,10 +154,54 @@ def test_recent_picks_count_the_window_and_skip_picks_already_in_the_load():
     recent.add("a", 30.0)
     recent.add("a", 30.4)
     recent.add("b", 30.1)
-    assert recent.counts(30.5, {"a": 30.2, "b": 29.0}) == {"a": 1, "b": 1}
-    assert recent.counts(30.5, {"a": 30.45}) == {"b": 1}
+    assert recent.counts(30.5, {"a": Reflected(30.2), "b": Reflected(29.0)}) == {"a": 1, "b": 1}
+    assert recent.counts(30.5, {"a": Reflected(30.45)}) == {"b": 1}
     with pytest.raises(ValueError, match="window_s"):
         RecentPicks(window_s=0)
+
+
+def test_recent_picks_covered_only_once_the_instance_counts_their_arrival():
+    """An instance reporting its arrivals: a snapshot newer than a pick but taken before the request reached the
+    instance (a decode worker learns of it only at kv_prepare) does not cover it; one whose count reached the
+    pick's does. Two picks in a row need two arrivals; a replayed pick of the same request needs one."""
+    recent = RecentPicks(window_s=2.0)
+    assert recent.counts(10.0, {"d": Reflected(9.9, arrivals=5)}) == {}
+    recent.add("d", 10.0, request_id="r1")
+    recent.add("d", 10.1, request_id="r2")
+    recent.add("d", 10.15, request_id="r2")  # the same request again (a replica's copy)
+    assert recent.counts(10.3, {"d": Reflected(10.2, arrivals=5)}) == {"d": 2}  # newer, yet neither arrived
+    assert recent.counts(10.4, {"d": Reflected(10.3, arrivals=6)}) == {"d": 1}
+    assert recent.counts(10.5, {"d": Reflected(10.4, arrivals=7)}) == {}
+    # the next pick's target follows the latest count seen, not the covered picks'
+    recent.add("d", 10.6, request_id="r3")
+    assert recent.counts(10.7, {"d": Reflected(10.65, arrivals=7)}) == {"d": 1}
+    assert recent.counts(10.8, {"d": Reflected(10.75, arrivals=8)}) == {}
+    # a pick whose request never arrives counts until the window ends; one made with no count known falls
+    # back to the snapshot time
+    recent.add("d", 11.0, request_id="lost")
+    assert recent.counts(12.9, {"d": Reflected(12.8, arrivals=8)}) == {"d": 1}
+    assert recent.counts(13.1, {"d": Reflected(13.0, arrivals=8)}) == {}
+    recent.add("x", 20.0)
+    assert recent.counts(20.2, {"x": Reflected(20.1)}) == {}
+
+
+def test_two_quick_picks_spread_over_decoders_whose_snapshots_predate_the_arrivals():
+    """The herding case: both decode workers idle by loads refreshed after the first pick but before its
+    kv_prepare reached d0; the second request goes to d1 all the same (both policies)."""
+    from libs.routing import AffinityRouter, ClusterPrefixIndex
+    now = 100.0
+    prefill = _inst("p", updated_at=now - 0.1, arrivals=0)
+    idle = [_inst("d0", updated_at=now - 0.1, arrivals=3), _inst("d1", updated_at=now - 0.1, arrivals=3)]
+    later = Fleet(prefills=(prefill,), decodes=tuple(replace(d, updated_at=now + 0.05) for d in idle))
+    for make in (Router, lambda: AffinityRouter(ClusterPrefixIndex(4, 8), ())):
+        router = make()
+        first = router.route(Fleet(prefills=(prefill,), decodes=tuple(idle)), "req-a", 40, now).decode
+        # a request the tie-break alone (both idle) sends to the same decoder: the snapshot time alone herds it
+        rid = next(f"req-b{k}" for k in range(100) if make().route(later, f"req-b{k}", 40, now + 0.1).decode == first)
+        assert router.route(later, rid, 40, now + 0.1).decode != first
+    replica = AffinityRouter(ClusterPrefixIndex(4, 8), ())  # a replica's shared pick counts on its decode too
+    replica.note_pick("req-a", "p", "d0", now, 40)
+    assert replica.recent_decodes.counts(now + 0.1) == {"d0": 1}
 
 
 def test_recent_picks_forget_what_left_the_window():
@@ -164,8 +210,8 @@ def test_recent_picks_forget_what_left_the_window():
         recent.add("a", t)
     recent.add("b", 0.1)
     assert recent.counts(1.3) == {"a": 2}
-    assert recent.counts(1.3, {"a": 1.3}) == {}  # a snapshot newer than every pick reflects them all
-    assert recent.counts(1.3, {"a": 0.0}) == {"a": 2}  # and one older than the window changes nothing
+    assert recent.counts(1.3, {"a": Reflected(1.3)}) == {}  # a snapshot newer than every pick reflects them all
+    assert recent.counts(1.3, {"a": Reflected(0.0)}) == {"a": 2}  # and one older than the window changes nothing
     assert recent.counts(0.3) == {"a": 2}  # forgotten picks stay forgotten, even asked about an earlier time
 
 
@@ -180,7 +226,7 @@ def test_router_spreads_a_burst_over_equal_decodes_until_the_load_catches_up():
     # d0's load snapshot now holds its two requests (d1's is stale): d0's picks are not counted twice, so both
     # queues are 2 and the tie-break decides ("r2" prefers d0; counting twice would send it to d1)
     fresh = Fleet(prefills=fleet.prefills, decodes=(_inst("d0", running=2, updated_at=1.05), fleet.decodes[1]))
-    assert router.recent.counts(1.1, {"d0": 1.05, "d1": 0.0}) == {"p": 4, "d1": 2}
+    assert router.recent.counts(1.1, {"d0": Reflected(1.05), "d1": Reflected(0.0)}) == {"p": 4, "d1": 2}
     assert tie_break("r2", "d0") < tie_break("r2", "d1")
     assert router.route(fresh, "r2", 10, now=1.1).decode == "d0"
 

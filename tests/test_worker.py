@@ -175,15 +175,16 @@ async def test_decode_engine_load_counts_remote_requests_waiting_for_their_kv(ti
     engine_cfg = EngineConfig(**{**ENGINE, "bucket_edges": (), "kv_arena": False})
     core = dg.DisaggEngineCore(engine_cfg, model, cfg, None)
     before = core.load()
-    assert (before.running, before.waiting, before.usage.full.in_use) == (0, 0, 0)
+    assert (before.running, before.waiting, before.usage.full.in_use, before.arrivals) == (0, 0, 0, 0)
     core.add_request(dg.RemoteRequest("remote", prompt(1, 21), SamplingParams(max_tokens=4)))
     core.add_request(Request("local", prompt(2, 9), SamplingParams(max_tokens=4)))
     load = core.load()
     assert (load.running, load.waiting) == (1, 1)  # the remote one holds pages, though not scheduled
+    assert load.arrivals == 2  # each counted once, the remote one at its reservation
     assert load.usage.full.in_use == -(-21 // PAGE)
     wire = load_from(load, now=12.5)
-    assert (wire.running, wire.waiting, wire.kv_full_used, wire.kv_full_total, wire.updated_at) == (
-        1, 1, load.usage.full.in_use, 256, 12.5)
+    assert (wire.running, wire.waiting, wire.kv_full_used, wire.kv_full_total, wire.updated_at, wire.arrivals) == (
+        1, 1, load.usage.full.in_use, 256, 12.5, 2)
     core.abort("remote")
     core.close()
 

@@ -66,6 +66,7 @@ class EngineLoad:
     host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2)
     l3_hit_tokens: int = 0  # of hit_tokens, imported from GCache (L3) into the host tier and loaded from there
     spec: SpecStats | None = None  # MTP speculative decoding since start (None: off)
+    arrivals: int = 0  # requests taken on since start (routers match their picks against it)
 
 
 @dataclass(frozen=True)
@@ -542,7 +543,7 @@ class EngineCore:
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
                           preemptions=sch.stats.preemptions, cache=self.cache.cache_stats(),
                           host_hit_tokens=sch.stats.host_hit_tokens, l3_hit_tokens=sch.stats.l3_hit_tokens,
-                          spec=self.spec_stats())
+                          spec=self.spec_stats(), arrivals=sch.stats.arrivals)
 
     def spec_stats(self) -> SpecStats | None:
         """MTP speculative decoding counters (None when it is off)."""

@@ -204,6 +204,7 @@ class SchedulerStats:
     backed_up_pages: int = 0
     loaded_pages: int = 0
     admitted: int = 0
+    arrivals: int = 0  # requests queued since start (a decode engine: also remote ones at their reservation)
     hit_tokens: int = 0
     host_hit_tokens: int = 0  # of hit_tokens, loaded from the host tier (L2) ...
     l3_hit_tokens: int = 0  # ... or imported from GCache (L3) into it and loaded from there
@@ -283,6 +284,7 @@ class Scheduler:
             self.stats.misrouted += 1
         self.seqs[req.req_id] = seq
         self.waiting[seq.bucket].append(seq)
+        self.stats.arrivals += 1
 
     def abort(self, req_id: str) -> bool:
         """Drop a request at any point; frees every page it held. False if unknown/finished."""

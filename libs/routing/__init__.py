@@ -31,12 +31,12 @@ from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import cost, least_loaded, pick_pair, pick_worker, serving, tie_break
 from libs.routing.index import NO_HIT, BlockState, ClusterPrefixIndex, KVSnapshot, PredictedHit
 from libs.routing.instance import EntryLike, Instance, instance_of
-from libs.routing.recent import RecentPicks
+from libs.routing.recent import RecentPicks, Reflected
 from libs.routing.router import Fleet, Route, Router
 
 __all__ = [
     "NO_HIT", "AffinityRouter", "AffinityWeights", "ApproxIndex", "BlockState", "HitPredictor", "KVSnapshot", "PredictedHit", "ClusterPrefixIndex",
     "choose", "decode_cost", "prefill_cost",
-    "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Route", "Router",
+    "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Reflected", "Route", "Router",
     "cost", "instance_of", "least_loaded", "pick_pair", "pick_worker", "serving", "tie_break",
 ]

@@ -28,7 +28,7 @@ from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import avoiding, tie_break
 from libs.routing.index import NO_HIT, PredictedHit
 from libs.routing.instance import Instance
-from libs.routing.recent import RecentPicks
+from libs.routing.recent import RecentPicks, snapshots
 from libs.routing.router import Fleet, Route
 
 
@@ -72,8 +72,9 @@ def prefill_cost(inst: Instance, num_tokens: int, hit: PredictedHit, w: Affinity
             + w.queue_weight * (inst.prefill_tokens_queued + recent_tokens) + w.decode_weight * inst.running)
 
 
-def decode_cost(inst: Instance, num_tokens: int, hit: PredictedHit, w: AffinityWeights) -> float:
-    return w.transfer_weight * (num_tokens - hit.tokens) + w.decode_weight * inst.running
+def decode_cost(inst: Instance, num_tokens: int, hit: PredictedHit, w: AffinityWeights, recent: int = 0) -> float:
+    """`recent`: this router's (and its replicas') picks of the worker its load does not hold yet."""
+    return w.transfer_weight * (num_tokens - hit.tokens) + w.decode_weight * (inst.running + recent)
 
 
 def choose(costs: Mapping[str, float], request_id: str, temperature: float = 0.0, scale: float = 1.0) -> str:
@@ -119,6 +120,7 @@ class AffinityRouter:
         self.buckets = LengthBuckets(tuple(bucket_edges))
         self.weights = weights or AffinityWeights()
         self.recent = RecentPicks(recent_window_s)  # weights: predicted prefill tokens of the picks
+        self.recent_decodes = RecentPicks(recent_window_s)  # disaggregated decode picks (one per request)
 
     def route(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
               exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = (),
@@ -145,22 +147,26 @@ class AffinityRouter:
         prefill, hit = self._pick_prefill(prefills, request_id, num_tokens, hits, now, record=not exclude_decodes)
         if not decodes:
             return Route(prefill, prefill, predicted_hit=hit.tokens)
-        costs = {d.instance_id: decode_cost(d, num_tokens, dhits.get(d.instance_id, NO_HIT), self.weights)
+        recent = self.recent_decodes.counts(now, snapshots(decodes), skip_request=request_id)
+        costs = {d.instance_id: decode_cost(d, num_tokens, dhits.get(d.instance_id, NO_HIT), self.weights,
+                                            recent.get(d.instance_id, 0))
                  for d in decodes}
         decode = choose(costs, request_id, self.weights.temperature, max(1, num_tokens))
+        self.recent_decodes.add(decode, now, request_id=request_id)
         return Route(prefill, decode, predicted_hit=hit.tokens,
                      predicted_decode_hit=dhits.get(decode, NO_HIT).tokens)
 
     def note_pick(self, request_id: str, prefill: str, decode: str, at: float, prefill_tokens: int) -> None:
         """A replica's pick (`RoutePick`): its predicted prefill tokens count on `prefill` like this router's
-        own picks, so a burst split over replicas spreads."""
+        own picks, and its decode pick on `decode` (disaggregated), so a burst split over replicas spreads."""
         self.recent.add(prefill, at, max(1, prefill_tokens), request_id)
+        if decode != prefill:
+            self.recent_decodes.add(decode, at, request_id=request_id)
 
     def _pick_prefill(self, instances: Sequence[Instance], request_id: str, num_tokens: int,
                       hits: Mapping[str, PredictedHit], now: float, record: bool = True) -> tuple[str, PredictedHit]:
         w, P = self.weights, self.index.page_size
-        reflected = {i.instance_id: i.updated_at for i in instances if i.updated_at is not None}
-        recent = self.recent.counts(now, reflected, skip_request=request_id)
+        recent = self.recent.counts(now, snapshots(instances), skip_request=request_id)
         credit = {i.instance_id: credited(hits.get(i.instance_id, NO_HIT), num_tokens, w.credit, P)
                   for i in instances}
         fits = [i for i in instances

@@ -28,6 +28,8 @@ class Instance:
     """Prefill tokens queued or running there (uncached), 0 = unknown; the KV-affinity cost's queue term."""
     updated_at: float | None = None
     """Unix time of the load snapshot the numbers above come from; None = no load reported."""
+    arrivals: int | None = None
+    """Requests the instance had taken on since it started, as of that snapshot; None = not reported."""
 
     @property
     def queue(self) -> int:
@@ -53,6 +55,8 @@ class LoadLike(Protocol):
     def kv_full_total(self) -> int: ...
     @property
     def updated_at(self) -> float: ...
+    @property
+    def arrivals(self) -> int: ...
 
 
 class EntryLike(Protocol):
@@ -79,4 +83,5 @@ def instance_of(entry: EntryLike) -> Instance:
     if load is None:
         return base
     return replace(base, running=load.running, waiting=load.waiting, kv_full_used=load.kv_full_used,
-                   kv_full_total=load.kv_full_total, updated_at=load.updated_at)
+                   kv_full_total=load.kv_full_total, updated_at=load.updated_at,
+                   arrivals=load.arrivals if load.arrivals >= 0 else None)

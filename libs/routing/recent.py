@@ -3,7 +3,29 @@ passes the time)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from libs.routing.instance import Instance
+
+_MAX_INSTANCES = 4096  # arrivals remembered past this many instances: only those in view or with picks
+
+
+@dataclass(frozen=True)
+class Reflected:
+    """What an instance's latest load snapshot covers: its time (unix) and, when the instance reports it, how many
+    requests it had taken on since it started (`arrivals`, monotonic; None = not reported)."""
+
+    at: float
+    arrivals: int | None = None
+
+
+@dataclass
+class _Pick:
+    at: float
+    weight: int
+    request_id: str
+    target: int | None  # the instance's arrivals count that includes this pick (None: not known at pick time)
 
 
 class RecentPicks:
@@ -13,9 +35,17 @@ class RecentPicks:
     Registry load is refreshed every heartbeat, so a burst of requests between two refreshes would all see
     the same "least loaded" worker; counting recent picks on top of the advertised load spreads the burst.
     Several router replicas share their picks (`RoutePick`), so a burst split over them spreads too. A pick
-    made before the instance's load snapshot is already in that load and is not counted again: counting it
-    twice made a worker whose load had just been refreshed look busier than one whose load had not, and sent
-    a burst to the stale one.
+    already in the instance's load snapshot is not counted again: counting it twice made a worker whose load
+    had just been refreshed look busier than one whose load had not, and sent a burst to the stale one.
+
+    Which picks a snapshot covers: where the instance reports its arrivals count, exactly those whose request
+    it had taken on. Each pick gets a target (one past the last snapshot's count, or past the previous
+    outstanding pick's target), and a snapshot covers it once its count reaches that. The time of the snapshot
+    alone is not enough: a pick reaches its worker later than it is made (the gateway submits it, a prefill
+    worker hands it to its decode worker only at kv_prepare), so a snapshot taken in between is newer than the
+    pick without holding it, and two quick picks both went to the decode worker that looked idle. Instances that
+    report no count fall back to the snapshot time. A pick whose request never arrives (it failed over
+    elsewhere) counts until the window ends.
 
     A pick names its request: a later pick of the same request on the same instance replaces it (a replica
     asked the same request again, or a retry), and `counts(skip_request=...)` leaves the request's own earlier
@@ -25,27 +55,57 @@ class RecentPicks:
         if window_s <= 0:
             raise ValueError(f"RecentPicks.window_s must be > 0, got {window_s}")
         self.window_s = window_s
-        self._picks: dict[str, list[tuple[float, int, str]]] = {}  # instance -> [(time, weight, request id)]
+        self._picks: dict[str, list[_Pick]] = {}
+        self._arrivals: dict[str, int] = {}  # instance -> arrivals of its latest snapshot seen by `counts`
 
     def add(self, instance_id: str, now: float, weight: int = 1, request_id: str = "") -> None:
         """One pick at `now`; `weight` > 1 counts it as that much work (e.g. its prefill tokens)."""
         picks = self._picks.setdefault(instance_id, [])
-        if request_id:
-            picks[:] = [p for p in picks if p[2] != request_id]
-        picks.append((now, weight, request_id))
+        replaced = next((p for p in picks if request_id and p.request_id == request_id), None)
+        if replaced is not None:  # the same request again: it still arrives once
+            picks.remove(replaced)
+            target = replaced.target
+        else:
+            seen = self._arrivals.get(instance_id)
+            last = max((p.target for p in picks if p.target is not None), default=None)
+            target = None if seen is None else max(seen, last if last is not None else seen) + 1
+        picks.append(_Pick(now, weight, request_id, target))
 
-    def counts(self, now: float, reflected: Mapping[str, float] | None = None,
+    def counts(self, now: float, reflected: Mapping[str, Reflected] | None = None,
                skip_request: str = "") -> dict[str, int]:
-        """Picks (their weights summed) per instance in the last window_s seconds, leaving out those made before
-        `reflected[id]` (the time of the instance's load snapshot, which already counts them) and those of
-        `skip_request`. Forgets older picks."""
+        """Picks (their weights summed) per instance in the last window_s seconds, leaving out those the
+        instance's latest snapshot (`reflected[id]`) already covers and those of `skip_request`. Forgets older
+        picks."""
         cutoff = now - self.window_s
         reflected = reflected or {}
+        for iid, r in reflected.items():
+            if r.arrivals is not None:
+                self._arrivals[iid] = r.arrivals
+        out: dict[str, int] = {}
         for iid in list(self._picks):
-            kept = [p for p in self._picks[iid] if p[0] > cutoff]
-            if kept:
-                self._picks[iid] = kept
-            else:
+            kept = [p for p in self._picks[iid] if p.at > cutoff]
+            if not kept:
                 del self._picks[iid]
-        return {iid: n for iid, ts in self._picks.items()
-                if (n := sum(w for t, w, r in ts if t > reflected.get(iid, cutoff) and not (r and r == skip_request)))}
+                continue
+            self._picks[iid] = kept
+            r = reflected.get(iid)
+            n = sum(p.weight for p in kept
+                    if not (p.request_id and p.request_id == skip_request) and not _covered(p, r))
+            if n:
+                out[iid] = n
+        if len(self._arrivals) > _MAX_INSTANCES:  # instances that left: keep those in view or with picks
+            self._arrivals = {i: a for i, a in self._arrivals.items() if i in reflected or i in self._picks}
+        return out
+
+
+def snapshots(instances: Iterable[Instance]) -> dict[str, Reflected]:
+    """What each instance's load snapshot covers (those that reported a load)."""
+    return {i.instance_id: Reflected(i.updated_at, i.arrivals) for i in instances if i.updated_at is not None}
+
+
+def _covered(pick: _Pick, snapshot: Reflected | None) -> bool:
+    if snapshot is None:
+        return False
+    if snapshot.arrivals is not None and pick.target is not None:
+        return snapshot.arrivals >= pick.target
+    return pick.at <= snapshot.at

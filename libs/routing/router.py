@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import pick_pair, pick_worker
 from libs.routing.instance import Instance
-from libs.routing.recent import RecentPicks
+from libs.routing.recent import RecentPicks, snapshots
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,7 @@ class Router:
 
     def _route_pair(self, fleet: Fleet, request_id: str, num_tokens: int, now: float,
                     exclude_decodes: Sequence[str], exclude_instances: Sequence[str]) -> Route:
-        reflected = {i.instance_id: i.updated_at for i in (*fleet.prefills, *fleet.decodes, *fleet.workers)
-                     if i.updated_at is not None}
+        reflected = snapshots((*fleet.prefills, *fleet.decodes, *fleet.workers))
         prefill, decode = pick_pair(fleet.prefills, fleet.decodes, num_tokens, self.buckets, request_id,
                                     self.recent.counts(now, reflected, skip_request=request_id), exclude_decodes,
                                     exclude_instances)

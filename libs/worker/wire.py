@@ -90,5 +90,5 @@ def load_from(load: EngineLoad, now: float) -> wire.WorkerLoad:
         running=load.running, waiting=load.waiting,
         kv_full_used=usage.full.in_use, kv_full_total=usage.full.capacity,
         kv_swa_used=usage.swa.in_use, kv_swa_total=usage.swa.capacity,
-        updated_at=now,
+        updated_at=now, arrivals=load.arrivals,
     )

@@ -125,6 +125,7 @@ class DisaggEngineCore(EngineCore):
             raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker for the prompt")
         l3 = min(hit.l3_tokens, hit.tokens)
         self.pending[req.req_id] = _Pending(req, hit.tokens, min(hit.host_tokens, hit.tokens) - l3, l3)
+        sch.stats.arrivals += 1
         if sch.admissions is not None:  # the decode-side hit: the pages prefill does not ship
             sch.admissions.append(AdmittedHit(req.req_id, len(prompt), hit.tokens))
         full, swa = cache.page_tables(req.req_id)
