@@ -46,7 +46,7 @@ def entry(instance: str, role: Role = Role.WORKER, running: int = 0, **kw) -> Re
 
 class FakeWorker:
     """A combined worker on the bus. mode: ok (4 tokens), busy (acks BUSY), silent (accepts, sends nothing),
-    first_then_die (one token, then its subjects go away), error (accepts, sends an error chunk), engine_dead (an
+    first_then_die (one token, then its subjects go away), hold (takes the request and never answers it), slow_ack (answers after 1 s), error (accepts, sends an error chunk), engine_dead (an
     error chunk saying its engine died: instance_failed), encoder_down (a retryable error chunk naming its code)."""
 
     def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
@@ -54,6 +54,7 @@ class FakeWorker:
         self.requests: list[str] = []
         self.aborts: list[str] = []
         self._subs: list = []
+        self._released = asyncio.Event()
 
     async def start(self) -> FakeWorker:
         self._subs.append(await self.bus.serve(subjects.generate(NS, self.instance), GenerateRequest, self._generate))
@@ -77,6 +78,10 @@ class FakeWorker:
 
     async def _generate(self, req: GenerateRequest) -> GenerateAck:
         self.requests.append(req.request_id)
+        if self.mode == "hold":
+            await self._released.wait()  # never acknowledged (the test releases it at its end, for the teardown)
+        if self.mode == "slow_ack":
+            await asyncio.sleep(1.0)  # five of the test backend's 0.2 s probe intervals
         if self.mode == "busy":
             return GenerateAck(request_id=req.request_id, instance_id=self.instance, status=AckStatus.BUSY,
                                message=f"{self.instance} is draining")
@@ -188,6 +193,39 @@ async def test_retryable_error_chunk_keeps_its_code(bus):
     with pytest.raises(BackendError) as err:
         await run(backend(bus, [entry("w-enc")]))
     assert (err.value.status, err.value.code) == (503, "encoder_unavailable") and "encoder gone" in err.value.message
+
+
+async def test_a_worker_dying_before_it_acknowledged_is_left_within_the_probes_not_the_ack_bound(bus):
+    """A worker takes the request off the bus and dies before answering it: the gateway probes it beside the
+    ack wait, finds nothing listening, and retries on the survivor long before ack_timeout_s (20 s here)."""
+    dying = await FakeWorker(bus, "w-dying", "hold").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    b = backend(bus, [entry("w-dying"), entry("w-ok", running=3)], ack_timeout_s=20)
+
+    async def die_later() -> None:
+        await asyncio.wait_for(_until_requested(dying), 5)
+        await dying.die()
+    killer = asyncio.create_task(die_later())
+    try:
+        chunks = await asyncio.wait_for(run(b, "held"), 5)
+        await killer
+    finally:
+        dying._released.set()
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4]
+    assert dying.requests == ["held"] and ok.requests == ["held-r1"]
+
+
+async def test_a_slow_live_worker_is_waited_for_up_to_the_ack_bound(bus):
+    """Probes that answer keep the wait going: a worker that acknowledges after several probe intervals serves
+    the request (nothing is retried)."""
+    slow = await FakeWorker(bus, "w-slow", "slow_ack").start()
+    chunks = await asyncio.wait_for(run(backend(bus, [entry("w-slow")], ack_timeout_s=5), "slow"), 5)
+    assert chunks[-1].finish_reason is WireFinishReason.LENGTH and slow.requests == ["slow"]
+
+
+async def _until_requested(worker: FakeWorker) -> None:
+    while not worker.requests:
+        await asyncio.sleep(0.01)
 
 
 async def test_every_worker_gone_is_503_with_retry_after(bus):

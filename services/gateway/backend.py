@@ -172,6 +172,13 @@ _MIN_TRY_S = 0.05  # a router try shorter than this is not started (the route's 
 _REASK_PAUSE_S = 0.1  # between two asks of a listed peer that had no responders (within unreachable_grace_s)
 
 
+def _discard(task: asyncio.Future) -> None:
+    """Cancel `task` if it still runs, and consume its outcome (no "exception never retrieved")."""
+    if not task.done():
+        task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 class RoutersSilent(Exception):
     """Routers are registered (or subscribed) but none answered the route within `route_timeout_s`."""
 
@@ -503,8 +510,7 @@ class NatsBackend:
                               stream_subject=stream, decode_instance=decode, mm_items=list(mm_items))
         target = route.prefill_instance
         try:
-            ack = await self._request(subjects.generate(self.config.namespace, target), msg, GenerateAck,
-                                      self.config.ack_timeout_s, f"sending the request to {target}")
+            ack = await self._ack(target, msg)
         except NoResponders as exc:
             raise PeerFailed(f"worker {target} is not reachable (gone?)", target, unreachable=True) from exc
         except BusTimeout as exc:
@@ -522,6 +528,39 @@ class NatsBackend:
         if ack.status != AckStatus.ACCEPTED:
             status, code = _ACK_STATUS[ack.status]
             raise BackendError(status, ack.message or f"worker {target}: {ack.status.value}", code=code)
+
+    async def _ack(self, target: str, msg: GenerateRequest) -> GenerateAck:
+        """`target`'s GenerateAck within `ack_timeout_s`. While it is pending, the target's health is probed every
+        `liveness_interval_s` (beside the wait, so a late ack is taken at once): `liveness_misses` probes in a
+        row with no responders mean it died holding the request, and the attempt fails then (PeerFailed: retried
+        elsewhere) instead of at the ack bound. A probe that times out (busy, or behind a hung NATS node) leaves
+        the decision to the ack bound."""
+        cfg = self.config
+        ns = cfg.namespace
+        ask = asyncio.ensure_future(self._request(subjects.generate(ns, target), msg, GenerateAck, cfg.ack_timeout_s,
+                                                  f"sending the request to {target}"))
+        misses = 0
+        try:
+            while True:
+                await asyncio.wait({ask}, timeout=cfg.liveness_interval_s)
+                if ask.done():
+                    return ask.result()
+                probe = asyncio.ensure_future(self._bus.request(subjects.health(ns, target), HealthRequest(),
+                                                                HealthReply, cfg.liveness_interval_s))
+                await asyncio.wait({ask, probe}, return_when=asyncio.FIRST_COMPLETED)
+                if ask.done():
+                    _discard(probe)
+                    return ask.result()
+                exc = probe.exception()
+                if isinstance(exc, NoResponders) and self._bus.is_connected:
+                    misses += 1
+                    if misses >= cfg.liveness_misses:
+                        raise PeerFailed(f"worker {target} is gone: it did not accept the request, and {misses} "
+                                         "health probes in a row found nothing listening", target, unreachable=True)
+                elif exc is None:
+                    misses = 0
+        finally:
+            _discard(ask)
 
     async def _chunks(self, sub, request_id: str, watch: set[str], route: RouteReply) -> AsyncIterator[TokenChunk]:
         """The attempt's chunks in order. Core NATS may lose a message (a node that dies or hangs): chunks are
