@@ -545,6 +545,44 @@ async def test_gone_decode_is_rerouted_before_any_prefill_compute(tiny):
         await pipe.assert_no_kv_in_use()
 
 
+async def test_only_decode_with_no_responders_is_asked_again_within_the_grace(tiny):
+    """The only decode worker has no responders for a moment (its NATS client moving to another node of the
+    cluster) and the router finds no other: kv_prepare is asked again until it answers, within
+    unreachable_grace_s; one that never answers fails the request once the grace is spent."""
+    import time
+
+    from libs.bus import NoResponders
+
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        back_at = time.monotonic() + 0.4
+
+        async def prepare(decode_instance, msg):
+            if decode_instance == "d-dead" or time.monotonic() < back_at:
+                raise NoResponders("no service is listening on kv_prepare")
+            return await pipe.decode.prepare(msg)
+
+        async def reroute(request_id, token_ids, refused):
+            raise LookupError(f"the router offered no decode worker besides {refused}")
+
+        pipe.prefill.prepare, pipe.prefill.reroute = prepare, reroute
+        pipe.prefill.unreachable_grace_s = 1.5
+        sampling = WireSamplingParams(max_tokens=4, temperature=0.0)
+        req = GenerateRequest(request_id="moving", token_ids=prompt(68, 30), decode_instance="d0",
+                              stream_subject=subjects.stream("t", "moving"), sampling=sampling)
+        pipe.prefill.submit(req)
+        chunks = await pipe.stream.result("moving")
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and pipe.prefill.stats.reasked >= 2
+
+        started = time.monotonic()
+        req = GenerateRequest(request_id="gone", token_ids=prompt(69, 30), decode_instance="d-dead",
+                              stream_subject=subjects.stream("t", "gone"), sampling=sampling)
+        pipe.prefill.submit(req)
+        chunks = await pipe.stream.result("gone")
+        assert chunks[-1].error and "gone (no responders)" in chunks[-1].error
+        assert 1.4 < time.monotonic() - started < 10
+        await pipe.assert_no_kv_in_use()
+
+
 async def test_full_decode_makes_the_request_wait_for_room_then_bounded_503(tiny):
     """Every decode worker full: the request waits (before any compute) and runs once room frees; a request that
     waits past decode_wait_s gets the retryable error (the client's 503 + Retry-After)."""

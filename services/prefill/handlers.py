@@ -59,6 +59,7 @@ from protos.messages import (
 log = logging.getLogger("windserve.prefill")
 T = TypeVar("T")
 COMMIT_ATTEMPT_S = 2.5  # a kv_prepare / kv_commit unanswered this long is asked again (within prepare_timeout_s)
+REASK_PAUSE_S = 0.1  # between two kv_prepares of a listed decode worker that had no responders (unreachable_grace_s)
 
 Prepare = Callable[[str, KVPrepareRequest], Awaitable[KVPrepareReply]]
 Commit = Callable[[str, KVCommitRequest], Awaitable[KVCommitReply]]
@@ -85,13 +86,14 @@ class HandoffStats:
     transfer_seconds: float = 0.0  # time spent sending (send_layer / finish), overlapped with the prefill
     failures: int = 0
     rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full" or was gone
+    reasked: int = 0  # kv_prepares sent again to a decode worker with no responders when no other one was found
     waited: int = 0  # requests that waited for decode room (every decode worker full when they came)
 
     def as_details(self) -> dict[str, str]:
         return {"kv_requests": str(self.requests), "kv_bytes_sent": str(self.bytes_sent),
                 "kv_full_equivalent_bytes": str(self.full_equivalent_bytes),
                 "kv_transfer_seconds": f"{self.transfer_seconds:.6f}", "kv_failures": str(self.failures),
-                "kv_rerouted": str(self.rerouted), "kv_waited": str(self.waited)}
+                "kv_rerouted": str(self.rerouted), "kv_reasked": str(self.reasked), "kv_waited": str(self.waited)}
 
 
 class HandoffError(RuntimeError):
@@ -132,7 +134,8 @@ class PrefillWorker:
                  publish: Publish, *, commit: Commit, prepare_timeout_s: float = 10.0,
                  transfer_timeout_s: float = 60.0, reroute: Reroute | None = None, decode_attempts: int = 3,
                  segment_pages: int | None = None, tasks: RequestTasks | None = None, decode_wait_s: float = 0.0,
-                 decode_wait_queue: int = 64, fetcher: EmbeddingFetcher | None = None) -> None:
+                 decode_wait_queue: int = 64, fetcher: EmbeddingFetcher | None = None,
+                 unreachable_grace_s: float = 1.5) -> None:
         self.engine = engine
         self.transfer = transfer
         self.instance_id = instance_id
@@ -145,6 +148,7 @@ class PrefillWorker:
         self.decode_attempts = decode_attempts
         self.decode_wait_s = decode_wait_s
         self.decode_wait_queue = decode_wait_queue
+        self.unreachable_grace_s = unreachable_grace_s
         # one future per request waiting for decode room, oldest first; the oldest's is set: its turn to retry
         self._room_queue: deque[asyncio.Future[None]] = deque()
         self.fetcher = fetcher  # multimodal models: image embeddings, fetched before the decode reservation
@@ -293,6 +297,7 @@ class PrefillWorker:
             segment_pages=self.segment_pages, prefill_instance=self.instance_id, mm_items=list(req.mm_items))
         full: list[str] = []
         gone: list[str] = []
+        grace_end = 0.0
         while True:
             try:
                 return decode, await self._asking_again(lambda d=decode: self.prepare(d, prep), "kv_prepare",
@@ -315,7 +320,17 @@ class PrefillWorker:
                 try:
                     decode = await self.reroute(req.request_id, list(req.token_ids), tried)
                 except Exception as route_exc:
-                    raise _no_decode(full, gone, f"{exc}; no other decode worker was found: {route_exc}") from route_exc
+                    # a listed decode worker with no responders may be alive, its NATS client moving to another
+                    # node of the cluster: when no other one is found, it is asked again for unreachable_grace_s
+                    now = time.monotonic()
+                    grace_end = grace_end or now + self.unreachable_grace_s
+                    if not gone or now >= grace_end:
+                        raise _no_decode(full, gone, f"{exc}; no other decode worker was found: {route_exc}") \
+                            from route_exc
+                    decode = gone.pop()
+                    self.stats.reasked += 1
+                    await asyncio.sleep(REASK_PAUSE_S)
+                    continue
                 self.stats.rerouted += 1
                 log.info("hand-off rerouted", extra={"request": req.request_id, "refused": tried, "to": decode})
 
