@@ -548,7 +548,7 @@ async def test_gone_decode_is_rerouted_before_any_prefill_compute(tiny):
 async def test_only_decode_with_no_responders_is_asked_again_within_the_grace(tiny):
     """The only decode worker has no responders for a moment (its NATS client moving to another node of the
     cluster) and the router finds no other: kv_prepare is asked again until it answers, within
-    unreachable_grace_s; one that never answers fails the request once the grace is spent."""
+    unreachable_grace_s; one that never answers fails the request once the grace is spent. kv_commit too."""
     import time
 
     from libs.bus import NoResponders
@@ -580,6 +580,19 @@ async def test_only_decode_with_no_responders_is_asked_again_within_the_grace(ti
         chunks = await pipe.stream.result("gone")
         assert chunks[-1].error and "gone (no responders)" in chunks[-1].error
         assert 1.4 < time.monotonic() - started < 10
+
+        # kv_commit meeting no responders for a moment (after the prefill): asked again, the request is served
+        back_at = time.monotonic() + 0.4
+        reasked = pipe.prefill.stats.reasked
+
+        async def commit(decode_instance, msg):
+            if time.monotonic() < back_at:
+                raise NoResponders("no service is listening on kv_commit")
+            return await pipe.decode.commit(msg)
+
+        pipe.prefill.commit = commit
+        chunks = await pipe.generate("commit", prompt(70, 30), 4)
+        assert chunks[-1].finish_reason is WireFinishReason.LENGTH and pipe.prefill.stats.reasked > reasked
         await pipe.assert_no_kv_in_use()
 
 

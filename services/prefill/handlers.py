@@ -86,7 +86,7 @@ class HandoffStats:
     transfer_seconds: float = 0.0  # time spent sending (send_layer / finish), overlapped with the prefill
     failures: int = 0
     rerouted: int = 0  # hand-offs sent to another decode worker after one answered "full" or was gone
-    reasked: int = 0  # kv_prepares sent again to a decode worker with no responders when no other one was found
+    reasked: int = 0  # kv_prepares (no other decode worker found) and kv_commits sent again after no responders
     waited: int = 0  # requests that waited for decode room (every decode worker full when they came)
 
     def as_details(self) -> dict[str, str]:
@@ -421,7 +421,18 @@ class PrefillWorker:
             raise HandoffError(f"decode {decode} did not take the first token: {exc}") from exc
 
     async def _commit_asking_again(self, decode: str, msg: KVCommitRequest) -> None:
-        await self._asking_again(lambda: self.commit(decode, msg), "kv_commit", msg.request_id, decode)
+        """kv_commit, asked again as `_asking_again`; no responders too, for unreachable_grace_s (the decode
+        worker holds the request's reservation and transfer: a live one whose NATS client is moving to another
+        node answers again within it)."""
+        grace_end = time.monotonic() + self.unreachable_grace_s
+        while True:
+            try:
+                return await self._asking_again(lambda: self.commit(decode, msg), "kv_commit", msg.request_id, decode)
+            except NoResponders:
+                if time.monotonic() >= grace_end:
+                    raise
+                self.stats.reasked += 1
+                await asyncio.sleep(REASK_PAUSE_S)
 
     async def _asking_again(self, ask: Callable[[], Awaitable[T]], what: str, request_id: str, decode: str) -> T:
         """`ask()` within prepare_timeout_s, asked again after every COMMIT_ATTEMPT_S without an answer (then
