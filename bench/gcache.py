@@ -509,9 +509,9 @@ async def cache_nodes(transport: str, run_dir: Path) -> AsyncIterator[str]:
     gateway its readiness check runs its own event loop); yields the NATS URL."""
     from scripts.run import RunConfig, StopFlag, Supervisor
 
-    saved = dict(os.environ)
+    saved, env = dict(os.environ), child_env(transport)  # child_env reads this environment: before the clear
     os.environ.clear()
-    os.environ.update(child_env(transport), **NODE_ENV, WINDSERVE_NAMESPACE=NAMESPACE)
+    os.environ.update(env, **NODE_ENV, WINDSERVE_NAMESPACE=NAMESPACE)
     sup = Supervisor(RunConfig(services=(("cache", NODES),), http_port=0, run_dir=run_dir, ready_timeout_s=90))
     try:
         sup.start_nats()
