@@ -230,8 +230,7 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
                               if i["role"] == "decode" and i.get("load")})
             return sum(placement.values()) == n
         # One by one, each sent once the decoders' load reports show the streams before it: the router then
-        # sees them in the load (a pick the decoder had not yet seen at its next report is no longer counted,
-        # so on a busy box two quick picks could both land on one decoder) and spreads them over both.
+        # sees them in the load itself, not only as its own recent picks, and spreads them over both.
         for i, p in enumerate(prompts):
             tasks.append(asyncio.create_task(_stream_tokens(client, p, max_tokens, progress, i)))
             await _until(lambda i=i: progress.get(i, 0) >= 1 and placed(i + 1), 30,
