@@ -66,9 +66,8 @@ class RecentPicks:
             picks.remove(replaced)
             target = replaced.target
         else:
-            seen = self._arrivals.get(instance_id)
-            last = max((p.target for p in picks if p.target is not None), default=None)
-            target = None if seen is None else max(seen, last if last is not None else seen) + 1
+            seen = self._arrivals.get(instance_id)  # one past the snapshot's count and every outstanding target
+            target = None if seen is None else max([seen, *(p.target for p in picks if p.target is not None)]) + 1
         picks.append(_Pick(now, weight, request_id, target))
 
     def counts(self, now: float, reflected: Mapping[str, Reflected] | None = None,
