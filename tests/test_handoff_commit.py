@@ -26,7 +26,7 @@ async def test_prefill_asks_kv_commit_again_when_an_ask_goes_unanswered(monkeypa
         return KVCommitReply(request_id=msg.request_id)
 
     worker = PrefillWorker.__new__(PrefillWorker)
-    worker.commit, worker.prepare_timeout_s = commit, 5.0
+    worker.commit, worker.prepare_timeout_s, worker.unreachable_grace_s = commit, 5.0, 1.5
     msg = KVCommitRequest(request_id="r", first_token_id=7)
     async with asyncio.timeout(3):
         await worker._commit_asking_again("decode-0", msg)
