@@ -166,25 +166,61 @@ async def test_a_put_whose_chunks_never_come_is_aborted_at_the_put_timeout():
 
 
 async def test_a_get_abandoned_at_its_deadline_leaves_nothing_pending(pair):
-    """A get whose deadline passes before the reply: the late reply's values are drained into scratch memory, so
-    the node's sends complete (its in-flight gets go back to 0) and later calls work."""
-    value = data(9, 8 * CHUNK)
-    assert await pair.put([("v", value)]) == [True]
+    """A get given up at each point its deadline can strike: before the node's reply (the late reply's values
+    are drained into scratch memory as an orphan's), after the reply was set but before the caller woke up to
+    take it (its values are drained all the same), and while its receives are posted (the drain bound). Each
+    time the node's sends complete (its in-flight gets go back to 0), no connection is dropped, and the next
+    call reads the value."""
     from libs.transfer import TransferError
 
-    gave_up = 0
-    for _ in range(50):  # until one gives up (an idle machine can answer within the first deadlines)
+    value = data(9, 8 * CHUNK)
+    assert await pair.put([("v", value)]) == [True]
+    # bounds no busy machine reaches: the drain into scratch memory must do it, not a dropped connection (which
+    # the contract allows past the drain bound, and which would also bring the in-flight count back to 0)
+    pair.calls.drain_timeout_s = 30.0
+    pair.direct_node.config = pair.direct_node.config.model_copy(update={"send_timeout_s": 60.0})
+
+    async def settled() -> None:
+        await bounded(_until(lambda: pair.node.inflight_gets == 0), 30)
+        assert [bytes(v) for v in await pair.get(["v"])] == [value]
+        assert pair.calls.drops == 0
+
+    # 1. the reply comes after the deadline
+    reply = pair.direct_node._reply
+    loop = asyncio.get_running_loop()
+    pair.direct_node._reply = lambda conn, msg_id, msg: (  # type: ignore[method-assign]
+        loop.call_later(0.3, reply, conn, msg_id, msg) if "sizes" in msg else reply(conn, msg_id, msg))
+    with pytest.raises(TimeoutError):
+        await pair.get(["v"], timeout=0.05)
+    pair.direct_node._reply = reply  # type: ignore[method-assign]
+    await asyncio.sleep(0.5)
+    await settled()
+
+    # 2. the reply is set, then the caller is cancelled before it wakes up (what the deadline does when it
+    # strikes in that gap): nobody takes the reply, its values come all the same
+    on_message, task = pair.calls._on_message, None
+
+    def then_cancel(conn, msg_id, body):
+        on_message(conn, msg_id, body)
+        if task is not None and b"sizes" in body:
+            task.cancel()
+
+    pair.client_engine.set_message_handler(then_cancel)
+    task = asyncio.ensure_future(pair.get(["v"]))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    task = None
+    pair.client_engine.set_message_handler(on_message)
+    await settled()
+
+    # 3. given up with its receives posted (a deadline shorter than the transfer, when the machine allows it)
+    for _ in range(20):
         try:
-            got = await pair.get(["v"], timeout=0.0002)  # (usually gives up before the reply)
-        except (TimeoutError, TransferError):  # (the client maps these to misses)
-            gave_up += 1
-            if gave_up >= 3:
-                break
-        else:
-            assert bytes(got[0]) == value
-    assert gave_up
-    await bounded(_until(lambda: pair.node.inflight_gets == 0), 10)
-    assert [bytes(v) for v in await pair.get(["v"])] == [value]
+            got = await pair.get(["v"], timeout=0.0002)
+        except (TimeoutError, TransferError):
+            break
+        assert bytes(got[0]) == value
+    await settled()
 
 
 async def test_node_garbage_requests_are_answered_with_errors(pair):
