@@ -427,6 +427,17 @@ class KVPrepareReply(WireModel):
     address: str = Field(description="transfer-engine address the KV must be sent to")
 
 
+class WireHidden(WireModel):
+    """Hidden-state rows of consecutive positions as raw bytes (native little-endian, row-major), base64: the
+    few rows MTP in prefill hands to the decode worker (k - 1 of them, a few KiB; never KV, which goes over the
+    transfer engine)."""
+
+    first_position: int = Field(ge=0, description="position of the first row")
+    rows: int = Field(ge=1, le=64)
+    dtype: Literal["float32", "bfloat16", "float16"]
+    data_b64: str = Field(min_length=1, max_length=4 << 20)
+
+
 class KVCommitRequest(WireModel):
     """prefill → decode (`windserve.worker.<decode>.kv_commit`), once every KV layer was sent and landed.
 
@@ -441,6 +452,10 @@ class KVCommitRequest(WireModel):
     first_token_id: int = Field(default=-1, description="token sampled by prefill (no KV yet); -1 with cancel")
     first_logprob: WireTokenLogprob | None = None
     prefill_cached_tokens: int = Field(default=0, ge=0, description="prefix-cache hit on prefill (usage)")
+    drafts: list[int] = Field(default_factory=list, max_length=64,
+                              description="MTP in prefill: the prefill engine's drafts after the first token")
+    draft_hidden: WireHidden | None = Field(default=None, description="MTP in prefill: the target hidden states "
+                                            "of the prompt's last positions, for the decode engine's drafting")
 
     @model_validator(mode="after")
     def _token_unless_cancel(self) -> KVCommitRequest:

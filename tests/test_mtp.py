@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from libs.engine import EngineCore, Request
+from libs.engine import EngineCore, Request, SamplingParams
 from libs.engine.l3 import kv_layout
 from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, check_draft_layers, greedy_accept
 from libs.kvcache import KVCache, KVCacheConfig
@@ -405,6 +405,132 @@ async def test_disaggregated_mtp_ships_the_draft_kv_and_equals_colocated_greedy(
     # the SWA share of the MTP-off shipment over its layers, times K layers, is the extra
     swa_pages_sent = extra // (K * swa_layer_page)
     assert swa_pages_sent * n_swa * swa_layer_page < sent[0]
+
+
+def record_verified(core: EngineCore) -> dict[str, list[tuple[int, ...]]]:
+    """The drafts each verify step of `core` checks, per request, in order."""
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    real = core._sample
+
+    def sample(plan, logits):
+        for s in plan.seqs:
+            if s.sample and s.num_draft:
+                seen.setdefault(s.req_id, []).append(tuple(s.token_ids[-s.num_draft:]))
+        return real(plan, logits)
+    core._sample = sample  # type: ignore[method-assign]
+    return seen
+
+
+async def test_disaggregated_mtp_in_prefill_verifies_prefill_drafts_as_colocated(tiny):
+    """MTP in prefill across the hand-off: kv_commit carries the prefill engine's drafts after the first token
+    and its newest hidden states, so the decode engine's first step verifies k drafts and every verify step
+    checks exactly the drafts a colocated engine checks (the real, untrained blocks: the drafts are theirs).
+    Dropping the hidden rows changes later drafts; a sampled request's drafts stay on prefill. Pools end at
+    baseline."""
+    from libs.engine import EngineConfig
+    from libs.worker import wire as worker_wire
+    from tests.test_disagg import OPTS, Pipeline, tokens_of, ucx_config
+    from tests.test_disagg import prompt as dprompt
+
+    model, cfg, _ = tiny
+    prompts = {"a": dprompt(1, 5), "b": dprompt(2, 37), "c": dprompt(3, 70)}
+    colocated = EngineCore(EngineConfig(**OPTS, speculative_tokens=K), model, cfg, None)
+    want = record_verified(colocated)
+    expected = {rid: run(colocated, {rid: p}, 12)[rid] for rid, p in prompts.items()}  # one at a time, as below
+    assert all(len(want[rid][0]) == K for rid in prompts)  # colocated: the first decode step verifies k drafts
+
+    async def disaggregated(drop_hidden: bool) -> dict[str, list[tuple[int, ...]]]:
+        async with Pipeline(tiny, ucx_config(), speculative_tokens=K) as pipe:
+            got = record_verified(pipe.decode_engine.core)
+            taken = []
+            commit = pipe.decode.commit
+
+            async def commit_seen(msg):
+                assert len(msg.drafts) == K and msg.draft_hidden is not None and msg.draft_hidden.rows == K - 1
+                if drop_hidden:
+                    msg = msg.model_copy(update={"draft_hidden": None})
+                taken.append(worker_wire.engine_first_drafts(msg))
+                return await commit(msg)
+            pipe.decode.commit = commit_seen  # type: ignore[method-assign]
+            for rid, p in prompts.items():
+                assert tokens_of(await pipe.generate(rid, p, 12)) == expected[rid]
+            await pipe.assert_no_kv_in_use()
+            assert len(taken) == len(prompts) and not pipe.prefill_engine.core._ring
+        return got
+
+    assert await disaggregated(drop_hidden=False) == want
+    without = await disaggregated(drop_hidden=True)
+    assert [without[rid][0] for rid in prompts] == [want[rid][0] for rid in prompts]  # the first drafts still
+    assert without != want  # later drafts of blocks > 0 miss their rows at the prompt's last positions
+
+    # a sampled request does not hand over drafts (their distributions stay on prefill)
+    core = EngineCore(EngineConfig(**OPTS, speculative_tokens=K), model, cfg, None)
+    core.add_request(Request("s", prompts["b"], SamplingParams(max_tokens=4, temperature=0.8, seed=1),
+                             prefill_only=True))
+    core.add_request(Request("g", prompts["c"], greedy(4), prefill_only=True))
+    drain(core)
+    assert core.first_drafts("s") is None
+    first = core.first_drafts("g")
+    assert first is not None and len(first.drafts) == K and first.hidden is not None
+    assert first.hidden_from + first.hidden.shape[0] == len(prompts["c"])
+    for rid in ("s", "g"):
+        core.release(rid)
+    assert_baseline(core)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_drafts_cross_the_wire_bit_exact(dtype):
+    """kv_commit's drafts and hidden rows survive the JSON round trip bit for bit; rows that do not decode
+    (bad base64, a byte count that does not divide into the rows) are no drafts, never an error."""
+    from libs.engine.spec import FirstDrafts
+    from libs.worker.wire import engine_first_drafts, wire_hidden
+    from protos.base import decode, encode
+    from protos.messages import KVCommitRequest
+
+    rows = torch.randn(2, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    first = FirstDrafts((5, 6, 7), 30, rows)
+    msg = decode(encode(KVCommitRequest(request_id="r", first_token_id=1, drafts=list(first.drafts),
+                                        draft_hidden=wire_hidden(first))), KVCommitRequest)
+    back = engine_first_drafts(msg)
+    assert back is not None and back.drafts == first.drafts and back.hidden_from == 30
+    assert back.hidden is not None and back.hidden.dtype == dtype and torch.equal(back.hidden, rows)
+    assert engine_first_drafts(msg.model_copy(update={"drafts": []})) is None
+    h = msg.draft_hidden
+    assert h is not None
+    for bad in ("@@@@", h.data_b64[:-8]):
+        assert engine_first_drafts(msg.model_copy(update={"draft_hidden": h.model_copy(
+            update={"data_b64": bad, "rows": 7})})) is None
+
+
+def test_decode_engine_drops_first_drafts_it_cannot_use(tiny):
+    """activate() takes prefill's drafts only where they fit: a decode engine without MTP, a sampled request,
+    more drafts than draft layers, ids outside the vocabulary, hidden rows of the wrong width, count or
+    positions; a dropped hand-over decodes one token first, never fails."""
+    from libs.engine import EngineConfig
+    from libs.engine.disagg import DisaggEngineCore, RemoteRequest
+    from libs.engine.spec import FirstDrafts
+    from tests.test_disagg import OPTS
+
+    model, cfg, _ = tiny
+    p = tokens(5, 20)
+    good = torch.zeros(K - 1, cfg.hidden_size)
+    cases = {
+        "ok": (greedy(4), FirstDrafts((1, 2, 3), len(p) - (K - 1), good), True),
+        "sampled": (SamplingParams(max_tokens=4, temperature=0.7), FirstDrafts((1, 2, 3), len(p) - 2, good), False),
+        "too_many": (greedy(4), FirstDrafts((1, 2, 3, 4), len(p) - 2, good), False),
+        "vocab": (greedy(4), FirstDrafts((1, cfg.vocab_size, 3), len(p) - 2, good), False),
+        "width": (greedy(4), FirstDrafts((1, 2, 3), len(p) - 2, torch.zeros(2, cfg.hidden_size + 1)), False),
+        "rows": (greedy(4), FirstDrafts((1, 2, 3), len(p) - 3, torch.zeros(K, cfg.hidden_size)), False),
+        "where": (greedy(4), FirstDrafts((1, 2, 3), len(p) - 3, good), False),
+    }
+    for k in (K, 0):
+        core = DisaggEngineCore(EngineConfig(**OPTS, speculative_tokens=k), model, cfg, None)
+        for rid, (params, first, ok) in cases.items():
+            core.add_request(RemoteRequest(rid, list(p), params))
+            assert core.activate(rid, 7, None, first) is (ok and k > 0), rid
+            assert core.scheduler.seqs[rid].drafts == (list(first.drafts) if ok and k else [])
+        drain(core)
+        assert_baseline(core)
 
 
 # ------------------------------------------------------------------ temperature > 0: rejection sampling

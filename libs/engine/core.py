@@ -18,12 +18,13 @@ from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
-from libs.engine.request import AdmittedHit, PrefillProgress, Request, RequestOutput
+from libs.engine.request import AdmittedHit, FinishReason, PrefillProgress, Request, RequestOutput
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.spec import (
     DraftSpan,
+    FirstDrafts,
     HiddenRing,
     as_if_emitted,
     check_draft_layers,
@@ -274,10 +275,11 @@ class EngineCore:
         self._forget(req_id)
         return self.scheduler.abort(req_id)
 
-    def _forget(self, req_id: str) -> None:
-        """Drop a finished or aborted request's per-request state (generator, grammar matcher)."""
+    def _forget(self, req_id: str, ring: bool = True) -> None:
+        """Drop a finished or aborted request's per-request state (generator, grammar matcher, hidden rows)."""
         self.runner.forget(req_id)
-        self._ring.forget(req_id)
+        if ring:
+            self._ring.forget(req_id)
         self._draft_q.pop(req_id, None)
         if self._grammars is not None:
             self._grammars.release(req_id)
@@ -294,6 +296,18 @@ class EngineCore:
             raise KeyError(f"held_prefill({req_id!r}): no prefill-only request holds KV under that id")
         full, swa = self.cache.page_tables(req_id)
         return HeldPrefill(req_id, tuple(seq.token_ids), seq.num_computed, tuple(full), tuple(swa))
+
+    def first_drafts(self, req_id: str) -> FirstDrafts | None:
+        """A held prefill-only request's drafts after its first token and its newest target hidden states (on
+        the CPU), for its decode worker (MTP in prefill, disaggregated); None when it has no drafts."""
+        seq = self.scheduler.seqs.get(req_id)
+        if seq is None or seq.status is not SeqStatus.HELD or not seq.drafts:
+            return None
+        ring = self._ring.get(req_id)
+        if ring is None:
+            return FirstDrafts(tuple(seq.drafts), seq.num_computed, None)
+        first, rows = ring
+        return FirstDrafts(tuple(seq.drafts), first, rows.detach().to("cpu", copy=True))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -352,8 +366,8 @@ class EngineCore:
         self.scheduler.observe_step(plan, elapsed)
         self._report_progress(plan)
         for out in outputs:
-            if out.finished:
-                self._forget(out.req_id)
+            if out.finished:  # (a held prefill keeps its hidden rows for `first_drafts` until release)
+                self._forget(out.req_id, ring=out.finish_reason is not FinishReason.PREFILLED)
         self.num_steps += 1
         return outputs
 
@@ -444,8 +458,11 @@ class EngineCore:
                                     max(seq.computed_from, kv_start))
             if lo > hi:
                 continue
-            drafting = (seq.status is SeqStatus.RUNNING and seq.is_decoding
-                        and (self.config.speculative_in_prefill or not item.is_prefill))
+            # a held prefill-only request (its first token sampled) drafts for its decode worker
+            # (`first_drafts`); only greedy ones: a sampled draft's distribution q stays here
+            drafting = (seq.is_decoding and (self.config.speculative_in_prefill or not item.is_prefill)
+                        and (seq.status is SeqStatus.RUNNING
+                             or (seq.status is SeqStatus.HELD and seq.req.params.greedy)))
             spans.append(DraftSpan(seq.req_id, lo, hi, seq.token_ids, swa, kv_start, drafting))
             rows.append(h)
         if not spans:

@@ -142,11 +142,34 @@ class HiddenRing:
             lo, h = min(floor, end), h[min(floor, end) - lo:]
         return lo, h
 
+    def get(self, req_id: str) -> tuple[int, torch.Tensor] | None:
+        """(first position, rows) kept for `req_id`, if any."""
+        return self._rows.get(req_id)
+
+    def put(self, req_id: str, first: int, rows: torch.Tensor) -> None:
+        """Keep `rows` (positions [first, first + len(rows)), at most `keep`) as `req_id`'s newest hidden
+        states: another engine's (a prefill worker's, shipped with its first drafts)."""
+        if not 0 < rows.shape[0] <= self.keep:
+            raise ValueError(f"{rows.shape[0]} hidden rows for a ring that keeps {self.keep}")
+        self._rows[req_id] = (first, rows)
+
     def forget(self, req_id: str) -> None:
         self._rows.pop(req_id, None)
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+@dataclass(frozen=True)
+class FirstDrafts:
+    """MTP in prefill across a disaggregated hand-off: a prefill-only request's drafts after its first token,
+    and the target hidden states of its last prompt positions (`HiddenRing`) that the decode engine's first
+    drafting pass recomputes the provisional rows from. With both, the decode engine's first step verifies
+    the drafts and its drafting passes equal a colocated engine's."""
+
+    drafts: tuple[int, ...]
+    hidden_from: int  # position of hidden's first row (hidden ends at the prompt's last position)
+    hidden: torch.Tensor | None  # [rows, hidden_size] on the CPU; None when k = 1 (the ring keeps nothing)
 
 
 # (drafting req ids, their logits rows, each one's drafts so far) -> the next draft token of each

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import math
+
+import torch
 
 from libs.engine.core import EngineLoad
 from libs.engine.grammar import validate_spec
 from libs.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams, TokenLogprob
+from libs.engine.spec import FirstDrafts
 from libs.mm.spec import MM_TOKEN_FLAG
 from libs.worker.mm import mm_refusal
 from protos import messages as wire
@@ -59,6 +63,38 @@ def wire_logprob(lp: TokenLogprob) -> wire.WireTokenLogprob:
 
     return wire.WireTokenLogprob(token_id=lp.token_id, logprob=finite(lp.logprob),
                              top={t: finite(v) for t, v in lp.top})
+
+
+_HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def wire_hidden(first: FirstDrafts) -> wire.WireHidden | None:
+    """MTP in prefill: the hidden rows shipped with kv_commit (raw bytes, base64), None when there are none."""
+    if first.hidden is None:
+        return None
+    rows = first.hidden.detach().to("cpu").contiguous()
+    name = next(n for n, d in _HIDDEN_DTYPES.items() if d == rows.dtype)
+    return wire.WireHidden(first_position=first.hidden_from, rows=rows.shape[0], dtype=name,  # type: ignore[arg-type]
+                           data_b64=base64.b64encode(rows.view(torch.uint8).numpy().tobytes()).decode())
+
+
+def engine_first_drafts(msg: wire.KVCommitRequest) -> FirstDrafts | None:
+    """kv_commit's drafts and hidden rows -> FirstDrafts (the decode engine checks them against its model), None
+    without drafts or when the rows do not decode (the first step then decodes one token, as without them)."""
+    if not msg.drafts:
+        return None
+    h = msg.draft_hidden
+    if h is None:
+        return FirstDrafts(tuple(msg.drafts), 0, None)
+    try:
+        raw = bytearray(base64.b64decode(h.data_b64, validate=True))
+        dtype = _HIDDEN_DTYPES[h.dtype]
+        if not raw or len(raw) % (h.rows * dtype.itemsize):
+            return None
+        rows = torch.frombuffer(raw, dtype=dtype).reshape(h.rows, -1)
+    except (ValueError, RuntimeError):
+        return None
+    return FirstDrafts(tuple(msg.drafts), h.first_position, rows)
 
 
 def wire_finish(reason: FinishReason | None) -> wire.WireFinishReason | None:

@@ -42,7 +42,7 @@ from libs.transfer import IncomingTransfer, KVTransferEngine, TransferHeader
 from libs.worker.kv_stream import layer_specs
 from libs.worker.mm import EmbeddingFetcher, fetch_embeddings
 from libs.worker.tasks import DuplicateRequest, RequestTasks
-from libs.worker.wire import engine_params, wire_finish, wire_logprob
+from libs.worker.wire import engine_first_drafts, engine_params, wire_finish, wire_logprob
 from protos.messages import (
     KVCommitReply,
     KVCommitRequest,
@@ -226,7 +226,8 @@ class DecodeWorker:
             if embeds is not None:
                 req.mm = await self._embeddings(embeds, msg)
             # the landed pages reach the pools (every rank's, on a parallel engine) on the engine thread first
-            await self.engine.call(lambda core: core.activate(rid, commit.first_token_id, landing.land))
+            first = engine_first_drafts(commit)  # MTP in prefill: the first step verifies prefill's drafts
+            await self.engine.call(lambda core: core.activate(rid, commit.first_token_id, landing.land, first))
             await self.publish(msg.stream_subject, self._chunk(
                 rid, token_ids=[commit.first_token_id],
                 logprobs=[] if commit.first_logprob is None else [commit.first_logprob]))

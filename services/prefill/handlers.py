@@ -36,12 +36,13 @@ from libs.bus import NoResponders, RemoteError, Unavailable
 from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
 from libs.engine.mm import MMEmbeddings
+from libs.engine.spec import FirstDrafts
 from libs.mm.api import EncoderUnavailable
 from libs.transfer import KVTransferEngine, TransferStats
 from libs.worker.kv_stream import KVSender, layer_specs
 from libs.worker.mm import EmbeddingFetcher, fetch_embeddings
 from libs.worker.tasks import RequestTasks
-from libs.worker.wire import engine_params, wire_finish, wire_logprob
+from libs.worker.wire import engine_params, wire_finish, wire_hidden, wire_logprob
 from protos.messages import (
     AckStatus,
     ErrorCode,
@@ -188,13 +189,13 @@ class PrefillWorker:
             if first is None:
                 return  # the engine ended the request (its final chunk is out)
             token, logprob, cached = first
-            reason = await self._settle(req, token)  # 4. does the first token end it? (KV released)
+            reason, drafts = await self._settle(req, token)  # 4. does the first token end it? (KV released)
             h.held = False
             if reason is not None:
                 await self._publish_final(req, token, logprob, reason, cached)
                 return
             stats = await self._finish_stream(h)  # 5. every byte landed on decode,
-            await self._commit(req, h.decode, first)  # then decode takes the stream over
+            await self._commit(req, h.decode, first, drafts)  # then decode takes the stream over
             h.committed = True
             self._count(req, h.sender, stats)
         except asyncio.CancelledError:
@@ -390,15 +391,17 @@ class PrefillWorker:
         return HandoffError(f"KV transfer to {address} failed: {exc}")
 
     # ------------------------------------------------------------------ 4-5. first token
-    async def _settle(self, req: GenerateRequest, token: int) -> dg.FinishReason | None:
-        """Does the first token end the request? The same engine call releases the held KV into the prefix
-        cache: every segment has been copied out of it."""
+    async def _settle(self, req: GenerateRequest, token: int) -> tuple[dg.FinishReason | None, FirstDrafts | None]:
+        """Does the first token end the request? The same engine call takes the drafts after it (MTP in
+        prefill: they go to decode with kv_commit) and releases the held KV into the prefix cache: every segment
+        has been copied out of it."""
         params, request_id = engine_params(req.sampling), req.request_id
 
-        def settle(core) -> dg.FinishReason | None:  # engine thread
+        def settle(core) -> tuple[dg.FinishReason | None, FirstDrafts | None]:  # engine thread
             reason = dg.first_token_finishes(core, params, token)
+            drafts = core.first_drafts(request_id) if reason is None else None
             core.release(request_id, cache=True)
-            return reason
+            return reason, drafts
 
         return await self.engine.call(settle)
 
@@ -409,10 +412,11 @@ class PrefillWorker:
         except Exception as exc:
             raise self._stream_error(h, exc) from exc
 
-    async def _commit(self, req: GenerateRequest, decode: str, first: First) -> None:
+    async def _commit(self, req: GenerateRequest, decode: str, first: First, drafts: FirstDrafts | None) -> None:
         token, logprob, cached = first
         msg = KVCommitRequest(request_id=req.request_id, first_token_id=token, first_logprob=logprob,
-                              prefill_cached_tokens=cached)
+                              prefill_cached_tokens=cached, drafts=list(drafts.drafts) if drafts else [],
+                              draft_hidden=wire_hidden(drafts) if drafts else None)
         try:
             await self._commit_asking_again(decode, msg)
         except TimeoutError:

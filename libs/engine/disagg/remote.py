@@ -20,6 +20,7 @@ from libs.engine.core import EngineCore, EngineLoad
 from libs.engine.plan import BatchPlan
 from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
+from libs.engine.spec import FirstDrafts
 from libs.engine.stopping import check_stop
 
 
@@ -131,12 +132,18 @@ class DisaggEngineCore(EngineCore):
         full, swa = cache.page_tables(req.req_id)
         return RemoteSlot(req.req_id, hit.tokens, tuple(full), tuple(swa))
 
-    def activate(self, req_id: str, first_token: int, land: Callable[[], None] | None = None) -> None:
+    def activate(self, req_id: str, first_token: int, land: Callable[[], None] | None = None,
+                 first: FirstDrafts | None = None) -> bool:
         """The prompt's KV has landed: commit it and start decoding after `first_token` (sampled by prefill).
 
         `land` (the transfer's `Landing.land`): puts the received pages into the pools first, here on the engine
         thread before any step can read them (a parallel engine scatters each rank's KV heads). When it raises,
-        the request stays pending (its abort frees the pages)."""
+        the request stays pending (its abort frees the pages).
+
+        `first`: the prefill engine's drafts after `first_token` and its newest hidden states (MTP in prefill):
+        the first decode step verifies them. Returns whether they were taken; drafts this engine cannot use
+        (it does not draft, a sampled request, wrong sizes or positions) are dropped: the first step decodes one
+        token and the drafting starts after it, as without them."""
         if req_id not in self.pending:
             raise KeyError(f"activate({req_id!r}): no remote request waits for KV under that id")
         if land is not None:
@@ -156,6 +163,22 @@ class DisaggEngineCore(EngineCore):
         sch.stats.host_hit_tokens += p.host_tokens
         sch.stats.l3_hit_tokens += p.l3_tokens
         sch.stats.prompt_tokens += len(prompt)
+        return first is not None and self._take_first_drafts(seq, first)
+
+    def _take_first_drafts(self, seq: Seq, first: FirstDrafts) -> bool:
+        cfg, k, n = self.model_config, self.draft_layers, len(seq.token_ids) - 1  # n: the prompt's length
+        if self._kv_mtp is None or not seq.req.params.greedy or not 0 < len(first.drafts) <= k:
+            return False
+        if not all(0 <= t < cfg.vocab_size for t in first.drafts):
+            return False
+        rows = first.hidden
+        if rows is not None:
+            if (rows.ndim != 2 or rows.shape[1] != cfg.hidden_size or not 0 < rows.shape[0] <= self._ring.keep
+                    or first.hidden_from + rows.shape[0] != n or first.hidden_from < 0):
+                return False
+            self._ring.put(seq.req_id, first.hidden_from, rows.to(self.runner.device, self.runner.model.dtype))
+        seq.drafts = list(first.drafts)
+        return True
 
     def abort(self, req_id: str) -> bool:
         p = self.pending.pop(req_id, None)
