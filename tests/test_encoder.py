@@ -36,7 +36,7 @@ from libs.model.config import ModelConfig
 from libs.service import load_config
 from protos import subjects
 from protos.messages import EncodeReply, EncodeRequest, HealthReply, HealthRequest, MMKind, Role, WireMMItem
-from services.encoder.batcher import DynamicBatcher, fits
+from services.encoder.batcher import DynamicBatcher, fits, next_gap, worth_waiting
 from services.encoder.cache import CacheFull, EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.service import EncoderService, build_tower
@@ -138,6 +138,52 @@ async def test_batcher_fills_batches_up_to_its_limits_with_one_call_each():
         await batcher.close()
     assert calls == [2, 2, 1]  # 40 patches fit 2 items of 16; the last one runs alone once the wait is over
     assert [float(o[0, 0]) for o in outs] == [0.0, 1.0, 2.0, 3.0, 4.0] and all(o.shape == (4, 8) for o in outs)
+
+
+def test_wait_rule_follows_the_arrival_gaps():
+    assert worth_waiting(None, 0.0, 1.0)  # nothing measured yet: wait, as a plain batcher
+    assert worth_waiting(10.0, 0.004, 10.005) and not worth_waiting(10.0, 0.027, 10.005)
+    avg = 0.0
+    for _ in range(20):  # gaps of 27 ms against a 5 ms wait: the average comes to 20 ms (capped at 4 waits)
+        avg = next_gap(avg, 0.027, 0.005)
+    assert avg == pytest.approx(0.020, rel=0.01)
+    for _ in range(10):  # an hour idle counts as one capped gap; a burst brings the average down within a few
+        avg = next_gap(avg, 3600.0 if _ == 0 else 0.0, 0.005)
+    assert avg < 0.002
+
+
+async def test_batcher_runs_a_lone_item_at_once_at_a_moderate_rate_and_still_batches_a_burst():
+    """Items 0.4 s apart against a 0.2 s wait: once the gaps are measured each runs at once (a plain wait would
+    hold each for 0.2 s); a burst afterwards still shares tower calls."""
+    calls: list[int] = []
+
+    def forward(patches: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        calls.append(int(grid.shape[0]))
+        return patches.reshape(-1, 4 * VC.patch_dim)[:, :8]
+
+    batcher = DynamicBatcher(forward, VC, max_items=8, max_patches=1 << 20, max_wait_s=0.2)
+    batcher.start()
+    loop = asyncio.get_running_loop()
+    item = torch.zeros(16, VC.patch_dim)
+
+    async def timed() -> float:
+        t0 = loop.time()
+        await batcher.submit(item, (1, 4, 4))
+        return loop.time() - t0
+
+    try:
+        async with asyncio.timeout(HANG):
+            tasks = []
+            for _ in range(6):
+                tasks.append(asyncio.ensure_future(timed()))
+                await asyncio.sleep(0.4)
+            spent = await asyncio.gather(*tasks)
+            assert spent[0] >= 0.2 and max(spent[3:]) < 0.15, spent  # the first waited: no gap measured yet
+            calls.clear()
+            await asyncio.gather(*(batcher.submit(item, (1, 4, 4)) for _ in range(6)))
+    finally:
+        await batcher.close()
+    assert sum(calls) == 6 and len(calls) < 6  # the burst shared calls
 
 
 # ============================================================================ in-process encoder

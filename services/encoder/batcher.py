@@ -6,6 +6,12 @@ first; an item that would overflow `max_patches` starts the next batch (an item 
 runs alone). While the tower thread runs a batch the next one forms in the queue, so under load batches fill up
 without waiting and an idle encoder adds at most `max_wait_s` to a request.
 
+The wait is only spent when it can pay: once the queue is empty the loop waits for another item only if one is
+expected before the wait ends (the last arrival plus the recent gap between arrivals, an exponential average of
+gaps each capped at `GAP_CAP` waits). At a moderate rate (gaps longer than the wait) an item runs at once, as
+without batching, and what queues behind a running batch still forms the next one; a burst (short gaps) fills
+batches as before.
+
 The tower sees every item of a batch in one call (patches concatenated, `grid_thw` stacked: the tower keeps
 items apart itself, as its contract says); the rows come back split per item, contiguous on the host.
 """
@@ -29,6 +35,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(patches ``[sum patches, patch_dim]``, grid_thw ``[items, 3]``) -> rows ``[sum tokens, hidden]``."""
 OnBatch = Callable[[int, int, float], None]
 """(items, patches, seconds of the tower call): metrics."""
+GAP_WEIGHT = 0.25  # of the newest gap between arrivals in their running average
+GAP_CAP = 4.0  # a gap counts at most this many max_wait_s (an idle minute must not hide the next burst)
 
 
 @dataclass
@@ -48,6 +56,17 @@ def fits(items: int, patches: int, job_patches: int, max_items: int, max_patches
     return items == 0 or (items < max_items and patches + job_patches <= max_patches)
 
 
+def next_gap(average: float, gap: float, max_wait_s: float) -> float:
+    """The running average of arrival gaps after one more `gap` (pure)."""
+    return average + GAP_WEIGHT * (min(gap, GAP_CAP * max_wait_s) - average)
+
+
+def worth_waiting(last_arrival: float | None, gap_s: float, deadline: float) -> bool:
+    """Whether the next item is expected by `deadline` (loop time), going by the last arrival and the average gap
+    (pure)."""
+    return last_arrival is None or last_arrival + gap_s <= deadline
+
+
 class DynamicBatcher:
     def __init__(self, forward: Forward, vc: VisionConfig, max_items: int, max_patches: int, max_wait_s: float,
                  on_batch: OnBatch | None = None) -> None:
@@ -62,6 +81,8 @@ class DynamicBatcher:
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         self.items = 0
+        self.gap_s = 0.0  # running average of the gaps between arrivals (0 until measured: wait, as before)
+        self._last_arrival: float | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="encoder-batcher")
@@ -87,7 +108,12 @@ class DynamicBatcher:
         """The item's rows ``[num_tokens, hidden]`` (host, contiguous) once its batch ran."""
         if self._task is None:
             raise RuntimeError("batcher not started")
-        job = _Job(patches, grid, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._last_arrival is not None:
+            self.gap_s = next_gap(self.gap_s, now - self._last_arrival, self.max_wait_s)
+        self._last_arrival = now
+        job = _Job(patches, grid, loop.create_future())
         self._queue.append(job)
         self._wake.set()
         return await job.future
@@ -119,6 +145,8 @@ class DynamicBatcher:
         batch, patches = [first], first.size
         deadline = asyncio.get_running_loop().time() + self.max_wait_s
         while len(batch) < self.max_items:
+            if not self._queue and not worth_waiting(self._last_arrival, self.gap_s, deadline):
+                break  # no item is expected within the wait: run now
             job = await self._next_job(deadline)
             if job is None:
                 break
