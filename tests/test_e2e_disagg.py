@@ -184,6 +184,35 @@ async def test_prefill_and_decode_export_the_worker_metrics(pair2):
     assert seen["prefill_prompt"] >= 30 and all(v >= 1 for v in seen.values()), seen
 
 
+async def test_mtp_on_both_roles_equals_offline_greedy_and_decode_verifies_drafts(nats_server, tmp_path, offline):
+    """WINDSERVE_SPECULATIVE_TOKENS=3 on prefill and decode processes (the draft layers' KV shipped, prefill's
+    first drafts and hidden rows handed over with kv_commit): greedy outputs equal the offline engine without
+    MTP, the decode worker verifies drafts (its metrics), and a sampled request is served too."""
+    topo = topology(nats_server.url, tmp_path)
+    mtp = {"WINDSERVE_SPECULATIVE_TOKENS": "3"}
+    try:
+        topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 1}, {"prefill": mtp, "decode": mtp})
+        client = topo.client()
+        prompts = [prompt(400 + i, n) for i, n in enumerate([5, 37, 70])]
+        expected = [list(o.token_ids) for o in offline.generate(prompts, SamplingParams(max_tokens=12,
+                                                                                         ignore_eos=True))]
+        assert [await complete_ids(client, p, 12) for p in prompts] == expected
+        resp = await client.completions.create(model="windserve-tiny", prompt=prompts[1], max_tokens=8,
+                                               temperature=0.8, seed=1,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert len(resp.choices[0].token_ids) == 8
+        await client.close()
+
+        def drafted() -> float:
+            return topo.metrics("decode-0").get(("windserve_worker_spec_tokens", (("kind", "drafted"),)), 0.0)
+        deadline = time.monotonic() + 20  # (the gauges follow the load refresh)
+        while drafted() < 3 * len(prompts) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert drafted() >= 3 * len(prompts)
+    finally:
+        topo.stop()
+
+
 async def _stream_tokens(client, ids, max_tokens, progress: dict, key: int) -> tuple[str, list[int], float]:
     toks: list[int] = []
     try:
