@@ -87,9 +87,9 @@ class RecentPicks:
                 del self._picks[iid]
                 continue
             self._picks[iid] = kept
-            r = reflected.get(iid)
+            snap = reflected.get(iid)
             n = sum(p.weight for p in kept
-                    if not (p.request_id and p.request_id == skip_request) and not _covered(p, r))
+                    if not (p.request_id and p.request_id == skip_request) and not _covered(p, snap))
             if n:
                 out[iid] = n
         if len(self._arrivals) > _MAX_INSTANCES:  # instances that left: keep those in view or with picks

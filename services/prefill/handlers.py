@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -301,7 +302,7 @@ class PrefillWorker:
         grace_end = 0.0
         while True:
             try:
-                return decode, await self._asking_again(lambda d=decode: self.prepare(d, prep), "kv_prepare",
+                return decode, await self._asking_again(functools.partial(self.prepare, decode, prep), "kv_prepare",
                                                         req.request_id, decode)
             except TimeoutError:
                 await self._cancel_decode(req.request_id, decode)  # it may have reserved pages meanwhile
@@ -431,7 +432,9 @@ class PrefillWorker:
         grace_end = time.monotonic() + self.unreachable_grace_s
         while True:
             try:
-                return await self._asking_again(lambda: self.commit(decode, msg), "kv_commit", msg.request_id, decode)
+                await self._asking_again(functools.partial(self.commit, decode, msg), "kv_commit", msg.request_id,
+                                         decode)
+                return
             except NoResponders:
                 if time.monotonic() >= grace_end:
                     raise
