@@ -199,6 +199,10 @@ def test_two_quick_picks_spread_over_decoders_whose_snapshots_predate_the_arriva
         # a request the tie-break alone (both idle) sends to the same decoder: the snapshot time alone herds it
         rid = next(f"req-b{k}" for k in range(100) if make().route(later, f"req-b{k}", 40, now + 0.1).decode == first)
         assert router.route(later, rid, 40, now + 0.1).decode != first
+    # (router: the affinity policy, the loop's last) a prefill asking again after `first` refused the request:
+    # its pick there stops counting
+    retried = router.route(later, "req-a", 40, now + 0.2, exclude_decodes=[first])
+    assert retried.decode != first and router.recent_decodes.counts(now + 0.2).get(first, 0) == 0
     replica = AffinityRouter(ClusterPrefixIndex(4, 8), ())  # a replica's shared pick counts on its decode too
     replica.note_pick("req-a", "p", "d0", now, 40)
     assert replica.recent_decodes.counts(now + 0.1) == {"d0": 1}
@@ -237,10 +241,11 @@ def test_router_modes_and_the_retry_that_keeps_its_prefill_pick():
     first = router.route(pair, "a", 5, now=1.0)
     assert pair.disaggregated and first.prefill == "p"  # combined workers are unused then
     assert router.recent.counts(1.0) == {"p": 1, first.decode: 1}
-    # a prefill asking again (its decode refused): the new decode pick counts, the prefill's stands as it was
+    # a prefill asking again (its decode refused): the new decode pick counts, the prefill's stands as it was,
+    # and the refused decode's pick no longer counts there
     retry = router.route(pair, "a", 5, now=1.0, exclude_decodes=[first.decode])
     assert retry.prefill == "p" and retry.decode != first.decode
-    assert router.recent.counts(1.0) == {"p": 1, "d0": 1, "d1": 1}
+    assert router.recent.counts(1.0) == {"p": 1, retry.decode: 1}
     assert router.route(Fleet(workers=(_inst("w0", running=1), _inst("w1"))), "c", 5, now=2.0) == Route("w1", "w1")
     with pytest.raises(LookupError, match="needs prefill and decode"):
         router.route(Fleet(prefills=(_inst("p"),)), "c", 5, now=2.0)

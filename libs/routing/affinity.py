@@ -126,7 +126,9 @@ class AffinityRouter:
               exclude_decodes: Sequence[str] = (), block_hashes: Sequence[int] = (),
               exclude_instances: Sequence[str] = ()) -> Route:
         """As `Router.route`. A request with `exclude_decodes` is a prefill asking again for another decode
-        worker: its prefill pick stands and is not counted again."""
+        worker: its prefill pick stands and is not counted again, and its picks of the excluded decode workers
+        (which refused it) no longer count on them."""
+        self.recent_decodes.drop(request_id, exclude_decodes)
         if fleet.disaggregated:
             prefills = avoiding(fleet.prefills, exclude_instances, "prefill worker")
             decodes = [d for d in fleet.decodes if d.address and d.instance_id not in exclude_decodes]

@@ -44,8 +44,8 @@ class RecentPicks:
     alone is not enough: a pick reaches its worker later than it is made (the gateway submits it, a prefill
     worker hands it to its decode worker only at kv_prepare), so a snapshot taken in between is newer than the
     pick without holding it, and two quick picks both went to the decode worker that looked idle. Instances that
-    report no count fall back to the snapshot time. A pick whose request never arrives (it failed over
-    elsewhere) counts until the window ends.
+    report no count fall back to the snapshot time. A pick whose request never arrives counts until the window
+    ends, unless the router learns it went elsewhere (`drop`: a decode worker that refused the request).
 
     A pick names its request: a later pick of the same request on the same instance replaces it (a replica
     asked the same request again, or a retry), and `counts(skip_request=...)` leaves the request's own earlier
@@ -69,6 +69,17 @@ class RecentPicks:
             seen = self._arrivals.get(instance_id)  # one past the snapshot's count and every outstanding target
             target = None if seen is None else max([seen, *(p.target for p in picks if p.target is not None)]) + 1
         picks.append(_Pick(now, weight, request_id, target))
+
+    def drop(self, request_id: str, instance_ids: Iterable[str]) -> None:
+        """Forget `request_id`'s picks on `instance_ids` (they refused it or are gone: it never arrives there)."""
+        for iid in instance_ids:
+            picks = self._picks.get(iid)
+            if picks and request_id:
+                kept = [p for p in picks if p.request_id != request_id]
+                if kept:
+                    self._picks[iid] = kept
+                else:
+                    del self._picks[iid]
 
     def counts(self, now: float, reflected: Mapping[str, Reflected] | None = None,
                skip_request: str = "") -> dict[str, int]:

@@ -81,5 +81,6 @@ class Router:
                                     exclude_instances)
         if not exclude_decodes:  # (a prefill asking again for a decode worker: its own pick stands)
             self.recent.add(prefill.instance_id, now, request_id=request_id)
+        self.recent.drop(request_id, exclude_decodes)  # the decode workers that refused it never get it
         self.recent.add(decode.instance_id, now, request_id=request_id)
         return Route(prefill=prefill.instance_id, decode=decode.instance_id)
