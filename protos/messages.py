@@ -50,6 +50,10 @@ class WorkerLoad(WireModel):
     kv_full_total: int = Field(default=0, ge=0)
     kv_swa_used: int = Field(default=0, ge=0, description="SWA-pool pages in use by requests")
     kv_swa_total: int = Field(default=0, ge=0)
+    kv_units_used: int = Field(default=0, ge=0, description="one KV arena (docs/kvcache.md): units in use by "
+                               "requests or promised to them; with an arena the per-group totals move with the "
+                               "other group's use, so room and KV share read these")
+    kv_units_total: int = Field(default=0, ge=0, description="the arena's units; 0 = the two static pools")
     updated_at: float = Field(default=0.0, description="unix time of this snapshot")
     arrivals: int = Field(default=-1, ge=-1, description="requests this instance has taken on since it started, as "
                           "of this snapshot (a decode worker: its kv_prepare reservations); -1 = not reported")

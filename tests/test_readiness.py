@@ -63,6 +63,18 @@ def test_room_needs_pages_left_on_a_complete_path():
     assert serving_path([w, router, prefill, loaded(entry(Role.DECODE, "d2", "ucx://d2"), 3)], NOW).room
 
 
+def test_room_of_an_arena_worker_is_its_units():
+    """With one KV arena the per-group totals move with the other group's use (a group can show every page
+    in use while the arena has room): room is units in use or promised < units."""
+    def arena(iid: str, units_used: int) -> RegistryEntry:
+        return entry(Role.WORKER, iid).model_copy(update={"load": WorkerLoad(
+            kv_full_used=12, kv_full_total=12, kv_swa_used=3, kv_swa_total=3, kv_units_used=units_used,
+            kv_units_total=100)})
+    assert serving_path([arena("a", 40)], NOW).room
+    path = serving_path([arena("a", 100)], NOW)
+    assert not path.room and path.saturated == ("a",)
+
+
 async def test_ready_with_capacity_is_503_no_room_while_every_worker_is_full():
     entries = [loaded(entry(Role.WORKER, "w", heartbeat_at=time.time()), 100)]
 

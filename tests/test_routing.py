@@ -80,6 +80,15 @@ def test_instance_of_a_registry_entry():
     busy = instance_of(RegistryEntry(role=Role.WORKER, instance_id="w0", load=WorkerLoad(
         running=2, waiting=3, kv_full_used=25, kv_full_total=100, kv_swa_used=7, updated_at=12.5)))
     assert (busy.queue, busy.kv_share, busy.updated_at, busy.address) == (5, 0.25, 12.5, "")
+    # one arena: the share is the arena's (units in use or promised / units), not the full group's pages,
+    # whose total moves with the other group's use
+    arena = instance_of(RegistryEntry(role=Role.WORKER, instance_id="w1", load=WorkerLoad(
+        kv_full_used=25, kv_full_total=30, kv_units_used=300, kv_units_total=1000, updated_at=12.5)))
+    assert arena.kv_share == 0.3
+    assert pick_worker([arena, Instance("w2", kv_full_used=10, kv_full_total=100)], 1, LengthBuckets(()),
+                       "q").instance_id == "w2"
+    assert pick_worker([arena, Instance("w2", kv_full_used=40, kv_full_total=100)], 1, LengthBuckets(()),
+                       "q").instance_id == "w1"  # (by its full pages, 25 / 30, it would look the fuller)
 
 
 # ------------------------------------------------------------------------------------------ tie-breaks

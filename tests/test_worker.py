@@ -185,6 +185,18 @@ async def test_decode_engine_load_counts_remote_requests_waiting_for_their_kv(ti
     wire = load_from(load, now=12.5)
     assert (wire.running, wire.waiting, wire.kv_full_used, wire.kv_full_total, wire.updated_at, wire.arrivals) == (
         1, 1, load.usage.full.in_use, 256, 12.5, 2)
+    assert (wire.kv_units_used, wire.kv_units_total) == (0, 0)  # static pools: no arena figures
+    core.abort("remote")
+    core.close()
+    # one arena: the load reports its units in use (both groups) or promised, out of all of them
+    core = dg.DisaggEngineCore(EngineConfig(**{**ENGINE, "bucket_edges": ()}), model, cfg, None)
+    core.add_request(dg.RemoteRequest("remote", prompt(1, 21), SamplingParams(max_tokens=4)))
+    load = core.load()
+    a = load.usage.arena
+    assert a is not None and a.full_in_use > 0 and a.swa_in_use > 0
+    wire = load_from(load, now=1.0)
+    assert (wire.kv_units_used, wire.kv_units_total) == (a.full_in_use + a.swa_in_use + a.reserved, a.units)
+    assert 0 < wire.kv_units_used < wire.kv_units_total
     core.abort("remote")
     core.close()
 

@@ -24,6 +24,9 @@ class Instance:
     waiting: int = 0
     kv_full_used: int = 0
     kv_full_total: int = 0
+    kv_units_used: int = 0
+    kv_units_total: int = 0
+    """One KV arena's units in use (or promised) and in all; 0 = the static pools."""
     prefill_tokens_queued: int = 0
     """Prefill tokens queued or running there (uncached), 0 = unknown; the KV-affinity cost's queue term."""
     updated_at: float | None = None
@@ -38,7 +41,10 @@ class Instance:
 
     @property
     def kv_share(self) -> float:
-        """Share of the full-attention KV pool in use (0.0 when the total is unknown)."""
+        """Share of the KV memory in use: the arena's units where the instance has one, else the full-attention
+        pool's pages (0.0 when the total is unknown)."""
+        if self.kv_units_total:
+            return self.kv_units_used / self.kv_units_total
         return self.kv_full_used / max(1, self.kv_full_total)
 
 
@@ -53,6 +59,10 @@ class LoadLike(Protocol):
     def kv_full_used(self) -> int: ...
     @property
     def kv_full_total(self) -> int: ...
+    @property
+    def kv_units_used(self) -> int: ...
+    @property
+    def kv_units_total(self) -> int: ...
     @property
     def updated_at(self) -> float: ...
     @property
@@ -83,5 +93,6 @@ def instance_of(entry: EntryLike) -> Instance:
     if load is None:
         return base
     return replace(base, running=load.running, waiting=load.waiting, kv_full_used=load.kv_full_used,
-                   kv_full_total=load.kv_full_total, updated_at=load.updated_at,
+                   kv_full_total=load.kv_full_total, kv_units_used=load.kv_units_used,
+                   kv_units_total=load.kv_units_total, updated_at=load.updated_at,
                    arrivals=load.arrivals if load.arrivals >= 0 else None)

@@ -121,10 +121,12 @@ def chunk_from_output(out: RequestOutput, instance_id: str, prompt_tokens: int,
 
 def load_from(load: EngineLoad, now: float) -> wire.WorkerLoad:
     """Registry load snapshot from the engine's load (pool usage and queue lengths)."""
-    usage = load.usage
+    usage, arena = load.usage, load.usage.arena
     return wire.WorkerLoad(
         running=load.running, waiting=load.waiting,
         kv_full_used=usage.full.in_use, kv_full_total=usage.full.capacity,
         kv_swa_used=usage.swa.in_use, kv_swa_total=usage.swa.capacity,
+        kv_units_used=arena.full_in_use + arena.swa_in_use + arena.reserved if arena is not None else 0,
+        kv_units_total=arena.units if arena is not None else 0,
         updated_at=now, arrivals=load.arrivals,
     )

@@ -70,10 +70,13 @@ def serving_path(entries: Iterable[RegistryEntry], now: float) -> Readiness:
 
 
 def has_room(entry: RegistryEntry) -> bool:
-    """Pure: KV pages left in both pools by the instance's last load report (no report: assumed)."""
+    """Pure: KV left by the instance's last load report (no report: assumed): units of its one arena, else
+    pages in both pools."""
     load = entry.load
     if load is None:
         return True
+    if load.kv_units_total:
+        return load.kv_units_used < load.kv_units_total
     return all(total == 0 or used < total
                for used, total in ((load.kv_full_used, load.kv_full_total), (load.kv_swa_used, load.kv_swa_total)))
 
