@@ -167,8 +167,9 @@ async def test_a_put_whose_chunks_never_come_is_aborted_at_the_put_timeout():
 
 async def test_a_get_abandoned_at_its_deadline_leaves_nothing_pending(pair):
     """A get given up at each point its deadline can strike: before the node's reply (the late reply's values
-    are drained into scratch memory as an orphan's), after the reply was set but before the caller woke up to
-    take it (its values are drained all the same), and while its receives are posted (the drain bound). Each
+    are drained into scratch memory as an orphan's), as the reply comes (set just before or just after the
+    caller's wait is cancelled: its values are drained all the same), and while its receives are posted (the
+    drain bound). Each
     time the node's sends complete (its in-flight gets go back to 0), no connection is dropped, and the next
     call reads the value."""
     from libs.transfer import TransferError
@@ -196,22 +197,30 @@ async def test_a_get_abandoned_at_its_deadline_leaves_nothing_pending(pair):
     await asyncio.sleep(0.5)
     await settled()
 
-    # 2. the reply is set, then the caller is cancelled before it wakes up (what the deadline does when it
-    # strikes in that gap): nobody takes the reply, its values come all the same
-    on_message, task = pair.calls._on_message, None
+    # 2. the deadline strikes as the reply comes: the caller is cancelled just after the reply was set (before
+    # it wakes up to take it), or just before (its wait's future is cancelled, then the reply finds it so);
+    # nobody takes the reply either way, and its values come all the same
+    on_message = pair.calls._on_message
+    racing_get: list[asyncio.Future] = []  # the get the handler below cancels
 
-    def then_cancel(conn, msg_id, body):
-        on_message(conn, msg_id, body)
-        if task is not None and b"sizes" in body:
-            task.cancel()
+    def racing(cancel_first: bool):
+        def handler(conn, msg_id, body):
+            sizes = bool(racing_get) and b"sizes" in body
+            if sizes and cancel_first:
+                racing_get[0].cancel()
+            on_message(conn, msg_id, body)
+            if sizes and not cancel_first:
+                racing_get[0].cancel()
+        return handler
 
-    pair.client_engine.set_message_handler(then_cancel)
-    task = asyncio.ensure_future(pair.get(["v"]))
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    task = None
-    pair.client_engine.set_message_handler(on_message)
-    await settled()
+    for cancel_first in (False, True):
+        pair.client_engine.set_message_handler(racing(cancel_first))
+        racing_get[:] = [asyncio.ensure_future(pair.get(["v"]))]
+        with pytest.raises(asyncio.CancelledError):
+            await racing_get[0]
+        racing_get.clear()
+        pair.client_engine.set_message_handler(on_message)
+        await settled()
 
     # 3. given up with its receives posted (a deadline shorter than the transfer, when the machine allows it)
     for _ in range(20):

@@ -295,6 +295,8 @@ class DirectCalls:
                 call.verdict.set_result(msg)
         elif not call.reply.done():
             call.reply.set_result(msg)
+        else:  # the caller's wait ended (its deadline cancelled the reply future) before this came: its values
+            self._drain_orphan(conn, msg_id, msg)  # are on their way all the same (a put's reply: nothing)
 
     def _drain_orphan(self, conn: Connection, msg_id: int, msg: dict[str, Any]) -> None:
         """A get's reply after the call gave up: receive its values into scratch memory, so the node's sends
