@@ -73,7 +73,9 @@ def wire_hidden(first: FirstDrafts) -> wire.WireHidden | None:
     if first.hidden is None:
         return None
     rows = first.hidden.detach().to("cpu").contiguous()
-    name = next(n for n, d in _HIDDEN_DTYPES.items() if d == rows.dtype)
+    name = next((n for n, d in _HIDDEN_DTYPES.items() if d == rows.dtype), None)
+    if name is None:  # (another activation dtype: sent as float32, the decode engine converts back)
+        rows, name = rows.float(), "float32"
     return wire.WireHidden(first_position=first.hidden_from, rows=rows.shape[0], dtype=name,  # type: ignore[arg-type]
                            data_b64=base64.b64encode(rows.view(torch.uint8).numpy().tobytes()).decode())
 

@@ -176,7 +176,8 @@ class DisaggEngineCore(EngineCore):
             if (rows.ndim != 2 or rows.shape[1] != cfg.hidden_size or not 0 < rows.shape[0] <= self._ring.keep
                     or first.hidden_from + rows.shape[0] != n or first.hidden_from < 0):
                 return False
-            self._ring.put(seq.req_id, first.hidden_from, rows.to(self.runner.device, next(self.runner.model.parameters()).dtype))
+            dtype = next(self.runner.model.parameters()).dtype
+            self._ring.put(seq.req_id, first.hidden_from, rows.to(self.runner.device, dtype))
         seq.drafts = list(first.drafts)
         return True
 
