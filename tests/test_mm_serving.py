@@ -143,6 +143,27 @@ def test_different_images_same_text_differ_and_never_share_kv(tiny):
     assert_baseline(core)
 
 
+@pytest.mark.parametrize("chunk", [256, 8])
+def test_mtp_over_image_prompts_equals_the_reference(tiny, chunk):
+    """Speculative decoding (k = 3) over prompts with images, one chunk or 8-token chunks ending inside the
+    image, then the same image again (a prefix hit over it): the drafting blocks read the pad id at image
+    positions (their drafts are verified), the outputs equal the extended-vocabulary reference, drafts are
+    verified, and the pools end at baseline."""
+    _, cfg, _ = tiny
+    prompt, off = image_prompt(cfg, 31, 20, TEXT_A, TEXT_B)
+    mm = MMEmbeddings((off,), (rows_of(5, 20, cfg.hidden_size),))
+    want = reference(tiny, prompt, mm, 10)
+    core = make_core(tiny, max_num_batched_tokens=chunk, speculative_tokens=3)
+    for rid in ("first", "again"):
+        core.add_request(Request(rid, prompt, greedy(10), mm=mm))
+        got, cached = drain(core)
+        assert got[rid] == want, rid
+    assert cached["again"] >= off + 20  # the second one hit the image's KV (draft layers' too)
+    spec = core.spec_stats()
+    assert spec is not None and spec.drafted_tokens > 0
+    assert_baseline(core)
+
+
 def test_pseudo_tokens_need_their_rows(tiny):
     _, cfg, _ = tiny
     prompt, off = image_prompt(cfg, 5, 4, TEXT_A, TEXT_B)
