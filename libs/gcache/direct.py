@@ -136,7 +136,6 @@ class _DirectCall:
     reply: asyncio.Future[dict[str, Any]]
     verdict: asyncio.Future[dict[str, Any]]
     requests: list[asyncio.Future] = field(default_factory=list)  # UCX sends / receives posted for it
-    received: bool = False  # a get's receives were posted for its reply's values
 
     def fail(self, exc: BaseException) -> None:
         for fut in (self.reply, self.verdict):
@@ -223,7 +222,6 @@ class DirectCalls:
         """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order."""
         link, index = tagged_link(call.conn), 0
         buffers: dict[int, memoryview] = {}
-        call.received = True
         for pos, size in enumerate(sizes):
             if size <= 0:
                 continue
@@ -254,9 +252,10 @@ class DirectCalls:
         UCX requests still pending get the drain bound, then the connection is dropped (which cancels them)."""
         self._calls.pop((id(call.conn), call.msg_id), None)
         reply = call.reply
-        if reply.done() and not reply.cancelled() and reply.exception() is None and not call.received:
+        if reply.done() and not reply.cancelled() and reply.exception() is None and not call.requests:
             # the reply came, but the deadline struck before the caller took it (its wake-up was already
-            # scheduled): its values are on their way all the same
+            # scheduled) and posted no receive: its values are on their way all the same (a put's reply or a get
+            # with nothing to receive: `_drain_orphan` posts nothing)
             self._drain_orphan(call.conn, call.msg_id, reply.result())
         call.fail(DirectError("call ended"))
         pending = [r for r in call.requests if not r.done()]
