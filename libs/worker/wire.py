@@ -12,6 +12,7 @@ from libs.engine.grammar import validate_spec
 from libs.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams, TokenLogprob
 from libs.engine.spec import FirstDrafts
 from libs.mm.spec import MM_TOKEN_FLAG
+from libs.mm.wire import dtype_name, torch_dtype
 from libs.worker.mm import mm_refusal
 from protos import messages as wire
 
@@ -65,16 +66,14 @@ def wire_logprob(lp: TokenLogprob) -> wire.WireTokenLogprob:
                              top={t: finite(v) for t, v in lp.top})
 
 
-_HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def wire_hidden(first: FirstDrafts) -> wire.WireHidden | None:
     """MTP in prefill: the hidden rows shipped with kv_commit (raw bytes, base64), None when there are none."""
     if first.hidden is None:
         return None
     rows = first.hidden.detach().to("cpu").contiguous()
-    name = next((n for n, d in _HIDDEN_DTYPES.items() if d == rows.dtype), None)
-    if name is None:  # (another activation dtype: sent as float32, the decode engine converts back)
+    try:
+        name = dtype_name(rows.dtype)
+    except ValueError:  # another activation dtype: sent as float32, the decode engine converts back
         rows, name = rows.float(), "float32"
     return wire.WireHidden(first_position=first.hidden_from, rows=rows.shape[0], dtype=name,  # type: ignore[arg-type]
                            data_b64=base64.b64encode(rows.view(torch.uint8).numpy().tobytes()).decode())
@@ -90,7 +89,7 @@ def engine_first_drafts(msg: wire.KVCommitRequest) -> FirstDrafts | None:
         return FirstDrafts(tuple(msg.drafts), 0, None)
     try:
         raw = bytearray(base64.b64decode(h.data_b64, validate=True))
-        dtype = _HIDDEN_DTYPES[h.dtype]
+        dtype = torch_dtype(h.dtype)
         if not raw or len(raw) % (h.rows * dtype.itemsize):
             return None
         rows = torch.frombuffer(raw, dtype=dtype).reshape(h.rows, -1)
