@@ -58,6 +58,9 @@ def supervised(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
+            if not descendants:  # the body failed: the supervisor's children are not known yet
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    descendants = psutil.Process(proc.pid).children(recursive=True)
             proc.kill()
             proc.wait(10)
         _, alive = psutil.wait_procs(descendants, timeout=5)
