@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 
 import openai
@@ -65,6 +66,20 @@ def deploy(nats_url: str, logs, services: dict[str, str]) -> ServiceGroup:
                                                   "UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "error", **ENGINE})
 
 
+async def wait_indexed(group: ServiceGroup, routers: list[str], workers: int, timeout: float = 60.0) -> None:
+    """Until every router's prefix index holds all `workers` with none stale: a router whose snapshot of a
+    worker is still pending (a startup on a busy machine retries with backoff) predicts no hit there, and its
+    follow-ups would measure the resync, not the routing."""
+    deadline = time.monotonic() + timeout
+    details: dict[str, dict[str, str]] = {}
+    while time.monotonic() < deadline:
+        details = {r: await group.details(r) for r in routers}
+        if all(d.get("kv_workers") == str(workers) and d.get("kv_stale") == "0" for d in details.values()):
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"routers' indexes not in sync with {workers} workers within {timeout}s: {details}")
+
+
 async def served(group: ServiceGroup, instances: list[str]) -> dict[str, int]:
     return {i: int((await group.details(i))["accepted"]) for i in instances}
 
@@ -74,6 +89,7 @@ def one_worker_share(nats_server, tmp_path_factory) -> Iterator[float]:
     group = deploy(nats_server.url, tmp_path_factory.mktemp("aff-one"),
                    {"gw": "gateway", "router": "router", "w0": "worker"})
     try:
+        asyncio.run(wait_indexed(group, ["router"], 1))
         cached, prompt = asyncio.run(run_sessions(group.url))
     finally:
         group.stop()
@@ -86,14 +102,17 @@ async def serve_and_check(nats_url: str, logs, services: dict[str, str], counted
     """Run the sessions on `services`; check the cached share against one worker's and the requests per
     instance of `counted` (every request is counted once there) against their mean."""
     group = deploy(nats_url, logs, services)
+    routers = [i for i, s in services.items() if s == "router"]
     try:
+        await wait_indexed(group, routers, len([s for s in services.values() if s != "gateway" and s != "router"]))
         cached, prompt = await run_sessions(group.url)
         counts = await served(group, counted)
+        indexed = {r: await group.details(r) for r in routers}  # printed with a failure: stale views, gaps
     finally:
         group.stop()
     print(f"\naffinity e2e, {label}: cached share {cached / prompt:.3f} (one worker {one_worker_share:.3f}), "
           f"requests per instance {counts}")
-    assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share)
+    assert cached / prompt >= MIN_SHARE_OF_ONE_WORKER * one_worker_share, (cached, prompt, one_worker_share, indexed)
     mean = sum(counts.values()) / len(counts)
     assert sum(counts.values()) == SESSIONS * TURNS and max(counts.values()) <= MAX_REQUESTS_OVER_MEAN * mean, counts
 

@@ -53,6 +53,7 @@ class IndexSync:
         self._epochs: dict[str, str] = {}
         self._due: dict[str, float] = {}  # instance -> monotonic time of its next snapshot attempt
         self._backoff: dict[str, float] = {}
+        self.gaps = self.snapshot_errors = 0  # since start (health details; the metrics count them too)
         self.wake = asyncio.Event()  # set when a snapshot becomes due
 
     @property
@@ -138,6 +139,7 @@ class IndexSync:
         was_stale = index.is_stale(iid)
         if not index.apply(iid, kv_wire.kv_events(batch)) and not was_stale:
             metrics.EVENT_GAPS.inc()
+            self.gaps += 1
             log.info("KV event gap: resyncing", extra={"instance": iid, "expected": index.next_event_id(iid),
                                                       "got": batch.events[0].event_id})
             self._schedule(iid)
@@ -183,6 +185,7 @@ class IndexSync:
             reply = await self._fetch(iid)
         except Exception as exc:
             metrics.SNAPSHOT_RESYNCS.labels("error").inc()
+            self.snapshot_errors += 1
             delay = self._backoff[iid] = min(2 * self._backoff.get(iid, self.config.snapshot_retry_s / 2),
                                              self.config.snapshot_retry_max_s)
             if iid in self._due:
@@ -241,7 +244,8 @@ class IndexSync:
         metrics.INDEX_WORKERS.set(len(self.members))
 
     def details(self) -> dict[str, str]:
-        """Health fields: indexed workers, stale ones, blocks."""
+        """Health fields: indexed workers, stale ones, blocks, event gaps and failed snapshot requests so far."""
         stale = self.index.stale_workers() if self.index is not None else []
         blocks = len(self.index) if self.index is not None else len(self.approx) if self.approx is not None else 0
-        return {"kv_workers": str(len(self.members)), "kv_stale": str(len(stale)), "kv_blocks": str(blocks)}
+        return {"kv_workers": str(len(self.members)), "kv_stale": str(len(stale)), "kv_blocks": str(blocks),
+                "kv_gaps": str(self.gaps), "kv_snapshot_errors": str(self.snapshot_errors)}
