@@ -122,21 +122,27 @@ def test_request_bounds_read_the_arena(tiny):
     assert_baseline(decode)
 
 
-def test_tp_falls_back_to_the_static_pools_and_says_why(caplog):
-    """The arena is the default; with tp / ep > 1 (the ranks' pools are static) the engine keeps the two pools
-    and logs why instead of refusing the config; kv_arena=False asks for the static pools everywhere."""
+def test_parallel_ranks_share_the_arena_unless_their_pools_are_unequal_shares(caplog):
+    """The arena is the default, also with tp / ep > 1 where every rank's two pools are the same share of the
+    model's KV heads (ep alone: all of them; tp splitting both groups alike). Where they are not (the tiny
+    model's 1 full / 2 SWA KV heads at tp = 2: the full head replicated, the SWA heads split) the engine keeps
+    the two static pools and logs why instead of refusing the config; kv_arena=False asks for the static pools
+    everywhere."""
     from libs.engine.core import arena_plan
     from libs.model.config import ModelConfig
 
     cfg = ModelConfig.tiny()
-    assert EngineConfig().use_arena and EngineConfig().arena_fallback is None
+    even = cfg.with_(kv_heads_full=2, kv_heads_swa=4)
+    assert EngineConfig().use_arena(cfg) and EngineConfig().arena_fallback(cfg) is None
+    assert EngineConfig(ep=2).use_arena(cfg) and EngineConfig(tp=2, ep=2).use_arena(even)
     parallel = EngineConfig(tp=2, ep=2)
-    assert parallel.kv_arena and not parallel.use_arena and "tp=2" in (parallel.arena_fallback or "")
+    assert parallel.kv_arena and not parallel.use_arena(cfg) and "tp=2" in (parallel.arena_fallback(cfg) or "")
     with caplog.at_level("WARNING", logger="libs.engine.core"):
         assert arena_plan(parallel, cfg) is None
-    assert "static KV pools" in caplog.text and "tp=2" in caplog.text
-    assert arena_plan(EngineConfig(kv_arena=False), cfg) is None and EngineConfig(kv_arena=False).arena_fallback is None
-    assert arena_plan(EngineConfig(), cfg) is not None
+    assert "static KV pools" in caplog.text and "tp=2" in caplog.text and "SWA" in caplog.text
+    off = EngineConfig(kv_arena=False)
+    assert arena_plan(off, cfg) is None and off.arena_fallback(cfg) is None
+    assert arena_plan(EngineConfig(), cfg) is not None and arena_plan(EngineConfig(tp=2), even) is not None
 
 
 @pytest.mark.parametrize(("load_mode", "host_pages"), [("sync", (256, 128)), ("thread", (256, 128)),
@@ -209,3 +215,40 @@ def test_worker_metrics_export_the_arenas_by_tier_and_state(tiny):
         assert seen["free"] + seen["full_in_use"] + seen["full_cached"] + seen["swa_in_use"] + seen["swa_cached"] \
             == seen["units"]
     assert load.usage.arena is not None and load.usage.arena.full_cached > 0  # the prompts stayed cached
+
+
+def test_live_loads_are_the_loads_plan_copies_runs():
+    """A parallel engine's other ranks hold no unit tables: rank 0 sends them `live_loads`, which must be exactly
+    the h2d copies `plan_copies` runs on rank 0 (the last per target page, whose page still holds its units)."""
+    from array import array
+
+    from libs.engine.host_tier import live_loads, plan_copies
+    from libs.kvcache.types import PageCopy
+    from libs.model.config import ModelConfig
+    from libs.model.paged import KVPools
+
+    pools = KVPools.allocate_arena(ModelConfig.tiny(), 64, 1, 4)
+    a = pools.arena
+    assert a is not None
+    per = {g: a.units_per_page(g) for g in ("full", "swa")}
+    tables = {g: array("q", [-1] * (8 * per[g])) for g in per}
+    for g in per:  # page p of group g holds units 10 * p + j (+ 1 for SWA)
+        for p in range(8):
+            for j in range(per[g]):
+                tables[g][p * per[g] + j] = 10 * p + j + (g == "swa")
+    a.bind({g: (t, per[g]) for g, t in tables.items()})
+
+    def units(g: str, p: int, stale: bool = False) -> tuple[int, ...]:
+        return tuple(10 * p + j + (g == "swa") + (100 if stale else 0) for j in range(per[g]))
+
+    copies = [PageCopy("full", 0, 1, "h2d", units("full", 1)),
+              PageCopy("full", 1, 2, "h2d", units("full", 2, stale=True)),  # evicted since: dropped
+              PageCopy("swa", 2, 3, "h2d", units("swa", 3)),  # overwritten by the next copy to page 3
+              PageCopy("swa", 4, 3, "h2d", units("swa", 3)),
+              PageCopy("full", 5, 4, "h2d", units("full", 4)),  # live, then a stale one to page 4 wins: dropped
+              PageCopy("full", 6, 4, "h2d", units("full", 4, stale=True))]
+    live = live_loads(copies, pools)
+    assert live == [copies[0], copies[3]]
+    ran = {g: (src, dst) for g, (src, dst, _, _) in plan_copies(copies, "h2d", pools).items()}
+    assert ran == {g: (src, dst) for g, (src, dst, _, _) in plan_copies(live, "h2d", pools).items()}
+    assert ran == {"full": ([0], [1]), "swa": ([4], [3])}

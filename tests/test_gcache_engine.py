@@ -344,10 +344,19 @@ async def test_a_prompt_sharing_only_a_mid_prompt_prefix_hits_a_periodic_l3_chec
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-async def test_parallel_engines_write_every_kv_head_and_import_them(tiny):
+@pytest.mark.parametrize("heads", ["tiny", "even"])
+async def test_parallel_engines_write_every_kv_head_and_import_them(tiny, heads):
     """#18: a tp=2 + ep=2 engine writes back the same L3 values (every KV head, gathered from its ranks) as one
     process, and a tp=2 engine imports them into each rank's host tier (its heads only): its second turn is
-    cached from L3 and equals a cache-disabled run; pools back to baseline on both."""
+    cached from L3 and equals a cache-disabled run; pools back to baseline on both. "even" (2 full / 4 SWA KV
+    heads, split alike at tp = 2): every rank holds one device and one host arena, addressed by rank 0's units
+    (the tiny model's 1 / 2 heads keep the static pools at tp = 2)."""
+    if heads == "even":
+        from libs.model.loader import TINY_SEED, init_random_
+        from libs.model.model import MiMoV2Model
+
+        cfg = tiny[1].with_(kv_heads_full=2, kv_heads_swa=4)
+        tiny = (init_random_(MiMoV2Model(cfg), TINY_SEED), cfg, tiny[2])
     first = tokens(10, 70)
     plain, sharded = MemoryBlockStore(), MemoryBlockStore()
     outs = []
@@ -362,6 +371,7 @@ async def test_parallel_engines_write_every_kv_head_and_import_them(tiny):
                                    torch.frombuffer(bytearray(value), dtype=torch.float32), rtol=1e-4, atol=1e-4)
     turn2 = [*first, *outs[0], *tokens(11, 9)]
     b = Served(tiny, sharded, tp=2)
+    assert (b.core.runner.kv.arena is not None) == (heads == "even")
     out2, cached = await b.generate("t2", turn2, 10)
     assert cached == 80 and b.link.counts()["hits"] == 1
     assert out2 == await reference(tiny, turn2, 10)

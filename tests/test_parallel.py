@@ -49,11 +49,48 @@ def reference(tiny):
     core.close()
 
 
+@pytest.fixture(scope="module")
+def even():
+    """The tiny model with 2 full / 4 SWA KV heads (random weights, fixed seed): at tp = 2 each rank holds half
+    of both groups, so the ranks share one KV arena's units (the tiny model's 1 / 2 heads fall back to the static
+    pools at tp = 2: the full head is replicated, the SWA heads split)."""
+    from libs.model.config import ModelConfig
+    from libs.model.loader import TINY_SEED, init_random_
+    from libs.model.model import MiMoV2Model
+    cfg = ModelConfig.tiny().with_(kv_heads_full=2, kv_heads_swa=4)
+    return init_random_(MiMoV2Model(cfg), TINY_SEED), cfg, None
+
+
+@pytest.fixture(scope="module")
+def even_reference(even):
+    core = make_core(even, enable_prefix_cache=False)
+    yield core
+    core.close()
+
+
 @pytest.mark.parametrize("tp,ep", LAYOUTS)
 def test_multi_turn_under_pressure_equals_one_process(tiny, reference, tp, ep):
     """Prefix hits (device and host tier), chunked prefill, preemption and L2 copies on every rank: the greedy
-    tokens equal a cache-disabled single-process run, and the pools come back to baseline."""
+    tokens equal a cache-disabled single-process run, and the pools come back to baseline. (ep alone: one KV
+    arena per rank; tp = 2 on this model: the static pools, see `even` for tp over an arena.)"""
     core = make_core(tiny, **PRESSURED, tp=tp, ep=ep)
+    assert (core.runner.kv.arena is not None) == (tp == 1)
+    _multi_turn(core, reference, tp, ep)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])
+def test_tp_over_one_kv_arena_equals_one_process(even, even_reference, tp, ep):
+    """As above with tp splitting both groups' KV heads alike: every rank holds one arena of the same units
+    (its own heads in each), addressed by rank 0's cache; the ranks hold no unit tables (page rows come with
+    each step, a load's units with the copy, stale loads are dropped by rank 0 before it sends them)."""
+    core = make_core(even, **PRESSURED, tp=tp, ep=ep)
+    assert core.runner.kv.arena is not None
+    pools = core.runner.rank_pool_bytes()
+    assert pools[0] == pools[1] and set(pools[0]) == {"arena"}, pools
+    _multi_turn(core, even_reference, tp, ep)
+
+
+def _multi_turn(core: EngineCore, reference: EngineCore, tp: int, ep: int) -> None:
     try:
         assert isinstance(core.runner, ParallelRunner)
         systems, users = conversations()

@@ -174,26 +174,31 @@ def _ship(src: EngineCore, dst: dg.DisaggEngineCore, rid: str, tokens: list[int]
 
 
 @ASYNC
-async def test_a_host_tier_hit_on_a_parallel_decode_is_loaded_on_every_rank(tiny_model, colocated):
+@pytest.mark.parametrize("arena", [False, True])
+async def test_a_host_tier_hit_on_a_parallel_decode_is_loaded_on_every_rank(tiny_model, colocated, arena):
     """A remote prompt whose prefix hit sits in the decode engine's host tier (L2): its pages are loaded back
     at admission on every rank, each from its own host tier (they were loaded on rank 0 only). ep=2: every rank
-    holds a replica of the whole KV and feeds the MoE's all-reduce, so a stale one changes the tokens.
+    holds a replica of the whole KV and feeds the MoE's all-reduce, so a stale one changes the tokens. With the
+    static pools and with one arena per rank (rank 0's units: the other ranks hold no unit tables).
     (Engine cores driven from a thread: the module's event loop, which runs the services, keeps running.)"""
-    await asyncio.to_thread(_host_tier_hit, tiny_model, colocated)
+    await asyncio.to_thread(_host_tier_hit, tiny_model, colocated, arena)
 
 
-def _host_tier_hit(tiny_model, colocated) -> None:
+def _host_tier_hit(tiny_model, colocated, arena: bool) -> None:
     model, cfg = tiny_model
     opts = {**ENGINE, "bucket_edges": (), "num_full_pages": 24, "num_swa_pages": 24, "num_host_full_pages": 64,
-            "num_host_swa_pages": 64}
+            "num_host_swa_pages": 64, "kv_arena": arena}
     decode = dg.DisaggEngineCore(EngineConfig(**opts, ep=2), model, cfg)
+    assert (decode.runner.kv.arena is not None) == arena
     source = EngineCore(EngineConfig(**{**ENGINE, "bucket_edges": ()}), model, cfg)
     try:
         first_turn = prompt(50, 40)
         decode.add_request(Request("a", first_turn, SamplingParams(max_tokens=1, ignore_eos=True)))
         drain(decode)
         decode.runner.forward(BatchPlan(backup_copies=tuple(decode.cache.backup_to_host(100))))
-        decode.add_request(Request("b", prompt(51, 80), SamplingParams(max_tokens=1, ignore_eos=True)))
+        # (80 tokens fill the static full pool; the arena's bytes hold more: 120 evict a's device pages there)
+        decode.add_request(Request("b", prompt(51, 120 if arena else 80), SamplingParams(max_tokens=1,
+                                                                                         ignore_eos=True)))
         drain(decode)  # evicts a's device pages (their host copies stay)
         tokens = first_turn + prompt(52, 13)
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -209,3 +214,47 @@ def _host_tier_hit(tiny_model, colocated) -> None:
     finally:
         decode.close()
         source.close()
+
+
+@ASYNC
+async def test_tp2_arena_prefill_hands_off_to_a_tp2_arena_decode():
+    """Both sides tp = 2 over one KV arena per rank (a model whose 2 full / 4 SWA KV heads split alike): the
+    prefill gathers every rank's heads by rank 0's units, the decode scatters them into its ranks' arenas by its
+    own units; a follow-up turn with a device prefix hit on the decode side too. Greedy tokens equal one process
+    without a prefix cache; pools back to baseline."""
+    await asyncio.to_thread(_arena_hand_off)
+
+
+def _arena_hand_off() -> None:
+    from libs.model.loader import TINY_SEED, init_random_
+    from libs.model.model import MiMoV2Model
+
+    cfg = ModelConfig.tiny().with_(kv_heads_full=2, kv_heads_swa=4)
+    model = init_random_(MiMoV2Model(cfg), TINY_SEED)
+    opts = {**ENGINE, "bucket_edges": ()}
+    ref = EngineCore(EngineConfig(**opts, enable_prefix_cache=False), model, cfg)
+    source = EngineCore(EngineConfig(**opts, tp=2), model, cfg)
+    decode = dg.DisaggEngineCore(EngineConfig(**opts, tp=2), model, cfg)
+    try:
+        assert source.runner.kv.arena is not None and decode.runner.kv.arena is not None
+        greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+        history = prompt(60, 45)
+        for turn in range(2):
+            tokens = history + prompt(61 + turn, 11)
+            ref.add_request(Request(f"ref{turn}", tokens, greedy))
+            want = drain(ref)[f"ref{turn}"]
+            rid = f"r{turn}"
+            decode.add_request(dg.RemoteRequest(rid, tokens, greedy))
+            source.add_request(Request(rid, tokens, greedy, prefill_only=True))
+            first = drain(source)[rid][0]
+            _ship(source, decode, rid, tokens, first)
+            source.release(rid)
+            got = [first, *drain(decode)[rid]]
+            assert got == want, f"turn {turn}"
+            history = tokens + got
+        assert decode.scheduler.stats.hit_tokens > 0  # the follow-up's prefix was on the decode side already
+        for core in (decode, source):
+            assert_baseline(core)
+    finally:
+        for core in (ref, source, decode):
+            core.close()

@@ -36,8 +36,10 @@ class EngineConfig:
     """One device KV arena for both layer groups (issue #13, docs/kvcache.md "One arena"; the default): the
     bytes the two pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V
     buffer of units that either group draws pages from, so the split follows the workload. False (env
-    WINDSERVE_KV_ARENA=0 on the engine roles): the two static pools. With tp / ep > 1 the engine falls back to
-    the static pools (the ranks' pools are static; `arena_fallback` says why, the engine logs it)."""
+    WINDSERVE_KV_ARENA=0 on the engine roles): the two static pools. With tp / ep > 1 every rank holds an arena
+    of the same units (its own KV heads in each), addressed by rank 0's cache; where a rank's two pools are not
+    the same share of the model's KV heads the engine falls back to the static pools (`arena_fallback` says
+    why, the engine logs it)."""
     enable_prefix_cache: bool = True
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
@@ -142,19 +144,14 @@ class EngineConfig:
             return self.l2_load_mode
         return "thread" if torch.device(self.device).type == "cuda" else "sync"
 
-    @property
-    def arena_fallback(self) -> str | None:
+    def arena_fallback(self, model_config) -> str | None:
         """Why the engine keeps the two static pools although `kv_arena` asks for one arena; None when it
         does not (the arena is used, or kv_arena is off)."""
-        if self.kv_arena and self.layout.is_parallel:
-            return (f"tp={self.tp} / ep={self.ep}: the ranks' KV pools are static (the arena does not run with "
-                    f"tp / ep > 1 yet)")
-        return None
+        return self.layout.arena_refusal(model_config) if self.kv_arena else None
 
-    @property
-    def use_arena(self) -> bool:
+    def use_arena(self, model_config) -> bool:
         """The device KV is one arena (kv_arena, unless the engine falls back: `arena_fallback`)."""
-        return self.kv_arena and self.arena_fallback is None
+        return self.kv_arena and self.arena_fallback(model_config) is None
 
     @property
     def has_host_tier(self) -> bool:

@@ -47,6 +47,28 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
     return slots
 
 
+def live_loads(copies: Sequence, device_pools) -> list:
+    """A step's loads as `plan_copies` runs them (the last one per target page, those whose device page still
+    holds the units they were made for), for processes whose arena has no unit tables: rank 0 of a parallel
+    engine sends these, so the other ranks copy exactly what it copies (libs/parallel/runner.py)."""
+    return [c for cs in _live(last_copies(copies, "h2d"), "h2d", device_pools).values() for c in cs]
+
+
+def _live(per_group: dict[str, list], direction: str, device_pools) -> dict[str, list]:
+    """Drop h2d copies whose device page no longer holds their units (see plan_copies). An arena without unit
+    tables (a parallel engine's other ranks) gets its loads filtered by rank 0 already (`live_loads`)."""
+    arena = device_pools.arena
+    if direction != "h2d" or arena is None or not arena.tables:
+        return per_group
+    out = {}
+    for g, cs in per_group.items():
+        table = arena.tables[g]
+        kept = [c for c in cs if table[c.dst].tolist() == list(c.units)]
+        if kept:
+            out[g] = kept
+    return out
+
+
 def plan_copies(copies: Sequence, direction: str, device_pools,
                 host_pools=None) -> dict[str, tuple[list[int], list[int], torch.Tensor | None, torch.Tensor | None]]:
     """Per group (src ids, dst ids, src units, dst units): `last_copies` plus, on each side that is an arena,
@@ -61,12 +83,7 @@ def plan_copies(copies: Sequence, direction: str, device_pools,
     dev_arena = device_pools.arena is not None
     host_arena = host_pools is not None and host_pools.arena is not None
     out = {}
-    for g, cs in last_copies(copies, direction).items():
-        if dev_arena and direction == "h2d":
-            table = device_pools.arena.tables[g]
-            cs = [c for c in cs if table[c.dst].tolist() == list(c.units)]
-            if not cs:
-                continue
+    for g, cs in _live(last_copies(copies, direction), direction, device_pools).items():
         dev = torch.tensor([c.units for c in cs], dtype=torch.int64) if dev_arena else None
         host = torch.tensor([c.host_units for c in cs], dtype=torch.int64) if host_arena else None
         src, dst = [c.src for c in cs], [c.dst for c in cs]

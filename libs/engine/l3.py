@@ -137,18 +137,20 @@ def stage_values(host: KVPools, layout: ValueLayout, full_values: Sequence[Buffe
 
 
 def write_host_blocks(host: KVPools | None, full_ids: Sequence[int], swa_ids: Sequence[int], staged: StagedValues,
-                      skip: int = 0) -> None:
+                      skip: int = 0, units: dict[str, torch.Tensor | None] | None = None) -> None:
     """Write staged L3 values into host-tier pages: staged block `skip + j` into full page `full_ids[j]`, the
     checkpoint's pages into `swa_ids`. One indexed copy per pool tensor, on the calling (engine) thread, over the
     pools' flat rows (`KVPools.flat_rows`: two host pools, or one host arena whose pages the cache just handed
-    out, so their units are the table's)."""
+    out, so their units are the table's; `units` per group: those units given, for an arena without tables, a
+    parallel engine's other ranks)."""
     if host is None:
         raise RuntimeError("a GCache import needs the engine's host tier")
     for group, k, v, pages in (("full", staged.full_k[:, skip:], staged.full_v[:, skip:], full_ids),
                                ("swa", staged.swa_k, staged.swa_v, swa_ids)):
         if not len(pages):
             continue
-        rows = host.flat_rows(group, torch.tensor(list(pages), dtype=torch.int64)).flatten()  # layer-major
+        rows = host.flat_rows(group, torch.tensor(list(pages), dtype=torch.int64),
+                              (units or {}).get(group)).flatten()  # layer-major
         for dst, src in zip(host.flat_kv(group), (k, v), strict=True):
             dst.index_copy_(0, rows, src.reshape(-1, dst.shape[1]).to(dst.dtype))
 

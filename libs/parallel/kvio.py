@@ -32,7 +32,6 @@ from libs.engine.disagg.shipment import (
     Landing,
     LayerPages,
     Payload,
-    gather_layer,
     synchronize_copies,
 )
 from libs.engine.host_tier import LayerSlot
@@ -42,8 +41,10 @@ from libs.model.paged import KVPools
 from libs.parallel.comm import Comm
 from libs.parallel.layout import ParallelLayout
 
-# One layer payload in a control message: (pool group, layer index in the group, physical pages).
-LayerRef = tuple[str, int, tuple[int, ...]]
+# One layer payload in a control message: (pool group, layer index in the group, page ids, their units). With an
+# arena the units are rank 0's unit-table rows of those pages ([pages][units per page]): the other ranks hold no
+# tables, only arenas of the same units (libs/parallel/runner.py `rank_sizes`); () with the static pools.
+LayerRef = tuple[str, int, tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/parallel/rank.py)
 HOST_WRITE = "kv_host_write"  # an L3 import into the host tier: (op, full page ids, SWA page ids)
@@ -64,18 +65,32 @@ def owners(layout: ParallelLayout, cfg: ModelConfig, group: str) -> list[int]:
     return [r for r, _ in head_owners(layout, cfg, group == "swa")]
 
 
-def refs(layers: Sequence[LayerPages]) -> list[LayerRef]:
-    return [(lp.slot.group, lp.slot.index, tuple(lp.pages)) for lp in layers]
+def refs(layers: Sequence[LayerPages], kv: KVPools) -> list[LayerRef]:
+    """The layers' control-message refs, with the pages' units as `kv`'s (rank 0's) unit tables hold them now."""
+    return [(lp.slot.group, lp.slot.index, tuple(lp.pages), page_units(kv, lp.slot.group, lp.pages))
+            for lp in layers]
+
+
+def page_units(kv: KVPools, group: str, pages: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The units pages `pages` of `group` hold in `kv`'s arena (its unit tables), () for the static pools."""
+    if kv.arena is None:
+        return ()
+    table = kv.arena.tables[group]
+    return tuple(tuple(row) for row in table[torch.tensor(list(pages), dtype=torch.int64)].tolist())
+
+
+def _units(units: Sequence[Sequence[int]]) -> torch.Tensor | None:
+    return torch.tensor(units, dtype=torch.int64) if len(units) else None
 
 
 def layer_shapes(kv: KVPools, ref: LayerRef, heads: int | None = None) -> list[torch.Size]:
     """[K, V] shapes of a layer's pages in `kv`'s pools ([pages, page_size, heads, dim]); `heads`: that many
     instead of the pools' own."""
-    group, _, pages = ref
+    group, index, pages, _ = ref
     out = []
-    for t in kv.group(group):
-        h = t.shape[3] if heads is None else heads
-        out.append(torch.Size((len(pages), t.shape[2], h, t.shape[4])))
+    for t in kv.layer_kv(group, index)[:2]:
+        h = t.shape[2] if heads is None else heads
+        out.append(torch.Size((len(pages), t.shape[1], h, t.shape[3])))
     return out
 
 
@@ -87,17 +102,23 @@ class RankKV:
         self.kv, self.comm, self.rank, self.host = kv, comm, rank, host
         self.owns = {group: rank in owners(layout, cfg, group) for group in ("full", "swa")}
 
+    def _rows(self, ref: LayerRef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V, rows) of a layer's pages: the layer's pools and the rows holding the pages (an arena's from the
+        units in the ref: this rank may hold no unit tables)."""
+        group, index, pages, units = ref
+        k, v, _ = self.kv.layer_kv(group, index)
+        ids = torch.tensor(pages, dtype=torch.int64)
+        return k, v, self.kv.page_rows(group, index, ids, _units(units)).to(k.device)
+
     def read(self, ref: LayerRef) -> Payload:
         """This rank's [K, V] of a layer's pages ([pages, page_size, its heads, dim] each, copies)."""
-        group, index, pages = ref
-        return gather_layer(self.kv, LayerPages(LayerSlot(group, index), pages))
+        k, v, rows = self._rows(ref)
+        return [k.index_select(0, rows), v.index_select(0, rows)]
 
     def write(self, ref: LayerRef, k: torch.Tensor, v: torch.Tensor) -> None:
-        group, index, pages = ref
-        pool_k, pool_v = self.kv.group(group)
-        idx = torch.tensor(pages, dtype=torch.int64, device=pool_k.device)
-        pool_k[index].index_copy_(0, idx, k.to(pool_k.device))
-        pool_v[index].index_copy_(0, idx, v.to(pool_v.device))
+        pool_k, pool_v, rows = self._rows(ref)
+        pool_k.index_copy_(0, rows, k.to(pool_k.device))
+        pool_v.index_copy_(0, rows, v.to(pool_v.device))
 
     # ------------------------------------------------------------------ the ops (worker ranks)
     def send_slices(self, layers: Sequence[LayerRef]) -> None:
@@ -115,14 +136,17 @@ class RankKV:
             self.write(ref, next(parts), next(parts))
 
 
-    def receive_host(self, full_ids: Sequence[int], swa_ids: Sequence[int]) -> None:
-        """HOST_WRITE: this rank's head slice of imported L3 values, one message from rank 0, into its host tier."""
+    def receive_host(self, full_ids: Sequence[int], swa_ids: Sequence[int],
+                     units: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = ((), ())) -> None:
+        """HOST_WRITE: this rank's head slice of imported L3 values, one message from rank 0, into its host tier
+        (`units`: a host arena's units of the full and the SWA pages, from rank 0's tables)."""
         assert self.host is not None, "an L3 import needs the host tier"
         shapes = host_value_shapes(self.host, len(full_ids), len(swa_ids))
         if not sum(s.numel() for s in shapes):
             return
         parts = _split(self.comm.recv(_empty(self.host, shapes), 0), shapes)
-        write_host_blocks(self.host, full_ids, swa_ids, StagedValues(*parts))
+        write_host_blocks(self.host, full_ids, swa_ids, StagedValues(*parts),
+                          units={"full": _units(units[0]), "swa": _units(units[1])})
 
 
 def host_value_shapes(host: KVPools, n_full: int, n_swa: int) -> list[torch.Size]:
@@ -170,7 +194,7 @@ class ShardedKV(KVAccess):
 
     # ------------------------------------------------------------------ sender
     def gather(self, layers: Sequence[LayerPages]) -> list[Payload]:
-        layer_refs = refs(layers)
+        layer_refs = refs(layers, self.kv)
         if any(r != 0 for ref in layer_refs for r in self.owners[ref[0]]):  # (ep alone: rank 0 holds every head)
             self._send((GATHER, layer_refs))
         slices: list[list[Payload]] = [[] for _ in layer_refs]  # per layer, the owners' [K, V] in head order
@@ -217,7 +241,8 @@ class ShardedKV(KVAccess):
                 out.append(t[:, :, :, h.start:h.stop])
             return out
 
-        self._send((HOST_WRITE, tuple(full_ids), tuple(swa_ids)))
+        units = (page_units(host, "full", full_ids), page_units(host, "swa", swa_ids))
+        self._send((HOST_WRITE, tuple(full_ids), tuple(swa_ids), units))
         if sum(t.numel() for t in values):
             with _rank_failures("scattering L3 values", self._alive):
                 for rank in range(1, self.layout.world):
@@ -226,12 +251,14 @@ class ShardedKV(KVAccess):
 
     # ------------------------------------------------------------------ receiver
     def receive(self, layers: Sequence[LayerPages]) -> Staged:
-        return Staged(self, refs(layers))
+        return Staged(self, [(lp.slot.group, lp.slot.index, tuple(lp.pages), ()) for lp in layers])
 
     def scatter(self, layer_refs: list[LayerRef], full: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every rank's head slice of the full-head [K, V] of each layer into its pools (engine thread)."""
         if not layer_refs:
             return
+        # (the pages' units as they are now, when the shipment lands: they stay reserved for it until then)
+        layer_refs = [(g, i, pages, page_units(self.kv, g, pages)) for g, i, pages, _ in layer_refs]
         self._send((SCATTER, layer_refs))
         with _rank_failures("scattering KV heads", self._alive):
             for rank in range(1, self.layout.world):

@@ -46,7 +46,7 @@ class RankSpec:
 
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
-# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs), an L3 import's (HOST_WRITE, page ids)
+# ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs), an L3 import's (HOST_WRITE, page ids, units)
 # (libs/parallel/kvio.py); a rank answers
 # "stats" with ("stats", CommStats, io_bytes(), its KV pools' pool_bytes())
 
@@ -107,7 +107,7 @@ def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
         elif op == SCATTER:
             kv.receive_slices(msg[1])
         elif op == HOST_WRITE:  # an L3 import (libs/parallel/kvio.py)
-            kv.receive_host(msg[1], msg[2])
+            kv.receive_host(msg[1], msg[2], msg[3])
         elif op == "close":
             return
         else:

@@ -21,13 +21,16 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
+from libs.engine.host_tier import live_loads
 from libs.engine.plan import BatchPlan
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
+from libs.kvcache.config import ArenaPlan
 from libs.model.config import ModelConfig
 from libs.model.loader import CheckpointError
 from libs.model.model import MiMoV2Model
@@ -59,6 +62,7 @@ class ParallelRunner(ModelRunner):
         layout.validate(model_config)
         if (model is None) == (checkpoint is None):
             raise ValueError("ParallelRunner: give exactly one of model and checkpoint")
+        sizes = rank_sizes(sizes, layout, model_config)
         self.layout = layout
         self.full_config = model_config  # (self.model_config: one rank's attention and KV shapes)
         self._kv_access: ShardedKV | None = None
@@ -122,8 +126,9 @@ class ParallelRunner(ModelRunner):
         """As ModelRunner.forward on every rank. `interrupt` is not honoured: a rank stopping between layers
         would leave the others waiting in a collective."""
         inputs = self.inputs(plan, mm)
-        self._send(("step", tuple(plan.backup_copies), tuple(plan.load_copies),
-                    None if inputs is None else tuple(inputs)))
+        # (an arena: the ranks hold no unit tables, so rank 0 drops the loads made stale since they were planned)
+        loads = live_loads(plan.load_copies, self.kv) if self.kv.arena is not None else plan.load_copies
+        self._send(("step", tuple(plan.backup_copies), tuple(loads), None if inputs is None else tuple(inputs)))
         return self.execute(plan.backup_copies, plan.load_copies, inputs)
 
     def execute(self, backup_copies: Sequence, load_copies: Sequence, inputs: ModelInputs | None,
@@ -190,6 +195,25 @@ class ParallelRunner(ModelRunner):
     def close(self) -> None:
         super().close()
         self._stopper()
+
+
+def rank_sizes(sizes: PoolSizes, layout: ParallelLayout, cfg: ModelConfig) -> PoolSizes:
+    """Every rank's pool sizes: the same pages, or the same arena units (rank 0's cache addresses them all) of
+    the rank's own KV heads, so a unit's bytes shrink by the rank's share of the heads (equal for both groups:
+    `ParallelLayout.arena_refusal`, checked by the engine's config before it plans an arena)."""
+    if sizes.arena is None and sizes.host_arena is None:
+        return sizes
+    refusal = layout.arena_refusal(cfg)
+    if refusal is not None:
+        raise ValueError(f"ParallelRunner: no KV arena with this layout: {refusal}")
+    heads, local = cfg.kv_heads_full, len(layout.kv_heads(cfg, 0, swa=False))
+
+    def share(plan: ArenaPlan | None) -> ArenaPlan | None:
+        if plan is None:
+            return None
+        return replace(plan, unit_bytes=plan.unit_bytes * local // heads, plane_bytes=plan.plane_bytes * local // heads)
+
+    return replace(sizes, arena=share(sizes.arena), host_arena=share(sizes.host_arena))
 
 
 def rank_device(device: str, rank: int) -> str:
