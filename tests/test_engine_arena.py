@@ -5,6 +5,7 @@ same bytes runs out of SWA pages; MTP draft layers and the disaggregated hand-of
 from __future__ import annotations
 
 import pytest
+import torch
 
 from libs.engine import LLM, EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine.l3 import kv_layout
@@ -122,27 +123,62 @@ def test_request_bounds_read_the_arena(tiny):
     assert_baseline(decode)
 
 
-def test_parallel_ranks_share_the_arena_unless_their_pools_are_unequal_shares(caplog):
-    """The arena is the default, also with tp / ep > 1 where every rank's two pools are the same share of the
-    model's KV heads (ep alone: all of them; tp splitting both groups alike). Where they are not (the tiny
-    model's 1 full / 2 SWA KV heads at tp = 2: the full head replicated, the SWA heads split) the engine keeps
-    the two static pools and logs why instead of refusing the config; kv_arena=False asks for the static pools
-    everywhere."""
+def test_a_rank_arena_keeps_the_models_layout_over_its_own_heads():
+    """A parallel rank's arena (`sub`: the whole model's layer-pages per plane slot) over its own KV heads. The
+    tiny model (1 full / 2 SWA KV heads) at tp = 2: a rank holds the full head (replicated) and one SWA head, so
+    its plane slot is 2 heads, a full layer-page fills it and an SWA layer-page uses 1 of its 2 rows (stride
+    2). Every layer-page of pages on disjoint units, written through its rows, reads back intact (a wrong
+    stride makes two pages share a row); an unpadded arena is unchanged (stride = r_g)."""
+    from array import array
+
+    from libs.model.config import ModelConfig
+    from libs.model.paged import KVPools, arena_sub
+    from libs.parallel.layout import ParallelLayout
+
+    cfg = ModelConfig.tiny()
+    assert KVPools.allocate_arena(cfg, 4, 1, 4).arena.stride == arena_sub(cfg) == {"full": 2, "swa": 1}
+    local = ParallelLayout(tp=2).local_config(cfg)
+    pools = KVPools.allocate_arena(local, 48, 2, 4, sub=arena_sub(cfg))
+    a = pools.arena
+    assert a is not None and a.sub == {"full": 2, "swa": 1} and a.stride == {"full": 2, "swa": 2}
+    assert a.k.shape[3] == 2
+    per = {g: a.units_per_page(g) for g in ("full", "swa")}
+    pages = {"full": 5, "swa": 6}
+    tables, nxt = {}, 0
+    for g in ("full", "swa"):  # each page its own units, as the cache hands them out
+        tables[g] = array("q", range(nxt, nxt + pages[g] * per[g]))
+        nxt += pages[g] * per[g]
+    assert nxt <= a.units
+    a.bind({g: (t, per[g]) for g, t in tables.items()})
+    stamp = 0
+    want = {}
+    for g in ("full", "swa"):
+        for layer in range(pools.num_layers(g)):
+            k, v, _ = pools.layer_kv(g, layer)
+            for p in range(pages[g]):
+                stamp += 1
+                row = pools.page_rows(g, layer, torch.tensor([p]))
+                k[row] = float(stamp)
+                v[row] = float(-stamp)
+                want[g, layer, p] = stamp
+    for (g, layer, p), st in want.items():
+        k, v, _ = pools.layer_kv(g, layer)
+        row = pools.page_rows(g, layer, torch.tensor([p]))
+        assert bool((k[row] == st).all()) and bool((v[row] == -st).all()), (g, layer, p)
+        gk, gv = pools.gather_pages(g, [p])  # the flat rows (L2 / L3 copies) agree with the layer rows
+        assert float(gk[0, layer].flatten()[0]) == st and float(gv[0, layer].flatten()[0]) == -st
+
+
+def test_parallel_engines_use_the_arena_with_any_layout():
+    """The arena is the default with tp / ep > 1 too, also where a rank's two groups hold unequal shares of the
+    KV heads (the tiny model at tp = 2); kv_arena=False asks for the static pools everywhere."""
     from libs.engine.core import arena_plan
     from libs.model.config import ModelConfig
 
     cfg = ModelConfig.tiny()
-    even = cfg.with_(kv_heads_full=2, kv_heads_swa=4)
-    assert EngineConfig().use_arena(cfg) and EngineConfig().arena_fallback(cfg) is None
-    assert EngineConfig(ep=2).use_arena(cfg) and EngineConfig(tp=2, ep=2).use_arena(even)
-    parallel = EngineConfig(tp=2, ep=2)
-    assert parallel.kv_arena and not parallel.use_arena(cfg) and "tp=2" in (parallel.arena_fallback(cfg) or "")
-    with caplog.at_level("WARNING", logger="libs.engine.core"):
-        assert arena_plan(parallel, cfg) is None
-    assert "static KV pools" in caplog.text and "tp=2" in caplog.text and "SWA" in caplog.text
-    off = EngineConfig(kv_arena=False)
-    assert arena_plan(off, cfg) is None and off.arena_fallback(cfg) is None
-    assert arena_plan(EngineConfig(), cfg) is not None and arena_plan(EngineConfig(tp=2), even) is not None
+    for config in (EngineConfig(), EngineConfig(ep=2), EngineConfig(tp=2), EngineConfig(tp=2, ep=2)):
+        assert arena_plan(config, cfg) is not None
+    assert arena_plan(EngineConfig(kv_arena=False, tp=2), cfg) is None
 
 
 @pytest.mark.parametrize(("load_mode", "host_pages"), [("sync", (256, 128)), ("thread", (256, 128)),

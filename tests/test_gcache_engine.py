@@ -348,9 +348,9 @@ async def test_a_prompt_sharing_only_a_mid_prompt_prefix_hits_a_periodic_l3_chec
 async def test_parallel_engines_write_every_kv_head_and_import_them(tiny, heads):
     """#18: a tp=2 + ep=2 engine writes back the same L3 values (every KV head, gathered from its ranks) as one
     process, and a tp=2 engine imports them into each rank's host tier (its heads only): its second turn is
-    cached from L3 and equals a cache-disabled run; pools back to baseline on both. "even" (2 full / 4 SWA KV
-    heads, split alike at tp = 2): every rank holds one device and one host arena, addressed by rank 0's units
-    (the tiny model's 1 / 2 heads keep the static pools at tp = 2)."""
+    cached from L3 and equals a cache-disabled run; pools back to baseline on both. Every rank holds one device
+    and one host arena, addressed by rank 0's units: "tiny" (1 full / 2 SWA KV heads: at tp = 2 the full head is
+    replicated, the SWA heads split, so the SWA plane slots are padded) and "even" (2 / 4, split alike)."""
     if heads == "even":
         from libs.model.loader import TINY_SEED, init_random_
         from libs.model.model import MiMoV2Model
@@ -371,7 +371,7 @@ async def test_parallel_engines_write_every_kv_head_and_import_them(tiny, heads)
                                    torch.frombuffer(bytearray(value), dtype=torch.float32), rtol=1e-4, atol=1e-4)
     turn2 = [*first, *outs[0], *tokens(11, 9)]
     b = Served(tiny, sharded, tp=2)
-    assert (b.core.runner.kv.arena is not None) == (heads == "even")
+    assert b.core.runner.kv.arena is not None and b.core.runner.host is not None
     out2, cached = await b.generate("t2", turn2, 10)
     assert cached == 80 and b.link.counts()["hits"] == 1
     assert out2 == await reference(tiny, turn2, 10)

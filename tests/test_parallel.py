@@ -52,8 +52,8 @@ def reference(tiny):
 @pytest.fixture(scope="module")
 def even():
     """The tiny model with 2 full / 4 SWA KV heads (random weights, fixed seed): at tp = 2 each rank holds half
-    of both groups, so the ranks share one KV arena's units (the tiny model's 1 / 2 heads fall back to the static
-    pools at tp = 2: the full head is replicated, the SWA heads split)."""
+    of both groups, so its arena units are the model's at half the bytes (the tiny model's 1 / 2 heads at
+    tp = 2: the full head replicated, the SWA heads split, so a rank pads its SWA plane slots)."""
     from libs.model.config import ModelConfig
     from libs.model.loader import TINY_SEED, init_random_
     from libs.model.model import MiMoV2Model
@@ -71,11 +71,19 @@ def even_reference(even):
 @pytest.mark.parametrize("tp,ep", LAYOUTS)
 def test_multi_turn_under_pressure_equals_one_process(tiny, reference, tp, ep):
     """Prefix hits (device and host tier), chunked prefill, preemption and L2 copies on every rank: the greedy
-    tokens equal a cache-disabled single-process run, and the pools come back to baseline. (ep alone: one KV
-    arena per rank; tp = 2 on this model: the static pools, see `even` for tp over an arena.)"""
+    tokens equal a cache-disabled single-process run, and the pools come back to baseline. One KV arena per
+    rank (tp = 2 on this model: padded SWA plane slots, `KVArena.stride`); `kv_arena=False`: the static pools."""
     core = make_core(tiny, **PRESSURED, tp=tp, ep=ep)
-    assert (core.runner.kv.arena is not None) == (tp == 1)
+    assert core.runner.kv.arena is not None
+    pools = core.runner.rank_pool_bytes()
+    assert pools[0] == pools[1] and set(pools[0]) == {"arena"}, pools
     _multi_turn(core, reference, tp, ep)
+
+
+def test_static_pools_under_pressure_equal_one_process(tiny, reference):
+    core = make_core(tiny, **PRESSURED, tp=2, ep=2, kv_arena=False)
+    assert core.runner.kv.arena is None
+    _multi_turn(core, reference, 2, 2)
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])

@@ -26,7 +26,7 @@ class EngineConfig:
     num_host_full_pages: int = 0
     """Host (L2) full-attention pages; 0 disables the host tier."""
     num_host_swa_pages: int = 0
-    """Host (L2) SWA pages. With the arena (`use_arena`) the two host counts only size the host tier: their bytes
+    """Host (L2) SWA pages. With the arena (`kv_arena`) the two host counts only size the host tier: their bytes
     become one host arena (docs/kvcache.md, "One arena"), as the device pools' do; prefer `host_kv_bytes`."""
     host_kv_bytes: int = 0
     """The host tier (L2) as one byte budget, no ratio (0: `num_host_full_pages` / `num_host_swa_pages`, or no
@@ -37,9 +37,7 @@ class EngineConfig:
     bytes the two pools above would take (num_full_pages full + num_swa_pages SWA pages) become one K and one V
     buffer of units that either group draws pages from, so the split follows the workload. False (env
     WINDSERVE_KV_ARENA=0 on the engine roles): the two static pools. With tp / ep > 1 every rank holds an arena
-    of the same units (its own KV heads in each), addressed by rank 0's cache; where a rank's two pools are not
-    the same share of the model's KV heads the engine falls back to the static pools (`arena_fallback` says
-    why, the engine logs it)."""
+    of the same units (its own KV heads in each), addressed by rank 0's cache (docs/parallel.md)."""
     enable_prefix_cache: bool = True
     """Reuse KV across requests through the SWA-aware radix tree."""
     retention: str = "checkpoints"
@@ -143,15 +141,6 @@ class EngineConfig:
         if self.l2_load_mode != "auto":
             return self.l2_load_mode
         return "thread" if torch.device(self.device).type == "cuda" else "sync"
-
-    def arena_fallback(self, model_config) -> str | None:
-        """Why the engine keeps the two static pools although `kv_arena` asks for one arena; None when it
-        does not (the arena is used, or kv_arena is off)."""
-        return self.layout.arena_refusal(model_config) if self.kv_arena else None
-
-    def use_arena(self, model_config) -> bool:
-        """The device KV is one arena (kv_arena, unless the engine falls back: `arena_fallback`)."""
-        return self.kv_arena and self.arena_fallback(model_config) is None
 
     @property
     def has_host_tier(self) -> bool:

@@ -88,13 +88,9 @@ class SpecStats:
 
 def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
     """With `kv_arena`: the one arena of the bytes the two configured pools would take (`plan_arena` over the
-    model's KV layout in the pool dtype, MTP draft layers included); else None, also where the engine falls
-    back to the static pools (`EngineConfig.arena_fallback`, logged)."""
-    fallback = config.arena_fallback(model_config)
-    if fallback is not None:
-        log.warning("kv_arena: using the two static KV pools (%d full + %d SWA pages) instead of one arena: %s",
-                    config.num_full_pages, config.num_swa_pages, fallback)
-    if not config.use_arena(model_config):
+    model's KV layout in the pool dtype, MTP draft layers included); else None. A parallel engine's ranks hold
+    this plan's units of their own KV heads (libs/parallel/runner.py `rank_sizes`)."""
+    if not config.kv_arena:
         return None
     layout = kv_layout(model_config, config.torch_dtype, config.speculative_tokens)
     budget = (config.num_full_pages * layout.full_page_bytes(config.page_size)

@@ -33,6 +33,9 @@ class PoolSizes:
     num_host_swa_pages: int = 0
     arena: ArenaPlan | None = None  # one device arena instead of the two device pools (EngineConfig.kv_arena)
     host_arena: ArenaPlan | None = None  # one host arena instead of the two host pools (with a device arena)
+    # a parallel rank's arenas: the whole model's layer-pages per plane slot ({"full": r, "swa": r}, rank 0's
+    # cache lays pages out by them) kept over the rank's own KV heads (KVArena.stride); None: the config's own
+    arena_sub: dict[str, int] | None = None
 
 
 def build_inputs(plan: BatchPlan, device: torch.device | str,
@@ -101,7 +104,7 @@ class ModelRunner:
         if sizes.arena is not None:
             self.kv = KVPools.allocate_arena(model_config, sizes.arena.units, sizes.arena.planes, sizes.page_size,
                                              dtype, self.device, n_swa_layers=n_swa,
-                                             unit_bytes=sizes.arena.unit_bytes)
+                                             unit_bytes=sizes.arena.unit_bytes, sub=sizes.arena_sub)
         else:
             self.kv = KVPools.allocate(model_config, sizes.num_full_pages, sizes.num_swa_pages,
                                        sizes.page_size, dtype, self.device, n_swa_layers=n_swa)
@@ -109,7 +112,7 @@ class ModelRunner:
         if sizes.host_arena is not None:  # one host arena: unit-addressed like the device one (its tables bound later)
             self.host = KVPools.allocate_arena(model_config, sizes.host_arena.units, sizes.host_arena.planes,
                                                sizes.page_size, dtype, "cpu", n_swa_layers=n_swa,
-                                               unit_bytes=sizes.host_arena.unit_bytes)
+                                               unit_bytes=sizes.host_arena.unit_bytes, sub=sizes.arena_sub)
             if self.device.type == "cuda":  # pinned host memory makes h2d copies asynchronous
                 a = self.host.arena
                 assert a is not None

@@ -34,13 +34,24 @@ class KVArena:
     plane view is contiguous, so kernels see an ordinary [rows, page, heads, dim] pool per layer.
 
     `tables`: the cache ledger's unit tables (int64 [page ids, units per page], live: the ledger mutates them in
-    place), set by the engine once both exist (`bind`)."""
+    place), set by the engine once both exist (`bind`).
+
+    `stride` (default r_g): rows of group g per plane slot, >= r_g. A rank of a parallel engine whose two groups
+    hold unequal shares of the model's KV heads keeps the model's r_g (rank 0's cache lays pages out by them)
+    over a plane slot of H' heads that fits both groups' r_g x heads: the group with fewer uses r_g of its
+    stride_g = H' / heads_g rows (`allocate_arena(sub=...)`), and row = table[p, c] x stride_g + h."""
 
     k: torch.Tensor
     v: torch.Tensor
     sub: dict[str, int]  # r_g per group
     layers: dict[str, int]  # layers per group (the SWA group includes MTP draft layers)
     tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    stride: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.stride = {g: self.stride.get(g, r) for g, r in self.sub.items()}
+        if any(self.stride[g] < r for g, r in self.sub.items()):
+            raise ValueError(f"KVArena: stride {self.stride} below the layer-pages per plane slot {self.sub}")
 
     @property
     def units(self) -> int:
@@ -76,14 +87,14 @@ class KVArena:
         """Physical rows of page ids `ids` (CPU int64, any shape; -1 stays -1) for every table row of
         `group`: [chunks x r_g, *ids.shape]. `units` ([*ids.shape, chunks]): the pages' units as recorded
         earlier (a copy made before the page was freed), instead of the table's."""
-        r = self.sub[group]
+        r, w = self.sub[group], self.stride[group]
         if units is None:
             table = self.tables[group]
             units = table.index_select(0, ids.clamp(min=0).flatten()).view(*ids.shape, table.shape[1])
         units = units.movedim(-1, 0)  # [chunks, *ids.shape]
-        if r == 1:  # (a unit slot holds one layer-page: the row is the unit)
+        if r == w == 1:  # (a unit slot holds one layer-page: the row is the unit)
             return units.masked_fill(ids.unsqueeze(0) < 0, -1)
-        rows = units.unsqueeze(1) * r + torch.arange(r).view(1, r, *([1] * ids.dim()))
+        rows = units.unsqueeze(1) * w + torch.arange(r).view(1, r, *([1] * ids.dim()))
         return rows.flatten(0, 1).masked_fill_(ids.unsqueeze(0) < 0, -1)
 
 
@@ -125,11 +136,16 @@ class KVPools:
     @classmethod
     def allocate_arena(cls, cfg: ModelConfig, units: int, planes: int, page_size: int,
                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                       *, n_swa_layers: int | None = None, unit_bytes: int = 0) -> KVPools:
+                       *, n_swa_layers: int | None = None, unit_bytes: int = 0,
+                       sub: dict[str, int] | None = None) -> KVPools:
         """One zero-filled K and one V buffer of `units` units of `planes` layer planes (from
-        `libs.kvcache.plan_arena`; `unit_bytes`, when given, is checked against this layout)."""
+        `libs.kvcache.plan_arena`; `unit_bytes`, when given, is checked against this layout). `sub`: the
+        layer-pages per plane slot of each group to keep (a parallel rank: the whole model's, `arena_sub`),
+        padding the plane slot where `cfg`'s KV heads are not in the model's proportion (`KVArena.stride`)."""
         hf, hs = cfg.kv_heads_full, cfg.kv_heads_swa
         heads = math.lcm(hf, hs)
+        if sub is not None:  # the smallest multiple of lcm(hf, hs) that holds r_g pages of both groups
+            heads *= -(-max(sub["full"] * hf, sub["swa"] * hs) // heads)
         es = torch.empty((), dtype=dtype).element_size()
         got = planes * page_size * heads * (cfg.qk_head_dim + cfg.v_head_dim) * es
         if unit_bytes and unit_bytes != got:
@@ -137,7 +153,9 @@ class KVPools:
         k = torch.zeros(planes, units, page_size, heads, cfg.qk_head_dim, dtype=dtype, device=device)
         v = torch.zeros(planes, units, page_size, heads, cfg.v_head_dim, dtype=dtype, device=device)
         ns = len(cfg.swa_layers) if n_swa_layers is None else n_swa_layers
-        arena = KVArena(k, v, {"full": heads // hf, "swa": heads // hs}, {"full": len(cfg.full_layers), "swa": ns})
+        stride = {"full": heads // hf, "swa": heads // hs}
+        arena = KVArena(k, v, dict(stride) if sub is None else dict(sub), {"full": len(cfg.full_layers), "swa": ns},
+                        stride=stride)
         pools = cls.allocate(cfg, 0, 0, page_size, dtype, device, n_swa_layers=ns)  # zero pages: shapes only
         pools.arena = arena
         return pools
@@ -212,7 +230,7 @@ class KVPools:
         g_rows = a.rows(group, ids, units)  # [table rows, n]
         off = self.swa_offset if group == "swa" else 0
         where = [a.where(group, i + off) for i in layers]
-        plane = torch.tensor([s for s, _, _ in where], dtype=torch.int64) * (a.units * a.sub[group])
+        plane = torch.tensor([s for s, _, _ in where], dtype=torch.int64) * (a.units * a.stride[group])
         return (plane[:, None] + g_rows[[row for _, _, row in where]]).to(self.device)
 
     def gather_pages(self, group: str, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,3 +345,9 @@ def _pad(rows: list[list[int]], device) -> torch.Tensor:
     w = max(max((len(r) for r in rows), default=0), 1)
     return torch.tensor([[*r, *([-1] * (w - len(r)))] for r in rows], dtype=torch.int64,
                         device=device).view(len(rows), -1)
+
+
+def arena_sub(cfg: ModelConfig) -> dict[str, int]:
+    """Layer-pages of each group per plane slot of `cfg`'s arena (r_g = lcm of the KV heads / the group's)."""
+    heads = math.lcm(cfg.kv_heads_full, cfg.kv_heads_swa)
+    return {"full": heads // cfg.kv_heads_full, "swa": heads // cfg.kv_heads_swa}

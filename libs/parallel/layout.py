@@ -109,18 +109,6 @@ class ParallelLayout:
                          kv_heads_swa=len(self.kv_heads(cfg, 0, swa=True)),
                          intermediate_size=cfg.intermediate_size // self.tp)
 
-    def arena_refusal(self, cfg: ModelConfig) -> str | None:
-        """Why the ranks cannot share one KV arena's unit tables (None: they can). Rank 0's cache hands out units
-        and every rank's arena must lay a unit out the same way: a rank's two pools must be the same share of a
-        single process's (both groups' KV heads split, or replicated, alike). MiMo-V2-Flash (4 / 8 KV heads) at
-        tp = 8 is not: its full heads are replicated over 2 ranks, its SWA heads split."""
-        full, swa = self.kv_bytes_ratio(cfg, swa=False), self.kv_bytes_ratio(cfg, swa=True)
-        if not self.is_parallel or full == swa:
-            return None
-        return (f"{self.describe()}: a rank holds {full:g} of the full-attention KV heads but {swa:g} of the SWA "
-                f"ones (kv_heads_full={cfg.kv_heads_full}, kv_heads_swa={cfg.kv_heads_swa}), so its arena units "
-                f"cannot mirror rank 0's")
-
     def kv_bytes_ratio(self, cfg: ModelConfig, swa: bool) -> float:
         """A rank's KV bytes of one pool over a single process's."""
         kv = cfg.kv_heads_swa if swa else cfg.kv_heads_full

@@ -34,6 +34,7 @@ from libs.kvcache.config import ArenaPlan
 from libs.model.config import ModelConfig
 from libs.model.loader import CheckpointError
 from libs.model.model import MiMoV2Model
+from libs.model.paged import arena_sub
 from libs.parallel.build import build_shard, shard_state
 from libs.parallel.comm import Comm, CommStats
 from libs.parallel.kvio import ShardedKV
@@ -198,22 +199,18 @@ class ParallelRunner(ModelRunner):
 
 
 def rank_sizes(sizes: PoolSizes, layout: ParallelLayout, cfg: ModelConfig) -> PoolSizes:
-    """Every rank's pool sizes: the same pages, or the same arena units (rank 0's cache addresses them all) of
-    the rank's own KV heads, so a unit's bytes shrink by the rank's share of the heads (equal for both groups:
-    `ParallelLayout.arena_refusal`, checked by the engine's config before it plans an arena)."""
+    """Every rank's pool sizes: the same pages, or the same arena units (rank 0's cache addresses them all),
+    each holding the rank's own KV heads with the whole model's layer-pages per plane slot (`arena_sub`).
+    Where a rank's two groups hold unequal shares of the model's KV heads (e.g. the full heads replicated, the
+    SWA heads split) the group with fewer pads its plane slots (`KVArena.stride`); the plan's unit bytes are the
+    model's, not a rank's (unchecked: 0)."""
     if sizes.arena is None and sizes.host_arena is None:
         return sizes
-    refusal = layout.arena_refusal(cfg)
-    if refusal is not None:
-        raise ValueError(f"ParallelRunner: no KV arena with this layout: {refusal}")
-    heads, local = cfg.kv_heads_full, len(layout.kv_heads(cfg, 0, swa=False))
 
-    def share(plan: ArenaPlan | None) -> ArenaPlan | None:
-        if plan is None:
-            return None
-        return replace(plan, unit_bytes=plan.unit_bytes * local // heads, plane_bytes=plan.plane_bytes * local // heads)
+    def of_rank(plan: ArenaPlan | None) -> ArenaPlan | None:
+        return None if plan is None else replace(plan, unit_bytes=0)
 
-    return replace(sizes, arena=share(sizes.arena), host_arena=share(sizes.host_arena))
+    return replace(sizes, arena=of_rank(sizes.arena), host_arena=of_rank(sizes.host_arena), arena_sub=arena_sub(cfg))
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -28,7 +28,7 @@ class EngineServiceConfig(ServiceConfig):
     enable_prefix_cache: bool = Field(default=True, description="reuse KV across requests")
     kv_arena: bool = Field(default=True, description="one device KV arena for both layer groups, of the bytes "
                            "num_full_pages + num_swa_pages would take (WINDSERVE_KV_ARENA; 0 = two static pools; "
-                           "with tp / ep > 1 the engine falls back to the static pools and logs it)")
+                           "with tp / ep > 1 every rank holds the same units of its own KV heads)")
     bucket_edges: list[int] = Field(
         default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (uncached tokens), JSON list")
     served_buckets: list[int] = Field(
