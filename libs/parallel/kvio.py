@@ -47,7 +47,7 @@ from libs.parallel.layout import ParallelLayout
 LayerRef = tuple[str, int, tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/parallel/rank.py)
-HOST_WRITE = "kv_host_write"  # an L3 import into the host tier: (op, full page ids, SWA page ids)
+HOST_WRITE = "kv_host_write"  # an L3 import into the host tier: (op, full page ids, SWA page ids, their units)
 
 
 def head_owners(layout: ParallelLayout, cfg: ModelConfig, swa: bool) -> list[tuple[int, range]]:
