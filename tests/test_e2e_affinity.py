@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import openai
 import pytest
@@ -26,6 +26,7 @@ SESSIONS, TURNS = 12, 4
 ENGINE = {"WINDSERVE_PAGE_SIZE": "16", "WINDSERVE_NUM_FULL_PAGES": "1024", "WINDSERVE_NUM_SWA_PAGES": "512",
           "WINDSERVE_BUCKET_EDGES": "[]"}
 MIN_SHARE_OF_ONE_WORKER = 0.9
+LOAD_INTERVAL_S = 0.5  # the workers' load snapshot period (WorkerConfig.load_interval_s's default)
 MAX_REQUESTS_OVER_MEAN = 1.5
 
 
@@ -33,9 +34,10 @@ def session_text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
 
 
-async def run_sessions(url: str) -> tuple[int, int]:
-    """Send SESSIONS chats turn by turn (each turn of every session concurrently, then the next turn: a
-    follow-up repeats the whole conversation so far). Returns (cached, prompt) tokens of the follow-ups."""
+async def run_sessions(url: str, think: Callable[[], Awaitable[None]]) -> tuple[int, int]:
+    """Send SESSIONS chats turn by turn (each turn of every session concurrently, then, after `think`, the next
+    turn: a follow-up repeats the whole conversation so far). Returns (cached, prompt) tokens of the
+    follow-ups."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     rng = random.Random(11)
     convs = [[{"role": "system", "content": f"You are agent {s}. " + session_text(rng, 300)}] for s in range(SESSIONS)]
@@ -52,6 +54,8 @@ async def run_sessions(url: str) -> tuple[int, int]:
 
     try:
         for t in range(TURNS):
+            if t:
+                await think()
             results = await asyncio.gather(*(turn(c, t) for c in convs))
             if t:
                 cached += sum(r[0] for r in results)
@@ -80,6 +84,24 @@ async def wait_indexed(group: ServiceGroup, routers: list[str], workers: int, ti
     raise TimeoutError(f"routers' indexes not in sync with {workers} workers within {timeout}s: {details}")
 
 
+def thinking(group: ServiceGroup, workers: list[str], timeout: float = 30.0) -> Callable[[], Awaitable[None]]:
+    """The users' think time between turns: until every worker's load snapshot shows the last turn finished,
+    then time for the registry to carry it (the routers read running requests from there). Without it a turn
+    started within milliseconds of the last one's answers, and on a busy box the routers could still see the
+    last turn's requests running on the workers that hold the sessions: the cost's running-request term
+    (64 prefill tokens each) of a burst can outweigh a hit of a few hundred tokens, which moves a session for a
+    stale load, not for affinity. Real users' follow-ups come seconds apart."""
+    async def think() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            loads = [await group.details(w) for w in workers]
+            if all(d.get("running") == "0" and d.get("waiting") == "0" for d in loads):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2 * LOAD_INTERVAL_S)
+    return think
+
+
 async def served(group: ServiceGroup, instances: list[str]) -> dict[str, int]:
     return {i: int((await group.details(i))["accepted"]) for i in instances}
 
@@ -90,7 +112,7 @@ def one_worker_share(nats_server, tmp_path_factory) -> Iterator[float]:
                    {"gw": "gateway", "router": "router", "w0": "worker"})
     try:
         asyncio.run(wait_indexed(group, ["router"], 1))
-        cached, prompt = asyncio.run(run_sessions(group.url))
+        cached, prompt = asyncio.run(run_sessions(group.url, thinking(group, ["w0"])))
     finally:
         group.stop()
     assert cached > 0.3 * prompt, (cached, prompt)  # the reference itself reuses most of each conversation
@@ -105,7 +127,8 @@ async def serve_and_check(nats_url: str, logs, services: dict[str, str], counted
     routers = [i for i, s in services.items() if s == "router"]
     try:
         await wait_indexed(group, routers, len([s for s in services.values() if s != "gateway" and s != "router"]))
-        cached, prompt = await run_sessions(group.url)
+        engines = [i for i, s in services.items() if s not in ("gateway", "router")]
+        cached, prompt = await run_sessions(group.url, thinking(group, engines))
         counts = await served(group, counted)
         indexed = {r: await group.details(r) for r in routers}  # printed with a failure: stale views, gaps
     finally:
