@@ -73,12 +73,9 @@ def test_multi_turn_under_pressure_equals_one_process(tiny, reference, tp, ep):
     """Prefix hits (device and host tier), chunked prefill, preemption and L2 copies on every rank: the greedy
     tokens equal a cache-disabled single-process run, and the pools come back to baseline. One KV arena per
     rank (tp = 2 on this model: padded SWA plane slots, `KVArena.stride`); `kv_arena=False`: the static pools."""
-    core = make_core(tiny, **PRESSURED, tp=tp, ep=ep)
-    assert core.runner.kv.arena is not None
     # a rank's arena: the model's bytes (ep: the whole KV replicated; tp 2: the padded SWA slots cost what the
     # split saved, where the static pools take 2/3 of one process's bytes per rank)
-    assert core.runner.rank_pool_bytes() == [{"arena": _arena_bytes(core)}] * 2
-    _multi_turn(core, reference, tp, ep)
+    _multi_turn(make_core(tiny, **PRESSURED, tp=tp, ep=ep), reference, tp, ep, arena_share=1)
 
 
 def _arena_bytes(core: EngineCore) -> int:
@@ -91,9 +88,7 @@ def _arena_bytes(core: EngineCore) -> int:
 
 
 def test_static_pools_under_pressure_equal_one_process(tiny, reference):
-    core = make_core(tiny, **PRESSURED, tp=2, ep=2, kv_arena=False)
-    assert core.runner.kv.arena is None
-    _multi_turn(core, reference, 2, 2)
+    _multi_turn(make_core(tiny, **PRESSURED, tp=2, ep=2, kv_arena=False), reference, 2, 2, arena_share=None)
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)])
@@ -101,15 +96,18 @@ def test_tp_over_one_kv_arena_equals_one_process(even, even_reference, tp, ep):
     """As above with tp splitting both groups' KV heads alike: every rank holds one arena of the same units
     (its own heads in each), addressed by rank 0's cache; the ranks hold no unit tables (page rows come with
     each step, a load's units with the copy, stale loads are dropped by rank 0 before it sends them)."""
-    core = make_core(even, **PRESSURED, tp=tp, ep=ep)
-    assert core.runner.kv.arena is not None
-    assert core.runner.rank_pool_bytes() == [{"arena": _arena_bytes(core) // 2}] * 2  # half the heads each
-    _multi_turn(core, even_reference, tp, ep)
+    _multi_turn(make_core(even, **PRESSURED, tp=tp, ep=ep), even_reference, tp, ep, arena_share=2)  # half each
 
 
-def _multi_turn(core: EngineCore, reference: EngineCore, tp: int, ep: int) -> None:
+def _multi_turn(core: EngineCore, reference: EngineCore, tp: int, ep: int, arena_share: int | None) -> None:
+    """Two turns of 6 conversations on `core` (closed after) against `reference`. `arena_share`: each rank's
+    arena holds 1 / arena_share of one process's arena bytes (None: the static pools)."""
     try:
         assert isinstance(core.runner, ParallelRunner)
+        if arena_share is None:
+            assert core.runner.kv.arena is None
+        else:
+            assert core.runner.rank_pool_bytes() == [{"arena": _arena_bytes(core) // arena_share}] * 2
         systems, users = conversations()
         history = {c: list(systems[c % 2]) for c in range(6)}
         for turn in range(2):  # (2 turns of 20 tokens, > the window of 16: preempts and loads back from L2 here)
