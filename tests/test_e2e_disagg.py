@@ -346,21 +346,29 @@ async def test_sigkill_prefill_mid_stream_errors_the_client_and_decode_frees(nat
     (its transfer fails when the connection drops) and serves on with a new prefill."""
     topo = topology(nats_server.url, tmp_path)
     try:
-        # 8-token chunks: a 1200-token prompt takes 150 prefill steps, seconds on this box (the decode SWA pool
-        # must hold the whole prompt while it arrives)
+        # 4-token chunks: a 3000-token prompt takes 750 prefill steps, over a second of prefill on a quiet box
+        # (8-token chunks of 1200 took 0.3 s: too short a window to see the reservation through a 0.5 s load
+        # snapshot, so the test saw it only once tokens streamed). The decode SWA pool must hold the whole prompt
+        # while it arrives; decode refreshes its load every 0.1 s and is asked directly (no gateway listing).
         topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 1},
-                            {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "8"},
-                             "decode": {"WINDSERVE_NUM_SWA_PAGES": "512"}})
+                            {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "4"},
+                             "decode": {"WINDSERVE_NUM_SWA_PAGES": "1024", "WINDSERVE_LOAD_INTERVAL_S": "0.1"}})
         client = topo.client()
         progress: dict[int, int] = {}
-        long = asyncio.create_task(_stream_tokens(client, prompt(400, 1200), 8, progress, 0))
+        long = asyncio.create_task(_stream_tokens(client, prompt(400, 3000), 8, progress, 0))
 
         def decode_load() -> dict:
             return next((i.get("load") or {}) for i in topo.health()["instances"] if i["role"] == "decode")
-        # the reservation is visible in decode's load: admitted (running) and pages in use, no token yet
-        await _until(lambda: decode_load().get("running") == 1 and decode_load().get("kv_full_used", 0) > 0, 30,
-                     lambda: f"decode never held the reservation: {decode_load()}", [long])
-        assert not progress
+        # the reservation is visible in decode's own load: admitted (running) and pages in use, no token yet
+        deadline, held = time.monotonic() + 30, {}
+        while not (held.get("running") == "1" and int(held.get("kv_full_used", "0")) > 0):
+            assert not long.done() and time.monotonic() < deadline, f"decode never held the reservation: {held}"
+            await asyncio.sleep(0.02)
+            held = await topo.details("decode-0")
+        # then half a second more: the prefill's KV segments (one per 4-token step) are streaming by then, so the
+        # kill drops a transfer in flight (killed at the reservation, the gateway's cancel could come first)
+        await asyncio.sleep(0.5)
+        assert not progress, (progress, held)
         topo.procs["prefill-0"].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         result, toks, at = await long
