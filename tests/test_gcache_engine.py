@@ -352,11 +352,9 @@ async def test_parallel_engines_write_every_kv_head_and_import_them(tiny, heads)
     and one host arena, addressed by rank 0's units: "tiny" (1 full / 2 SWA KV heads: at tp = 2 the full head is
     replicated, the SWA heads split, so the SWA plane slots are padded) and "even" (2 / 4, split alike)."""
     if heads == "even":
-        from libs.model.loader import TINY_SEED, init_random_
-        from libs.model.model import MiMoV2Model
+        from tests.test_parallel import even_heads_model
 
-        cfg = tiny[1].with_(kv_heads_full=2, kv_heads_swa=4)
-        tiny = (init_random_(MiMoV2Model(cfg), TINY_SEED), cfg, tiny[2])
+        tiny = (*even_heads_model(), tiny[2])
     first = tokens(10, 70)
     plain, sharded = MemoryBlockStore(), MemoryBlockStore()
     outs = []

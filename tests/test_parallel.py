@@ -15,7 +15,9 @@ import torch
 from libs.engine import AsyncEngine, EngineConfig, EngineCore, Request
 from libs.engine.async_engine import EngineDeadError
 from libs.engine.runner import one_shot_logits
-from libs.model.loader import load_model
+from libs.model.config import ModelConfig
+from libs.model.loader import TINY_SEED, init_random_, load_model
+from libs.model.model import MiMoV2Model
 from libs.model.paged import BatchMeta, KVPools
 from libs.parallel.build import shard_state
 from libs.parallel.layout import LayoutError, ParallelLayout
@@ -49,16 +51,17 @@ def reference(tiny):
     core.close()
 
 
-@pytest.fixture(scope="module")
-def even():
+def even_heads_model() -> tuple[MiMoV2Model, ModelConfig]:
     """The tiny model with 2 full / 4 SWA KV heads (random weights, fixed seed): at tp = 2 each rank holds half
     of both groups, so its arena units are the model's at half the bytes (the tiny model's 1 / 2 heads at
     tp = 2: the full head replicated, the SWA heads split, so a rank pads its SWA plane slots)."""
-    from libs.model.config import ModelConfig
-    from libs.model.loader import TINY_SEED, init_random_
-    from libs.model.model import MiMoV2Model
     cfg = ModelConfig.tiny().with_(kv_heads_full=2, kv_heads_swa=4)
-    return init_random_(MiMoV2Model(cfg), TINY_SEED), cfg, None
+    return init_random_(MiMoV2Model(cfg), TINY_SEED), cfg
+
+
+@pytest.fixture(scope="module")
+def even():
+    return (*even_heads_model(), None)
 
 
 @pytest.fixture(scope="module")

@@ -226,11 +226,9 @@ async def test_tp2_arena_prefill_hands_off_to_a_tp2_arena_decode():
 
 
 def _arena_hand_off() -> None:
-    from libs.model.loader import TINY_SEED, init_random_
-    from libs.model.model import MiMoV2Model
+    from tests.test_parallel import even_heads_model
 
-    cfg = ModelConfig.tiny().with_(kv_heads_full=2, kv_heads_swa=4)
-    model = init_random_(MiMoV2Model(cfg), TINY_SEED)
+    model, cfg = even_heads_model()
     opts = {**ENGINE, "bucket_edges": ()}
     ref = EngineCore(EngineConfig(**opts, enable_prefix_cache=False), model, cfg)
     source = EngineCore(EngineConfig(**opts, tp=2), model, cfg)

@@ -143,9 +143,9 @@ class KVPools:
         layer-pages per plane slot of each group to keep (a parallel rank: the whole model's, `arena_sub`),
         padding the plane slot where `cfg`'s KV heads are not in the model's proportion (`KVArena.stride`)."""
         hf, hs = cfg.kv_heads_full, cfg.kv_heads_swa
-        heads = math.lcm(hf, hs)
-        if sub is not None:  # the smallest multiple of lcm(hf, hs) that holds r_g pages of both groups
-            heads *= -(-max(sub["full"] * hf, sub["swa"] * hs) // heads)
+        sub = arena_sub(cfg) if sub is None else sub
+        heads = math.lcm(hf, hs)  # (times the smallest factor that holds r_g layer-pages of both groups)
+        heads *= -(-max(sub["full"] * hf, sub["swa"] * hs) // heads)
         es = torch.empty((), dtype=dtype).element_size()
         got = planes * page_size * heads * (cfg.qk_head_dim + cfg.v_head_dim) * es
         if unit_bytes and unit_bytes != got:
@@ -153,9 +153,8 @@ class KVPools:
         k = torch.zeros(planes, units, page_size, heads, cfg.qk_head_dim, dtype=dtype, device=device)
         v = torch.zeros(planes, units, page_size, heads, cfg.v_head_dim, dtype=dtype, device=device)
         ns = len(cfg.swa_layers) if n_swa_layers is None else n_swa_layers
-        stride = {"full": heads // hf, "swa": heads // hs}
-        arena = KVArena(k, v, dict(stride) if sub is None else dict(sub), {"full": len(cfg.full_layers), "swa": ns},
-                        stride=stride)
+        arena = KVArena(k, v, dict(sub), {"full": len(cfg.full_layers), "swa": ns},
+                        stride={"full": heads // hf, "swa": heads // hs})
         pools = cls.allocate(cfg, 0, 0, page_size, dtype, device, n_swa_layers=ns)  # zero pages: shapes only
         pools.arena = arena
         return pools

@@ -32,6 +32,7 @@ from libs.engine.disagg.shipment import (
     Landing,
     LayerPages,
     Payload,
+    gather_layer,
     synchronize_copies,
 )
 from libs.engine.host_tier import LayerSlot
@@ -65,9 +66,11 @@ def owners(layout: ParallelLayout, cfg: ModelConfig, group: str) -> list[int]:
     return [r for r, _ in head_owners(layout, cfg, group == "swa")]
 
 
-def refs(layers: Sequence[LayerPages], kv: KVPools) -> list[LayerRef]:
-    """The layers' control-message refs, with the pages' units as `kv`'s (rank 0's) unit tables hold them now."""
-    return [(lp.slot.group, lp.slot.index, tuple(lp.pages), page_units(kv, lp.slot.group, lp.pages))
+def refs(layers: Sequence[LayerPages], kv: KVPools | None) -> list[LayerRef]:
+    """The layers' control-message refs, with the pages' units as `kv`'s (rank 0's) unit tables hold them now
+    (None: no units yet)."""
+    return [(lp.slot.group, lp.slot.index, tuple(lp.pages), () if kv is None else page_units(kv, lp.slot.group,
+                                                                                              lp.pages))
             for lp in layers]
 
 
@@ -102,21 +105,17 @@ class RankKV:
         self.kv, self.comm, self.rank, self.host = kv, comm, rank, host
         self.owns = {group: rank in owners(layout, cfg, group) for group in ("full", "swa")}
 
-    def _rows(self, ref: LayerRef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K, V, rows) of a layer's pages: the layer's pools and the rows holding the pages (an arena's from the
-        units in the ref: this rank may hold no unit tables)."""
-        group, index, pages, units = ref
-        k, v, _ = self.kv.layer_kv(group, index)
-        ids = torch.tensor(pages, dtype=torch.int64)
-        return k, v, self.kv.page_rows(group, index, ids, _units(units)).to(k.device)
-
     def read(self, ref: LayerRef) -> Payload:
         """This rank's [K, V] of a layer's pages ([pages, page_size, its heads, dim] each, copies)."""
-        k, v, rows = self._rows(ref)
-        return [k.index_select(0, rows), v.index_select(0, rows)]
+        group, index, pages, units = ref
+        return gather_layer(self.kv, LayerPages(LayerSlot(group, index), pages), _units(units))
 
     def write(self, ref: LayerRef, k: torch.Tensor, v: torch.Tensor) -> None:
-        pool_k, pool_v, rows = self._rows(ref)
+        """Into this rank's pools at a layer's pages (an arena's rows from the units in the ref: this rank may hold
+        no unit tables)."""
+        group, index, pages, units = ref
+        pool_k, pool_v, _ = self.kv.layer_kv(group, index)
+        rows = self.kv.page_rows(group, index, torch.tensor(pages, dtype=torch.int64), _units(units)).to(pool_k.device)
         pool_k.index_copy_(0, rows, k.to(pool_k.device))
         pool_v.index_copy_(0, rows, v.to(pool_v.device))
 
@@ -251,7 +250,7 @@ class ShardedKV(KVAccess):
 
     # ------------------------------------------------------------------ receiver
     def receive(self, layers: Sequence[LayerPages]) -> Staged:
-        return Staged(self, [(lp.slot.group, lp.slot.index, tuple(lp.pages), ()) for lp in layers])
+        return Staged(self, refs(layers, None))  # (the units are read when it lands: `scatter`)
 
     def scatter(self, layer_refs: list[LayerRef], full: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every rank's head slice of the full-head [K, V] of each layer into its pools (engine thread)."""

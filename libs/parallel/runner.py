@@ -130,7 +130,7 @@ class ParallelRunner(ModelRunner):
         # (an arena: the ranks hold no unit tables, so rank 0 drops the loads made stale since they were planned)
         loads = live_loads(plan.load_copies, self.kv) if self.kv.arena is not None else plan.load_copies
         self._send(("step", tuple(plan.backup_copies), tuple(loads), None if inputs is None else tuple(inputs)))
-        return self.execute(plan.backup_copies, plan.load_copies, inputs)
+        return self.execute(plan.backup_copies, loads, inputs)
 
     def execute(self, backup_copies: Sequence, load_copies: Sequence, inputs: ModelInputs | None,
                 interrupt: Callable[[], bool] | None = None) -> torch.Tensor:

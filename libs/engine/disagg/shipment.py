@@ -100,10 +100,11 @@ def stream_specs(kv: KVPools, layer_is_swa: Sequence[bool], plan: StreamPlan) ->
     return specs
 
 
-def gather_layer(kv: KVPools, lp: LayerPages) -> Payload:
-    """Sender payload of one layer: [K pages, V pages] as two contiguous tensors (copies)."""
+def gather_layer(kv: KVPools, lp: LayerPages, units: torch.Tensor | None = None) -> Payload:
+    """Sender payload of one layer: [K pages, V pages] as two contiguous tensors (copies). `units`: an arena's
+    units of the pages, given (`KVArena.rows`), for an arena without unit tables."""
     k, v, _ = kv.layer_kv(lp.slot.group, lp.slot.index)
-    idx = kv.page_rows(lp.slot.group, lp.slot.index, torch.tensor(lp.pages, dtype=torch.int64)).to(k.device)
+    idx = kv.page_rows(lp.slot.group, lp.slot.index, torch.tensor(lp.pages, dtype=torch.int64), units).to(k.device)
     return [k.index_select(0, idx), v.index_select(0, idx)]
 
 
