@@ -68,10 +68,8 @@ class Pair:
     def deadline(self, s: float = 10.0) -> float:
         return asyncio.get_running_loop().time() + s
 
-    async def put(self, items: list[tuple[str, bytes]], checksums: list[int] | None = None) -> list[bool]:
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(checksums or [value_checksum(v) for _, v in items])
-        return await self.calls.put(self.address, items, fut, range(len(items)), self.deadline())
+    async def put(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        return await self.calls.put(self.address, items, self.deadline())
 
     async def get(self, keys: list[str], timeout: float = 10.0):
         return await self.calls.get(self.address, keys, self.deadline(timeout))
@@ -83,6 +81,7 @@ class Pair:
             await asyncio.wait(list(self.tasks), timeout=5)
         await self.client_engine.close()
         await self.node_engine.close()
+        self.calls.close()
         self.direct_node.close()
 
 
@@ -112,16 +111,20 @@ async def test_direct_round_trip_byte_equal_with_zero_byte_odd_sized_and_refused
     assert pair.direct_node.puts == 2 and pair.direct_node.gets == 2 and pair.calls.drops == 0
 
 
-async def test_direct_put_with_a_wrong_checksum_is_dropped_never_visible(pair):
-    good, bad = data(4, 2 * CHUNK + 5), data(5, CHUNK)
-    sums = [value_checksum(good), value_checksum(bad) ^ 1]
-    assert await pair.put([("good", good), ("bad", bad)], sums) == [True, False]
-    assert pair.store.exists("good") and not pair.store.exists("bad")
-    assert pair.store.stats()["checksum_failures"] == 1 and pair.store.inflight() == 0
-    assert [None if g is None else bytes(g) for g in await pair.get(["bad", "good"])] == [None, good]
+async def test_direct_put_stores_the_checksum_of_the_bytes_that_landed(pair):
+    """The node checksums each value from its landed chunks (in order, as they land): the stored checksum is the
+    value's own, for values of one chunk, several, a partial last one and none."""
+    values = {"one": data(4, CHUNK), "many": data(5, 3 * CHUNK + 5), "tiny": b"x", "none": b""}
+    assert await pair.put(list(values.items())) == [True] * 4
+    for key, value in values.items():
+        stored = pair.store._memory.peek(key)
+        assert stored is not None and stored.checksum == value_checksum(value), key
+    assert pair.store.stats()["checksum_failures"] == 0 and pair.store.inflight() == 0
 
 
 async def test_direct_get_of_a_value_corrupted_in_memory_is_a_miss_dropped_and_counted(pair):
+    """The client hashes what lands against the node's sum: a value corrupted in the node's memory is a miss
+    (never handed out), counted by the client and reported; the node hashes it again and drops it."""
     good, bad = data(6, 4 * CHUNK + 1), data(7, 3 * CHUNK)
     assert await pair.put([("good", good), ("bad", bad)]) == [True, True]
     stored = pair.store._memory.peek("bad")
@@ -129,8 +132,24 @@ async def test_direct_get_of_a_value_corrupted_in_memory_is_a_miss_dropped_and_c
     stored.data[len(bad) // 2] ^= 0xFF  # scribble one byte of the stored value
     got = await pair.get(["good", "bad"])
     assert bytes(got[0]) == good and got[1] is None  # the bad value is never handed out
-    assert pair.store.stats()["checksum_failures"] == 1 and not pair.store.exists("bad")
+    assert pair.calls.checksum_failures == 1
+    await bounded(_until(lambda: not pair.store.exists("bad")), HANG)
+    assert pair.store.stats()["checksum_failures"] == 1
     assert (await pair.get(["bad"])) == [None]
+
+
+async def test_a_false_corruption_report_drops_nothing(pair):
+    """The node drops a reported value only when its own hash fails too."""
+    from libs.gcache.direct import encode
+
+    value = data(10, 2 * CHUNK)
+    assert await pair.put([("fine", value)]) == [True]
+    conn = await pair.client_engine.connect(pair.address)  # (the connection the calls use: messages in order)
+    conn.post_message(5000, encode({"op": "bad", "keys": ["fine", "absent"]}))
+    assert [bytes(v) for v in await pair.get(["fine"])] == [value]  # (served after the report was taken)
+    await bounded(_until(lambda: not pair.tasks), HANG)  # the node's second hash is done
+    assert pair.store.exists("fine") and pair.store.stats()["checksum_failures"] == 0
+    assert pair.calls.checksum_failures == 0
 
 
 async def test_a_client_connection_dropped_mid_put_aborts_the_put_at_once(pair):
@@ -242,7 +261,8 @@ async def test_node_garbage_requests_are_answered_with_errors(pair):
     conn.post_message(2, b'{"op": "put", "chunk": 0, "items": []}')
     conn.post_message(3, b'{"op": "nope", "chunk": 4096}')
     conn.post_message(4, b'{"op": "put", "chunk": 4096, "items": [["k", -1]]}')
-    await bounded(_until(lambda: len(answers) == 4), HANG)
+    conn.post_message(5, b'{"op": "bad", "keys": "k"}')
+    await bounded(_until(lambda: len(answers) == 5), HANG)
     assert all("error" in a for a in answers.values()), answers
     assert pair.store.inflight() == 0 and not conn.closed
     assert issubclass(DirectError, Exception)
@@ -302,6 +322,8 @@ async def test_gcache_client_takes_the_direct_path_to_node_processes(nodes):
         used = [n for n in after if int(after[n]["direct_puts"]) > int(before[n]["direct_puts"])]
         assert used and all(int(after[n]["direct_gets"]) > int(before[n]["direct_gets"]) for n in used)
         assert sum(w.direct.calls for w in client._workers if w.direct) >= 2 * len(used)
+        # a started service's heap is frozen (libs/service: full collections skip its startup objects)
+        assert all(int(after[n]["gc_frozen_objects"]) > 10_000 for n in after), after
     finally:
         await client.close()
 

@@ -98,6 +98,8 @@ class GCacheStats:
     """Write-back batches dropped: the queue was full (or the client not running)."""
     errors: int = 0
     """Node requests or transfers that failed or timed out (each gave misses)."""
+    corrupt: int = 0
+    """Values a get received whose bytes failed their checksum (misses; reported to their node)."""
 
 
 class _Counters:
@@ -165,7 +167,9 @@ class GCacheClient:
         return self._workers[0].ring.home(key)
 
     def stats(self) -> GCacheStats:
-        return self._counters.snapshot()
+        stats = self._counters.snapshot()
+        stats.corrupt = sum(w.direct.checksum_failures for w in self._workers if w.direct is not None)
+        return stats
 
     # ------------------------------------------------------------------ BlockStore
 
@@ -321,6 +325,8 @@ class _IOWorker:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_CLOSE_TIMEOUT_S):
                     await self.engine.close()
+        if self.direct is not None:
+            self.direct.close()
         if self.bus is not None:
             await self.bus.close()
 
@@ -446,10 +452,7 @@ class _IOWorker:
 
     async def put(self, items: list[tuple[str, Buffer]]) -> list[bool]:
         deadline = self._deadline()
-        # The values' checksums, hashed on a thread (xxhash releases the GIL): the direct path sends the chunks
-        # meanwhile and the checksums after them; the NATS path needs them in its request.
-        sums: asyncio.Future[list[int]] = asyncio.ensure_future(
-            asyncio.to_thread(lambda: [value_checksum(v) for _, v in items]))
+        sums = _Sums(items)
         out = await self._any_replica([k for k, _ in items],
                                       lambda node, idxs: self._put_at(node, items, sums, idxs, deadline))
         stored_n = sum(out)
@@ -457,17 +460,17 @@ class _IOWorker:
                           bytes_written=sum(len(items[i][1]) for i, s in enumerate(out) if s))
         return out
 
-    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: asyncio.Future[list[int]], idxs: list[int],
+    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: _Sums, idxs: list[int],
                       deadline: float) -> list[bool]:
         assert self.bus is not None and self.engine is not None
         address = self._direct_address(node)
         if address is not None and self.direct is not None:
             with contextlib.suppress(DirectUnreachable):  # (then the NATS path: its reply names the address)
-                return await self.direct.put(address, [items[i] for i in idxs], sums, idxs, deadline)
+                return await self.direct.put(address, [items[i] for i in idxs], deadline)
         tid = uuid.uuid4().hex
         chunk = self.config.chunk_bytes
         async with asyncio.timeout(self._left(deadline)):
-            checksums = await asyncio.shield(sums)
+            checksums = await asyncio.shield(sums.get())
         req = CachePutRequest(transfer_id=tid, chunk_bytes=chunk, items=[
             CachePutItem(key=items[i][0], size=len(items[i][1]), checksum=checksums[i]) for i in idxs])
         reply = await self.bus.request(subjects.cache_put(self.client.namespace, node), req, CachePutReply,
@@ -501,6 +504,20 @@ class _IOWorker:
                 continue
             out.append((idxs, res))
         return out
+
+
+class _Sums:
+    """A put's checksums, for the NATS path (its request carries them; the direct path's node hashes what
+    lands): hashed once, on a thread (xxhash releases the GIL), when a replica first needs them."""
+
+    def __init__(self, items: list[tuple[str, Buffer]]) -> None:
+        self._items = items
+        self._fut: asyncio.Future[list[int]] | None = None
+
+    def get(self) -> asyncio.Future[list[int]]:
+        if self._fut is None:
+            self._fut = asyncio.ensure_future(asyncio.to_thread(lambda: [value_checksum(v) for _, v in self._items]))
+        return self._fut
 
 
 class _Landing:

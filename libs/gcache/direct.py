@@ -14,16 +14,21 @@ with no HEADER / ACCEPT round trip, no LAYER frames, no END / DONE:
 put   client ── MESSAGE {op: put, chunk, items[key, size]} ──▶ node: begin_put per item, a receive posted
                                                                   per chunk (a refused item's into scratch
              ══ every chunk of every item, sent at once ══▶        memory), each chunk hashed in order as it
-             ── MESSAGE {sums[]} ──▶ (hashed on a thread meanwhile) lands (a thread)
-             ◀── MESSAGE {stored[]} ──                            every chunk landed and the sums came:
-                                                                  commit (digest == checksum) or abort
+                                                                  lands (a thread): every chunk landed →
+             ◀── MESSAGE {stored[]} ──                            commit with that digest as the checksum
 get   client ── MESSAGE {op: get, chunk, keys} ──▶ node: lookup; reply at once, send every chunk at once
-             ◀── MESSAGE {sizes[], verdict} ──     (memory values hashed meanwhile, in a thread)
-             ◀══ the found values' chunks ══       client: receives posted as the reply arrives
-             ◀── MESSAGE {bad[]} ──                (verdict true only): values that failed their checksum
+             ◀── MESSAGE {sizes[], sums[]} ──      (a disk value verified on read: its sum null)
+             ◀══ the found values' chunks ══       client: receives posted as the reply arrives, each chunk
+                                                   hashed in order as it lands (a thread); a value whose
+             ── MESSAGE {op: bad, keys} ──▶        digest is not its sum is a miss, and reported: the node
+                                                   hashes it again and drops it if it fails there too
 ```
 
-This module holds the message codec (both sides) and `DirectCalls`, the client side of one IO thread.
+Each value is hashed once per put and once per get, by the side that receives it, chunk by chunk as its chunks
+land (still in the CPU cache), so only the last chunk's hash follows the transfer.
+
+This module holds the message codec and `ChunkHasher` (both sides) and `DirectCalls`, the client side of one IO
+thread.
 
 Failure contract: a call fails (its keys become misses) when the control connection drops (the node died: its
 socket closes at once, which shared-memory UCX cannot report), when the node answers an error or nonsense,
@@ -37,6 +42,8 @@ never stay pending.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -53,6 +60,7 @@ from libs.transfer.protocol import message_tag
 
 from . import wire
 from .api import Buffer
+from .keys import checksum_state
 
 log = logging.getLogger("windserve.gcache")
 
@@ -114,6 +122,53 @@ def scratch(nbytes: int, cache: list[np.ndarray]) -> np.ndarray:
     return cache[0][:nbytes]
 
 
+class ChunkHasher:
+    """The checksum (`value_checksum`) of one value received as chunks: each chunk is hashed on `pool` (one
+    thread: xxhash releases the GIL) once it and every chunk before it landed, so that when the last chunk lands
+    only it is left to hash."""
+
+    def __init__(self, views: list[np.ndarray], pool: concurrent.futures.Executor) -> None:
+        self._views = views
+        self._pool = pool
+        self._state = checksum_state()
+        self._landed: set[int] = set()
+        self._next = 0
+        self._last: concurrent.futures.Future[None] | None = None
+
+    def landed(self, k: int) -> None:
+        self._landed.add(k)
+        while self._next in self._landed:
+            self._last = self._pool.submit(self._state.update, self._views[self._next].data)
+            self._next += 1
+
+    def when_landed(self, k: int) -> Callable[[asyncio.Future[Any]], None]:
+        """The done callback of chunk `k`'s receive: hash it (and what it unblocks) once it landed intact."""
+        def done(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.landed(k)
+        return done
+
+    async def digest(self) -> int:
+        """Once every chunk landed: the value's checksum."""
+        assert self._next == len(self._views), "digest before every chunk landed"
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)  # (one thread, FIFO: every update before it is done too)
+        return self._state.intdigest()
+
+
+def hashing_pool(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that hashes a side's landed chunks (FIFO: `ChunkHasher` relies on it)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+
+def sum_list(msg: dict[str, Any], name: str, n: int) -> list[int | None]:
+    value = msg.get(name)
+    if not isinstance(value, list) or len(value) != n or any(
+            x is not None and (not isinstance(x, int) or isinstance(x, bool)) for x in value):
+        raise DirectError(f"direct message field {name!r} must be a list of {n} ints or nulls, got {value!r:.80}")
+    return value
+
+
 async def _all_done(requests: list[asyncio.Future], timeout: float) -> None:
     """Wait for UCX requests without ever cancelling one (a cancelled Python wait would leave its UCX request
     posted: only closing the endpoint cancels that); TimeoutError past `timeout`, a failed request's error."""
@@ -134,14 +189,12 @@ class _DirectCall:
     conn: Connection
     msg_id: int
     reply: asyncio.Future[dict[str, Any]]
-    verdict: asyncio.Future[dict[str, Any]]
     requests: list[asyncio.Future] = field(default_factory=list)  # UCX sends / receives posted for it
 
     def fail(self, exc: BaseException) -> None:
-        for fut in (self.reply, self.verdict):
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.exception()  # (retrieved: a verdict nobody waits for is no news)
+        if not self.reply.done():
+            self.reply.set_exception(exc)
+            self.reply.exception()  # (retrieved: a reply nobody waits for is no news)
 
 
 class DirectCalls:
@@ -158,18 +211,21 @@ class DirectCalls:
         self._calls: dict[tuple[int, int], _DirectCall] = {}
         self._scratch: list[np.ndarray] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._pool = hashing_pool("gcache-hash")
         self.calls = 0  # direct calls made (tests, health)
         self.drops = 0  # connections dropped because a failed call's UCX requests did not drain
+        self.checksum_failures = 0  # values got whose bytes did not match their checksum (misses; reported)
         engine.set_message_handler(self._on_message)
         engine.add_drop_listener(self._on_drop)
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     # ------------------------------------------------------------------ calls
 
-    async def put(self, address: str, items: Sequence[tuple[str, Buffer]], sums: asyncio.Future[list[int]],
-                  positions: Sequence[int], deadline: float) -> list[bool]:
-        """Store `items` (key, value) on the node at `address`; per item, whether it stored it. `sums`: the
-        checksums of a batch (still being hashed, on a thread), item i's at `positions[i]`: the request and the
-        chunks go at once, the checksums in a second message once hashed (the node commits only with them)."""
+    async def put(self, address: str, items: Sequence[tuple[str, Buffer]], deadline: float) -> list[bool]:
+        """Store `items` (key, value) on the node at `address`; per item, whether it stored it. The request and
+        the chunks go at once; the node checksums each value from the bytes that landed."""
         conn = await self._connect(address, deadline)
         call = self._open(conn)
         chunk = self.chunk_bytes
@@ -182,8 +238,6 @@ class DirectCalls:
                     call.requests.append(link.post_send(message_tag(link.nonce, call.msg_id, index), view))
                     index += 1
             async with asyncio.timeout(self._left(deadline)):
-                checksums = await asyncio.shield(sums)
-                conn.post_message(call.msg_id, encode({"sums": [checksums[i] for i in positions]}))
                 reply = await call.reply
             await _all_done(call.requests, self._left(deadline))  # (by now: the node took or drained every chunk)
             return bool_list(reply, "stored", len(items))
@@ -191,7 +245,8 @@ class DirectCalls:
             self._close(call)
 
     async def get(self, address: str, keys: Sequence[str], deadline: float) -> list[Buffer | None]:
-        """The values of `keys` on the node at `address` (None: a miss there)."""
+        """The values of `keys` on the node at `address` (None: a miss there, or a value whose bytes did not
+        match its checksum: counted and reported to the node)."""
         conn = await self._connect(address, deadline)
         call = self._open(conn)
         chunk = self.chunk_bytes
@@ -200,10 +255,17 @@ class DirectCalls:
             async with asyncio.timeout(self._left(deadline)):
                 reply = await call.reply
             sizes = int_list(reply, "sizes", len(keys))
-            buffers = self._post_receives(call, sizes)
+            sums = sum_list(reply, "sums", len(keys))
+            buffers, hashers = self._post_receives(call, sizes, sums)
             await _all_done(call.requests, self._left(deadline))
             async with asyncio.timeout(self._left(deadline)):
-                bad = set(int_list(await call.verdict, "bad")) if reply.get("verdict") else set()
+                bad = {pos for pos, h in hashers.items() if await h.digest() != sums[pos]}
+            if bad:
+                self.checksum_failures += len(bad)
+                log.warning("gcache get: values failed their checksum (misses; reported to the node)",
+                            extra={"peer": conn.peer, "keys": [keys[i] for i in sorted(bad)]})
+                with contextlib.suppress(TransferError):  # (the node is gone: nothing to tell)
+                    conn.post_message(next(self._ids), encode({"op": "bad", "keys": [keys[i] for i in sorted(bad)]}))
             out: list[Buffer | None] = []
             for pos, size in enumerate(sizes):
                 if size == 0:
@@ -218,18 +280,28 @@ class DirectCalls:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _post_receives(self, call: _DirectCall, sizes: list[int]) -> dict[int, memoryview]:
-        """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order."""
+    def _post_receives(self, call: _DirectCall, sizes: list[int], sums: list[int | None]
+                       ) -> tuple[dict[int, memoryview], dict[int, ChunkHasher]]:
+        """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order;
+        a value with a sum is hashed chunk by chunk as it lands."""
         link, index = tagged_link(call.conn), 0
         buffers: dict[int, memoryview] = {}
+        hashers: dict[int, ChunkHasher] = {}
         for pos, size in enumerate(sizes):
             if size <= 0:
                 continue
             buffers[pos] = buf = self.allocate(size)
-            for view in wire.chunk_arrays(buf, self.chunk_bytes):
-                call.requests.append(link.post_recv(message_tag(link.nonce, call.msg_id, index), view))
+            views = wire.chunk_arrays(buf, self.chunk_bytes)
+            hasher = ChunkHasher(views, self._pool) if sums[pos] is not None else None
+            if hasher is not None:
+                hashers[pos] = hasher
+            for k, view in enumerate(views):
+                fut = link.post_recv(message_tag(link.nonce, call.msg_id, index), view)
+                if hasher is not None:
+                    fut.add_done_callback(hasher.when_landed(k))
+                call.requests.append(fut)
                 index += 1
-        return buffers
+        return buffers, hashers
 
     async def _connect(self, address: str, deadline: float) -> Connection:
         try:
@@ -242,7 +314,7 @@ class DirectCalls:
 
     def _open(self, conn: Connection) -> _DirectCall:
         loop = asyncio.get_running_loop()
-        call = _DirectCall(conn, next(self._ids), loop.create_future(), loop.create_future())
+        call = _DirectCall(conn, next(self._ids), loop.create_future())
         self._calls[(id(conn), call.msg_id)] = call
         self.calls += 1
         return call
@@ -289,9 +361,6 @@ class DirectCalls:
             return
         if "error" in msg:
             call.fail(DirectError(f"node {conn.peer}: {msg['error']}"))
-        elif "bad" in msg:
-            if not call.verdict.done():
-                call.verdict.set_result(msg)
         elif not call.reply.done():
             call.reply.set_result(msg)
         else:  # the caller's wait ended (its deadline cancelled the reply future) before this came: its values
@@ -303,7 +372,7 @@ class DirectCalls:
         try:
             sizes = int_list(msg, "sizes")
         except DirectError:
-            return  # a put's reply or a verdict: nothing is in flight towards us
+            return  # a put's reply: nothing is in flight towards us
         index, pending = 0, []
         try:
             link = tagged_link(conn)

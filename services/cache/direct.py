@@ -4,26 +4,25 @@ Requests arrive as MESSAGE frames on the transfer engine's control connections (
 values move as one tagged UCX message per chunk on that connection's endpoint. The guarantees are the NATS
 path's (`handlers.CacheNode`), over the same `NodeStore`:
 
-- **put**: `begin_put` per item (the checksums follow in the put's second message, hashed by the client while
-  its chunks travel), then at once a receive posted per chunk (into the slot's buffer; a refused
-  item's chunks into scratch memory, so the client's sends complete and nothing is stored). Each accepted
-  value is hashed chunk by chunk, in order, as its chunks land, on one hashing thread (xxhash releases the GIL):
-  when the last chunk lands only that chunk is left to hash, and the node's loop never hashes. When every chunk
-  landed the slots are committed with their digests (a mismatch drops the value) and the client is told what
-  was stored. Nothing is visible before its commit. If the client's connection drops (it died) every put of
-  that connection is aborted at once (the link closed first: no receive can land afterwards); if the chunks do
-  not land within `put_timeout_s` the put is aborted and the connection dropped (which cancels the posted
+- **put**: `begin_put` per item, then at once a receive posted per chunk (into the slot's buffer; a refused
+  item's chunks into scratch memory, so the client's sends complete and nothing is stored). Each accepted value
+  is hashed chunk by chunk, in order, as its chunks land, on one hashing thread (xxhash releases the GIL): when
+  the last chunk lands only that chunk is left to hash, and the node's loop never hashes. When every chunk
+  landed the slots are committed with their digests as their checksums and the client is told what was stored.
+  Nothing is visible before its commit. If the client's connection drops (it died) every put of that
+  connection is aborted at once (the link closed first: no receive can land afterwards); if the chunks do not
+  land within `put_timeout_s` the put is aborted and the connection dropped (which cancels the posted
   receives); `reap` stays the backstop.
-- **get**: the store's values (`lookup`: a disk value verified on read), the sizes answered at once, every
-  chunk of the found values sent at once; memory values are hashed on the hashing thread meanwhile and a
-  verdict follows naming the values that failed (the client hands none of those out; the node drops them and
-  counts a checksum failure). Sends still pending after `send_timeout_s` drop the connection.
+- **get**: the store's values (`lookup`: a disk value verified on read), the sizes and the memory values'
+  checksums answered at once, every chunk of the found values sent at once. The client hashes what lands and
+  reports a mismatch (`op: bad`); the node hashes those values again (its hashing thread) and drops the ones
+  that fail there too, counting a checksum failure. Sends still pending after `send_timeout_s` drop the
+  connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -31,8 +30,16 @@ from typing import Any
 import numpy as np
 
 from libs.gcache import wire
-from libs.gcache.direct import MAX_CHUNK_BYTES, DirectError, decode, encode, scratch, tagged_link
-from libs.gcache.keys import checksum_state
+from libs.gcache.direct import (
+    MAX_CHUNK_BYTES,
+    ChunkHasher,
+    DirectError,
+    decode,
+    encode,
+    hashing_pool,
+    scratch,
+    tagged_link,
+)
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
@@ -45,45 +52,11 @@ log = logging.getLogger("windserve.cache")
 Spawn = Callable[[Coroutine[Any, Any, Any], str], object]
 
 
-class _ChunkHasher:
-    """The checksum of one value, fed its chunks in order as they land (out-of-order landings wait for their
-    predecessors) on the node's hashing thread."""
-
-    def __init__(self, views: list[np.ndarray], pool: concurrent.futures.Executor) -> None:
-        self._views = views
-        self._pool = pool
-        self._state = checksum_state()
-        self._landed: set[int] = set()
-        self._next = 0
-        self._last: concurrent.futures.Future[None] | None = None
-
-    def landed(self, k: int) -> None:
-        self._landed.add(k)
-        while self._next in self._landed:
-            self._last = self._pool.submit(self._state.update, self._views[self._next].data)
-            self._next += 1
-
-    def when_landed(self, k: int) -> Callable[[asyncio.Future[Any]], None]:
-        """The done callback of chunk `k`'s receive: hash it (and what it unblocks) once it landed intact."""
-        def done(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                self.landed(k)
-        return done
-
-    async def digest(self) -> int:
-        """Once every chunk landed: the value's checksum (`value_checksum` of its bytes)."""
-        assert self._next == len(self._views), "digest before every chunk landed"
-        if self._last is not None:
-            await asyncio.wrap_future(self._last)  # (one thread, FIFO: every update before it is done too)
-        return self._state.intdigest()
-
-
 class _DirectPut:
     def __init__(self, conn: Connection, msg_id: int, slots: list[PutSlot | None]) -> None:
         self.conn, self.msg_id, self.slots = conn, msg_id, slots
-        self.sums: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()  # the second message
         self.requests: list[asyncio.Future] = []
-        self.hashers: list[_ChunkHasher | None] = []
+        self.hashers: list[ChunkHasher | None] = []
         self.task: asyncio.Future[Any] | None = None
         self.over = False
 
@@ -97,7 +70,7 @@ class DirectNode:
         self.store = node.store
         self.config = node.config
         self._spawn = spawn
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-hash")
+        self._pool = hashing_pool("cache-hash")
         self._puts: dict[int, set[_DirectPut]] = {}  # by id(connection)
         self._by_id: dict[tuple[int, int], _DirectPut] = {}  # by (id(connection), message id)
         self._scratch: list[np.ndarray] = []
@@ -116,8 +89,8 @@ class DirectNode:
             msg = decode(body)
             op = msg.get("op")
             tagged_link(conn)  # (DirectError: the direct path needs a UCX engine)
-            if op is None and "sums" in msg:
-                self._sums(conn, msg_id, msg)
+            if op == "bad":
+                self._bad(msg)
                 return
             chunk = msg.get("chunk")
             if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 < chunk <= MAX_CHUNK_BYTES:
@@ -150,7 +123,7 @@ class DirectNode:
             raise DirectError("put items must be [key, size >= 0] lists")
         if (id(conn), msg_id) in self._by_id:
             raise DirectError(f"put {msg_id} is already in flight on this connection")
-        # (each slot's checksum comes in the put's second message, before any commit)
+        # (each slot's checksum is the digest of the bytes that land, set at commit)
         slots = [self.store.begin_put(key, size, 0) for key, size in items]
         taken = [s for s in slots if s is not None]
         metrics.PUTS.labels("accepted").inc(len(taken))
@@ -162,7 +135,7 @@ class DirectNode:
             for (_, size), slot in zip(items, slots, strict=True):
                 if slot is not None:
                     views = wire.chunk_arrays(slot.buffer, chunk)
-                    hasher = _ChunkHasher(views, self._pool)
+                    hasher = ChunkHasher(views, self._pool)
                     put.hashers.append(hasher)
                     for k, view in enumerate(views):
                         fut = link.post_recv(message_tag(link.nonce, msg_id, index), view)
@@ -195,16 +168,7 @@ class DirectNode:
                 if failed:
                     self._abort(put, "receiving a chunk failed")
                     return
-            async with asyncio.timeout(self.config.put_timeout_s):
-                sums = await put.sums
             digests = [await h.digest() if h is not None else None for h in put.hashers]
-        except TimeoutError:
-            self._abort(put, "the checksums did not come")
-            return
-        except DirectError as exc:
-            self._abort(put, str(exc))
-            self._reply(put.conn, put.msg_id, {"error": str(exc)})
-            return
         except asyncio.CancelledError:
             self._abort(put, "node shutting down")
             raise
@@ -213,15 +177,15 @@ class DirectNode:
         put.over = True
         self._forget(put)
         stored = []
-        for slot, digest, checksum in zip(put.slots, digests, sums, strict=True):
-            if slot is None:
+        for slot, digest in zip(put.slots, digests, strict=True):
+            if slot is None or digest is None:
                 stored.append(False)
                 continue
-            slot.checksum = checksum
+            slot.checksum = digest
             ok = self.store.commit(slot, digest=digest)
             metrics.PUTS.labels("committed" if ok else "dropped").inc()
             if not ok:
-                log.warning("put dropped at commit (checksum mismatch or reaped)", extra={"key": slot.key})
+                log.warning("put dropped at commit (reaped meanwhile)", extra={"key": slot.key})
             stored.append(ok)
         metrics.BYTES.labels("in").inc(sum(s.size for s in put.slots if s is not None))
         self._reply(put.conn, put.msg_id, {"stored": stored})
@@ -236,17 +200,6 @@ class DirectNode:
             self.store.abort(slot)
         metrics.PUTS.labels("aborted").inc(len(taken))
         log.info("direct put aborted", extra={"values": len(taken), "error": why})
-
-    def _sums(self, conn: Connection, msg_id: int, msg: dict[str, Any]) -> None:
-        put = self._by_id.get((id(conn), msg_id))
-        if put is None or put.sums.done():
-            return  # (aborted already)
-        sums = msg.get("sums")
-        if (not isinstance(sums, list) or len(sums) != len(put.slots)
-                or any(not isinstance(x, int) or isinstance(x, bool) for x in sums)):
-            put.sums.set_exception(DirectError(f"put {msg_id}: bad checksums {sums!r:.80}"))
-        else:
-            put.sums.set_result(sums)
 
     def _forget(self, put: _DirectPut) -> None:
         self._by_id.pop((id(put.conn), put.msg_id), None)
@@ -271,38 +224,27 @@ class DirectNode:
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise DirectError("get keys must be a list of strings")
         values = self.node.lookup_all(keys)
-        found = [(i, v) for i, v in enumerate(values) if v is not None and len(v.data)]
-        unverified = [(i, v) for i, v in found if not v.verified]
+        found = [v for v in values if v is not None and len(v.data)]
         self.gets += 1
+        # the client verifies what it receives against these sums (null: verified here already, or nothing)
         self._reply(conn, msg_id, {"sizes": [-1 if v is None else len(v.data) for v in values],
-                                   "verdict": bool(unverified)})
+                                   "sums": [v.checksum if v is not None and len(v.data) and not v.verified
+                                            else None for v in values]})
         if not found:
             return
         link, index, sends = tagged_link(conn), 0, []
         try:
-            for _, v in found:
+            for v in found:
                 for view in wire.chunk_arrays(v.data, chunk):
                     sends.append(link.post_send(message_tag(link.nonce, msg_id, index), view))
                     index += 1
         except TransferError as exc:
             log.info("direct get: sending failed", extra={"peer": conn.peer, "error": str(exc)})
-        verdict = (asyncio.wrap_future(self._pool.submit(_mismatches, [(keys[i], i, v) for i, v in unverified]))
-                   if unverified else None)
         self.node.inflight_gets += 1
-        self._spawn(self._finish_get(conn, msg_id, sends, verdict, sum(len(v.data) for _, v in found)),
-                    f"direct-get-{msg_id}")
+        self._spawn(self._finish_get(conn, sends, sum(len(v.data) for v in found)), f"direct-get-{msg_id}")
 
-    async def _finish_get(self, conn: Connection, msg_id: int, sends: list[asyncio.Future],
-                          verdict: asyncio.Future[list[tuple[str, int, Found]]] | None, nbytes: int) -> None:
+    async def _finish_get(self, conn: Connection, sends: list[asyncio.Future], nbytes: int) -> None:
         try:
-            if verdict is not None:
-                bad = await verdict
-                for key, _, v in bad:
-                    self.store.failed_verification(key, v)
-                if bad:
-                    metrics.SEND_FAILURES.inc()
-                    log.warning("get: values failed their checksum", extra={"keys": [k for k, _, _ in bad]})
-                self._reply(conn, msg_id, {"bad": [i for _, i, _ in bad]})
             if sends:
                 _, pending = await asyncio.wait(sends, timeout=self.config.send_timeout_s)
                 if pending:  # the client is gone or stuck: closing the endpoint cancels the sends
@@ -315,6 +257,23 @@ class DirectNode:
             metrics.BYTES.labels("out").inc(nbytes)
         finally:
             self.node.inflight_gets -= 1
+
+    def _bad(self, msg: dict[str, Any]) -> None:
+        """A client's report of values whose bytes failed their checksum: hash them again (the hashing thread)
+        and drop those that fail here too (a client's word alone drops nothing)."""
+        keys = msg.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise DirectError("bad keys must be a list of strings")
+        suspects = [(k, i, v) for i, k in enumerate(keys) if (v := self.store.peek(k)) is not None]
+        if suspects:
+            self._spawn(self._recheck(suspects), "direct-recheck")
+
+    async def _recheck(self, suspects: list[tuple[str, int, Found]]) -> None:
+        bad = await asyncio.wrap_future(self._pool.submit(_mismatches, suspects))
+        for key, _, v in bad:
+            self.store.failed_verification(key, v)
+        if bad:
+            log.warning("get: values failed their checksum (dropped)", extra={"keys": [k for k, _, _ in bad]})
 
 
 def _mismatches(values: list[tuple[str, int, Found]]) -> list[tuple[str, int, Found]]:

@@ -202,6 +202,12 @@ class NodeStore:
         self._stats.hits += 1
         return Found(memoryview(data).toreadonly(), entry.checksum, True)
 
+    def peek(self, key: str) -> Found | None:
+        """A memory value, unverified, with no hit counted and its LRU place unchanged (a client's checksum
+        report is checked against it); None when not in memory."""
+        v = self._memory.peek(key)
+        return None if v is None else Found(memoryview(v.data).toreadonly(), v.checksum, False, v)
+
     def failed_verification(self, key: str, found: Found) -> None:
         """The caller's hash of an unverified `lookup` did not match: the value is dropped (if still stored)
         and the hit counted as a miss and a checksum failure."""

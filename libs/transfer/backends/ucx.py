@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,20 @@ def _host_or_device(data: torch.Tensor | np.ndarray) -> object:
     return data if isinstance(data, np.ndarray) else ucx_buffer(data)
 
 
+# windserve's UCX defaults, each unless the environment (UCX_<NAME>) or TransferConfig.ucx_options sets it:
+# the tcp transport's segments at 256 KiB instead of UCX's 8 KiB: a 64 MiB message over loopback moved at
+# 1.1 GB/s with 8 KiB segments and 3.2-3.7 GB/s with 256 KiB-4 MiB ones (bench.gcache's raw baseline, 2-core
+# VM), for 256 KiB of buffer per segment in flight; other transports ignore them
+UCX_DEFAULTS = (("TCP_TX_SEG_SIZE", "256k"), ("TCP_RX_SEG_SIZE", "256k"))
+
+
+def ucx_context_options(options: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The options a UCX context is created with: `UCX_DEFAULTS` the environment leaves unset, then `options`."""
+    out = {k: v for k, v in UCX_DEFAULTS if f"UCX_{k}" not in os.environ}
+    out.update(dict(options))
+    return out
+
+
 def _hold(fut: asyncio.Future, data: object) -> asyncio.Future:
     """Keep ``data`` referenced until the request is over (its memory must not be reused before)."""
     def release(_fut: asyncio.Future, _keep: object = data) -> None:
@@ -126,7 +141,7 @@ class UcxDataPlane(DataPlane):
 
         loop = asyncio.get_running_loop()
         previous = ProgressTasks.get(loop)
-        self._ctx = ApplicationContext(dict(self.config.ucx_options), progress_mode="thread",
+        self._ctx = ApplicationContext(ucx_context_options(self.config.ucx_options), progress_mode="thread",
                                        enable_python_future=True)
         # ucxx keeps one progress task per event loop in a module-level dict, so a second
         # context on the same loop would never be progressed; each engine owns its thread.
