@@ -452,7 +452,7 @@ class _IOWorker:
 
     async def put(self, items: list[tuple[str, Buffer]]) -> list[bool]:
         deadline = self._deadline()
-        sums = _Sums(items)
+        sums = _PutChecksums(items)
         out = await self._any_replica([k for k, _ in items],
                                       lambda node, idxs: self._put_at(node, items, sums, idxs, deadline))
         stored_n = sum(out)
@@ -460,7 +460,7 @@ class _IOWorker:
                           bytes_written=sum(len(items[i][1]) for i, s in enumerate(out) if s))
         return out
 
-    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: _Sums, idxs: list[int],
+    async def _put_at(self, node: str, items: list[tuple[str, Buffer]], sums: _PutChecksums, idxs: list[int],
                       deadline: float) -> list[bool]:
         assert self.bus is not None and self.engine is not None
         address = self._direct_address(node)
@@ -506,7 +506,7 @@ class _IOWorker:
         return out
 
 
-class _Sums:
+class _PutChecksums:
     """A put's checksums, for the NATS path (its request carries them; the direct path's node hashes what
     lands): hashed once, on a thread (xxhash releases the GIL), when a replica first needs them."""
 

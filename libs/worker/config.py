@@ -75,7 +75,7 @@ class EngineServiceConfig(ServiceConfig):
     gcache_op_timeout_s: float = Field(default=2.0, gt=0, description="bound of one GCache SDK exists / get / put")
     gcache_replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: both successors)")
     gcache_chunk_mib: int = Field(default=4, ge=1, le=1024, description="largest slice of a GCache value on the wire, "
-                                  "MiB (one tagged UCX message each; 16 moved 64 MiB values 1.3-1.6x faster over "
+                                  "MiB (one tagged UCX message each; 16 moved 64 MiB values 1.2-1.5x faster over "
                                   "shared memory than 4 in bench.gcache, docs/gcache.md)")
     gcache_transfer_host: str = Field(default="127.0.0.1", description="bind address of the GCache SDK's transfer "
                                       "engine")
