@@ -27,6 +27,14 @@ from libs.mm.api import EncodeError
 from libs.model.vision_config import VisionConfig
 
 
+def single_threaded_opencv() -> None:
+    """OpenCV without its own thread pool, process-wide (what the encoder runs with): a media decode here is
+    parallel by windserve's pools (`workers` above, the encoder's decode threads), and OpenCV's pool on top
+    only oversubscribed the cores: a 1-worker decode of 48 frames (640x480 mp4v) took 1.3 cores for the same
+    wall time as with one OpenCV thread (75 ms), and a 2-worker one was no faster (bench.mm_prep)."""
+    cv2.setNumThreads(1)
+
+
 @dataclass(frozen=True)
 class VideoHeader:
     frames: int
@@ -102,22 +110,27 @@ def check_limits(h: VideoHeader, max_seconds: float | None, max_frames: int | No
         raise EncodeError(f"video frames of {h.width}x{h.height} pixels are over the limit of {max_pixels}")
 
 
-def _read_segment(path: str, wanted: list[int]) -> list[np.ndarray]:
-    """Frames `wanted` (sorted) from a capture of their own: seek to the first, then walk forward."""
-    out: list[np.ndarray] = []
+def _read_segment(path: str, wanted: list[int], out: np.ndarray, first: int) -> list[int]:
+    """Frames `wanted` (sorted) from a capture of their own (seek to the first, then walk forward), each
+    converted to RGB straight into its row of `out` (row `first` for the first of them); the rows written.
+    EncodeError for a frame whose size is not the header's."""
+    rows: list[int] = []
     with _capture(path) as cap:
         if wanted[0] > 0:
             cap.set(cv2.CAP_PROP_POS_FRAMES, wanted[0])
-        pos, keep = wanted[0], set(wanted)
+        pos, row = wanted[0], dict(zip(wanted, range(first, first + len(wanted)), strict=True))
         while pos <= wanted[-1]:
             if not cap.grab():
                 break  # the container promised more frames than it holds: keep what decoded
-            if pos in keep:
+            if pos in row:
                 ok, frame = cap.retrieve()
                 if ok:
-                    out.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+                    if frame.shape != out.shape[1:]:
+                        raise EncodeError("the video's frames are not the size its header gives (not supported)")
+                    cv2.cvtColor(frame, cv2.COLOR_BGR2RGB, dst=out[row[pos]])
+                    rows.append(row[pos])
             pos += 1
-    return out
+    return rows
 
 
 def decode_video(data: bytes, vc: VisionConfig, workers: int = 1, max_bytes: int | None = None,
@@ -135,13 +148,17 @@ def decode_video(data: bytes, vc: VisionConfig, workers: int = 1, max_bytes: int
         check_limits(header, max_seconds, max_frames, max_pixels)
         wanted = sample_indices(header.frames, header.fps, vc.video_fps, vc.video_max_frames)
         parts = split_segments(wanted, workers)
+        # every frame lands in its row of one array (the RGB conversion writes it there, in the worker): no
+        # stacking copy after the workers, which was serial
+        out = np.empty((len(wanted), header.height, header.width, 3), dtype=np.uint8)
+        firsts = np.cumsum([0] + [len(p) for p in parts[:-1]]).tolist()
         if len(parts) == 1:
-            frames = _read_segment(path, parts[0])
+            rows = _read_segment(path, parts[0], out, 0)
         else:
             with ThreadPoolExecutor(len(parts), thread_name_prefix="video-decode") as pool:
-                frames = [f for seg in pool.map(lambda s: _read_segment(path, s), parts) for f in seg]
-    if not frames:
+                rows = [r for seg in pool.map(lambda pf: _read_segment(path, pf[0], out, pf[1]),
+                                              zip(parts, firsts, strict=True)) for r in seg]
+        frames = out if len(rows) == len(wanted) else out[sorted(rows)]  # (a short container: what decoded)
+    if not len(frames):
         raise EncodeError("the video could not be decoded (no frame)")
-    if len({f.shape for f in frames}) != 1:
-        raise EncodeError("the video's frames change size mid-stream (not supported)")
-    return np.stack(frames)
+    return frames

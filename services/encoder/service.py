@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from libs.mm.video import single_threaded_opencv
 from libs.model.config import ModelConfig
 from libs.model.vision import TINY_VISION_SEED, VisionTower
 from libs.model.vision_config import VisionConfig
@@ -58,6 +59,7 @@ class EncoderService(Service):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__(config)
         self.vc = vision_config(config.model)  # a text-only model fails here, before any IO
+        single_threaded_opencv()  # decode parallelism is this service's pools' (libs/mm/video.py)
         self.transfer: KVTransferEngine = create_engine()
         self.tower = build_tower(self.vc, config.seed, config.model, config.device, getattr(torch, config.dtype))
         self.cache = EmbeddingCache(config.cache_bytes, config.lease_s)
