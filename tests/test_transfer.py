@@ -152,6 +152,17 @@ def test_frame_limits_addresses_and_backend_choice():
 
 
 @pytest.mark.unit
+def test_ucx_context_options_default_tcp_segments_unless_env_or_config_says(monkeypatch):
+    from libs.transfer.backends.ucx import ucx_context_options
+
+    for name in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert ucx_context_options(()) == {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k"}
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64k")  # the environment wins over the default: UCX reads it
+    assert ucx_context_options((("TLS", "tcp,self"),)) == {"TCP_RX_SEG_SIZE": "256k", "TLS": "tcp,self"}
+    assert ucx_context_options((("TCP_RX_SEG_SIZE", "1m"),)) == {"TCP_RX_SEG_SIZE": "1m"}  # config wins
+
+
 def test_every_frame_round_trips_through_its_codec():
     header = TransferHeader("r", (LayerSpec("full", 0, 2, "int8", (2, 4)),))
     frames = [Hello(1, "ucx", "e1", 2**64 - 1, "d2FybQ=="), HelloAck(engine="e2"), HelloAck(error="nope"),

@@ -60,7 +60,7 @@ class ServiceConfig(BaseModel):
     gc_freeze: bool = Field(
         default=True, description="once started, move every object alive then (imports, model, pools) to the "
         "garbage collector's permanent generation (gc.freeze), so its full collections stop walking them: a full "
-        "pass over a started service's ~200k objects stalls the loop for ~100 ms, and finds nothing to free")
+        "pass over a started cache node's ~200k objects took ~100 ms of the loop")
     self_check_s: float = Field(
         default=30.0, ge=0, description="exit (code 69) when this instance's own health subscription has not "
         "answered it over the bus for this long while the NATS connection is up (its subscriptions are gone), so "

@@ -228,8 +228,8 @@ class Service:
 def freeze_heap() -> int:
     """Collect once, then move every object alive to the collector's permanent generation (`gc.freeze`): the
     long-lived state a started process holds (modules, model, pools) is no longer walked by full collections,
-    which otherwise stall the event loop for tens of ms each and free nothing of it. Objects made later are
-    collected as before. Returns how many objects were frozen."""
+    which otherwise stall the event loop for tens of ms each. Objects made later are collected as before; frozen
+    ones are still freed by reference counting. Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
