@@ -107,6 +107,13 @@ def tagged_link(conn: Connection) -> UcxLink:
     return conn.link
 
 
+def str_list(msg: dict[str, Any], name: str) -> list[str]:
+    value = msg.get(name)
+    if not isinstance(value, list) or any(not isinstance(x, str) for x in value):
+        raise DirectError(f"direct message field {name!r} must be a list of strings, got {value!r:.80}")
+    return value
+
+
 def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
     value = msg.get(name)
     if not isinstance(value, list) or len(value) != n or any(not isinstance(x, bool) for x in value):

@@ -38,13 +38,14 @@ from libs.gcache.direct import (
     encode,
     hashing_pool,
     scratch,
+    str_list,
     tagged_link,
 )
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
 from services.cache import metrics
-from services.cache.handlers import CacheNode
+from services.cache.handlers import CacheNode, mismatches
 from services.cache.store import Found, PutSlot
 
 log = logging.getLogger("windserve.cache")
@@ -220,9 +221,7 @@ class DirectNode:
     # ------------------------------------------------------------------ get
 
     def _get(self, conn: Connection, msg_id: int, msg: dict[str, Any], chunk: int) -> None:
-        keys = msg.get("keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise DirectError("get keys must be a list of strings")
+        keys = str_list(msg, "keys")
         values = self.node.lookup_all(keys)
         found = [v for v in values if v is not None and len(v.data)]
         self.gets += 1
@@ -261,23 +260,13 @@ class DirectNode:
     def _bad(self, msg: dict[str, Any]) -> None:
         """A client's report of values whose bytes failed their checksum: hash them again (the hashing thread)
         and drop those that fail here too (a client's word alone drops nothing)."""
-        keys = msg.get("keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise DirectError("bad keys must be a list of strings")
-        suspects = [(k, i, v) for i, k in enumerate(keys) if (v := self.store.peek(k)) is not None]
+        suspects = [(k, v) for k in str_list(msg, "keys") if (v := self.store.peek(k)) is not None]
         if suspects:
             self._spawn(self._recheck(suspects), "direct-recheck")
 
-    async def _recheck(self, suspects: list[tuple[str, int, Found]]) -> None:
-        bad = await asyncio.wrap_future(self._pool.submit(_mismatches, suspects))
-        for key, _, v in bad:
+    async def _recheck(self, suspects: list[tuple[str, Found]]) -> None:
+        bad = await asyncio.wrap_future(self._pool.submit(mismatches, suspects))
+        for key, v in bad:
             self.store.failed_verification(key, v)
         if bad:
-            log.warning("get: values failed their checksum (dropped)", extra={"keys": [k for k, _, _ in bad]})
-
-
-def _mismatches(values: list[tuple[str, int, Found]]) -> list[tuple[str, int, Found]]:
-    """The values whose bytes do not match their checksum (on the hashing thread: xxhash releases the GIL)."""
-    from libs.gcache.keys import value_checksum
-
-    return [(key, i, v) for key, i, v in values if value_checksum(v.data) != v.checksum]
+            log.warning("get: values failed their checksum (dropped)", extra={"keys": [k for k, _ in bad]})

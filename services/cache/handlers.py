@@ -143,7 +143,7 @@ class CacheNode:
         specs = wire.layer_specs([len(v.data) for _, v in found], req.chunk_bytes, [i for i, _ in found])
         payloads = [view for _, v in found for view in wire.chunk_views(v.data, req.chunk_bytes)]
         unverified = [(req.keys[i], v) for i, v in found if not v.verified]
-        check = asyncio.ensure_future(asyncio.to_thread(_mismatches, unverified)) if unverified else None
+        check = asyncio.ensure_future(asyncio.to_thread(mismatches, unverified)) if unverified else None
         taken = False  # whether the verdict was acted on here
         try:
             async with asyncio.timeout(self.config.send_timeout_s):
@@ -205,8 +205,8 @@ class CacheNode:
                 **{k: str(v) for k, v in self.store.stats().items()}}
 
 
-def _mismatches(values: list[tuple[str, Found]]) -> list[tuple[str, Found]]:
-    """The values whose bytes do not match their checksum (run in a thread: xxhash releases the GIL)."""
+def mismatches(values: list[tuple[str, Found]]) -> list[tuple[str, Found]]:
+    """The values whose bytes do not match their checksum (run it in a thread: xxhash releases the GIL)."""
     return [(key, v) for key, v in values if value_checksum(v.data) != v.checksum]
 
 
