@@ -110,15 +110,25 @@ def check_limits(h: VideoHeader, max_seconds: float | None, max_frames: int | No
         raise EncodeError(f"video frames of {h.width}x{h.height} pixels are over the limit of {max_pixels}")
 
 
-def _read_segment(path: str, wanted: list[int], out: np.ndarray, first: int) -> list[int]:
+def _frame_shape(path: str) -> tuple[int, ...]:
+    """The shape of the clip's first decoded frame (its size can differ from the header's, e.g. a rotated clip
+    turned upright by opencv); EncodeError when none decodes."""
+    with _capture(path) as cap:
+        ok, frame = cap.read()
+    if not ok:
+        raise EncodeError("the video could not be decoded (no frame)")
+    return frame.shape
+
+
+def _read_segment(path: str, wanted: list[int], out: np.ndarray, row: dict[int, int]) -> list[int]:
     """Frames `wanted` (sorted) from a capture of their own (seek to the first, then walk forward), each
-    converted to RGB straight into its row of `out` (row `first` for the first of them); the rows written.
-    EncodeError for a frame whose size is not the header's."""
+    converted to RGB straight into its row of `out` (`row`: source frame -> row); the rows written. EncodeError
+    for a frame whose size is not the first frame's."""
     rows: list[int] = []
     with _capture(path) as cap:
         if wanted[0] > 0:
             cap.set(cv2.CAP_PROP_POS_FRAMES, wanted[0])
-        pos, row = wanted[0], dict(zip(wanted, range(first, first + len(wanted)), strict=True))
+        pos = wanted[0]
         while pos <= wanted[-1]:
             if not cap.grab():
                 break  # the container promised more frames than it holds: keep what decoded
@@ -126,7 +136,7 @@ def _read_segment(path: str, wanted: list[int], out: np.ndarray, first: int) -> 
                 ok, frame = cap.retrieve()
                 if ok:
                     if frame.shape != out.shape[1:]:
-                        raise EncodeError("the video's frames are not the size its header gives (not supported)")
+                        raise EncodeError("the video's frames change size mid-stream (not supported)")
                     cv2.cvtColor(frame, cv2.COLOR_BGR2RGB, dst=out[row[pos]])
                     rows.append(row[pos])
             pos += 1
@@ -150,14 +160,13 @@ def decode_video(data: bytes, vc: VisionConfig, workers: int = 1, max_bytes: int
         parts = split_segments(wanted, workers)
         # every frame lands in its row of one array (the RGB conversion writes it there, in the worker): no
         # stacking copy after the workers, which was serial
-        out = np.empty((len(wanted), header.height, header.width, 3), dtype=np.uint8)
-        firsts = np.cumsum([0] + [len(p) for p in parts[:-1]]).tolist()
+        out = np.empty((len(wanted), *_frame_shape(path)), dtype=np.uint8)
+        row = {f: r for r, f in enumerate(wanted)}
         if len(parts) == 1:
-            rows = _read_segment(path, parts[0], out, 0)
+            rows = _read_segment(path, parts[0], out, row)
         else:
             with ThreadPoolExecutor(len(parts), thread_name_prefix="video-decode") as pool:
-                rows = [r for seg in pool.map(lambda pf: _read_segment(path, pf[0], out, pf[1]),
-                                              zip(parts, firsts, strict=True)) for r in seg]
+                rows = [r for seg in pool.map(lambda p: _read_segment(path, p, out, row), parts) for r in seg]
         frames = out if len(rows) == len(wanted) else out[sorted(rows)]  # (a short container: what decoded)
     if not len(frames):
         raise EncodeError("the video could not be decoded (no frame)")
