@@ -145,11 +145,18 @@ def test_sample_indices_by_fps_and_cap():
     assert sample_indices(0, 25.0, 2.0, 8) == []
 
 
-def test_split_segments_is_contiguous_and_complete():
+def test_split_segments_is_contiguous_complete_and_balanced():
     idx = list(range(0, 100, 7))
     for workers in (1, 2, 3, 5, 40):
         parts = split_segments(idx, workers)
-        assert [i for p in parts for i in p] == idx and len(parts) == min(workers, len(idx)) and all(parts)
+        assert [i for p in parts for i in p] == idx and 1 <= len(parts) <= min(workers, len(idx)) and all(parts)
+    assert split_segments(idx, 1) == [idx]
+    # without a seek cost: equal runs; with one, the first run (no seek) takes about the seek's worth more frames
+    assert [len(p) for p in split_segments(list(range(100)), 2, seek_cost=0, keep_cost=0)] == [50, 50]
+    first, second = split_segments(list(range(100)), 2, seek_cost=20, keep_cost=0)
+    assert (first[-1] - first[0] + 1) - (second[-1] - second[0] + 1) in (19, 20, 21)
+    # a clip too short for a seek to pay: one run
+    assert split_segments([0, 1, 2], 3) == [[0, 1, 2]]
 
 
 @pytest.fixture
@@ -166,6 +173,7 @@ def test_video_frames_sampled_and_parallel_equals_sequential(clean_tmp):
     assert seq.shape == (8, 64, 96, 3) and seq.dtype == np.uint8
     assert [bar_column(f) for f in seq] == [(2 * i) % 96 for i in range(0, 40, 5)]  # frames 0, 5, 10, ...
     for workers in (2, 3):
+        assert len(split_segments(list(range(0, 40, 5)), workers)) > 1  # (the parallel path runs)
         assert np.array_equal(decode_video(data, vc, workers=workers), seq)
     capped = decode_video(data, replace(vc, video_max_frames=3), workers=2)
     assert [bar_column(f) for f in capped] == [0, 40, 78]  # frames 0, 20 (19.5 rounded to even), 39

@@ -2,9 +2,11 @@
 evenly over the clip when more would be sampled), decoded in parallel by a thread pool.
 
 opencv needs a file, so the bytes go to a temporary file that is always removed. The sampled frame indices are
-split into ``workers`` contiguous segments; each worker opens its own capture, seeks to its segment's first frame
-and walks forward (``grab`` for frames it skips, ``retrieve`` for frames it keeps). opencv's FFmpeg decode releases
-the GIL, so the workers run in parallel on as many cores.
+split into at most ``workers`` contiguous segments of about equal decode cost (`split_segments`: a seek costs
+about 28 frame decodes, so the first segment, read without one, is the longest). Segment 0 goes on with the capture
+that read the header; every other worker opens its own, seeks to its segment's first frame, and walks forward
+(``grab`` for frames it skips, ``retrieve`` for frames it keeps). opencv's FFmpeg decode releases the GIL, so the
+workers run in parallel on as many cores.
 
 Limits (bytes, seconds, source frames, pixels per frame) are checked on the container's header before decoding
 and raise :class:`EncodeError`, as does a file opencv cannot open or with no decodable frame.
@@ -16,7 +18,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -60,11 +62,39 @@ def sample_indices(frames: int, fps: float, target_fps: float, max_frames: int) 
     return sorted(set(picked))
 
 
-def split_segments(indices: Sequence[int], workers: int) -> list[list[int]]:
-    """`indices` in at most `workers` contiguous, nearly equal, non-empty runs."""
-    k = max(1, min(workers, len(indices)))
-    bounds = np.linspace(0, len(indices), k + 1).round().astype(int)
-    return [list(indices[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+# What a worker's seek costs, in frame decodes: opencv's FFmpeg seek restarts from the keyframe before `target - 16`
+# and decodes forward, ~4.3 ms for a 640x480 mp4v clip (GOP 12) whose frames decode in ~0.15 ms each (bench.mm_prep's
+# clip); a longer GOP costs more. Converting a kept frame to RGB costs about one decode.
+SEEK_COST_FRAMES = 28
+KEEP_COST_FRAMES = 1
+
+
+def split_segments(indices: Sequence[int], workers: int, seek_cost: float = SEEK_COST_FRAMES,
+                   keep_cost: float = KEEP_COST_FRAMES) -> list[list[int]]:
+    """`indices` (sorted source frames) in at most `workers` contiguous, non-empty runs of about equal decode cost:
+    a run costs the frames decoded from its first index to its last, `keep_cost` per index kept, and `seek_cost`
+    unless it starts the clip (worker 0 reads from frame 0 without a seek), so the first run is the longest. Fewer
+    runs when a seeking worker would spend its whole share seeking."""
+    n = len(indices)
+    if n == 0:
+        return []
+    # cost of decoding from frame 0 through indices[j], keeping every index up to it
+    cum = [indices[j] + 1 + keep_cost * (j + 1) for j in range(n)]
+    k = max(1, min(workers, n))
+    while k > 1 and (cum[-1] + (k - 1) * seek_cost) / k <= seek_cost:
+        k -= 1
+    share = (cum[-1] + (k - 1) * seek_cost) / k
+    runs, start = [], 0
+    for b in range(1, k):
+        bound = b * share - (b - 1) * seek_cost  # where run b - 1 should end, in cumulative cost
+        end = start
+        while end < n and cum[end] <= bound:
+            end += 1
+        if end > start and end < n:
+            runs.append(list(indices[start:end]))
+            start = end
+    runs.append(list(indices[start:]))
+    return runs
 
 
 @contextmanager
@@ -91,10 +121,9 @@ def _capture(path: str) -> Iterator[cv2.VideoCapture]:
         cap.release()
 
 
-def probe_video(path: str) -> VideoHeader:
-    with _capture(path) as cap:
-        header = VideoHeader(int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS)),
-                             int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)))
+def read_header(cap: cv2.VideoCapture) -> VideoHeader:
+    header = VideoHeader(int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), float(cap.get(cv2.CAP_PROP_FPS)),
+                         int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)))
     if header.frames <= 0 or not header.fps > 0 or header.width <= 0 or header.height <= 0:
         raise EncodeError(f"the video header gives no usable frame count / fps / size ({header})")
     return header
@@ -110,22 +139,36 @@ def check_limits(h: VideoHeader, max_seconds: float | None, max_frames: int | No
         raise EncodeError(f"video frames of {h.width}x{h.height} pixels are over the limit of {max_pixels}")
 
 
-def _frame_shape(path: str) -> tuple[int, ...]:
-    """The shape of the clip's first decoded frame (its size can differ from the header's, e.g. a rotated clip
-    turned upright by opencv); EncodeError when none decodes."""
-    with _capture(path) as cap:
-        ok, frame = cap.read()
-    if not ok:
-        raise EncodeError("the video could not be decoded (no frame)")
-    return frame.shape
+class _Frames:
+    """The output array, ``[len(rows), *frame shape]``: made from the first frame segment 0 keeps (the clip's first
+    frame: its size can differ from the header's, e.g. a rotated clip turned upright by opencv), so the other
+    segments' workers wait for it (`get`) before their first kept frame, while they seek."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._out: Future[np.ndarray] = Future()
+
+    def make(self, shape: tuple[int, ...]) -> np.ndarray:
+        self._out.set_result(np.empty((self.rows, *shape), dtype=np.uint8))
+        return self._out.result()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._out.done():
+            self._out.set_exception(exc)
+
+    def get(self) -> np.ndarray:
+        return self._out.result()
 
 
-def _read_segment(path: str, wanted: list[int], out: np.ndarray, row: dict[int, int]) -> list[int]:
-    """Frames `wanted` (sorted) from a capture of their own (seek to the first, then walk forward), each
-    converted to RGB straight into its row of `out` (`row`: source frame -> row); the rows written. EncodeError
-    for a frame whose size is not the first frame's."""
+def _read_segment(cap: cv2.VideoCapture, wanted: list[int], frames: _Frames, row: dict[int, int],
+                  first: bool = False) -> list[int]:
+    """Frames `wanted` (sorted) from `cap` (seek to the first unless `cap` is at it, then walk forward), each
+    converted to RGB straight into its row of the output (`row`: source frame -> row); the rows written. The
+    `first` segment makes the output from its first kept frame (EncodeError, for every segment, when none
+    decodes); EncodeError for a frame whose size is not that frame's."""
     rows: list[int] = []
-    with _capture(path) as cap:
+    out = None
+    try:
         if wanted[0] > 0:
             cap.set(cv2.CAP_PROP_POS_FRAMES, wanted[0])
         pos = wanted[0]
@@ -135,11 +178,21 @@ def _read_segment(path: str, wanted: list[int], out: np.ndarray, row: dict[int, 
             if pos in row:
                 ok, frame = cap.retrieve()
                 if ok:
+                    if out is None:
+                        out = frames.make(frame.shape) if first else frames.get()
                     if frame.shape != out.shape[1:]:
                         raise EncodeError("the video's frames change size mid-stream (not supported)")
                     cv2.cvtColor(frame, cv2.COLOR_BGR2RGB, dst=out[row[pos]])
                     rows.append(row[pos])
+                elif first and out is None:
+                    break  # (the clip's first frame does not decode: nothing to size the output by)
             pos += 1
+        if first and out is None:
+            raise EncodeError("the video could not be decoded (no frame)")
+    except BaseException as exc:
+        if first:
+            frames.fail(exc)
+        raise
     return rows
 
 
@@ -153,21 +206,29 @@ def decode_video(data: bytes, vc: VisionConfig, workers: int = 1, max_bytes: int
         raise EncodeError(f"video of {len(data)} bytes is over the limit of {max_bytes} bytes")
     if not data:
         raise EncodeError("the video is empty (0 bytes)")
-    with _temp_file(data) as path:
-        header = probe_video(path)
+    with _temp_file(data) as path, _capture(path) as head:
+        header = read_header(head)
         check_limits(header, max_seconds, max_frames, max_pixels)
         wanted = sample_indices(header.frames, header.fps, vc.video_fps, vc.video_max_frames)
         parts = split_segments(wanted, workers)
         # every frame lands in its row of one array (the RGB conversion writes it there, in the worker): no
-        # stacking copy after the workers, which was serial
-        out = np.empty((len(wanted), *_frame_shape(path)), dtype=np.uint8)
-        row = {f: r for r, f in enumerate(wanted)}
+        # stacking copy after the workers, which was serial; segment 0 goes on with the capture that read the header
+        frames, row = _Frames(len(wanted)), {f: r for r, f in enumerate(wanted)}
+
+        def segment(k: int) -> list[int]:
+            if k == 0:
+                return _read_segment(head, parts[0], frames, row, first=True)
+            with _capture(path) as cap:
+                return _read_segment(cap, parts[k], frames, row)
+
         if len(parts) == 1:
-            rows = _read_segment(path, parts[0], out, row)
+            rows = segment(0)
         else:
             with ThreadPoolExecutor(len(parts), thread_name_prefix="video-decode") as pool:
-                rows = [r for seg in pool.map(lambda p: _read_segment(path, p, out, row), parts) for r in seg]
-        frames = out if len(rows) == len(wanted) else out[sorted(rows)]  # (a short container: what decoded)
-    if not len(frames):
+                rows = [r for seg in pool.map(segment, range(len(parts))) for r in seg]
+        out = frames.get()
+    if len(rows) < len(wanted):
+        out = out[sorted(rows)]  # (a short container: what decoded)
+    if not len(out):
         raise EncodeError("the video could not be decoded (no frame)")
-    return frames
+    return out
