@@ -9,13 +9,13 @@ image processor, and parallel against sequential video frame decode.
                    device (CUDA when present, else CPU with torch's default threads), patch rows out;
    * transformers: pillow decode (``Image.open(...).convert("RGB")``) + ``Qwen2VLImageProcessorPil`` (the
                    processor transformers uses without torchvision), ``pixel_values`` out.
-   One round = every image once through each; the figure is the median round (and the best) over ROUNDS rounds,
-   after a warm-up round. On CPU windserve runs with one torch thread (pillow and the processor's numpy steps
+   One round = every image once through each, the two taking turns round by round; the figure is the median
+   round (and the best) over ROUNDS rounds, after a warm-up round. On CPU windserve runs with one torch thread (pillow and the processor's numpy steps
    use one), its figure with torch's default threads is recorded too, and so is the preprocessing alone
    (``preprocess_only_speedup``: decoded arrays in, both sides), since decoding costs both sides about the same. Headline: ``preprocess_speedup_vs_transformers`` = transformers / windserve per round
    (goal >= 2).
 2. Video: an mp4v clip written with opencv, decoded with ``decode_video`` at the config's fps with 1 worker and
-   with 2 workers (each its own capture, seeking to its segment); the median of ROUNDS. Headline:
+   with 2 workers (the second seeking to its segment), taking turns round by round; the median of 15 rounds. Headline:
    ``video_parallel_speedup`` = sequential / parallel wall time (goal >= 1.7 on 2 cores). The process CPU time
    is recorded too: ``speedup_on_two_free_cores`` = 2 × sequential CPU / parallel CPU is what the split gives
    where two cores are free, and ``sequential_cpu_share`` (CPU / wall of the sequential decode) shows whether
@@ -28,13 +28,14 @@ The load average at the start is recorded: on a shared machine it bounds what a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,15 +76,35 @@ def images(quick: bool) -> list[bytes]:
 def timed_rounds(fn: Callable[[], object], rounds: int, cpu: list[float] | None = None) -> list[float]:
     """Wall seconds of each round after a warm-up (imports, allocator, kernel selection); the process CPU seconds
     (all threads) of each round go to `cpu` when given."""
-    fn()
-    out = []
-    for _ in range(rounds):
-        start, start_cpu = time.perf_counter(), time.process_time()
+    return taking_turns([fn], rounds, None if cpu is None else [cpu])[0]
+
+
+def taking_turns(fns: Sequence[Callable[[], object]], rounds: int,
+                 cpu: Sequence[list[float]] | None = None) -> list[list[float]]:
+    """Wall seconds of each round of each of `fns`, which take turns round by round after a warm-up each (a slow
+    spell of a shared machine, e.g. a neighbour on the second core, hits them alike); the process CPU seconds of
+    each round go to `cpu[i]` when given."""
+    for fn in fns:
         fn()
-        out.append(time.perf_counter() - start)
-        if cpu is not None:
-            cpu.append(time.process_time() - start_cpu)
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            out[i].append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu[i].append(time.process_time() - start_cpu)
     return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _sync(device: torch.device) -> None:
@@ -109,24 +130,26 @@ def measure_preprocess(quick: bool, vc: VisionConfig) -> dict[str, Any]:
         for d in data:
             hf(images=[Image.open(io.BytesIO(d)).convert("RGB")], return_tensors="pt")
 
+    def ours_one_thread() -> None:  # the headline: one thread each, as pillow and transformers' numpy steps use
+        with torch_threads(1):
+            ours()
+
     rounds = 3 if quick else 7
     default_threads = torch.get_num_threads()
     t_ours_default = timed_rounds(ours, rounds)
-    torch.set_num_threads(1)  # the headline: one thread each, as pillow and transformers' numpy steps use
-    try:
-        t_ours = timed_rounds(ours, rounds)
-    finally:
-        torch.set_num_threads(default_threads)
-    t_theirs = timed_rounds(theirs, rounds)
+    t_ours, t_theirs = taking_turns([ours_one_thread, theirs], rounds)
     # the same without the decode (already-decoded arrays / pillow images): the preprocessing on its own
     arrays = [decode_image(d, 1 << 26) for d in data]
     pils = [Image.fromarray(a) for a in arrays]
-    torch.set_num_threads(1)
-    try:
-        p_ours = timed_rounds(lambda: [preprocess([a], vc, device) for a in arrays] and _sync(device), rounds)
-    finally:
-        torch.set_num_threads(default_threads)
-    p_theirs = timed_rounds(lambda: [hf(images=[im], return_tensors="pt") for im in pils], rounds)
+
+    def ours_only() -> None:
+        with torch_threads(1):
+            for a in arrays:
+                preprocess([a], vc, device)
+            _sync(device)
+
+    p_ours, p_theirs = taking_turns([ours_only, lambda: [hf(images=[im], return_tensors="pt") for im in pils]],
+                                    rounds)
     n = len(data)
     return {
         "images": n, "rounds": rounds, "device": str(device), "torch_threads": 1,
@@ -162,12 +185,12 @@ def measure_video(quick: bool, vc: VisionConfig) -> dict[str, Any]:
     seconds, fps = (4.0, 25.0) if quick else (12.0, 25.0)
     clip = write_clip(seconds, fps, 640, 480)
     vc = replace(vc, video_fps=4.0, video_max_frames=64)
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 15
     frames = decode_video(clip, vc, workers=1).shape[0]
     seq_cpu: list[float] = []
     par_cpu: list[float] = []
-    seq = timed_rounds(lambda: decode_video(clip, vc, workers=1), rounds, seq_cpu)
-    par = timed_rounds(lambda: decode_video(clip, vc, workers=2), rounds, par_cpu)
+    seq, par = taking_turns([lambda: decode_video(clip, vc, workers=1), lambda: decode_video(clip, vc, workers=2)],
+                            rounds, [seq_cpu, par_cpu])
     cpu_share = statistics.median(s / w for s, w in zip(seq_cpu, seq, strict=True))
     return {
         "clip": {"seconds": seconds, "fps": fps, "size": "640x480", "codec": "mp4v", "bytes": len(clip)},
