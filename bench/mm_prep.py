@@ -12,13 +12,13 @@ image processor, and parallel against sequential video frame decode.
    One round = every image once through each, the two taking turns round by round; the figure is the median
    round (and the best) over ROUNDS rounds, after a warm-up round. On CPU windserve runs with one torch thread
    (pillow and the processor's numpy steps use one), its figure with torch's default threads is recorded too,
-   and so is the preprocessing alone
-   (``preprocess_only_speedup``: decoded arrays in, both sides), since decoding costs both sides about the same. Headline: ``preprocess_speedup_vs_transformers`` = transformers / windserve per round
-   (goal >= 2).
+   and so is the preprocessing alone (``preprocess_only_speedup``: decoded arrays in, both sides), since
+   decoding costs both sides about the same. Headline: ``preprocess_speedup_vs_transformers`` = transformers /
+   windserve per round (goal >= 2).
 2. Video: an mp4v clip written with opencv, decoded with ``decode_video`` at the config's fps with 1 worker and
    with 2 workers (the second seeking to its segment), taking turns round by round; the median of 15 rounds.
-   Headline: ``video_parallel_speedup`` = sequential / parallel wall time (goal >= 1.7 on 2 cores). The process CPU time
-   is recorded too: ``speedup_on_two_free_cores`` = 2 × sequential CPU / parallel CPU is what the split gives
+   Headline: ``video_parallel_speedup`` = sequential / parallel wall time (goal >= 1.7 on 2 cores). The process
+   CPU time is recorded too: ``speedup_on_two_free_cores`` = 2 × sequential CPU / parallel CPU is what the split gives
    where two cores are free, and ``sequential_cpu_share`` (CPU / wall of the sequential decode) shows whether
    they were: on a shared machine the wall-time figure measures the neighbours.
 
