@@ -91,13 +91,36 @@ def decode(body: bytes) -> dict[str, Any]:
     return msg
 
 
-def int_list(msg: dict[str, Any], name: str, n: int | None = None) -> list[int]:
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _list_of(msg: dict[str, Any], name: str, what: str, ok: Callable[[object], bool], n: int | None) -> list[Any]:
+    """Field `name` of a direct message, checked: a list whose items all pass `ok` (`what` names them), of `n`
+    entries when given; DirectError otherwise."""
     value = msg.get(name)
-    if not isinstance(value, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in value):
-        raise DirectError(f"direct message field {name!r} must be a list of ints, got {value!r:.80}")
+    if not isinstance(value, list) or not all(ok(x) for x in value):
+        raise DirectError(f"direct message field {name!r} must be a list of {what}, got {value!r:.80}")
     if n is not None and len(value) != n:
         raise DirectError(f"direct message field {name!r}: {len(value)} entries for {n}")
     return value
+
+
+def int_list(msg: dict[str, Any], name: str, n: int | None = None) -> list[int]:
+    return _list_of(msg, name, "ints", _is_int, n)
+
+
+def str_list(msg: dict[str, Any], name: str) -> list[str]:
+    return _list_of(msg, name, "strings", lambda x: isinstance(x, str), None)
+
+
+def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
+    return _list_of(msg, name, "bools", lambda x: isinstance(x, bool), n)
+
+
+def sum_list(msg: dict[str, Any], name: str, n: int) -> list[int | None]:
+    """Checksums: ints, or null for a value with nothing to verify."""
+    return _list_of(msg, name, "ints or nulls", lambda x: x is None or _is_int(x), n)
 
 
 def tagged_link(conn: Connection) -> UcxLink:
@@ -105,20 +128,6 @@ def tagged_link(conn: Connection) -> UcxLink:
     if not isinstance(conn.link, UcxLink):
         raise DirectError(f"the connection to {conn.peer} has no tagged data plane (not UCX)")
     return conn.link
-
-
-def str_list(msg: dict[str, Any], name: str) -> list[str]:
-    value = msg.get(name)
-    if not isinstance(value, list) or any(not isinstance(x, str) for x in value):
-        raise DirectError(f"direct message field {name!r} must be a list of strings, got {value!r:.80}")
-    return value
-
-
-def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
-    value = msg.get(name)
-    if not isinstance(value, list) or len(value) != n or any(not isinstance(x, bool) for x in value):
-        raise DirectError(f"direct message field {name!r} must be a list of {n} bools, got {value!r:.80}")
-    return value
 
 
 def scratch(nbytes: int, cache: list[np.ndarray]) -> np.ndarray:
@@ -166,14 +175,6 @@ class ChunkHasher:
 def hashing_pool(name: str) -> concurrent.futures.ThreadPoolExecutor:
     """The one thread that hashes a side's landed chunks (FIFO: `ChunkHasher` relies on it)."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-
-def sum_list(msg: dict[str, Any], name: str, n: int) -> list[int | None]:
-    value = msg.get(name)
-    if not isinstance(value, list) or len(value) != n or any(
-            x is not None and (not isinstance(x, int) or isinstance(x, bool)) for x in value):
-        raise DirectError(f"direct message field {name!r} must be a list of {n} ints or nulls, got {value!r:.80}")
-    return value
 
 
 async def _all_done(requests: list[asyncio.Future], timeout: float) -> None:
