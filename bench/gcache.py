@@ -1187,8 +1187,11 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
                                                   None if a.l3_gib is None else int(a.l3_gib * GIB)))
     if not a.skip_engine:
         eng = engine_figures(a.quick)
+    from libs.gcache import GCacheConfig
+
     setup = {"quick": a.quick, "sizes_mib": list(sizes), "clients": list(clients), "transports": list(transports),
              "iters": iters, "round_bytes_per_client": round_bytes, "gcache_chunk_mib": a.chunk_mib or None,
+             "gcache_message_mib": GCacheConfig().message_bytes // MIB,  # (the direct path's UCX messages)
              "nodes": NODES, "node_env": NODE_ENV,
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
              "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}

@@ -1,5 +1,6 @@
 """The direct path of GCache (libs/gcache/direct.py, services/cache/direct.py): puts and gets as MESSAGE frames
-on the transfer engine's control connection plus one tagged UCX message per chunk, over real ucxx (UCX over tcp
+on the transfer engine's control connection plus one tagged UCX message per value (per slice of a larger one),
+over real ucxx (UCX over tcp
 on loopback). In-process: a node's handlers over a real `NodeStore` and a real UCX engine, a client's
 `DirectCalls` on another engine. With node processes: `GCacheClient` against `python -m services.cache`, the
 direct path taken (the node's counters), and a client SIGKILLed halfway through a direct put."""
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from libs.gcache.arena import Allocator, SegmentArena
@@ -81,8 +83,6 @@ class Pair:
             await asyncio.wait(list(self.tasks), timeout=5)
         await self.client_engine.close()
         await self.node_engine.close()
-        self.calls.close()
-        self.direct_node.close()
 
 
 @pytest.fixture
@@ -111,9 +111,9 @@ async def test_direct_round_trip_byte_equal_with_zero_byte_odd_sized_and_refused
     assert pair.direct_node.puts == 2 and pair.direct_node.gets == 2 and pair.calls.drops == 0
 
 
-async def test_direct_put_stores_the_checksum_of_the_bytes_that_landed(pair):
-    """The node checksums each value from its landed chunks (in order, as they land): the stored checksum is the
-    value's own, for values of one chunk, several, a partial last one and none."""
+async def test_direct_put_stores_the_checksums_the_client_sent_after_its_values(pair):
+    """The client hashes its values while they go and sends the sums after them; the node commits with those:
+    the stored checksum is the value's own, for values of one message, several, a partial last one and none."""
     values = {"one": data(4, CHUNK), "many": data(5, 3 * CHUNK + 5), "tiny": b"x", "none": b""}
     assert await pair.put(list(values.items())) == [True] * 4
     for key, value in values.items():
@@ -123,8 +123,8 @@ async def test_direct_put_stores_the_checksum_of_the_bytes_that_landed(pair):
 
 
 async def test_direct_get_of_a_value_corrupted_in_memory_is_a_miss_dropped_and_counted(pair):
-    """The client hashes what lands against the node's sum: a value corrupted in the node's memory is a miss
-    (never handed out), counted by the client and reported; the node hashes it again and drops it."""
+    """The node hashes a memory value while sending it: a value corrupted in its memory is named in the verdict,
+    so the client returns a miss (never the bytes), and the node drops it and counts a checksum failure."""
     good, bad = data(6, 4 * CHUNK + 1), data(7, 3 * CHUNK)
     assert await pair.put([("good", good), ("bad", bad)]) == [True, True]
     stored = pair.store._memory.peek("bad")
@@ -133,23 +133,53 @@ async def test_direct_get_of_a_value_corrupted_in_memory_is_a_miss_dropped_and_c
     got = await pair.get(["good", "bad"])
     assert bytes(got[0]) == good and got[1] is None  # the bad value is never handed out
     assert pair.calls.checksum_failures == 1
-    await bounded(_until(lambda: not pair.store.exists("bad")), HANG)
-    assert pair.store.stats()["checksum_failures"] == 1
-    assert (await pair.get(["bad"])) == [None]
+    assert not pair.store.exists("bad") and pair.store.stats()["checksum_failures"] == 1
+    assert (await pair.get(["bad", "good"]))[0] is None and pair.calls.checksum_failures == 1
 
 
-async def test_a_false_corruption_report_drops_nothing(pair):
-    """The node drops a reported value only when its own hash fails too."""
-    from libs.gcache.direct import encode
+async def test_a_put_value_corrupted_on_its_way_is_committed_but_never_read(pair):
+    """The node trusts the writer's sums at commit (it never hashes a put): a value whose bytes do not match its
+    sum is stored, and the first get finds it, drops it and returns a miss."""
+    from libs.gcache.direct import checksums
 
-    value = data(10, 2 * CHUNK)
-    assert await pair.put([("fine", value)]) == [True]
-    conn = await pair.client_engine.connect(pair.address)  # (the connection the calls use: messages in order)
-    conn.post_message(5000, encode({"op": "bad", "keys": ["fine", "absent"]}))
-    assert [bytes(v) for v in await pair.get(["fine"])] == [value]  # (served after the report was taken)
-    await bounded(_until(lambda: not pair.tasks), HANG)  # the node's second hash is done
-    assert pair.store.exists("fine") and pair.store.stats()["checksum_failures"] == 0
-    assert pair.calls.checksum_failures == 0
+    value = data(11, 2 * CHUNK)
+
+    async def wrong_sums() -> list[int]:
+        return [(await asyncio.to_thread(checksums, [value]))[0] ^ 1]
+    assert await pair.calls.put(pair.address, [("off", value)], pair.deadline(), wrong_sums) == [True]
+    assert pair.store.exists("off")
+    assert await pair.get(["off"]) == [None]
+    assert not pair.store.exists("off") and pair.store.stats()["checksum_failures"] == 1
+
+
+async def test_a_put_whose_sums_are_garbage_or_never_come_is_aborted_and_answered():
+    """Garbage sums abort the put at once with an error reply; sums that never come abort it at the put timeout
+    (its values landed, so the connection stays); nothing becomes visible either way."""
+    from libs.gcache.direct import decode, encode
+    from libs.transfer.protocol import message_tag
+
+    p = await Pair().start(put_timeout_s=1.0)
+    try:
+        conn = await p.client_engine.connect(p.address)
+        answers: dict[int, dict] = {}
+        p.client_engine.set_message_handler(lambda c, mid, body: answers.__setitem__(mid, decode(body)))
+        value = data(12, CHUNK)
+        for msg_id, sums in ((21, {"op": "sums", "sums": ["x"]}), (22, None)):
+            conn.post_message(msg_id, encode({"op": "put", "chunk": CHUNK, "items": [[f"k{msg_id}", CHUNK]]}))
+            sent = conn.link.post_send(message_tag(conn.link.nonce, msg_id, 0), np.frombuffer(value, dtype=np.uint8))
+            if sums is not None:
+                conn.post_message(msg_id, encode(sums))
+            await bounded(sent, HANG)
+        await bounded(_until(lambda: len(answers) == 2), 10)
+        assert "error" in answers[21] and "error" in answers[22], answers
+        assert "did not come" in answers[22]["error"]
+        assert p.store.inflight() == 0 and p.store.stats()["aborted"] == 2 and not conn.closed
+        assert not p.store.exists("k21") and not p.store.exists("k22")
+        conn.post_message(23, encode({"op": "sums", "sums": [1]}))  # no such put: an error, nothing else
+        await bounded(_until(lambda: 23 in answers), 10)
+        assert "error" in answers[23]
+    finally:
+        await p.close()
 
 
 async def test_a_client_connection_dropped_mid_put_aborts_the_put_at_once(pair):
@@ -209,7 +239,8 @@ async def test_a_get_abandoned_at_its_deadline_leaves_nothing_pending(pair):
     reply = pair.direct_node._reply
     loop = asyncio.get_running_loop()
     pair.direct_node._reply = lambda conn, msg_id, msg: (  # type: ignore[method-assign]
-        loop.call_later(0.3, reply, conn, msg_id, msg) if "sizes" in msg else reply(conn, msg_id, msg))
+        loop.call_later(0.3, reply, conn, msg_id, msg) if "sizes" in msg or "bad" in msg
+        else reply(conn, msg_id, msg))
     with pytest.raises(TimeoutError):
         await pair.get(["v"], timeout=0.05)
     pair.direct_node._reply = reply  # type: ignore[method-assign]
@@ -261,7 +292,7 @@ async def test_node_garbage_requests_are_answered_with_errors(pair):
     conn.post_message(2, b'{"op": "put", "chunk": 0, "items": []}')
     conn.post_message(3, b'{"op": "nope", "chunk": 4096}')
     conn.post_message(4, b'{"op": "put", "chunk": 4096, "items": [["k", -1]]}')
-    conn.post_message(5, b'{"op": "bad", "keys": "k"}')
+    conn.post_message(5, b'{"op": "bad", "keys": ["k"]}')
     await bounded(_until(lambda: len(answers) == 5), HANG)
     assert all("error" in a for a in answers.values()), answers
     assert pair.store.inflight() == 0 and not conn.closed

@@ -519,11 +519,15 @@ async def test_disaggregated_second_turn_on_the_other_prefill_worker_is_cached(b
             await svc.stop()
 
 
-def test_the_sdk_chunk_size_comes_from_the_worker_config(monkeypatch) -> None:
+def test_the_sdk_chunk_and_message_sizes_come_from_the_worker_config(monkeypatch) -> None:
     from libs.service.config import load_config
     from services.worker.config import WorkerConfig
 
     monkeypatch.delenv("WINDSERVE_GCACHE_CHUNK_MIB", raising=False)
-    assert load_config(WorkerConfig).gcache_config().chunk_bytes == 4 << 20  # the SDK's default
+    monkeypatch.delenv("WINDSERVE_GCACHE_MESSAGE_MIB", raising=False)
+    cfg = load_config(WorkerConfig).gcache_config()
+    assert (cfg.chunk_bytes, cfg.message_bytes) == (4 << 20, 64 << 20)  # the SDK's defaults
     monkeypatch.setenv("WINDSERVE_GCACHE_CHUNK_MIB", "16")
-    assert load_config(WorkerConfig).gcache_config().chunk_bytes == 16 << 20
+    monkeypatch.setenv("WINDSERVE_GCACHE_MESSAGE_MIB", "8")
+    cfg = load_config(WorkerConfig).gcache_config()
+    assert (cfg.chunk_bytes, cfg.message_bytes) == (16 << 20, 8 << 20)

@@ -99,7 +99,7 @@ class GCacheStats:
     errors: int = 0
     """Node requests or transfers that failed or timed out (each gave misses)."""
     corrupt: int = 0
-    """Values a get received whose bytes failed their checksum (misses; reported to their node)."""
+    """Values a get received that their node found corrupt while sending them (misses; dropped there)."""
 
 
 class _Counters:
@@ -293,7 +293,7 @@ class _IOWorker:
         bound = await self.engine.start(host=cfg.transfer_host)
         self.address = advertised_address(bound, cfg.advertise_host)
         if cfg.direct and self.engine.backend is TransferBackend.UCX:
-            self.direct = DirectCalls(self.engine, self.allocate, cfg.chunk_bytes,
+            self.direct = DirectCalls(self.engine, self.allocate, cfg.message_bytes,
                                       getattr(getattr(self.engine, "config", None), "drain_timeout_s", 2.0))
         self.bus = await Bus.connect(client.nats_url, name=f"gcache-{uuid.uuid4().hex[:8]}-{self.index}",
                                      timeout=_CONNECT_TIMEOUT_S)
@@ -325,8 +325,6 @@ class _IOWorker:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_CLOSE_TIMEOUT_S):
                     await self.engine.close()
-        if self.direct is not None:
-            self.direct.close()
         if self.bus is not None:
             await self.bus.close()
 
@@ -465,8 +463,11 @@ class _IOWorker:
         assert self.bus is not None and self.engine is not None
         address = self._direct_address(node)
         if address is not None and self.direct is not None:
+            async def mine() -> list[int]:
+                every = await asyncio.shield(sums.get())
+                return [every[i] for i in idxs]
             with contextlib.suppress(DirectUnreachable):  # (then the NATS path: its reply names the address)
-                return await self.direct.put(address, [items[i] for i in idxs], deadline)
+                return await self.direct.put(address, [items[i] for i in idxs], deadline, mine)
         tid = uuid.uuid4().hex
         chunk = self.config.chunk_bytes
         async with asyncio.timeout(self._left(deadline)):
@@ -507,8 +508,8 @@ class _IOWorker:
 
 
 class _PutChecksums:
-    """A put's checksums, for the NATS path (its request carries them; the direct path's node hashes what
-    lands): hashed once, on a thread (xxhash releases the GIL), when a replica first needs them."""
+    """A put's checksums (the NATS path's request carries them; the direct path sends them after the values):
+    hashed once, on a thread (xxhash releases the GIL), when a replica first needs them."""
 
     def __init__(self, items: list[tuple[str, Buffer]]) -> None:
         self._items = items

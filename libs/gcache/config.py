@@ -8,7 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 class GCacheConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    chunk_bytes: int = Field(default=4 << 20, ge=4096, description="largest slice of a value on the wire")
+    chunk_bytes: int = Field(default=4 << 20, ge=4096, description="largest slice of a value on the wire of the "
+                             "NATS path (one transfer layer per chunk)")
+    message_bytes: int = Field(default=64 << 20, ge=4096, le=1 << 30, description="direct path: largest UCX "
+                               "message (a value up to this size is one message; docs/gcache.md, \"Throughput\")")
     virtual_nodes: int = Field(default=64, ge=1, description="ring points per storage node")
     replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: write both successors, "
                              "read either)")
@@ -23,7 +26,7 @@ class GCacheConfig(BaseModel):
     landing_prefault: bool = Field(default=False, description="populate the landing memory's page tables at start "
                                    "(background): no get ever faults; it becomes resident at once")
     direct: bool = Field(default=True, description="UCX engines: puts and gets on the direct path (requests on the "
-                         "transfer engine's control connection, one tagged UCX message per chunk; docs/gcache.md); "
+                         "transfer engine's control connection, one tagged UCX message per value; docs/gcache.md); "
                          "False, or a TCP engine: NATS request + transfer")
     landing_segment_bytes: int = Field(default=64 << 20, ge=4096, description="arena segment (a larger value gets "
                                        "its own buffer)")

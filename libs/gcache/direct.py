@@ -2,33 +2,32 @@
 
 On a UCX transfer engine a client's put or get to one node is
 
-- one MESSAGE frame (`libs.transfer`, "Messages") on the engine's persistent control connection to the node
+- MESSAGE frames (`libs.transfer`, "Messages") on the engine's persistent control connection to the node
   (dialled once per (IO thread, node), cached by the engine; its UCX endpoint comes with it), and
-- one tagged UCX message per chunk of every value, on that connection's endpoint, tag
-  `message_tag(connection nonce, message id, chunk index)` (chunk index: running over the batch's chunks in
-  value order; values of 0 bytes have none),
+- one tagged UCX message per value (per slice of at most `message_bytes` of a larger one), on that
+  connection's endpoint, tag `message_tag(connection nonce, message id, index)` (index: running over the
+  batch's messages in value order; values of 0 bytes have none),
 
 with no HEADER / ACCEPT round trip, no LAYER frames, no END / DONE:
 
 ```
-put   client ── MESSAGE {op: put, chunk, items[key, size]} ──▶ node: begin_put per item, a receive posted
-                                                                  per chunk (a refused item's into scratch
-             ══ every chunk of every item, sent at once ══▶        memory), each chunk hashed in order as it
-                                                                  lands (a thread): every chunk landed →
-             ◀── MESSAGE {stored[]} ──                            commit with that digest as the checksum
-get   client ── MESSAGE {op: get, chunk, keys} ──▶ node: lookup; reply at once, send every chunk at once
-             ◀── MESSAGE {sizes[], sums[]} ──      (a disk value verified on read: its sum null)
-             ◀══ the found values' chunks ══       client: receives posted as the reply arrives, each chunk
-                                                   hashed in order as it lands (a thread); a value whose
-             ── MESSAGE {op: bad, keys} ──▶        digest is not its sum is a miss, and reported: the node
-                                                   hashes it again and drops it if it fails there too
+put   client ── MESSAGE {op: put, chunk, items[key, size]} ──▶ node: begin_put per item, a receive posted per
+             ══ every value, sent at once ══▶                    message (a refused item's into scratch memory)
+             ── MESSAGE {op: sums, sums[]} ──▶                   every message landed and the sums came →
+             ◀── MESSAGE {stored[]} ──                           commit with those sums as the checksums
+get   client ── MESSAGE {op: get, chunk, keys} ──▶ node: lookup; reply at once, send every value at once
+             ◀── MESSAGE {sizes[], check} ──       and hash its memory values meanwhile (a disk value was
+             ◀══ the found values ══               verified on read); a value whose hash fails is dropped
+             ◀── MESSAGE {bad[]} ── (when check)   there and named in `bad`: the client returns it as a miss
 ```
 
-Each value is hashed once per put and once per get, by the side that receives it, chunk by chunk as its chunks
-land (still in the CPU cache), so only the last chunk's hash follows the transfer.
+Each value is hashed once per put and once per get, by the side that holds it at rest, while its bytes are in
+flight: the client hashes its values on a thread as they go (their sums follow in a second message), the node
+hashes what it sends. A value is one UCX message because each message costs a completion handed from ucxx's
+progress thread to the loop (docs/gcache.md, "Throughput"), and because a receiver can only hash a message
+once all of it landed.
 
-This module holds the message codec and `ChunkHasher` (both sides) and `DirectCalls`, the client side of one IO
-thread.
+This module holds the message codec and `DirectCalls`, the client side of one IO thread.
 
 Failure contract: a call fails (its keys become misses) when the control connection drops (the node died: its
 socket closes at once, which shared-memory UCX cannot report), when the node answers an error or nonsense,
@@ -36,17 +35,16 @@ or past the caller's deadline. A failed call's posted receives and issued sends 
 finish; if they do not, the connection is dropped, which closes the endpoint and cancels them — so no buffer
 is read or written by UCX after that (a landing buffer is referenced until then, so the arena cannot reuse
 it). A reply to a call that was given up (its get's sizes) is drained into scratch memory, so the node's sends
-never stay pending.
+never stay pending. A put's sums are sent even when its caller gave up: the node holds the put until they come.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +58,7 @@ from libs.transfer.protocol import message_tag
 
 from . import wire
 from .api import Buffer
-from .keys import checksum_state
+from .keys import value_checksum
 
 log = logging.getLogger("windserve.gcache")
 
@@ -138,45 +136,6 @@ def scratch(nbytes: int, cache: list[np.ndarray]) -> np.ndarray:
     return cache[0][:nbytes]
 
 
-class ChunkHasher:
-    """The checksum (`value_checksum`) of one value received as chunks: each chunk is hashed on `pool` (one
-    thread: xxhash releases the GIL) once it and every chunk before it landed, so that when the last chunk lands
-    only it is left to hash."""
-
-    def __init__(self, views: list[np.ndarray], pool: concurrent.futures.Executor) -> None:
-        self._views = views
-        self._pool = pool
-        self._state = checksum_state()
-        self._landed: set[int] = set()
-        self._next = 0
-        self._last: concurrent.futures.Future[None] | None = None
-
-    def landed(self, k: int) -> None:
-        self._landed.add(k)
-        while self._next in self._landed:
-            self._last = self._pool.submit(self._state.update, self._views[self._next].data)
-            self._next += 1
-
-    def when_landed(self, k: int) -> Callable[[asyncio.Future[Any]], None]:
-        """The done callback of chunk `k`'s receive: hash it (and what it unblocks) once it landed intact."""
-        def done(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                self.landed(k)
-        return done
-
-    async def digest(self) -> int:
-        """Once every chunk landed: the value's checksum."""
-        assert self._next == len(self._views), "digest before every chunk landed"
-        if self._last is not None:
-            await asyncio.wrap_future(self._last)  # (one thread, FIFO: every update before it is done too)
-        return self._state.intdigest()
-
-
-def hashing_pool(name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that hashes a side's landed chunks (FIFO: `ChunkHasher` relies on it)."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-
 async def _all_done(requests: list[asyncio.Future], timeout: float) -> None:
     """Wait for UCX requests without ever cancelling one (a cancelled Python wait would leave its UCX request
     posted: only closing the endpoint cancels that); TimeoutError past `timeout`, a failed request's error."""
@@ -197,83 +156,99 @@ class _DirectCall:
     conn: Connection
     msg_id: int
     reply: asyncio.Future[dict[str, Any]]
+    verdict: asyncio.Future[dict[str, Any]]  # a get's second message (`bad`), when its reply said `check`
     requests: list[asyncio.Future] = field(default_factory=list)  # UCX sends / receives posted for it
 
     def fail(self, exc: BaseException) -> None:
-        if not self.reply.done():
-            self.reply.set_exception(exc)
-            self.reply.exception()  # (retrieved: a reply nobody waits for is no news)
+        for fut in (self.reply, self.verdict):
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # (retrieved: an answer nobody waits for is no news)
+
+
+def checksums(values: Sequence[Buffer]) -> list[int]:
+    """The values' checksums (run it in a thread: xxhash releases the GIL)."""
+    return [value_checksum(v) for v in values]
 
 
 class DirectCalls:
     """The direct path of one IO thread over its (UCX) transfer engine: `put` and `get` to a node's address.
     Registers the engine's message handler and a drop listener; one owner loop."""
 
-    def __init__(self, engine: Any, allocate: Callable[[int], memoryview], chunk_bytes: int,
+    def __init__(self, engine: Any, allocate: Callable[[int], memoryview], message_bytes: int,
                  drain_timeout_s: float = 2.0) -> None:
         self.engine = engine
         self.allocate = allocate
-        self.chunk_bytes = chunk_bytes
+        self.message_bytes = message_bytes
         self.drain_timeout_s = drain_timeout_s
         self._ids = itertools.count(1)
         self._calls: dict[tuple[int, int], _DirectCall] = {}
         self._scratch: list[np.ndarray] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._pool = hashing_pool("gcache-hash")
         self.calls = 0  # direct calls made (tests, health)
         self.drops = 0  # connections dropped because a failed call's UCX requests did not drain
-        self.checksum_failures = 0  # values got whose bytes did not match their checksum (misses; reported)
+        self.checksum_failures = 0  # values the node found corrupt while sending them (misses)
         engine.set_message_handler(self._on_message)
         engine.add_drop_listener(self._on_drop)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ------------------------------------------------------------------ calls
 
-    async def put(self, address: str, items: Sequence[tuple[str, Buffer]], deadline: float) -> list[bool]:
+    async def put(self, address: str, items: Sequence[tuple[str, Buffer]], deadline: float,
+                  sums: Callable[[], Awaitable[list[int]]] | None = None) -> list[bool]:
         """Store `items` (key, value) on the node at `address`; per item, whether it stored it. The request and
-        the chunks go at once; the node checksums each value from the bytes that landed."""
+        the values go at once; the values' checksums (`sums()`, default: hashed on a thread) follow them."""
         conn = await self._connect(address, deadline)
         call = self._open(conn)
-        chunk = self.chunk_bytes
+        size = self.message_bytes
         try:
-            conn.post_message(call.msg_id, encode({"op": "put", "chunk": chunk, "items": [
+            conn.post_message(call.msg_id, encode({"op": "put", "chunk": size, "items": [
                 [key, len(value)] for key, value in items]}))
             link, index = tagged_link(conn), 0
             for _, value in items:
-                for view in wire.chunk_arrays(value, chunk):
+                for view in wire.chunk_arrays(value, size):
                     call.requests.append(link.post_send(message_tag(link.nonce, call.msg_id, index), view))
                     index += 1
+            values = [value for _, value in items]
+            self._spawn(self._send_sums(conn, call.msg_id, sums() if sums is not None
+                                        else asyncio.to_thread(checksums, values)))
             async with asyncio.timeout(self._left(deadline)):
                 reply = await call.reply
-            await _all_done(call.requests, self._left(deadline))  # (by now: the node took or drained every chunk)
+            await _all_done(call.requests, self._left(deadline))  # (by now: the node took or drained every value)
             return bool_list(reply, "stored", len(items))
         finally:
             self._close(call)
 
+    async def _send_sums(self, conn: Connection, msg_id: int, sums: Awaitable[list[int]]) -> None:
+        """A put's checksums, posted once hashed, whether or not its caller still waits (the node commits
+        nothing without them and would hold the slots until its put timeout)."""
+        try:
+            body = encode({"op": "sums", "sums": await sums})
+        except Exception as exc:  # (hashing failed: the node aborts the put at its timeout)
+            log.warning("gcache direct put: hashing failed", extra={"peer": conn.peer, "error": repr(exc)})
+            return
+        with contextlib.suppress(TransferError):  # (the node is gone: its put went with it)
+            conn.post_message(msg_id, body)
+
     async def get(self, address: str, keys: Sequence[str], deadline: float) -> list[Buffer | None]:
-        """The values of `keys` on the node at `address` (None: a miss there, or a value whose bytes did not
-        match its checksum: counted and reported to the node)."""
+        """The values of `keys` on the node at `address` (None: a miss there, or a value the node found corrupt
+        while sending it: counted)."""
         conn = await self._connect(address, deadline)
         call = self._open(conn)
-        chunk = self.chunk_bytes
         try:
-            conn.post_message(call.msg_id, encode({"op": "get", "chunk": chunk, "keys": list(keys)}))
+            conn.post_message(call.msg_id, encode({"op": "get", "chunk": self.message_bytes, "keys": list(keys)}))
             async with asyncio.timeout(self._left(deadline)):
                 reply = await call.reply
             sizes = int_list(reply, "sizes", len(keys))
-            sums = sum_list(reply, "sums", len(keys))
-            buffers, hashers = self._post_receives(call, sizes, sums)
+            buffers = self._post_receives(call, sizes)
             await _all_done(call.requests, self._left(deadline))
-            async with asyncio.timeout(self._left(deadline)):
-                bad = {pos for pos, h in hashers.items() if await h.digest() != sums[pos]}
+            bad: set[int] = set()
+            if reply.get("check") is True:
+                async with asyncio.timeout(self._left(deadline)):
+                    bad = set(int_list(await call.verdict, "bad"))
             if bad:
                 self.checksum_failures += len(bad)
-                log.warning("gcache get: values failed their checksum (misses; reported to the node)",
-                            extra={"peer": conn.peer, "keys": [keys[i] for i in sorted(bad)]})
-                with contextlib.suppress(TransferError):  # (the node is gone: nothing to tell)
-                    conn.post_message(next(self._ids), encode({"op": "bad", "keys": [keys[i] for i in sorted(bad)]}))
+                log.warning("gcache get: the node found values corrupt (misses)",
+                            extra={"peer": conn.peer, "keys": [keys[i] for i in sorted(bad) if 0 <= i < len(keys)]})
             out: list[Buffer | None] = []
             for pos, size in enumerate(sizes):
                 if size == 0:
@@ -288,28 +263,18 @@ class DirectCalls:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _post_receives(self, call: _DirectCall, sizes: list[int], sums: list[int | None]
-                       ) -> tuple[dict[int, memoryview], dict[int, ChunkHasher]]:
-        """A landing buffer per value (the IO thread's arena) and a receive posted per chunk, in value order;
-        a value with a sum is hashed chunk by chunk as it lands."""
+    def _post_receives(self, call: _DirectCall, sizes: list[int]) -> dict[int, memoryview]:
+        """A landing buffer per value (the IO thread's arena) and a receive posted per message, in value order."""
         link, index = tagged_link(call.conn), 0
         buffers: dict[int, memoryview] = {}
-        hashers: dict[int, ChunkHasher] = {}
         for pos, size in enumerate(sizes):
             if size <= 0:
                 continue
             buffers[pos] = buf = self.allocate(size)
-            views = wire.chunk_arrays(buf, self.chunk_bytes)
-            hasher = ChunkHasher(views, self._pool) if sums[pos] is not None else None
-            if hasher is not None:
-                hashers[pos] = hasher
-            for k, view in enumerate(views):
-                fut = link.post_recv(message_tag(link.nonce, call.msg_id, index), view)
-                if hasher is not None:
-                    fut.add_done_callback(hasher.when_landed(k))
-                call.requests.append(fut)
+            for view in wire.chunk_arrays(buf, self.message_bytes):
+                call.requests.append(link.post_recv(message_tag(link.nonce, call.msg_id, index), view))
                 index += 1
-        return buffers, hashers
+        return buffers
 
     async def _connect(self, address: str, deadline: float) -> Connection:
         try:
@@ -322,7 +287,7 @@ class DirectCalls:
 
     def _open(self, conn: Connection) -> _DirectCall:
         loop = asyncio.get_running_loop()
-        call = _DirectCall(conn, next(self._ids), loop.create_future())
+        call = _DirectCall(conn, next(self._ids), loop.create_future(), loop.create_future())
         self._calls[(id(conn), call.msg_id)] = call
         self.calls += 1
         return call
@@ -369,10 +334,13 @@ class DirectCalls:
             return
         if "error" in msg:
             call.fail(DirectError(f"node {conn.peer}: {msg['error']}"))
+        elif "bad" in msg:
+            if not call.verdict.done():
+                call.verdict.set_result(msg)
         elif not call.reply.done():
             call.reply.set_result(msg)
-        else:  # the caller's wait ended (its deadline cancelled the reply future) before this came: its values
-            self._drain_orphan(conn, msg_id, msg)  # are on their way all the same (a put's reply: nothing)
+        elif "sizes" in msg:  # the caller's wait ended (its deadline cancelled the reply future) before this
+            self._drain_orphan(conn, msg_id, msg)  # came: its values are on their way all the same
 
     def _drain_orphan(self, conn: Connection, msg_id: int, msg: dict[str, Any]) -> None:
         """A get's reply after the call gave up: receive its values into scratch memory, so the node's sends
@@ -385,7 +353,7 @@ class DirectCalls:
         try:
             link = tagged_link(conn)
             for size in sizes:
-                for n in wire.chunk_sizes(max(size, 0), self.chunk_bytes):
+                for n in wire.chunk_sizes(max(size, 0), self.message_bytes):
                     pending.append(link.post_recv(message_tag(link.nonce, msg_id, index), scratch(n, self._scratch)))
                     index += 1
         except TransferError:

@@ -74,9 +74,10 @@ class EngineServiceConfig(ServiceConfig):
         "0 = only where a written sequence ends. A multiple of page_size")
     gcache_op_timeout_s: float = Field(default=2.0, gt=0, description="bound of one GCache SDK exists / get / put")
     gcache_replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: both successors)")
-    gcache_chunk_mib: int = Field(default=4, ge=1, le=1024, description="largest slice of a GCache value on the wire, "
-                                  "MiB (one tagged UCX message each; 16 moved 64 MiB values 1.2-1.5x faster over "
-                                  "shared memory than 4 in bench.gcache, docs/gcache.md)")
+    gcache_chunk_mib: int = Field(default=4, ge=1, le=1024, description="largest slice of a GCache value on the "
+                                  "NATS path's wire, MiB (one transfer layer each)")
+    gcache_message_mib: int = Field(default=64, ge=1, le=1024, description="largest UCX message of GCache's direct "
+                                    "path, MiB (a value up to this size is one message; docs/gcache.md, Throughput)")
     gcache_transfer_host: str = Field(default="127.0.0.1", description="bind address of the GCache SDK's transfer "
                                       "engine")
     gcache_advertise_host: str = Field(default="", description="host storage nodes dial to send values (empty: "
@@ -130,7 +131,8 @@ class EngineServiceConfig(ServiceConfig):
     def gcache_config(self) -> GCacheConfig:
         return GCacheConfig(op_timeout_s=self.gcache_op_timeout_s, replication=self.gcache_replication,
                             write_queue=self.gcache_write_queue, transfer_host=self.gcache_transfer_host,
-                            advertise_host=self.gcache_advertise_host, chunk_bytes=self.gcache_chunk_mib << 20)
+                            advertise_host=self.gcache_advertise_host, chunk_bytes=self.gcache_chunk_mib << 20,
+                            message_bytes=self.gcache_message_mib << 20)
 
     @property
     def max_request_tokens(self) -> int:

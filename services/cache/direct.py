@@ -1,23 +1,22 @@
 """The storage node's side of the direct path (`libs.gcache.direct`; docs/gcache.md, "The direct path").
 
 Requests arrive as MESSAGE frames on the transfer engine's control connections (one per client IO thread);
-values move as one tagged UCX message per chunk on that connection's endpoint. The guarantees are the NATS
-path's (`handlers.CacheNode`), over the same `NodeStore`:
+values move as one tagged UCX message each (per slice of the request's `chunk`) on that connection's endpoint.
+The guarantees are the NATS path's (`handlers.CacheNode`), over the same `NodeStore`:
 
-- **put**: `begin_put` per item, then at once a receive posted per chunk (into the slot's buffer; a refused
-  item's chunks into scratch memory, so the client's sends complete and nothing is stored). Each accepted value
-  is hashed chunk by chunk, in order, as its chunks land, on one hashing thread (xxhash releases the GIL): when
-  the last chunk lands only that chunk is left to hash, and the node's loop never hashes. When every chunk
-  landed the slots are committed with their digests as their checksums and the client is told what was stored.
+- **put**: `begin_put` per item, then at once a receive posted per message (into the slot's buffer; a refused
+  item's into scratch memory, so the client's sends complete and nothing is stored). The client hashes its
+  values while they go and sends the sums in a second message; when every message landed and the sums came,
+  the slots are committed with those sums as their checksums (the node's loop never hashes: a value corrupted
+  on its way is found, and dropped, by the first get's verification) and the client is told what was stored.
   Nothing is visible before its commit. If the client's connection drops (it died) every put of that
-  connection is aborted at once (the link closed first: no receive can land afterwards); if the chunks do not
-  land within `put_timeout_s` the put is aborted and the connection dropped (which cancels the posted
-  receives); `reap` stays the backstop.
-- **get**: the store's values (`lookup`: a disk value verified on read), the sizes and the memory values'
-  checksums answered at once, every chunk of the found values sent at once. The client hashes what lands and
-  reports a mismatch (`op: bad`); the node hashes those values again (its hashing thread) and drops the ones
-  that fail there too, counting a checksum failure. Sends still pending after `send_timeout_s` drop the
-  connection.
+  connection is aborted at once (the link closed first: no receive can land afterwards); if the values or the
+  sums do not come within `put_timeout_s` the put is aborted and the connection dropped (which cancels the
+  posted receives); `reap` stays the backstop.
+- **get**: the store's values (`lookup`: a disk value verified on read), their sizes answered at once, every
+  found value sent at once, and the memory values hashed meanwhile on a thread (`check` in the reply says a
+  verdict follows). Those that fail are dropped and counted (`failed_verification`) and named in the verdict
+  (`bad`), so the client never returns them. Sends still pending after `send_timeout_s` drop the connection.
 """
 
 from __future__ import annotations
@@ -32,20 +31,20 @@ import numpy as np
 from libs.gcache import wire
 from libs.gcache.direct import (
     MAX_CHUNK_BYTES,
-    ChunkHasher,
     DirectError,
     decode,
     encode,
-    hashing_pool,
+    int_list,
     scratch,
     str_list,
     tagged_link,
 )
+from libs.gcache.keys import value_checksum
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
 from services.cache import metrics
-from services.cache.handlers import CacheNode, mismatches
+from services.cache.handlers import CacheNode
 from services.cache.store import Found, PutSlot
 
 log = logging.getLogger("windserve.cache")
@@ -57,7 +56,7 @@ class _DirectPut:
     def __init__(self, conn: Connection, msg_id: int, slots: list[PutSlot | None]) -> None:
         self.conn, self.msg_id, self.slots = conn, msg_id, slots
         self.requests: list[asyncio.Future] = []
-        self.hashers: list[ChunkHasher | None] = []
+        self.sums: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self.task: asyncio.Future[Any] | None = None
         self.over = False
 
@@ -71,7 +70,6 @@ class DirectNode:
         self.store = node.store
         self.config = node.config
         self._spawn = spawn
-        self._pool = hashing_pool("cache-hash")
         self._puts: dict[int, set[_DirectPut]] = {}  # by id(connection)
         self._by_id: dict[tuple[int, int], _DirectPut] = {}  # by (id(connection), message id)
         self._scratch: list[np.ndarray] = []
@@ -80,9 +78,6 @@ class DirectNode:
         engine.set_message_handler(self.on_message)
         engine.add_drop_listener(self.on_drop)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ------------------------------------------------------------------ dispatch
 
     def on_message(self, conn: Connection, msg_id: int, body: bytes) -> None:
@@ -90,8 +85,8 @@ class DirectNode:
             msg = decode(body)
             op = msg.get("op")
             tagged_link(conn)  # (DirectError: the direct path needs a UCX engine)
-            if op == "bad":
-                self._bad(msg)
+            if op == "sums":
+                self._sums(conn, msg_id, msg)
                 return
             chunk = msg.get("chunk")
             if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 < chunk <= MAX_CHUNK_BYTES:
@@ -134,21 +129,12 @@ class DirectNode:
         link, index = tagged_link(conn), 0
         try:
             for (_, size), slot in zip(items, slots, strict=True):
-                if slot is not None:
-                    views = wire.chunk_arrays(slot.buffer, chunk)
-                    hasher = ChunkHasher(views, self._pool)
-                    put.hashers.append(hasher)
-                    for k, view in enumerate(views):
-                        fut = link.post_recv(message_tag(link.nonce, msg_id, index), view)
-                        fut.add_done_callback(hasher.when_landed(k))
-                        put.requests.append(fut)
-                        index += 1
-                else:
-                    put.hashers.append(None)
-                    for n in wire.chunk_sizes(size, chunk):  # refused: drained, never stored
-                        put.requests.append(link.post_recv(message_tag(link.nonce, msg_id, index),
-                                                           scratch(n, self._scratch)))
-                        index += 1
+                # (a refused item is drained into scratch memory, never stored)
+                views = wire.chunk_arrays(slot.buffer, chunk) if slot is not None else [
+                    scratch(n, self._scratch) for n in wire.chunk_sizes(size, chunk)]
+                for view in views:
+                    put.requests.append(link.post_recv(message_tag(link.nonce, msg_id, index), view))
+                    index += 1
         except BaseException:
             self._abort(put, "posting the receives failed")
             raise
@@ -159,37 +145,49 @@ class DirectNode:
 
     async def _finish_put(self, put: _DirectPut) -> None:
         try:
-            if put.requests:
-                _, pending = await asyncio.wait(put.requests, timeout=self.config.put_timeout_s)
-                if pending:  # only closing the endpoint cancels the posted receives
-                    self._abort(put, f"chunks did not land within {self.config.put_timeout_s:.3g}s")
+            _, pending = await asyncio.wait([*put.requests, put.sums], timeout=self.config.put_timeout_s)
+            if put.over:  # the connection dropped, or the sums were garbage: aborted already
+                return
+            if pending:
+                self._abort(put, f"values or sums did not come within {self.config.put_timeout_s:.3g}s")
+                if any(not r.done() for r in put.requests):  # only closing the endpoint cancels the receives
                     await put.conn.drop(PeerDisconnected(f"direct put from {put.conn.peer} timed out"))
-                    return
-                failed = [r for r in put.requests if r.cancelled() or r.exception() is not None]
-                if failed:
-                    self._abort(put, "receiving a chunk failed")
-                    return
-            digests = [await h.digest() if h is not None else None for h in put.hashers]
+                return
+            if any(r.cancelled() or r.exception() is not None for r in put.requests):
+                self._abort(put, "receiving a value failed")
+                return
         except asyncio.CancelledError:
             self._abort(put, "node shutting down")
             raise
-        if put.over:  # the connection dropped meanwhile: aborted already
-            return
         put.over = True
         self._forget(put)
         stored = []
-        for slot, digest in zip(put.slots, digests, strict=True):
-            if slot is None or digest is None:
+        for slot, checksum in zip(put.slots, put.sums.result(), strict=True):
+            if slot is None:
                 stored.append(False)
                 continue
-            slot.checksum = digest
-            ok = self.store.commit(slot, digest=digest)
+            slot.checksum = checksum  # (the writer's hash of its bytes: verified on every read)
+            ok = self.store.commit(slot, digest=checksum)
             metrics.PUTS.labels("committed" if ok else "dropped").inc()
             if not ok:
                 log.warning("put dropped at commit (reaped meanwhile)", extra={"key": slot.key})
             stored.append(ok)
         metrics.BYTES.labels("in").inc(sum(s.size for s in put.slots if s is not None))
         self._reply(put.conn, put.msg_id, {"stored": stored})
+
+    def _sums(self, conn: Connection, msg_id: int, msg: dict[str, Any]) -> None:
+        """A put's checksums, sent by the client once it hashed its values (they come after the put request on
+        the same connection); garbage aborts the put."""
+        put = self._by_id.get((id(conn), msg_id))
+        if put is None:  # (aborted meanwhile: the client was told, and forgot the call)
+            raise DirectError(f"no put {msg_id} in flight on this connection")
+        if put.sums.done():
+            return
+        try:
+            put.sums.set_result(int_list(msg, "sums", len(put.slots)))
+        except DirectError as exc:
+            self._abort(put, str(exc))
+            put.sums.cancel()
 
     def _abort(self, put: _DirectPut, why: str) -> None:
         if put.over:
@@ -201,6 +199,7 @@ class DirectNode:
             self.store.abort(slot)
         metrics.PUTS.labels("aborted").inc(len(taken))
         log.info("direct put aborted", extra={"values": len(taken), "error": why})
+        self._reply(put.conn, put.msg_id, {"error": f"put aborted: {why}"})
 
     def _forget(self, put: _DirectPut) -> None:
         self._by_id.pop((id(put.conn), put.msg_id), None)
@@ -224,11 +223,10 @@ class DirectNode:
         keys = str_list(msg, "keys")
         values = self.node.lookup_all(keys)
         found = [v for v in values if v is not None and len(v.data)]
+        unverified = [(pos, v) for pos, v in enumerate(values) if v is not None and len(v.data) and not v.verified]
         self.gets += 1
-        # the client verifies what it receives against these sums (null: verified here already, or nothing)
         self._reply(conn, msg_id, {"sizes": [-1 if v is None else len(v.data) for v in values],
-                                   "sums": [v.checksum if v is not None and len(v.data) and not v.verified
-                                            else None for v in values]})
+                                   "check": bool(unverified)})
         if not found:
             return
         link, index, sends = tagged_link(conn), 0, []
@@ -239,8 +237,20 @@ class DirectNode:
                     index += 1
         except TransferError as exc:
             log.info("direct get: sending failed", extra={"peer": conn.peer, "error": str(exc)})
+        if unverified:
+            self._spawn(self._verify(conn, msg_id, keys, unverified), f"direct-verify-{msg_id}")
         self.node.inflight_gets += 1
         self._spawn(self._finish_get(conn, sends, sum(len(v.data) for v in found)), f"direct-get-{msg_id}")
+
+    async def _verify(self, conn: Connection, msg_id: int, keys: list[str], values: list[tuple[int, Found]]) -> None:
+        """Hash the memory values a get is sending (a thread: xxhash releases the GIL); drop those that fail and
+        name them in the verdict, which the client waits for before it returns any value."""
+        bad = await asyncio.to_thread(lambda: [(pos, v) for pos, v in values if value_checksum(v.data) != v.checksum])
+        for pos, v in bad:
+            self.store.failed_verification(keys[pos], v)
+        if bad:
+            log.warning("get: values failed their checksum (dropped)", extra={"keys": [keys[p] for p, _ in bad]})
+        self._reply(conn, msg_id, {"bad": [pos for pos, _ in bad]})
 
     async def _finish_get(self, conn: Connection, sends: list[asyncio.Future], nbytes: int) -> None:
         try:
@@ -256,17 +266,3 @@ class DirectNode:
             metrics.BYTES.labels("out").inc(nbytes)
         finally:
             self.node.inflight_gets -= 1
-
-    def _bad(self, msg: dict[str, Any]) -> None:
-        """A client's report of values whose bytes failed their checksum: hash them again (the hashing thread)
-        and drop those that fail here too (a client's word alone drops nothing)."""
-        suspects = [(k, v) for k in str_list(msg, "keys") if (v := self.store.peek(k)) is not None]
-        if suspects:
-            self._spawn(self._recheck(suspects), "direct-recheck")
-
-    async def _recheck(self, suspects: list[tuple[str, Found]]) -> None:
-        bad = await asyncio.wrap_future(self._pool.submit(mismatches, suspects))
-        for key, v in bad:
-            self.store.failed_verification(key, v)
-        if bad:
-            log.warning("get: values failed their checksum (dropped)", extra={"keys": [k for k, _ in bad]})

@@ -73,8 +73,6 @@ class CacheService(Service):
         try:
             await self.transfer.close()
         finally:
-            if self.direct is not None:
-                self.direct.close()
             self.store.close()
 
     def registry_entry(self) -> RegistryEntry:
