@@ -455,38 +455,55 @@ def gbps(nbytes: int, marks: list[list[str]]) -> float:
     return nbytes / max(end - start, 1e-9) / 1e9
 
 
-async def run_rounds(clients: list[Child], servers: list[Child], sizes: Sequence[int], iters: int,
-                     round_bytes: int) -> dict[tuple[str, int], dict[str, Any]]:
-    """For each size: iters + 1 rounds (the first not counted) of put then get of fresh keys by every client."""
-    out: dict[tuple[str, int], dict[str, Any]] = {}
+System = tuple[list["Child"], list["Child"]]  # a system's clients, and the servers that take `expect` orders
+
+
+async def run_rounds(systems: dict[str, System], sizes: Sequence[int], iters: int,
+                     round_bytes: int) -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
+    """For each size: iters + 1 rounds (the first not counted) of put then get of fresh keys by every client of
+    every system. With several systems each put and each get runs on one system after the other, the order
+    swapped every round: a slow spell of this machine (its second core has them) falls on both sides of a ratio
+    instead of on whichever system was being measured then."""
+    out: dict[str, dict[tuple[str, int], dict[str, Any]]] = {name: {} for name in systems}
     for si, mib in enumerate(sizes):
         size = mib * MIB
         n = max(1, round_bytes // size)
         for it in range(iters + 1):
-            # Keys are immutable and the nodes serve every client count in turn: the round id carries the
-            # client count, or client 0 of the 4-client run would put the 1-client run's keys again (refused:
-            # a quarter of its values "short", though the get finds the bytes the first run stored).
-            rnd = len(clients) * 10_000 + si * 1000 + it
+            turn = list(systems.items())
+            if it % 2:
+                turn.reverse()
             for op in ("put", "get"):
-                for s in servers:
-                    for c in range(len(clients)):
-                        await s.ask(f"expect {op} {c} {size} {n} {rnd}")
-                for c in clients:
-                    c.order(f"{op} {size} {n} {rnd}")
-                marks = [await c.read() for c in clients]
-                row = out.setdefault((op, mib), {"values_per_client": n, "rounds_gbps": [], "short": 0,
-                                                 "verify_failed": 0})
-                row["short"] += sum(n - int(m[3]) for m in marks)
-                if op == "get":  # verified once every client's get ended: a client's check never overlaps
-                    for c, m in zip(clients, marks, strict=True):  # another's timed get
-                        if int(m[3]) == n:
-                            c.order(f"check {size} {n} {rnd}")
-                            row["verify_failed"] += (await c.read())[1] == "False"
-                if it:
-                    row["rounds_gbps"].append(gbps(len(clients) * n * size, marks))
-    for row in out.values():
-        row["gbps"] = statistics.median(row["rounds_gbps"])
+                for name, (clients, servers) in turn:
+                    await one_round(out[name], clients, servers, op, si, mib, n, it)
+    for res in out.values():
+        for row in res.values():
+            row["gbps"] = statistics.median(row["rounds_gbps"])
     return out
+
+
+async def one_round(out: dict[tuple[str, int], dict[str, Any]], clients: list[Child], servers: list[Child],
+                    op: str, si: int, mib: int, n: int, it: int) -> None:
+    """One timed put or get of `n` values of `mib` MiB by every client at once (round `it`; 0 is not counted)."""
+    size = mib * MIB
+    # Keys are immutable and the nodes serve every client count in turn: the round id carries the client count,
+    # or client 0 of the 4-client run would put the 1-client run's keys again (refused: a quarter of its values
+    # "short", though the get finds the bytes the first run stored).
+    rnd = len(clients) * 10_000 + si * 1000 + it
+    for s in servers:
+        for c in range(len(clients)):
+            await s.ask(f"expect {op} {c} {size} {n} {rnd}")
+    for c in clients:
+        c.order(f"{op} {size} {n} {rnd}")
+    marks = [await c.read() for c in clients]
+    row = out.setdefault((op, mib), {"values_per_client": n, "rounds_gbps": [], "short": 0, "verify_failed": 0})
+    row["short"] += sum(n - int(m[3]) for m in marks)
+    if op == "get":  # verified once every client's get ended: a client's check never overlaps another's timed get
+        for c, m in zip(clients, marks, strict=True):
+            if int(m[3]) == n:
+                c.order(f"check {size} {n} {rnd}")
+                row["verify_failed"] += (await c.read())[1] == "False"
+    if it:
+        row["rounds_gbps"].append(gbps(len(clients) * n * size, marks))
 
 
 def child_env(transport: str | None) -> dict[str, str]:
@@ -499,20 +516,29 @@ def child_env(transport: str | None) -> dict[str, str]:
     return env
 
 
-async def measure_raw(transport: str, n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int,
-                      log_dir: Path) -> dict:
+async def measure_side_by_side(transport: str, n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int,
+                               log_dir: Path, nats_url: str | None, chunk_mib: int = 0) -> dict[str, dict]:
+    """Raw UCX (NODES raw servers, `n_clients` raw clients) and, with `nats_url` (the running storage nodes),
+    GCache (`n_clients` GCache clients), their rounds taking turns (`run_rounds`); {"raw_ucx": .., "gcache": ..}."""
     env = child_env(transport)
-    servers = await start_children("raw-server", NODES, env, log_dir, servers=NODES)
-    clients: list[Child] = []
+    kids: list[Child] = []
     try:
-        clients = await start_children("raw", n_clients, env, log_dir, servers=NODES)
-        for c in clients:
+        servers = await start_children("raw-server", NODES, env, log_dir, servers=NODES)
+        kids += servers
+        raw = await start_children("raw", n_clients, env, log_dir, servers=NODES)
+        kids += raw
+        for c in raw:
             await c.ask("peers " + " ".join(s.addr for s in servers))
         for s in servers:
-            await s.ask("peers " + " ".join(c.addr for c in clients))
-        return await run_rounds(clients, servers, sizes, iters, round_bytes)
+            await s.ask("peers " + " ".join(c.addr for c in raw))
+        systems: dict[str, System] = {"raw_ucx": (raw, servers)}
+        if nats_url is not None:
+            gc = await start_children("gcache", n_clients, env, log_dir, nats_url=nats_url, chunk_mib=chunk_mib)
+            kids += gc
+            systems["gcache"] = (gc, [])
+        return await run_rounds(systems, sizes, iters, round_bytes)
     finally:
-        for k in [*clients, *servers]:
+        for k in kids:
             k.stop()
 
 
@@ -539,10 +565,10 @@ async def cache_nodes(transport: str, run_dir: Path) -> AsyncIterator[str]:
 
 async def measure_clients(role: str, env: dict[str, str], n_clients: int, sizes: Sequence[int], iters: int,
                           round_bytes: int, log_dir: Path, **where: Any) -> dict:
-    """The rounds of `n_clients` client processes of a key-value system (gcache: nats_url=, redis: redis_port=)."""
+    """The rounds of `n_clients` client processes of one key-value system (redis: redis_port=)."""
     clients = await start_children(role, n_clients, env, log_dir, **where)
     try:
-        return await run_rounds(clients, [], sizes, iters, round_bytes)
+        return (await run_rounds({role: (clients, [])}, sizes, iters, round_bytes))[role]
     finally:
         for k in clients:
             k.stop()
@@ -621,28 +647,33 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
                     "redis", child_env(None), n, sizes, iters, round_bytes, logs, redis_port=port))
     except Exception as exc:
         errors["redis-server"] = repr(exc)
+    async def side_by_side(t: str, url: str | None) -> dict[int, dict]:
+        return {n: await attempt(f"raw ucx{'' if url is None else ' + gcache'} {t} clients={n}",
+                                 measure_side_by_side(t, n, sizes, iters, round_bytes, logs, url, chunk_mib))
+                for n in clients}
+
     by_transport: dict[str, list[dict]] = {}
     for t in transports:
-        raw_res, gc_res = {}, {}
-        for n in clients:
-            raw_res[n] = await attempt(f"raw ucx {t} clients={n}", measure_raw(t, n, sizes, iters, round_bytes, logs))
+        res: dict[int, dict] = {}
         if missing is None:
             try:
                 async with cache_nodes(t, work / f"run-{t}") as url:
-                    for n in clients:
-                        gc_res[n] = await attempt(f"gcache {t} clients={n}",
-                                                  measure_clients("gcache", child_env(t), n, sizes, iters,
-                                                                  round_bytes, logs, nats_url=url,
-                                                                  chunk_mib=chunk_mib))
+                    res = await side_by_side(t, url)
             except Exception as exc:
                 errors[f"cache nodes {t}"] = repr(exc)
+        if not res:  # no GCache here (missing, or its nodes did not start): the raw baseline alone
+            res = await side_by_side(t, None)
         by_transport[t] = [row for n in clients for row in table(
-            {"gcache": gc_res.get(n, {}), "raw_ucx": raw_res[n], "redis": redis_res.get(n, {})}, n)]
+            {"gcache": res[n].get("gcache", {}), "raw_ucx": res[n].get("raw_ucx", {}),
+             "redis": redis_res.get(n, {})}, n)]
     return {"by_transport": by_transport, "gcache_missing": missing, "errors": errors,
             "ucx_tls": {t: child_env(t).get("UCX_TLS") for t in transports}}
 
 
-def _brief(res: dict[tuple[str, int], dict]) -> str:
+def _brief(res: dict) -> str:
+    """One line of a measurement's medians: {(op, mib): cell} or {system: {(op, mib): cell}}."""
+    if any(isinstance(k, str) for k in res):
+        return "; ".join(f"{name}: {_brief(r)}" for name, r in res.items())
     return ", ".join(f"{op} {mib}MiB {cell['gbps']:.2f}" for (op, mib), cell in sorted(res.items()))
 
 
