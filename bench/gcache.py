@@ -6,7 +6,8 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
 1. Throughput: put and get GB/s of 1, 4, 16 and 64 MiB values with 1 and 4 concurrent client processes, each
    moving ROUND_BYTES per round (a batch of ROUND_BYTES / size values), aggregate bytes over the time from the
    first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Three systems
-   on the same bytes in the same run, for each UCX transport (the same UCX_TLS for raw and GCache):
+   on the same bytes in the same run, for each UCX transport (the same UCX_TLS for raw and GCache; raw and GCache
+   take turns, round by round, so a slow spell of the machine falls on both sides of a ratio):
    * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
    * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
               its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
