@@ -116,11 +116,6 @@ def bool_list(msg: dict[str, Any], name: str, n: int) -> list[bool]:
     return _list_of(msg, name, "bools", lambda x: isinstance(x, bool), n)
 
 
-def sum_list(msg: dict[str, Any], name: str, n: int) -> list[int | None]:
-    """Checksums: ints, or null for a value with nothing to verify."""
-    return _list_of(msg, name, "ints or nulls", lambda x: x is None or _is_int(x), n)
-
-
 def tagged_link(conn: Connection) -> UcxLink:
     """The connection's UCX link (tagged payloads), or DirectError: the direct path needs a UCX engine."""
     if not isinstance(conn.link, UcxLink):
@@ -208,9 +203,8 @@ class DirectCalls:
                 for view in wire.chunk_arrays(value, size):
                     call.requests.append(link.post_send(message_tag(link.nonce, call.msg_id, index), view))
                     index += 1
-            values = [value for _, value in items]
             self._spawn(self._send_sums(conn, call.msg_id, sums() if sums is not None
-                                        else asyncio.to_thread(checksums, values)))
+                                        else asyncio.to_thread(checksums, [value for _, value in items])))
             async with asyncio.timeout(self._left(deadline)):
                 reply = await call.reply
             await _all_done(call.requests, self._left(deadline))  # (by now: the node took or drained every value)

@@ -129,8 +129,8 @@ class NodeStore:
     def commit(self, slot: PutSlot, digest: int | None = None) -> bool:
         """Make the slot's value visible if its bytes match its checksum; otherwise drop it. False: dropped (or
         the slot was no longer in flight: aborted, reaped, committed already). `digest`: the value's checksum
-        (`value_checksum`) the caller computed over the slot's buffer after its bytes landed (the node's direct
-        path hashes chunk by chunk as they arrive); None: hashed here."""
+        (`value_checksum`) the caller vouches for (the direct path passes the writer's sum: its bytes are first
+        verified by the first read); None: hashed here."""
         if not self._end_put(slot):
             return False
         if digest is None and len(slot.buffer) == slot.size:
@@ -187,7 +187,8 @@ class NodeStore:
 
     def lookup(self, key: str) -> Found | None:
         """`get` with the memory tier's verification left to the caller, so that it can overlap the hash with
-        sending the bytes (the node's get handler: the transfer cannot complete before the hash matched). A
+        sending the bytes (the node's get handlers: the NATS path's transfer cannot complete, and the direct
+        path's client returns nothing, before the hash matched). A
         disk value is read and verified here, as by `get`. Counts a hit; `failed_verification` turns it into
         a miss."""
         v = self._memory.get(key)
@@ -201,12 +202,6 @@ class NodeStore:
             return None
         self._stats.hits += 1
         return Found(memoryview(data).toreadonly(), entry.checksum, True)
-
-    def peek(self, key: str) -> Found | None:
-        """A memory value, unverified, with no hit counted and its LRU place unchanged (a client's checksum
-        report is checked against it); None when not in memory."""
-        v = self._memory.peek(key)
-        return None if v is None else Found(memoryview(v.data).toreadonly(), v.checksum, False, v)
 
     def failed_verification(self, key: str, found: Found) -> None:
         """The caller's hash of an unverified `lookup` did not match: the value is dropped (if still stored)
