@@ -42,37 +42,65 @@ def test_the_allocator_falls_back_to_fresh_buffers_and_prefault_writes_nothing()
     assert len(Allocator(None)(5)) == 5 and len(alloc(0)) == 0
 
 
-def test_store_values_in_the_arena_keep_their_segment_until_the_last_reader_lets_go() -> None:
-    """A node store over the arena: an evicted value's segment is reused only after a get's view of it is
-    gone (a send in flight keeps its bytes), and what the next put lands there is its own."""
-    from libs.gcache.keys import value_checksum
+def _arena_store(segments: int, segment: int, evict_segments: int = 2):
+    """A node store over an arena, wired as the cache service wires it."""
     from services.cache.store import NodeStore
 
-    arena = SegmentArena(2 * 64 * KIB, 64 * KIB)
-    store = NodeStore(2 * 64 * KIB, allocate=Allocator(arena))
+    arena = SegmentArena(segments * segment, segment)
+    store = NodeStore(segments * segment, allocate=Allocator(None), reuse=arena.alloc,
+                      reuse_evict_bytes=evict_segments * segment)
+    return arena, store
 
-    def put(key: str, fill: int) -> None:
-        data = bytes([fill]) * (64 * KIB)
-        slot = store.begin_put(key, len(data), value_checksum(data))
-        assert slot is not None
-        slot.buffer[:] = data
-        assert store.commit(slot)
 
-    put("k1", 1)
-    put("k2", 2)
+def _put(store, key: str, size: int, fill: int) -> None:
+    from libs.gcache.keys import value_checksum
+
+    data = bytes([fill]) * size
+    slot = store.begin_put(key, len(data), value_checksum(data))
+    assert slot is not None
+    slot.buffer[:] = data
+    assert store.commit(slot)
+
+
+def test_store_values_in_the_arena_keep_their_segment_until_the_last_reader_lets_go() -> None:
+    """A node store over the arena: an evicted value's segment is reused only after a get's view of it is
+    gone (a send in flight keeps its bytes); meanwhile the next least recently used value makes room, and what
+    the next put lands there is its own."""
+    arena, store = _arena_store(2, 64 * KIB)
+    _put(store, "k1", 64 * KIB, 1)
+    _put(store, "k2", 64 * KIB, 2)
     reader = store.get("k1")  # (k1 is now the most recently used)
-    put("k3", 3)  # evicts k2 first; nothing refers to it: k3 lands in its segment
-    assert arena.fallbacks == 0 and arena.free_segments() == 0
-    put("k4", 4)  # evicts k1, still read: its segment stays pinned, k4 gets a fresh buffer
-    gc.collect()
-    assert arena.fallbacks == 1 and arena.free_segments() == 0 and bytes(reader) == b"\x01" * (64 * KIB)
+    _put(store, "k3", 64 * KIB, 3)  # evicts k2 first; nothing refers to it: k3 lands in its segment
+    assert store.stats()["fresh_buffers"] == 0 and arena.free_segments() == 0
+    _put(store, "k4", 64 * KIB, 4)  # evicts k1 for the budget, still read: its segment stays pinned, so k3 goes
+    gc.collect()                   # too and k4 lands in k3's segment
+    assert store.stats()["fresh_buffers"] == 0 and not store.exists("k3") and bytes(reader) == b"\x01" * (64 * KIB)
+    assert store.stats()["evictions"] == 3
     del reader
     gc.collect()
     assert arena.free_segments() == 1
-    put("k5", 5)  # evicts k3; k5 takes k1's segment
-    assert arena.fallbacks == 1
+    _put(store, "k5", 64 * KIB, 5)  # room in the budget and k1's segment free again
+    assert store.stats()["fresh_buffers"] == 0
     assert [bytes(store.get(k) or b"")[:1] for k in ("k4", "k5")] == [b"\x04", b"\x05"]
     store.check_invariants()
+
+
+def test_a_put_into_a_fragmented_arena_evicts_the_least_recently_used_instead_of_faulting_fresh_memory() -> None:
+    """Values that leave a segment's rest unused fill the arena before the budget: the next put finds room in
+    the budget but no free segment, and evicts the oldest value (bounded by reuse_evict_bytes) rather than
+    take a fresh buffer. With no eviction allowed it takes a fresh one."""
+    seg = 64 * KIB
+    for evict, fresh, kept in ((2, 0, ["b", "c", "d", "e"]), (0, 1, ["a", "b", "c", "d", "e"])):
+        arena, store = _arena_store(4, seg, evict)
+        for i, key in enumerate("abcd"):
+            _put(store, key, seg * 6 // 10, i)  # one per segment (0.6 of one: the next does not fit its rest)
+        assert arena.free_segments() == 0 and store.usage().memory_used < 4 * seg - seg
+        _put(store, "e", seg, 9)
+        gc.collect()
+        assert store.stats()["fresh_buffers"] == fresh, evict
+        assert [k for k in "abcde" if store.exists(k)] == kept
+        assert bytes(store.get("e") or b"") == b"\x09" * seg
+        store.check_invariants()
 
 
 @pytest.mark.integration

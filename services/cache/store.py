@@ -85,6 +85,7 @@ class StoreStats:
     committed: int = 0
     aborted: int = 0
     removed_files: int = 0  # temporary / truncated / corrupt files deleted by the re-index at start
+    fresh_buffers: int = 0  # put slots not in reused memory (`reuse` had no room even after its evictions)
 
 
 class NodeStore:
@@ -97,11 +98,15 @@ class NodeStore:
 
     def __init__(self, memory_bytes: int, disk_bytes: int = 0, disk_dir: str | Path | None = None,
                  put_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 allocate: Callable[[int], bytearray | memoryview] = bytearray) -> None:
+                 allocate: Callable[[int], bytearray | memoryview] = bytearray,
+                 reuse: Callable[[int], memoryview | None] | None = None, reuse_evict_bytes: int = 0) -> None:
         self.memory_bytes, self.disk_bytes, self.put_timeout_s, self._clock = memory_bytes, disk_bytes, put_timeout_s, clock
         # A put slot's buffer: writable, uninitialised is fine (every byte is received, and the checksum at
-        # commit catches any that was not). The node passes a SegmentArena's (reused, pre-faulted memory).
+        # commit catches any that was not). `reuse` (the node's SegmentArena: reused, pre-faulted memory) when
+        # it has room (`_buffer`), else `allocate`.
         self._allocate = allocate
+        self._reuse = reuse
+        self._reuse_evict_bytes = reuse_evict_bytes
         self._memory = MemoryTier(memory_bytes)
         self._disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
         self._inflight: dict[str, PutSlot] = {}
@@ -122,7 +127,7 @@ class NodeStore:
             return None
         self._make_memory_room(size)
         self._memory.reserve(size)
-        slot = PutSlot(key, size, checksum, self._allocate(size), self._clock())
+        slot = PutSlot(key, size, checksum, self._buffer(size), self._clock())
         self._inflight[key] = slot
         return slot
 
@@ -247,6 +252,25 @@ class NodeStore:
         while self._memory.free() < size:
             self._demote(*self._memory.pop_lru())
 
+    def _buffer(self, size: int) -> bytearray | memoryview:
+        """A put slot's buffer: reused memory when `reuse` has room. When it has none though the budget has (its
+        free bytes scattered over segments that still hold other values), the least recently used values are
+        demoted or evicted, at most `reuse_evict_bytes` of them, until it has: they would be the next to go, and
+        a fresh buffer would fault its pages in as the bytes land and hold memory beside the arena's. Past that
+        (a segment pinned by a send in flight), a fresh buffer (`allocate`)."""
+        if self._reuse is None:
+            return self._allocate(size)
+        left = self._reuse_evict_bytes
+        while (buf := self._reuse(size)) is None and left > 0 and len(self._memory):
+            key, v = self._memory.pop_lru()
+            left -= len(v.data)
+            self._demote(key, v)
+            del v  # (the last reference: its segment is free once no reader holds it)
+        if buf is not None:
+            return buf
+        self._stats.fresh_buffers += 1
+        return self._allocate(size)
+
     def _demote(self, key: str, v: MemValue) -> None:
         disk = self._disk
         if disk is not None and len(v.data) <= disk.capacity:
@@ -267,7 +291,7 @@ class NodeStore:
 
     def stats(self) -> dict[str, int]:
         """Counters: hits, misses, checksum_failures, demotions, promotions, evictions, reaped, rejected,
-        committed, aborted, removed_files."""
+        committed, aborted, removed_files, fresh_buffers."""
         return asdict(self._stats)
 
     def inflight(self) -> int:
