@@ -7,7 +7,7 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    moving ROUND_BYTES per round (a batch of ROUND_BYTES / size values), aggregate bytes over the time from the
    first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Three systems
    on the same bytes in the same run, for each UCX transport (the same UCX_TLS for raw and GCache; raw and GCache
-   take turns, round by round, so a slow spell of the machine falls on both sides of a ratio):
+   run in alternating blocks of rounds, A B B A, so a slow spell of the machine falls on both sides of a ratio):
    * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
    * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
               its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
@@ -459,23 +459,31 @@ def gbps(nbytes: int, marks: list[list[str]]) -> float:
 System = tuple[list["Child"], list["Child"]]  # a system's clients, and the servers that take `expect` orders
 
 
+BLOCKS = 2  # with several systems: each system's rounds of a size come in this many blocks, A B B A
+
+
 async def run_rounds(systems: dict[str, System], sizes: Sequence[int], iters: int,
                      round_bytes: int) -> dict[str, dict[tuple[str, int], dict[str, Any]]]:
-    """For each size: iters + 1 rounds (the first not counted) of put then get of fresh keys by every client of
-    every system. With several systems each put and each get runs on one system after the other, the order
-    swapped every round: a slow spell of this machine (its second core has them) falls on both sides of a ratio
-    instead of on whichever system was being measured then."""
+    """For each size: `iters` rounds (with several systems, rounded up to whole blocks) of put then get of fresh
+    keys by every client, after one warm-up round (not counted), for every system. With several systems the
+    rounds come in blocks, A B B A: within a block a system's rounds run back to back, as a baseline is measured
+    on its own, and a slow spell of this machine (its second core has them) falls on both systems instead of on
+    whichever was being measured then. (Alternating round by round slowed raw UCX by ~15 % against its own
+    back-to-back rounds and left GCache as it was: docs/gcache.md, stop 30.)"""
     out: dict[str, dict[tuple[str, int], dict[str, Any]]] = {name: {} for name in systems}
+    names = list(systems)
+    blocks = BLOCKS if len(names) > 1 else 1
+    per_block = -(-iters // blocks)
     for si, mib in enumerate(sizes):
-        size = mib * MIB
-        n = max(1, round_bytes // size)
-        for it in range(iters + 1):
-            turn = list(systems.items())
-            if it % 2:
-                turn.reverse()
-            for op in ("put", "get"):
-                for name, (clients, servers) in turn:
-                    await one_round(out[name], clients, servers, op, si, mib, n, it)
+        n = max(1, round_bytes // (mib * MIB))
+        done = dict.fromkeys(names, 0)  # rounds run per system (the first is the warm-up)
+        for b in range(blocks):
+            for name in names if b % 2 == 0 else names[::-1]:
+                clients, servers = systems[name]
+                for _ in range(per_block + (done[name] == 0)):
+                    for op in ("put", "get"):
+                        await one_round(out[name], clients, servers, op, si, mib, n, done[name])
+                    done[name] += 1
     for res in out.values():
         for row in res.values():
             row["gbps"] = statistics.median(row["rounds_gbps"])
@@ -520,7 +528,8 @@ def child_env(transport: str | None) -> dict[str, str]:
 async def measure_side_by_side(transport: str, n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int,
                                log_dir: Path, nats_url: str | None, chunk_mib: int = 0) -> dict[str, dict]:
     """Raw UCX (NODES raw servers, `n_clients` raw clients) and, with `nats_url` (the running storage nodes),
-    GCache (`n_clients` GCache clients), their rounds taking turns (`run_rounds`); {"raw_ucx": .., "gcache": ..}."""
+    GCache (`n_clients` GCache clients), their rounds in alternating blocks (`run_rounds`);
+    {"raw_ucx": .., "gcache": ..}."""
     env = child_env(transport)
     kids: list[Child] = []
     try:
