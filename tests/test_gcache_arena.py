@@ -47,8 +47,7 @@ def _arena_store(segments: int, segment: int, evict_segments: int = 2):
     from services.cache.store import NodeStore
 
     arena = SegmentArena(segments * segment, segment)
-    store = NodeStore(segments * segment, allocate=Allocator(None), reuse=arena.alloc,
-                      reuse_evict_bytes=evict_segments * segment)
+    store = NodeStore(segments * segment, allocate=Allocator(None), arena=arena, arena_evict_segments=evict_segments)
     return arena, store
 
 
@@ -87,7 +86,7 @@ def test_store_values_in_the_arena_keep_their_segment_until_the_last_reader_lets
 
 def test_a_put_into_a_fragmented_arena_evicts_the_least_recently_used_instead_of_faulting_fresh_memory() -> None:
     """Values that leave a segment's rest unused fill the arena before the budget: the next put finds room in
-    the budget but no free segment, and evicts the oldest value (bounded by reuse_evict_bytes) rather than
+    the budget but no free segment, and evicts the oldest value (bounded by arena_evict_segments) rather than
     take a fresh buffer. With no eviction allowed it takes a fresh one."""
     seg = 64 * KIB
     for evict, fresh, kept in ((2, 0, ["b", "c", "d", "e"]), (0, 1, ["a", "b", "c", "d", "e"])):
@@ -101,6 +100,15 @@ def test_a_put_into_a_fragmented_arena_evicts_the_least_recently_used_instead_of
         assert [k for k in "abcde" if store.exists(k)] == kept
         assert bytes(store.get("e") or b"") == b"\x09" * seg
         store.check_invariants()
+    # a value the arena never holds (0 bytes, larger than a segment) evicts nothing to make arena room
+    arena, store = _arena_store(4, seg)
+    for i, key in enumerate("abcd"):
+        _put(store, key, seg * 6 // 10, i)
+    _put(store, "empty", 0, 0)
+    _put(store, "big", seg + 1, 7)
+    assert store.stats()["evictions"] == 0 and store.stats()["fresh_buffers"] == 0
+    assert all(store.exists(k) for k in ("a", "b", "c", "d", "empty", "big"))
+    store.check_invariants()
 
 
 @pytest.mark.integration

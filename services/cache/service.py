@@ -44,9 +44,7 @@ class CacheService(Service):
         self.transfer: KVTransferEngine = create_engine()
         self.arena = _arena(config)
         self.store = NodeStore(config.memory_bytes, config.disk_bytes, config.disk_path or None,
-                               put_timeout_s=config.put_timeout_s, allocate=Allocator(None),
-                               reuse=self.arena.alloc if self.arena is not None else None,
-                               reuse_evict_bytes=2 * self.arena.segment_bytes if self.arena is not None else 0)
+                               put_timeout_s=config.put_timeout_s, allocate=Allocator(None), arena=self.arena)
         self.node: CacheNode | None = None
         self.direct: DirectNode | None = None
 

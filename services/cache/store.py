@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from libs.gcache.arena import SegmentArena
 from libs.gcache.keys import value_checksum
 from protos.messages import CacheUsage
 
@@ -85,7 +86,7 @@ class StoreStats:
     committed: int = 0
     aborted: int = 0
     removed_files: int = 0  # temporary / truncated / corrupt files deleted by the re-index at start
-    fresh_buffers: int = 0  # put slots not in reused memory (`reuse` had no room even after its evictions)
+    fresh_buffers: int = 0  # put slots of a size the arena holds outside it (no room even after its evictions)
 
 
 class NodeStore:
@@ -98,15 +99,15 @@ class NodeStore:
 
     def __init__(self, memory_bytes: int, disk_bytes: int = 0, disk_dir: str | Path | None = None,
                  put_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 allocate: Callable[[int], bytearray | memoryview] = bytearray,
-                 reuse: Callable[[int], memoryview | None] | None = None, reuse_evict_bytes: int = 0) -> None:
+                 allocate: Callable[[int], bytearray | memoryview] = bytearray, arena: SegmentArena | None = None,
+                 arena_evict_segments: int = 2) -> None:
         self.memory_bytes, self.disk_bytes, self.put_timeout_s, self._clock = memory_bytes, disk_bytes, put_timeout_s, clock
         # A put slot's buffer: writable, uninitialised is fine (every byte is received, and the checksum at
-        # commit catches any that was not). `reuse` (the node's SegmentArena: reused, pre-faulted memory) when
-        # it has room (`_buffer`), else `allocate`.
+        # commit catches any that was not). From `arena` (the node's: reused, pre-faulted memory) when it has
+        # room (`_buffer`), else `allocate`.
         self._allocate = allocate
-        self._reuse = reuse
-        self._reuse_evict_bytes = reuse_evict_bytes
+        self._arena = arena
+        self._arena_evict_bytes = arena_evict_segments * arena.segment_bytes if arena is not None else 0
         self._memory = MemoryTier(memory_bytes)
         self._disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
         self._inflight: dict[str, PutSlot] = {}
@@ -253,15 +254,17 @@ class NodeStore:
             self._demote(*self._memory.pop_lru())
 
     def _buffer(self, size: int) -> bytearray | memoryview:
-        """A put slot's buffer: reused memory when `reuse` has room. When it has none though the budget has (its
-        free bytes scattered over segments that still hold other values), the least recently used values are
-        demoted or evicted, at most `reuse_evict_bytes` of them, until it has: they would be the next to go, and
-        a fresh buffer would fault its pages in as the bytes land and hold memory beside the arena's. Past that
-        (a segment pinned by a send in flight), a fresh buffer (`allocate`)."""
-        if self._reuse is None:
+        """A put slot's buffer: from the arena when it has room. When it has none though the budget has (its free
+        bytes scattered over segments that still hold other values), the least recently used values are demoted
+        or evicted, at most `arena_evict_segments` segments' worth, until it has: they would be the next to go,
+        and a fresh buffer would fault its pages in as the bytes land and hold memory beside the arena's. Past
+        that (a segment pinned by a send in flight), a fresh buffer (`allocate`), as for a value the arena never
+        holds (0 bytes, or larger than a segment)."""
+        arena = self._arena
+        if arena is None or not 0 < size <= arena.segment_bytes:
             return self._allocate(size)
-        left = self._reuse_evict_bytes
-        while (buf := self._reuse(size)) is None and left > 0 and len(self._memory):
+        left = self._arena_evict_bytes
+        while (buf := arena.alloc(size)) is None and left > 0 and len(self._memory):
             key, v = self._memory.pop_lru()
             left -= len(v.data)
             self._demote(key, v)
