@@ -39,12 +39,11 @@ from libs.gcache.direct import (
     str_list,
     tagged_link,
 )
-from libs.gcache.keys import value_checksum
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
 from services.cache import metrics
-from services.cache.handlers import CacheNode
+from services.cache.handlers import CacheNode, mismatches
 from services.cache.store import Found, PutSlot
 
 log = logging.getLogger("windserve.cache")
@@ -245,7 +244,7 @@ class DirectNode:
     async def _verify(self, conn: Connection, msg_id: int, keys: list[str], values: list[tuple[int, Found]]) -> None:
         """Hash the memory values a get is sending (a thread: xxhash releases the GIL); drop those that fail and
         name them in the verdict, which the client waits for before it returns any value."""
-        bad = await asyncio.to_thread(lambda: [(pos, v) for pos, v in values if value_checksum(v.data) != v.checksum])
+        bad = await asyncio.to_thread(mismatches, values)
         for pos, v in bad:
             self.store.failed_verification(keys[pos], v)
         if bad:

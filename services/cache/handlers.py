@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from services.cache.config import CacheConfig
 from services.cache.store import Found, NodeStore, PutSlot
 
 log = logging.getLogger("windserve.cache")
+K = TypeVar("K")
 
 Spawn = Callable[[Coroutine[Any, Any, Any], str], object]
 
@@ -205,8 +206,9 @@ class CacheNode:
                 **{k: str(v) for k, v in self.store.stats().items()}}
 
 
-def mismatches(values: list[tuple[str, Found]]) -> list[tuple[str, Found]]:
-    """The values whose bytes do not match their checksum (run it in a thread: xxhash releases the GIL)."""
+def mismatches(values: list[tuple[K, Found]]) -> list[tuple[K, Found]]:
+    """The values whose bytes do not match their checksum, each with its name (a key, a position); run it in a
+    thread: xxhash releases the GIL."""
     return [(key, v) for key, v in values if value_checksum(v.data) != v.checksum]
 
 
