@@ -5,7 +5,7 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
 
 1. Throughput: put and get GB/s of 1, 4, 16 and 64 MiB values with 1 and 4 concurrent client processes, each
    moving ROUND_BYTES per round (a batch of ROUND_BYTES / size values), aggregate bytes over the time from the
-   first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Three systems
+   first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Four systems
    on the same bytes in the same run, for each UCX transport (the same UCX_TLS for raw and GCache; raw and GCache
    run in alternating blocks of rounds, A B B A, so a slow spell of the machine falls on both sides of a ratio):
    * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
@@ -15,6 +15,10 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
               reused (a server lands each client's puts in one buffer), as the nodes' pre-faulted arenas;
    * redis:   /usr/bin/redis-server on a free loopback port, persistence off; SET / GET of the same values in
               one pipeline per batch (redis-py).
+   * plain tcp: no store, no UCX -- a batch's bytes over one loopback TCP socket per client to one sink process
+              (a thread per connection): what the kernel's loopback TCP moves for the same batches on one socket per
+              client, the room above Redis that the tcp transport has at all (`plain_tcp_put_vs_redis`: its worst
+              put ratio to Redis; no goal).
    Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
    worst ratio over sizes >= 4 MiB, both client counts and every transport measured.
 2. Cluster simulation (bench.router's simulator, pure): N workers with their own KV caches, with and without a
@@ -70,7 +74,7 @@ HEADLINE_MIN_MIB = 4
 NODE_ENV = {"WINDSERVE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_DISK_BYTES": "0", "WINDSERVE_PREFAULT": "1"}
 GOALS = {"put_vs_raw_ucx": ">= 0.8", "get_vs_raw_ucx": ">= 0.8", "put_vs_redis": ">= 3", "get_vs_redis": ">= 3",
          "gcache_cluster_hit_share": ">= 0.95", "l3_hit_ttft_ratio": "<= 0.5", "l3_bytes_per_token_ratio": "<= 1.05"}
-HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share")
+HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share", "plain_tcp_put_vs_redis")
 
 
 def gcache_missing() -> str | None:
@@ -325,6 +329,87 @@ class RedisBackend(KVBackend):
         self.r.close()
 
 
+class TcpSink:
+    """The plain-TCP system's server: one process, a thread per connection (socket calls release the GIL), no
+    store. A batch is a 9-byte header (b"P" or b"G", 8-byte length): P receives that many bytes into one buffer
+    (reused every round) and answers 1 byte; G sends that many bytes from its buffer."""
+
+    def __init__(self, index: int) -> None:
+        import socket
+
+        self.index = index
+        self.listener = socket.create_server(("127.0.0.1", 0))
+
+    async def start(self) -> str:
+        import threading
+
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        return str(self.listener.getsockname()[1])
+
+    def _accept(self) -> None:
+        import threading
+
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        buf = np.zeros(ROUND_BYTES, dtype=np.uint8)
+        view = memoryview(buf)
+        head = bytearray(9)
+        with contextlib.suppress(OSError), conn:
+            while _recv_exact(conn, memoryview(head)):
+                n = int.from_bytes(head[1:], "little")
+                if head[:1] == b"P":
+                    _recv_exact(conn, view[:n])
+                    conn.sendall(b"k")
+                else:
+                    conn.sendall(view[:n])
+
+    async def close(self) -> None:
+        self.listener.close()
+
+
+def _recv_exact(conn: Any, view: memoryview) -> bool:
+    """Fill `view` from `conn`; False when the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+class TcpBackend(KVBackend):
+    """The plain-TCP system's client (`where`: the sink's port): a batch's values sent back to back on one
+    socket after a header (put, then a 1-byte answer) or received in one stream (get) -- what loopback TCP moves
+    for the same bytes with no protocol, store or Python work per value beyond the socket calls."""
+
+    async def start(self) -> str:
+        import socket
+
+        self.sock = socket.create_connection(("127.0.0.1", self.where), timeout=OP_TIMEOUT_S)
+        self.dst = np.zeros(ROUND_BYTES, dtype=np.uint8)
+        return "-"
+
+    async def put(self, size: int, n: int, it: int) -> int:
+        self.sock.sendall(b"P" + (n * size).to_bytes(8, "little"))
+        view = memoryview(self.src)
+        for i in range(n):
+            self.sock.sendall(view[i * size:(i + 1) * size])
+        return n if self.sock.recv(1) == b"k" else 0
+
+    async def get(self, size: int, n: int, it: int) -> int:
+        self.sock.sendall(b"G" + (n * size).to_bytes(8, "little"))
+        return n if _recv_exact(self.sock, memoryview(self.dst)[:n * size]) else 0
+
+    async def close(self) -> None:
+        self.sock.close()
+
+
 MARK = "@gcache-bench@"  # starts every protocol line: UCX and ucxx may print to stdout too
 
 
@@ -343,6 +428,10 @@ async def child_main(args: argparse.Namespace) -> None:
     elif args.role == "gcache":
         backend = GCacheBackend(args.index, args.nats_url)
         backend.chunk_mib = args.chunk_mib
+    elif args.role == "tcp-sink":
+        backend = TcpSink(args.index)
+    elif args.role == "tcp":
+        backend = TcpBackend(args.index, args.redis_port)
     else:
         backend = RedisBackend(args.index, args.redis_port)
     ready = await asyncio.wait_for(backend.start(), 60)
@@ -626,6 +715,8 @@ def table(results: dict[str, dict[tuple[str, int], dict]], clients: int) -> list
         g, raw, red = row.get("gcache_gbps"), row.get("raw_ucx_gbps"), row.get("redis_gbps")
         row["gcache_over_raw_ucx"] = g / raw if g and raw else None
         row["gcache_over_redis"] = g / red if g and red else None
+        tcp = row.get("plain_tcp_gbps")
+        row["plain_tcp_over_redis"] = tcp / red if tcp and red else None
         rows.append(row)
     return rows
 
@@ -657,6 +748,17 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
                     "redis", child_env(None), n, sizes, iters, round_bytes, logs, redis_port=port))
     except Exception as exc:
         errors["redis-server"] = repr(exc)
+    tcp_res: dict[int, dict] = {}  # plain TCP (TcpSink / TcpBackend)
+    try:
+        (sink,) = await start_children("tcp-sink", 1, child_env(None), logs)
+        try:
+            for n in clients:
+                tcp_res[n] = await attempt(f"plain tcp clients={n}", measure_clients(
+                    "tcp", child_env(None), n, sizes, iters, round_bytes, logs, redis_port=sink.addr))
+        finally:
+            sink.stop()
+    except Exception as exc:
+        errors["plain tcp"] = repr(exc)
     async def side_by_side(t: str, url: str | None) -> dict[int, dict]:
         return {n: await attempt(f"raw ucx{'' if url is None else ' + gcache'} {t} clients={n}",
                                  measure_side_by_side(t, n, sizes, iters, round_bytes, logs, url, chunk_mib))
@@ -675,7 +777,7 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
             res = await side_by_side(t, None)
         by_transport[t] = [row for n in clients for row in table(
             {"gcache": res[n].get("gcache", {}), "raw_ucx": res[n].get("raw_ucx", {}),
-             "redis": redis_res.get(n, {})}, n)]
+             "redis": redis_res.get(n, {}), "plain_tcp": tcp_res.get(n, {})}, n)]
     return {"by_transport": by_transport, "gcache_missing": missing, "errors": errors,
             "ucx_tls": {t: child_env(t).get("UCX_TLS") for t in transports}}
 
@@ -689,7 +791,7 @@ def _brief(res: dict) -> str:
 
 def worst_ratio(by_transport: dict[str, list[dict]], op: str, field: str) -> float | None:
     """The worst GCache ratio of `op` over sizes >= HEADLINE_MIN_MIB, every client count and transport."""
-    vals = [r[field] for rows in by_transport.values() for r in rows
+    vals = [r.get(field) for rows in by_transport.values() for r in rows
             if r["op"] == op and r["size_mib"] >= HEADLINE_MIN_MIB]
     if not vals or any(v is None for v in vals):
         return None
@@ -1069,6 +1171,7 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
         for op in ("put", "get"):
             out[f"{op}_vs_raw_ucx"] = worst_ratio(bt, op, "gcache_over_raw_ucx")
             out[f"{op}_vs_redis"] = worst_ratio(bt, op, "gcache_over_redis")
+        out["plain_tcp_put_vs_redis"] = worst_ratio(bt, "put", "plain_tcp_over_redis")
         out["headline_by_transport"] = {
             t: {f"{op}_vs_{base}": worst_ratio({t: rows}, op, f"gcache_over_{base}")
                 for op in ("put", "get") for base in ("raw_ucx", "redis")} for t, rows in bt.items()}
@@ -1079,9 +1182,14 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
                 reasons[k] = (tp.get("gcache_missing")
                               or (f"{failed[0]} failed: {tp['errors'][failed[0]]} (throughput.errors)" if failed
                                   else "a GCache round failed (see throughput)"))
+        if out["plain_tcp_put_vs_redis"] is None:
+            failed = [name for name in tp.get("errors", {}) if name.startswith(("plain tcp", "redis-server"))]
+            reasons["plain_tcp_put_vs_redis"] = (f"{failed[0]} failed: {tp['errors'][failed[0]]}" if failed
+                                                 else "a plain TCP or Redis round failed (see throughput)")
     else:
         reasons.update({k: "throughput not run (--skip-throughput)" for k in
-                        ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis")})
+                        ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis",
+                         "plain_tcp_put_vs_redis")})
     if sim is not None:
         out["gcache_cluster_hit_share"] = sim["gcache_cluster_hit_share"]
         out["no_gcache_cluster_hit_share"] = sim["no_gcache_cluster_hit_share"]
@@ -1126,17 +1234,18 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     tp = out.get("throughput") or {"by_transport": {}}
-    styles = {"gcache": "-", "raw_ucx": "--", "redis": ":"}
+    styles = {"gcache": "-", "raw_ucx": "--", "redis": ":", "plain_tcp": "-."}
+    once = ("redis", "plain_tcp")  # (do not depend on the UCX transport: drawn once)
     for ax, op in zip(axes[:2], ("put", "get"), strict=True):
         for t, rows in tp["by_transport"].items():
             for clients in sorted({r["clients"] for r in rows}):
                 sel = [r for r in rows if r["op"] == op and r["clients"] == clients]
                 for system, ls in styles.items():
-                    if system == "redis" and t != next(iter(tp["by_transport"])):
-                        continue  # redis does not depend on the UCX transport: drawn once
+                    if system in once and t != next(iter(tp["by_transport"])):
+                        continue
                     pts = [(r["size_mib"], r[f"{system}_gbps"]) for r in sel if r.get(f"{system}_gbps")]
                     if pts:
-                        label = f"{system} x{clients}" + ("" if system == "redis" else f" ({t})")
+                        label = f"{system} x{clients}" + ("" if system in once else f" ({t})")
                         ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", label=label)
         ax.set(title=f"{op}: aggregate GB/s", xlabel="value size (MiB)", xscale="log")
         ax.set_xscale("log", base=2)
@@ -1185,11 +1294,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "gcache.json")
     # child processes
-    p.add_argument("--role", choices=["main", "raw", "raw-server", "gcache", "redis"], default="main")
+    p.add_argument("--role", choices=["main", "raw", "raw-server", "gcache", "redis", "tcp-sink", "tcp"],
+                   default="main")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--servers", type=int, default=NODES)
     p.add_argument("--nats-url", default="")
-    p.add_argument("--redis-port", type=int, default=0)
+    p.add_argument("--redis-port", type=int, default=0, help="(redis, tcp: the server's loopback port)")
     return p.parse_args(argv)
 
 
@@ -1237,7 +1347,8 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
              "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(tp, sim, eng, setup)
-    for name, keys in (("throughput", ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis")),
+    for name, keys in (("throughput", ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis",
+                                       "plain_tcp_put_vs_redis")),
                        ("simulation", ("gcache_cluster_hit_share", "no_gcache_cluster_hit_share"))):
         if name in failed:
             out["null_reasons"].update(dict.fromkeys(keys, failed[name]))

@@ -39,7 +39,7 @@ def test_cluster_share_with_gcache_at_least_without() -> None:
 
 def test_results_have_every_headline_key(tmp_path) -> None:
     rows = [{"op": op, "size_mib": mib, "clients": 1, "gcache_gbps": 2.0, "raw_ucx_gbps": g, "redis_gbps": 0.5,
-             "gcache_over_raw_ucx": 2.0 / g, "gcache_over_redis": 4.0}
+             "gcache_over_raw_ucx": 2.0 / g, "gcache_over_redis": 4.0, "plain_tcp_over_redis": 1.5 if mib > 1 else 0.1}
             for op in ("put", "get") for mib, g in ((1, 10.0), (4, 2.5), (64, 2.0))]
     tp = {"by_transport": {"sm": rows}, "gcache_missing": None}
     sim = {"gcache_cluster_hit_share": 0.97, "no_gcache_cluster_hit_share": 0.6, "grid": {}, "workers": 4}
@@ -50,6 +50,7 @@ def test_results_have_every_headline_key(tmp_path) -> None:
     assert set(gcache.HEADLINE_KEYS) <= set(data)
     assert data["put_vs_raw_ucx"] == 0.8  # the worst over sizes >= 4 MiB (the 1 MiB row is not counted)
     assert data["get_vs_redis"] == 4.0 and data["met"]["get_vs_redis"] is True
+    assert data["plain_tcp_put_vs_redis"] == 1.5  # the plain-TCP ceiling's ratio (no goal: a bound on put_vs_redis)
     assert data["gcache_cluster_hit_share"] == 0.97 and data["met"]["gcache_cluster_hit_share"] is True
     assert data["l3_hit_ttft_ratio"] == 0.4 and data["met"]["l3_hit_ttft_ratio"] is True
     assert data["l3_bytes_per_token_ratio"] is None and data["null_reasons"]["l3_bytes_per_token_ratio"] == "x"
