@@ -1,8 +1,11 @@
-"""bench.gcache's pure parts: the cluster simulation with a pooled L3 and the results writer (seconds)."""
+"""bench.gcache's own parts: the cluster simulation with a pooled L3, the results writer, and the plain-TCP system
+over loopback sockets (seconds)."""
 
 from __future__ import annotations
 
 import json
+
+import numpy as np
 
 from bench import gcache
 from bench.kvcache import PAGE
@@ -54,3 +57,21 @@ def test_results_have_every_headline_key(tmp_path) -> None:
     assert data["gcache_cluster_hit_share"] == 0.97 and data["met"]["gcache_cluster_hit_share"] is True
     assert data["l3_hit_ttft_ratio"] == 0.4 and data["met"]["l3_hit_ttft_ratio"] is True
     assert data["l3_bytes_per_token_ratio"] is None and data["null_reasons"]["l3_bytes_per_token_ratio"] == "x"
+
+
+async def test_plain_tcp_system_moves_a_batch_both_ways() -> None:
+    """bench.gcache's plain-TCP system over real loopback sockets: a put's bytes reach the sink (one buffer per
+    connection), and a get of the same size brings them back byte for byte."""
+    sink = gcache.TcpSink(0)
+    port = int(await sink.start())
+    client = gcache.TcpBackend(0, port)
+    await client.start()
+    try:
+        size, n = 1 << 20, 3
+        assert await client.put(size, n, 0) == n
+        client.dst[:] = 0
+        assert await client.get(size, n, 0) == n
+        assert np.array_equal(client.dst[:n * size], client.src[:n * size])
+    finally:
+        await client.close()
+        await sink.close()
