@@ -170,6 +170,7 @@ class _StreamOrder:
 
 _MIN_TRY_S = 0.05  # a router try shorter than this is not started (the route's bound is spent)
 _REASK_PAUSE_S = 0.1  # between two asks of a listed peer that had no responders (within unreachable_grace_s)
+_RECONNECT_POLL_S = 0.05  # how often a request waiting for NATS to come back looks at the connection
 
 
 def _discard(task: asyncio.Future) -> None:
@@ -279,6 +280,33 @@ class NatsBackend:
         if avoid and avoid.hits(reply.prefill_instance, reply.decode_instance):
             return await self._repick(request_id, len(token_ids), avoid, reply)
         return reply
+
+    async def _route_reachable(self, request_id: str, token_ids: list[int], avoid: Avoid,
+                               mm_hashes: Sequence[int]) -> RouteReply:
+        """`route`, and when it fails because NATS is unreachable (this gateway's client is moving to another
+        node of a cluster: nats-py may wait its 1 s reconnect pause first; or NATS restarts), the same route
+        again once the connection is back, within `reconnect_bound_s`: nothing was sent to a worker yet, so a
+        new request does not fail on a reconnect that an in-flight stream rides out."""
+        deadline: float | None = None
+        while True:
+            try:
+                return await self.route(request_id, token_ids, avoid, mm_hashes)
+            except BackendError as exc:
+                if exc.code != "control_plane_unavailable":
+                    raise
+                deadline = deadline or time.monotonic() + self.config.reconnect_bound_s
+                if not await self._reconnected(deadline):
+                    raise
+                metrics.CONTROL_PLANE_WAITS.inc()
+                log.info("NATS reachable again: routing the request again", extra={"request_id": request_id})
+
+    async def _reconnected(self, deadline: float) -> bool:
+        """Whether the bus is connected by `deadline` (looked at every `_RECONNECT_POLL_S`)."""
+        while not self._bus.is_connected:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_RECONNECT_POLL_S)
+        return True
 
     async def _routers_listed(self) -> bool:
         try:
@@ -455,7 +483,7 @@ class NatsBackend:
     async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid,
                        mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
         """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy."""
-        route = await self.route(attempt_id, token_ids, avoid, [i.mm_hash for i in mm_items])
+        route = await self._route_reachable(attempt_id, token_ids, avoid, [i.mm_hash for i in mm_items])
         stream = subjects.stream(self.config.namespace, attempt_id)
         try:
             sub = await self._bus.subscribe(stream, TokenChunk)
