@@ -46,7 +46,8 @@ def entry(instance: str, role: Role = Role.WORKER, running: int = 0, **kw) -> Re
 
 class FakeWorker:
     """A combined worker on the bus. mode: ok (4 tokens), busy (acks BUSY), silent (accepts, sends nothing),
-    first_then_die (one token, then its subjects go away), hold (takes the request and never answers it), slow_ack (answers after 1 s), error (accepts, sends an error chunk), engine_dead (an
+    first_then_die (one token, then its subjects go away), first_then_move (one token, its subjects gone for 0.8 s,
+    then the rest), hold (takes the request and never answers it), slow_ack (answers after 1 s), error (accepts, sends an error chunk), engine_dead (an
     error chunk saying its engine died: instance_failed), encoder_down (a retryable error chunk naming its code)."""
 
     def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
@@ -107,6 +108,10 @@ class FakeWorker:
         if self.mode == "first_then_die":
             await self.die()
             return
+        if self.mode == "first_then_move":  # its client moves to another NATS node: its subjects gone for a while
+            await self.die()
+            await asyncio.sleep(0.8)
+            await self.start()
         await self.bus.publish(req.stream_subject, chunk(token_ids=[2, 3, 4], finish_reason=WireFinishReason.LENGTH))
 
 
@@ -166,6 +171,20 @@ async def test_worker_dying_after_the_first_chunk_fails_with_503_not_retried(bus
             got.append(chunk)
     assert [c.token_ids for c in got] == [[1]] and dying.requests == ["req"] and not ok.requests
     assert err.value.status == 503 and "w-dying is gone" in err.value.message and err.value.retry_after_s == 1
+
+
+async def test_streaming_worker_unreachable_for_a_moment_is_not_taken_for_gone(bus):
+    """A streaming worker has no responders for 0.8 s (its client moving to another node of a NATS cluster) while
+    the gateway probes it every 0.2 s: four probes find nothing listening, but it is gone only once that lasted
+    unreachable_grace_s (1.5 s), so the stream goes on when it is back; a worker that stays away is still gone."""
+    moving = await FakeWorker(bus, "w-mover", "first_then_move").start()
+    chunks = await asyncio.wait_for(run(backend(bus, [entry("w-mover")], unreachable_grace_s=1.5), "moved"), 10)
+    assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4] and moving.requests == ["moved"]
+    await FakeWorker(bus, "w-dying", "first_then_die").start()
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(PeerFailed) as err:
+        await asyncio.wait_for(run(backend(bus, [entry("w-dying")], unreachable_grace_s=1.5), "died"), 10)
+    assert "w-dying is gone" in err.value.message and 1.5 <= asyncio.get_running_loop().time() - start < 4
 
 
 async def test_error_chunk_of_a_live_worker_is_500_and_not_retried(bus):

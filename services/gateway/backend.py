@@ -137,7 +137,8 @@ class BackendConfig:
     max_attempts: int = 3  # attempts of one request (1 = no failover)
     failover_timeout_s: float = 30.0  # no new attempt starts later than this after the first one
     reconnect_bound_s: float = 10.0  # NATS unreachable this long: the request fails (control plane down)
-    unreachable_grace_s: float = 1.5  # a listed peer with no responders, asked again this long when nothing else can
+    unreachable_grace_s: float = 1.5  # a listed peer with no responders, asked again this long when nothing else can;
+    # a streaming one's probes must find no responders this long before it is gone
     fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
 
     def __post_init__(self) -> None:
@@ -159,6 +160,7 @@ class _Liveness:
     misses: dict[str, int] = field(default_factory=dict)
     disconnected_since: float | None = None
     silent_since: dict[str, float] = field(default_factory=dict)  # first probe of the current run of timeouts
+    unreachable_since: dict[str, float] = field(default_factory=dict)  # first of the current run of no responders
 
 
 @dataclass
@@ -682,6 +684,7 @@ class NatsBackend:
                                             HealthReply, self.config.liveness_interval_s)
                 misses[instance] = 0
                 live.silent_since.pop(instance, None)
+                live.unreachable_since.pop(instance, None)
             except Exception as exc:
                 if not self._bus.is_connected:  # the probe died with the connection: NATS's outage, not the
                     live.disconnected_since = live.disconnected_since or time.monotonic()  # worker's (bound above)
@@ -692,6 +695,11 @@ class NatsBackend:
                 if isinstance(exc, BusTimeout):  # silent, not gone: maybe its NATS node hangs (it reconnects)
                     since = live.silent_since.setdefault(instance, time.monotonic() - self.config.liveness_interval_s)
                     if time.monotonic() - since < self.config.liveness_silent_s:
+                        continue
+                elif isinstance(exc, NoResponders):  # gone, or its client is moving to another NATS node (a
+                    # node died: nats-py may pause 1 s before it reconnects): gone once that lasted the grace
+                    since = live.unreachable_since.setdefault(instance, time.monotonic())
+                    if time.monotonic() - since < self.config.unreachable_grace_s:
                         continue
                 if misses[instance] >= self.config.liveness_misses:
                     raise PeerFailed(f"worker {instance} is gone ({misses[instance]} health probes failed, last: "

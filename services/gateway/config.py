@@ -73,7 +73,8 @@ class GatewayConfig(ServiceConfig):
     unreachable_grace_s: float = Field(
         default=1.5, gt=0, description="a listed router or worker with no responders on its subject (gone, or its "
         "client moving to another node of a NATS cluster) is asked again for this long when nothing else can take "
-        "the request, before the request fails")
+        "the request, before the request fails; a streaming worker is gone only once its probes found no "
+        "responders for this long")
     idle_timeout_s: float = Field(
         default=300.0, gt=0, description="longest gap between two chunks of a live worker before the request fails"
     )
