@@ -653,9 +653,8 @@ class NatsBackend:
             try:
                 return await self._ask_replay(instance, request_id, from_seq)
             except Exception:
-                if self._bus.is_connected or time.monotonic() > deadline:
+                if self._bus.is_connected or not await self._reconnected(deadline):
                     return None
-                await asyncio.sleep(0.2)
 
     async def _probe(self, instances: set[str], live: _Liveness, route: RouteReply, request_id: str,
                      order: _StreamOrder) -> list[TokenChunk]:
