@@ -5,14 +5,20 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
 
 1. Throughput: put and get GB/s of 1, 4, 16 and 64 MiB values with 1 and 4 concurrent client processes, each
    moving ROUND_BYTES per round (a batch of ROUND_BYTES / size values), aggregate bytes over the time from the
-   first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Four systems
-   on the same bytes in the same run, for each UCX transport (the same UCX_TLS for raw and GCache; raw and GCache
-   run in alternating blocks of rounds, A B B A, so a slow spell of the machine falls on both sides of a ratio):
+   first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Five systems
+   on the same bytes in the same run, for each UCX transport (the same UCX_TLS for the raw baselines and GCache,
+   which run in alternating blocks of rounds, A B C C B A, so a slow spell of the machine falls on every side of a
+   ratio):
    * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
    * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
               its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
               path), value i of client c on server (c + i) % NODES; every buffer touched before the rounds and
               reused (a server lands each client's puts in one buffer), as the nodes' pre-faulted arenas;
+   * raw ucx checksummed: the raw baseline with the one pass over each value that a checksummed store cannot
+              skip -- a put's client hashes its values (xxh3, as GCache) on a thread while they are sent and sends
+              the sums after them, a get's server hashes what it sends and sends a verdict after: the floor of any
+              design that checksums on write and verifies on read, on this machine (`hashed_raw_{put,get}_vs_raw_ucx`,
+              and GCache against it: `{put,get}_vs_hashed_raw`; no goals);
    * redis:   /usr/bin/redis-server on a free loopback port, persistence off; SET / GET of the same values in
               one pipeline per batch (redis-py).
    * plain tcp: no store, no UCX -- a batch's bytes over one loopback TCP socket per client to one sink process
@@ -74,7 +80,8 @@ HEADLINE_MIN_MIB = 4
 NODE_ENV = {"WINDSERVE_MEMORY_BYTES": str(3 * GIB), "WINDSERVE_DISK_BYTES": "0", "WINDSERVE_PREFAULT": "1"}
 GOALS = {"put_vs_raw_ucx": ">= 0.8", "get_vs_raw_ucx": ">= 0.8", "put_vs_redis": ">= 3", "get_vs_redis": ">= 3",
          "gcache_cluster_hit_share": ">= 0.95", "l3_hit_ttft_ratio": "<= 0.5", "l3_bytes_per_token_ratio": "<= 1.05"}
-HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share", "plain_tcp_put_vs_redis")
+HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share", "plain_tcp_put_vs_redis", "hashed_raw_put_vs_raw_ucx",
+                 "hashed_raw_get_vs_raw_ucx", "put_vs_hashed_raw", "get_vs_hashed_raw")
 
 
 def gcache_missing() -> str | None:
@@ -99,11 +106,19 @@ def value_key(client: int, size: int, it: int, i: int) -> str:
 
 def raw_tag(client: int, kind: int, it: int, server: int) -> int:
     """First tag of one message group; + j for the group's j-th value. kinds: 1 put data, 2 put ack,
-    3 get request, 4 get data. Unique per receiving worker (client and server both in it)."""
+    3 get request, 4 get data, 5 put sums, 6 get verdict (the last two: the checksummed baseline). Unique per
+    receiving worker (client and server both in it)."""
     return 0x47 << 56 | client << 48 | kind << 44 | server << 36 | it << 20
 
 
-PUT, ACK, REQ, GET = 1, 2, 3, 4
+PUT, ACK, REQ, GET, SUMS, VERDICT = 1, 2, 3, 4, 5, 6
+
+
+def checksums(values: Sequence[np.ndarray]) -> np.ndarray:
+    """The values' GCache checksums (libs.gcache.keys.value_checksum, xxh3-64), as the bytes of a uint64 array."""
+    from libs.gcache.keys import value_checksum
+
+    return np.array([value_checksum(v) for v in values], dtype=np.uint64).view(np.uint8)
 
 
 def spread(client: int, n: int, servers: int) -> dict[int, list[int]]:
@@ -117,6 +132,12 @@ def spread(client: int, n: int, servers: int) -> dict[int, list[int]]:
 def source(seed: int) -> np.ndarray:
     """A client's value bytes: one round's worth, random (xxh64 and the wire see no pattern)."""
     return np.random.default_rng(seed).integers(0, 256, ROUND_BYTES, dtype=np.uint8)
+
+
+def same_bytes(value: Any, expected: np.ndarray) -> bool:
+    """A got value (any buffer) byte-equal to `expected`, compared in place: no copy of either (copies of 2 x 64
+    MiB per check faulted in fresh memory between the timed rounds)."""
+    return np.array_equal(np.frombuffer(memoryview(value).cast("B"), dtype=np.uint8), expected)
 
 
 def landed(values: Sequence[Any], size: int) -> int:
@@ -134,10 +155,14 @@ class KVBackend:
 
 
 class RawClient:
-    """A client of the raw ucxx baseline: values as tagged messages on a transfer engine's own UCX worker."""
+    """A client of the raw ucxx baseline: values as tagged messages on a transfer engine's own UCX worker.
+    `hashed` (the checksummed baseline): each value is also hashed once, as a GCache call must, by the side
+    holding it at rest while it moves -- a put's client hashes its values on a thread while they are sent and
+    sends the sums after them (the server acknowledges once values and sums are in); a get's server hashes what
+    it sends and sends a one-byte verdict after (the client's get ends once values and verdicts are in)."""
 
-    def __init__(self, client: int, servers: int) -> None:
-        self.client, self.servers = client, servers
+    def __init__(self, client: int, servers: int, hashed: bool = False) -> None:
+        self.client, self.servers, self.hashed = client, servers, hashed
         self.eps: list[Any] = []
 
     async def start(self) -> str:
@@ -160,8 +185,11 @@ class RawClient:
         from bench.transfer import raw_send, raw_wait_ack
 
         async def one(s: int, idx: list[int]) -> None:
-            await raw_send(self.eps[s], [self.src[i * size:(i + 1) * size] for i in idx],
-                           raw_tag(self.client, PUT, it, s))
+            values = [self.src[i * size:(i + 1) * size] for i in idx]
+            sums = asyncio.ensure_future(asyncio.to_thread(checksums, values)) if self.hashed else None
+            await raw_send(self.eps[s], values, raw_tag(self.client, PUT, it, s))
+            if sums is not None:
+                await raw_send(self.eps[s], [await sums], raw_tag(self.client, SUMS, it, s))
             await raw_wait_ack(self.engine, raw_tag(self.client, ACK, it, s))
 
         await asyncio.gather(*(one(s, idx) for s, idx in spread(self.client, n, self.servers).items()))
@@ -175,6 +203,9 @@ class RawClient:
         for s, idx in plan.items():
             recvs += raw_post_recvs(self.engine, [self.dst[i * size:(i + 1) * size] for i in idx],
                                     raw_tag(self.client, GET, it, s))
+            if self.hashed:
+                recvs += raw_post_recvs(self.engine, [np.empty(1, dtype=np.uint8)],
+                                        raw_tag(self.client, VERDICT, it, s))
         for s in plan:
             await raw_ack(self.eps[s], raw_tag(self.client, REQ, it, s))
         await asyncio.gather(*recvs)
@@ -187,11 +218,12 @@ class RawClient:
 class RawServer:
     """The raw baseline's stand-in for a storage node: receives put values into memory, sends get values."""
 
-    def __init__(self, index: int, servers: int) -> None:
-        self.index, self.servers = index, servers
+    def __init__(self, index: int, servers: int, hashed: bool = False) -> None:
+        self.index, self.servers, self.hashed = index, servers, hashed
         self.eps: list[Any] = []
         self.tasks: set[asyncio.Task] = set()
         self.land: dict[int, np.ndarray] = {}
+        self.sums: dict[int, np.ndarray] = {}  # (hashed) the last put's sums per client, as they came
 
     async def start(self) -> str:
         client = RawClient(1000 + self.index, 1)
@@ -215,6 +247,9 @@ class RawServer:
             land = self.landing(client)
             recvs = raw_post_recvs(self.engine, [land[j * size:(j + 1) * size] for j in range(len(idx))],
                                    raw_tag(client, PUT, it, self.index))
+            if self.hashed:
+                self.sums[client] = np.zeros(8 * len(idx), dtype=np.uint8)
+                recvs += raw_post_recvs(self.engine, [self.sums[client]], raw_tag(client, SUMS, it, self.index))
 
             async def answer() -> None:
                 await asyncio.wait_for(asyncio.gather(*recvs), OP_TIMEOUT_S)
@@ -224,8 +259,12 @@ class RawServer:
 
             async def answer() -> None:
                 await asyncio.wait_for(req, OP_TIMEOUT_S)
-                await raw_send(self.eps[client], [self.src[i * size:(i + 1) * size] for i in idx],
-                               raw_tag(client, GET, it, self.index))
+                values = [self.src[i * size:(i + 1) * size] for i in idx]
+                sums = asyncio.ensure_future(asyncio.to_thread(checksums, values)) if self.hashed else None
+                await raw_send(self.eps[client], values, raw_tag(client, GET, it, self.index))
+                if sums is not None:
+                    await sums
+                    await raw_ack(self.eps[client], raw_tag(client, VERDICT, it, self.index))
         task = asyncio.ensure_future(answer())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -283,8 +322,7 @@ class GCacheBackend(KVBackend):
 
     def verify(self, size: int, n: int) -> bool:
         """After a get (outside its timing): the first and last values are byte-equal to what was put."""
-        view = memoryview(self.src)
-        return all(v is not None and bytes(v) == bytes(view[i * size:(i + 1) * size])
+        return all(v is not None and same_bytes(v, self.src[i * size:(i + 1) * size])
                    for i, v in ((0, self.last[0]), (n - 1, self.last[-1])))
 
     async def close(self) -> None:
@@ -318,7 +356,7 @@ class RedisBackend(KVBackend):
         return landed(self.last, size)
 
     def verify(self, size: int, n: int) -> bool:
-        ok = bytes(self.last[0]) == self.src[:size].tobytes()
+        ok = same_bytes(self.last[0], self.src[:size])
         self.last = []
         return ok
 
@@ -422,9 +460,9 @@ async def child_main(args: argparse.Namespace) -> None:
     T <start> <end> <ok> [verified]; expect put|get client size n it -> OK)."""
     backend: Any
     if args.role == "raw-server":
-        backend = RawServer(args.index, args.servers)
+        backend = RawServer(args.index, args.servers, bool(args.hashed))
     elif args.role == "raw":
-        backend = RawClient(args.index, args.servers)
+        backend = RawClient(args.index, args.servers, bool(args.hashed))
     elif args.role == "gcache":
         backend = GCacheBackend(args.index, args.nats_url)
         backend.chunk_mib = args.chunk_mib
@@ -548,7 +586,7 @@ def gbps(nbytes: int, marks: list[list[str]]) -> float:
 System = tuple[list["Child"], list["Child"]]  # a system's clients, and the servers that take `expect` orders
 
 
-BLOCKS = 2  # with several systems: each system's rounds of a size come in this many blocks, A B B A
+BLOCKS = 2  # with several systems: each system's rounds of a size come in this many blocks, A B B A (A B C C B A for three)
 
 
 async def run_rounds(systems: dict[str, System], sizes: Sequence[int], iters: int,
@@ -631,6 +669,15 @@ async def measure_side_by_side(transport: str, n_clients: int, sizes: Sequence[i
         for s in servers:
             await s.ask("peers " + " ".join(c.addr for c in raw))
         systems: dict[str, System] = {"raw_ucx": (raw, servers)}
+        hservers = await start_children("raw-server", NODES, env, log_dir, servers=NODES, hashed=1)
+        kids += hservers
+        hraw = await start_children("raw", n_clients, env, log_dir, servers=NODES, hashed=1)
+        kids += hraw
+        for c in hraw:
+            await c.ask("peers " + " ".join(s.addr for s in hservers))
+        for s in hservers:
+            await s.ask("peers " + " ".join(c.addr for c in hraw))
+        systems["raw_ucx_hashed"] = (hraw, hservers)
         if nats_url is not None:
             gc = await start_children("gcache", n_clients, env, log_dir, nats_url=nats_url, chunk_mib=chunk_mib)
             kids += gc
@@ -717,6 +764,9 @@ def table(results: dict[str, dict[tuple[str, int], dict]], clients: int) -> list
         row["gcache_over_redis"] = g / red if g and red else None
         tcp = row.get("plain_tcp_gbps")
         row["plain_tcp_over_redis"] = tcp / red if tcp and red else None
+        hashed = row.get("raw_ucx_hashed_gbps")
+        row["raw_ucx_hashed_over_raw_ucx"] = hashed / raw if hashed and raw else None
+        row["gcache_over_raw_ucx_hashed"] = g / hashed if g and hashed else None
         rows.append(row)
     return rows
 
@@ -777,6 +827,7 @@ async def throughput(transports: Sequence[str], sizes: Sequence[int], clients: S
             res = await side_by_side(t, None)
         by_transport[t] = [row for n in clients for row in table(
             {"gcache": res[n].get("gcache", {}), "raw_ucx": res[n].get("raw_ucx", {}),
+             "raw_ucx_hashed": res[n].get("raw_ucx_hashed", {}),
              "redis": redis_res.get(n, {}), "plain_tcp": tcp_res.get(n, {})}, n)]
     return {"by_transport": by_transport, "gcache_missing": missing, "errors": errors,
             "ucx_tls": {t: child_env(t).get("UCX_TLS") for t in transports}}
@@ -1172,9 +1223,12 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
             out[f"{op}_vs_raw_ucx"] = worst_ratio(bt, op, "gcache_over_raw_ucx")
             out[f"{op}_vs_redis"] = worst_ratio(bt, op, "gcache_over_redis")
         out["plain_tcp_put_vs_redis"] = worst_ratio(bt, "put", "plain_tcp_over_redis")
+        for op in ("put", "get"):
+            out[f"hashed_raw_{op}_vs_raw_ucx"] = worst_ratio(bt, op, "raw_ucx_hashed_over_raw_ucx")
+            out[f"{op}_vs_hashed_raw"] = worst_ratio(bt, op, "gcache_over_raw_ucx_hashed")
         out["headline_by_transport"] = {
             t: {f"{op}_vs_{base}": worst_ratio({t: rows}, op, f"gcache_over_{base}")
-                for op in ("put", "get") for base in ("raw_ucx", "redis")} for t, rows in bt.items()}
+                for op in ("put", "get") for base in ("raw_ucx", "raw_ucx_hashed", "redis")} for t, rows in bt.items()}
         for k in ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis"):
             if out[k] is None:
                 base = "redis-server" if k.endswith("redis") else "raw ucx"
@@ -1234,19 +1288,22 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     tp = out.get("throughput") or {"by_transport": {}}
-    styles = {"gcache": "-", "raw_ucx": "--", "redis": ":", "plain_tcp": "-."}
+    # a colour per system, a line per UCX transport (solid sm, dashed tcp), a marker per client count
+    colors = {"gcache": "C0", "raw_ucx": "C1", "raw_ucx_hashed": "C2", "redis": "C3", "plain_tcp": "C4"}
+    lines = {"sm": "-", "tcp": "--"}
     once = ("redis", "plain_tcp")  # (do not depend on the UCX transport: drawn once)
     for ax, op in zip(axes[:2], ("put", "get"), strict=True):
         for t, rows in tp["by_transport"].items():
             for clients in sorted({r["clients"] for r in rows}):
                 sel = [r for r in rows if r["op"] == op and r["clients"] == clients]
-                for system, ls in styles.items():
+                for system, color in colors.items():
                     if system in once and t != next(iter(tp["by_transport"])):
                         continue
                     pts = [(r["size_mib"], r[f"{system}_gbps"]) for r in sel if r.get(f"{system}_gbps")]
                     if pts:
                         label = f"{system} x{clients}" + ("" if system in once else f" ({t})")
-                        ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", label=label)
+                        ax.plot(*zip(*pts, strict=True), color=color, ls=":" if system in once else lines.get(t, "-."),
+                                marker="o" if clients == 1 else "s", label=label)
         ax.set(title=f"{op}: aggregate GB/s", xlabel="value size (MiB)", xscale="log")
         ax.set_xscale("log", base=2)
         if ax.get_legend_handles_labels()[0]:
@@ -1300,6 +1357,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", type=int, default=NODES)
     p.add_argument("--nats-url", default="")
     p.add_argument("--redis-port", type=int, default=0, help="(redis, tcp: the server's loopback port)")
+    p.add_argument("--hashed", type=int, default=0, help="(raw, raw-server: 1 = the checksummed baseline)")
     return p.parse_args(argv)
 
 

@@ -3,6 +3,7 @@ over loopback sockets (seconds)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -75,3 +76,30 @@ async def test_plain_tcp_system_moves_a_batch_both_ways() -> None:
     finally:
         await client.close()
         await sink.close()
+
+
+async def test_checksummed_raw_baseline_moves_values_and_their_sums() -> None:
+    """bench.gcache's checksummed raw-UCX baseline over real ucxx (one process, two UCX workers): a put lands the
+    values and, after them, their xxh3 sums (the same as libs.gcache's value_checksum); a get brings the server's
+    values back byte for byte, and its verdict after them (the get waits for it: bounded here)."""
+
+    from libs.gcache.keys import value_checksum
+
+    server = gcache.RawServer(0, 1, hashed=True)
+    client = gcache.RawClient(0, 1, hashed=True)
+    addrs = [await server.start(), await client.start()]
+    try:
+        await client.peers(addrs[:1])
+        await server.peers(addrs[1:])
+        size, n = 1 << 20, 3
+        server.expect("put", 0, size, n, 1)
+        assert await asyncio.wait_for(client.put(size, n, 1), 30) == n
+        assert np.array_equal(server.land[0][:n * size], client.src[:n * size])
+        want = [value_checksum(client.src[i * size:(i + 1) * size]) for i in range(n)]
+        assert server.sums[0].view(np.uint64).tolist() == want
+        server.expect("get", 0, size, n, 2)
+        assert await asyncio.wait_for(client.get(size, n, 2), 30) == n
+        assert np.array_equal(client.dst[:n * size], server.src[:n * size])
+    finally:
+        await client.close()
+        await server.close()
