@@ -43,7 +43,8 @@ def test_cluster_share_with_gcache_at_least_without() -> None:
 
 def test_results_have_every_headline_key(tmp_path) -> None:
     rows = [{"op": op, "size_mib": mib, "clients": 1, "gcache_gbps": 2.0, "raw_ucx_gbps": g, "redis_gbps": 0.5,
-             "gcache_over_raw_ucx": 2.0 / g, "gcache_over_redis": 4.0, "plain_tcp_over_redis": 1.5 if mib > 1 else 0.1}
+             "gcache_over_raw_ucx": 2.0 / g, "gcache_over_redis": 4.0, "plain_tcp_over_redis": 1.5 if mib > 1 else 0.1,
+             "raw_ucx_hashed_over_raw_ucx": 0.7 if mib == 64 else 0.9, "gcache_over_raw_ucx_hashed": 2.0 / g / 0.8}
             for op in ("put", "get") for mib, g in ((1, 10.0), (4, 2.5), (64, 2.0))]
     tp = {"by_transport": {"sm": rows}, "gcache_missing": None}
     sim = {"gcache_cluster_hit_share": 0.97, "no_gcache_cluster_hit_share": 0.6, "grid": {}, "workers": 4}
@@ -54,6 +55,8 @@ def test_results_have_every_headline_key(tmp_path) -> None:
     assert set(gcache.HEADLINE_KEYS) <= set(data)
     assert data["put_vs_raw_ucx"] == 0.8  # the worst over sizes >= 4 MiB (the 1 MiB row is not counted)
     assert data["get_vs_redis"] == 4.0 and data["met"]["get_vs_redis"] is True
+    assert data["hashed_raw_get_vs_raw_ucx"] == 0.7 and data["put_vs_hashed_raw"] == 1.0  # same rule, no goals
+    assert "hashed_raw_put_vs_raw_ucx" not in data["met"]
     assert data["plain_tcp_put_vs_redis"] == 1.5  # the plain-TCP ceiling's ratio (no goal: a bound on put_vs_redis)
     assert data["gcache_cluster_hit_share"] == 0.97 and data["met"]["gcache_cluster_hit_share"] is True
     assert data["l3_hit_ttft_ratio"] == 0.4 and data["met"]["l3_hit_ttft_ratio"] is True
