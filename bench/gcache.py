@@ -158,8 +158,9 @@ class RawClient:
     """A client of the raw ucxx baseline: values as tagged messages on a transfer engine's own UCX worker.
     `hashed` (the checksummed baseline): each value is also hashed once, as a GCache call must, by the side
     holding it at rest while it moves -- a put's client hashes its values on a thread while they are sent and
-    sends the sums after them (the server acknowledges once values and sums are in); a get's server hashes what
-    it sends and sends a one-byte verdict after (the client's get ends once values and verdicts are in)."""
+    sends the sums as soon as they are computed (the server acknowledges once values and sums are in); a get's
+    server hashes what it sends and sends a one-byte verdict as soon as that is done (the client's get ends once
+    values and verdicts are in), as GCache's sums and verdicts travel."""
 
     def __init__(self, client: int, servers: int, hashed: bool = False) -> None:
         self.client, self.servers, self.hashed = client, servers, hashed
@@ -186,10 +187,13 @@ class RawClient:
 
         async def one(s: int, idx: list[int]) -> None:
             values = [self.src[i * size:(i + 1) * size] for i in idx]
-            sums = asyncio.ensure_future(asyncio.to_thread(checksums, values)) if self.hashed else None
-            await raw_send(self.eps[s], values, raw_tag(self.client, PUT, it, s))
-            if sums is not None:
-                await raw_send(self.eps[s], [await sums], raw_tag(self.client, SUMS, it, s))
+
+            async def sums() -> None:  # sent as soon as hashed, while the values may still be in flight
+                if self.hashed:
+                    await raw_send(self.eps[s], [await asyncio.to_thread(checksums, values)],
+                                   raw_tag(self.client, SUMS, it, s))
+
+            await asyncio.gather(sums(), raw_send(self.eps[s], values, raw_tag(self.client, PUT, it, s)))
             await raw_wait_ack(self.engine, raw_tag(self.client, ACK, it, s))
 
         await asyncio.gather(*(one(s, idx) for s, idx in spread(self.client, n, self.servers).items()))
@@ -260,11 +264,14 @@ class RawServer:
             async def answer() -> None:
                 await asyncio.wait_for(req, OP_TIMEOUT_S)
                 values = [self.src[i * size:(i + 1) * size] for i in idx]
-                sums = asyncio.ensure_future(asyncio.to_thread(checksums, values)) if self.hashed else None
-                await raw_send(self.eps[client], values, raw_tag(client, GET, it, self.index))
-                if sums is not None:
-                    await sums
-                    await raw_ack(self.eps[client], raw_tag(client, VERDICT, it, self.index))
+
+                async def verdict() -> None:  # sent as soon as hashed, while the values may still be in flight
+                    if self.hashed:
+                        await asyncio.to_thread(checksums, values)
+                        await raw_ack(self.eps[client], raw_tag(client, VERDICT, it, self.index))
+
+                await asyncio.gather(verdict(), raw_send(self.eps[client], values,
+                                                         raw_tag(client, GET, it, self.index)))
         task = asyncio.ensure_future(answer())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
