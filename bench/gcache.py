@@ -16,7 +16,7 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
               reused (a server lands each client's puts in one buffer), as the nodes' pre-faulted arenas;
    * raw ucx checksummed: the raw baseline with the one pass over each value that a checksummed store cannot
               skip -- a put's client hashes its values (xxh3, as GCache) on a thread while they are sent and sends
-              the sums after them, a get's server hashes what it sends and sends a verdict after: the floor of any
+              the sums once computed, a get's server hashes what it sends and sends a verdict once done: the floor of any
               design that checksums on write and verifies on read, on this machine (`hashed_raw_{put,get}_vs_raw_ucx`,
               and GCache against it: `{put,get}_vs_hashed_raw`; no goals);
    * redis:   /usr/bin/redis-server on a free loopback port, persistence off; SET / GET of the same values in
