@@ -82,6 +82,8 @@ GOALS = {"put_vs_raw_ucx": ">= 0.8", "get_vs_raw_ucx": ">= 0.8", "put_vs_redis":
          "gcache_cluster_hit_share": ">= 0.95", "l3_hit_ttft_ratio": "<= 0.5", "l3_bytes_per_token_ratio": "<= 1.05"}
 HASHED_KEYS = ("hashed_raw_put_vs_raw_ucx", "hashed_raw_get_vs_raw_ucx", "put_vs_hashed_raw", "get_vs_hashed_raw")
 HEADLINE_KEYS = (*GOALS, "no_gcache_cluster_hit_share", "plain_tcp_put_vs_redis", *HASHED_KEYS)
+THROUGHPUT_KEYS = ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis", "plain_tcp_put_vs_redis",
+                   *HASHED_KEYS)  # the headline keys the throughput part sets
 
 
 def gcache_missing() -> str | None:
@@ -661,30 +663,26 @@ def child_env(transport: str | None) -> dict[str, str]:
 
 async def measure_side_by_side(transport: str, n_clients: int, sizes: Sequence[int], iters: int, round_bytes: int,
                                log_dir: Path, nats_url: str | None, chunk_mib: int = 0) -> dict[str, dict]:
-    """Raw UCX (NODES raw servers, `n_clients` raw clients) and, with `nats_url` (the running storage nodes),
-    GCache (`n_clients` GCache clients), their rounds in alternating blocks (`run_rounds`);
-    {"raw_ucx": .., "gcache": ..}."""
+    """Raw UCX and checksummed raw UCX (each NODES raw servers and `n_clients` raw clients) and, with `nats_url`
+    (the running storage nodes), GCache (`n_clients` GCache clients), their rounds in alternating blocks
+    (`run_rounds`); {"raw_ucx": .., "raw_ucx_hashed": .., "gcache": ..}."""
     env = child_env(transport)
     kids: list[Child] = []
-    try:
-        servers = await start_children("raw-server", NODES, env, log_dir, servers=NODES)
-        kids += servers
-        raw = await start_children("raw", n_clients, env, log_dir, servers=NODES)
-        kids += raw
-        for c in raw:
+
+    async def raw_system(hashed: int) -> System:
+        """NODES raw servers and `n_clients` raw clients, each side dialled to the other."""
+        servers = await start_children("raw-server", NODES, env, log_dir, servers=NODES, hashed=hashed)
+        kids.extend(servers)
+        clients = await start_children("raw", n_clients, env, log_dir, servers=NODES, hashed=hashed)
+        kids.extend(clients)
+        for c in clients:
             await c.ask("peers " + " ".join(s.addr for s in servers))
         for s in servers:
-            await s.ask("peers " + " ".join(c.addr for c in raw))
-        systems: dict[str, System] = {"raw_ucx": (raw, servers)}
-        hservers = await start_children("raw-server", NODES, env, log_dir, servers=NODES, hashed=1)
-        kids += hservers
-        hraw = await start_children("raw", n_clients, env, log_dir, servers=NODES, hashed=1)
-        kids += hraw
-        for c in hraw:
-            await c.ask("peers " + " ".join(s.addr for s in hservers))
-        for s in hservers:
-            await s.ask("peers " + " ".join(c.addr for c in hraw))
-        systems["raw_ucx_hashed"] = (hraw, hservers)
+            await s.ask("peers " + " ".join(c.addr for c in clients))
+        return clients, servers
+
+    try:
+        systems: dict[str, System] = {"raw_ucx": await raw_system(0), "raw_ucx_hashed": await raw_system(1)}
         if nats_url is not None:
             gc = await start_children("gcache", n_clients, env, log_dir, nats_url=nats_url, chunk_mib=chunk_mib)
             kids += gc
@@ -1229,10 +1227,9 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
         for op in ("put", "get"):
             out[f"{op}_vs_raw_ucx"] = worst_ratio(bt, op, "gcache_over_raw_ucx")
             out[f"{op}_vs_redis"] = worst_ratio(bt, op, "gcache_over_redis")
-        out["plain_tcp_put_vs_redis"] = worst_ratio(bt, "put", "plain_tcp_over_redis")
-        for op in ("put", "get"):
             out[f"hashed_raw_{op}_vs_raw_ucx"] = worst_ratio(bt, op, "raw_ucx_hashed_over_raw_ucx")
             out[f"{op}_vs_hashed_raw"] = worst_ratio(bt, op, "gcache_over_raw_ucx_hashed")
+        out["plain_tcp_put_vs_redis"] = worst_ratio(bt, "put", "plain_tcp_over_redis")
         out["headline_by_transport"] = {
             t: {f"{op}_vs_{base}": worst_ratio({t: rows}, op, f"gcache_over_{base}")
                 for op in ("put", "get") for base in ("raw_ucx", "raw_ucx_hashed", "redis")} for t, rows in bt.items()}
@@ -1248,9 +1245,7 @@ def build_results(tp: dict[str, Any] | None, sim: dict[str, Any] | None, eng: di
             reasons["plain_tcp_put_vs_redis"] = (f"{failed[0]} failed: {tp['errors'][failed[0]]}" if failed
                                                  else "a plain TCP or Redis round failed (see throughput)")
     else:
-        reasons.update({k: "throughput not run (--skip-throughput)" for k in
-                        ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis",
-                         "plain_tcp_put_vs_redis", *HASHED_KEYS)})
+        reasons.update(dict.fromkeys(THROUGHPUT_KEYS, "throughput not run (--skip-throughput)"))
     if sim is not None:
         out["gcache_cluster_hit_share"] = sim["gcache_cluster_hit_share"]
         out["no_gcache_cluster_hit_share"] = sim["no_gcache_cluster_hit_share"]
@@ -1412,8 +1407,7 @@ def main(a: argparse.Namespace) -> dict[str, Any]:
              "headline": f"worst ratio over sizes >= {HEADLINE_MIN_MIB} MiB, every client count and transport",
              "cpus": os.cpu_count(), "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]]}
     out = build_results(tp, sim, eng, setup)
-    for name, keys in (("throughput", ("put_vs_raw_ucx", "get_vs_raw_ucx", "put_vs_redis", "get_vs_redis",
-                                       "plain_tcp_put_vs_redis")),
+    for name, keys in (("throughput", THROUGHPUT_KEYS),
                        ("simulation", ("gcache_cluster_hit_share", "no_gcache_cluster_hit_share"))):
         if name in failed:
             out["null_reasons"].update(dict.fromkeys(keys, failed[name]))

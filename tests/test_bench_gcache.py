@@ -83,9 +83,8 @@ async def test_plain_tcp_system_moves_a_batch_both_ways() -> None:
 
 async def test_checksummed_raw_baseline_moves_values_and_their_sums() -> None:
     """bench.gcache's checksummed raw-UCX baseline over real ucxx (one process, two UCX workers): a put lands the
-    values and their xxh3 sums (the same as libs.gcache's value_checksum) before it is acknowledged; a get brings the server's
-    values back byte for byte, and its verdict (the get waits for it: bounded here)."""
-
+    values and their xxh3 sums (the same as libs.gcache's value_checksum) before it is acknowledged; a get brings
+    the server's values back byte for byte, and its verdict (the get waits for it: bounded here)."""
     from libs.gcache.keys import value_checksum
 
     server = gcache.RawServer(0, 1, hashed=True)
