@@ -20,7 +20,7 @@ from kernels import (
 )
 from kernels.attention import paged_attention_ref
 from kernels.fp8 import FP8_DTYPE, quant_fp8_block
-from kernels.moe import dense_moe, segmented_moe
+from kernels.moe import dense_moe, grouped_mm_moe, segmented_moe
 from libs.model.weights import dequant_fused_qkv_fp8, split_fused_qkv
 
 HQ, HKV, DQK, DV, PAGE = 4, 2, 12, 8, 4
@@ -157,6 +157,19 @@ def test_moe_paths_match_naive_loop(moe):
     gate_up, down = torch.randn(e, 2 * i, h, dtype=torch.float64), torch.randn(e, h, i, dtype=torch.float64)
     w, ids = sigmoid_topk_route(torch.randn(t, e), torch.randn(e) * 0.1, k)
     torch.testing.assert_close(moe(x, w.double(), ids, gate_up, down), _naive_moe(x, w, ids, gate_up, down))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_grouped_mm_moe_matches_naive_loop(t):
+    """float32 (grouped_mm has no float64 CPU kernel); experts left without tokens are skipped."""
+    torch.manual_seed(3)
+    h, i, e, k = 32, 16, 8, 2
+    x = torch.randn(t, h)
+    gate_up, down = torch.randn(e, 2 * i, h) / 4, torch.randn(e, h, i) / 4
+    w, ids = sigmoid_topk_route(torch.randn(t, e), None, k)
+    torch.testing.assert_close(grouped_mm_moe(x, w, ids, gate_up, down), _naive_moe(x, w, ids, gate_up, down),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.unit
