@@ -25,18 +25,25 @@ from kernels.attn_plan import AttnBlock, AttnPlan
 
 def _attend_block(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, blk: AttnBlock, scale: float,
                   sinks: torch.Tensor | None) -> torch.Tensor:
-    """q ``[T, Hq, D]`` -> the block's output ``[G * L, Hq, Dv]`` (float32). GQA: the g query heads of a KV
-    head are folded into the query axis, so K/V are never repeated per query head."""
+    """q ``[T, Hq, D]`` -> the block's output ``[G * L, Hq, Dv]`` (float32)."""
     g_seqs, n_q = blk.rows.shape
-    n_keys = blk.slots.shape[1]
-    hq, hkv = q.shape[1], k_flat.shape[1]
-    g = hq // hkv
     qb = q.index_select(0, blk.rows.flatten()) if n_q > 1 or blk.rows.shape[0] != q.shape[0] else q
+    return attend(qb, k_flat, v_flat, blk.slots, blk.hidden, scale, sinks)
+
+
+def attend(qb: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
+           scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The block's queries qb ``[G * L, Hq, D]`` (sequence-major) over keys at flat pool `slots` ``[G, N]`` with
+    `hidden` ``[G, L, N]`` masked -> ``[G * L, Hq, Dv]`` (float32). GQA: the g query heads of a KV head are folded
+    into the query axis, so K/V are never repeated per query head. Tensors only (the compiled step calls it)."""
+    g_seqs, n_q, n_keys = hidden.shape
+    hq, hkv = qb.shape[1], k_flat.shape[1]
+    g = hq // hkv
     qb = qb.float().view(g_seqs, n_q, hkv, g, -1).permute(0, 2, 3, 1, 4).reshape(g_seqs, hkv, g * n_q, -1)
-    flat = blk.slots.flatten()
+    flat = slots.flatten()
     k = k_flat.index_select(0, flat).float().view(g_seqs, n_keys, hkv, -1).permute(0, 2, 3, 1)  # [G, Hkv, D, N]
     scores = torch.matmul(qb, k).mul_(scale).view(g_seqs, hkv, g, n_q, n_keys)
-    scores.masked_fill_(blk.hidden[:, None, None], float("-inf"))
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
     if sinks is not None:
         sink_col = sinks.float().view(1, hkv, g, 1, 1).expand(g_seqs, hkv, g, n_q, 1)
         probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.fp8 import dequant_fp8_block, quant_fp8_block
 from libs.model import BatchMeta, CheckpointError, KVPools, ModelConfig, load_model, load_tokenizer
+from libs.model.compiled import CompiledStep
 from libs.model.generate import greedy_generate
 
 transformers = pytest.importorskip("transformers")
@@ -72,9 +73,14 @@ def hf_model(hf_dir):
     return MiMoV2FlashForCausalLM.from_pretrained(hf_dir).eval()
 
 
-@pytest.fixture(scope="module")
-def ours(hf_dir):
-    return load_model(str(hf_dir), progress=False)
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def ours(hf_dir, request):
+    """Our model over the same checkpoint, eager and on the compiled step (libs/model/compiled.py: a pure decode
+    forward is one compiled graph, other forwards compile each layer's dense segments)."""
+    model, cfg = load_model(str(hf_dir), progress=False)
+    if request.param == "compiled":
+        model.set_compiled(CompiledStep(max_tokens=512))
+    return model, cfg
 
 
 def _hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from libs.engine.core import EngineCore
+from libs.engine.placement import parse_cpus, pin_this_thread
 from libs.engine.request import Request, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
+            pin_this_thread(parse_cpus(self.core.config.compute_cpus))
             while not self._stop.is_set():
                 self._rounds += 1
                 self._run_commands(block=not self.core.has_work())

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from libs.engine.placement import parse_cpus
 from libs.engine.scheduler import SchedulerConfig
 from libs.parallel.layout import ParallelLayout
 from libs.routing.buckets import DEFAULT_BUCKET_EDGES
@@ -106,6 +107,20 @@ class EngineConfig:
     """Expert-parallel ranks: MoE experts placed across them (tp and ep above 1 must be equal: the same ranks)."""
     parallel_timeout_s: float = 30.0
     """With tp or ep > 1: bound of one collective (a rank that stops answering fails the engine after it)."""
+    compile: bool = False
+    """Run the model through the compiled step (libs/model/compiled.py, docs/engine.md "Compiled step"): a pure
+    decode step as one torch.compile'd graph, other steps with each layer's dense segments compiled. Warmed up
+    when the engine is built. The engine services turn it on by default (WINDSERVE_COMPILE); the offline LLM
+    leaves it off unless asked. Not with tp / ep > 1 (the ranks run eager)."""
+    compile_warmup_s: float = 300.0
+    """Bound of the compile warm-up; past it the engine runs eager (and says so in its compile stats)."""
+    compile_cache_dir: str = ""
+    """Where inductor caches compiled code ("" = ~/.cache/windserve/torch-compile; TORCHINDUCTOR_CACHE_DIR wins)."""
+    compute_threads: int = 0
+    """torch intra-op threads of the engine process (0 = one per compute CPU when those are set, else every usable
+    core but one, at least one: the rest is left to the service's event loop and the other processes)."""
+    compute_cpus: str = ""
+    """CPUs the engine's step thread is pinned to, as a Linux CPU list ("1", "2-7"); "" = not pinned."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
@@ -132,6 +147,9 @@ class EngineConfig:
         if self.layout.is_parallel and self.speculative_tokens:
             raise ValueError("EngineConfig: speculative decoding (speculative_tokens > 0) does not run with "
                              "tp / ep > 1 yet")
+        if self.compile_warmup_s <= 0 or self.compute_threads < 0:
+            raise ValueError("EngineConfig: compile_warmup_s must be > 0 and compute_threads >= 0")
+        parse_cpus(self.compute_cpus)  # a bad list fails here, named
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.scheduler_config()  # validates the scheduling knobs

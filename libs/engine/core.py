@@ -10,15 +10,24 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kernels.fused import GATHER_MAX_TOKENS
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
-from libs.engine.request import AdmittedHit, FinishReason, PrefillProgress, Request, RequestOutput
+from libs.engine.placement import apply_threads, parse_cpus
+from libs.engine.request import (
+    AdmittedHit,
+    FinishReason,
+    PrefillProgress,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
 from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
@@ -35,9 +44,12 @@ from libs.engine.spec import (
     rejection_accept,
     run_chain,
 )
+from libs.engine.step_cost import StepCostModel
 from libs.kvcache import ArenaPlan, KVCache, KVCacheConfig, plan_arena, rebuild_span
 from libs.kvcache.types import CacheStats, PoolUsage
 from libs.mm.spec import MM_TOKEN_FLAG
+from libs.model.compiled import CompiledStep
+from libs.model.model import MiMoV2Model
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +80,8 @@ class EngineLoad:
     l3_hit_tokens: int = 0  # of hit_tokens, imported from GCache (L3) into the host tier and loaded from there
     spec: SpecStats | None = None  # MTP speculative decoding since start (None: off)
     arrivals: int = 0  # requests taken on since start (routers match their picks against it)
+    compiled_calls: int = 0  # compiled-step graph calls since start (0: compile off)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # compiled-step calls run eager, by reason
 
 
 @dataclass(frozen=True)
@@ -201,6 +215,56 @@ class EngineCore:
         self.num_steps = 0
         self.num_interrupted = 0  # steps stopped by step(interrupt=...) before they finished
         self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
+        self.compute_threads = apply_threads(config.compute_threads, parse_cpus(config.compute_cpus))
+        self.compile_stats: dict = {"enabled": False, "reason": "off (EngineConfig.compile)"}
+        if config.compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Put the model on the compiled step and warm it up (docs/engine.md, "Compiled step")."""
+        model = getattr(self.runner, "model", None)
+        if self.config.layout.is_parallel or not isinstance(model, MiMoV2Model):
+            self.compile_stats = {"enabled": False, "reason": "tp / ep > 1: the ranks run eager"}
+            return
+        step = CompiledStep(self.config.max_num_batched_tokens, self.config.compile_cache_dir or None)
+        model.set_compiled(step)
+        if step.warm_up(self._warmup_stages(), self.config.compile_warmup_s):
+            self.compile_stats = step.stats()
+        else:
+            model.set_compiled(None)
+            self.compile_stats = {"enabled": False, "warmup_s": step.warmup_s,
+                                  "reason": f"warm-up passed its bound ({self.config.compile_warmup_s:.0f} s)"}
+        self.scheduler.cost = StepCostModel()  # the warm-up's steps (compile time) are no step-cost sample
+        self.num_steps = 0
+
+    def _warmup_stages(self) -> list[Callable[[], None]]:
+        """Steps whose shapes select every compiled graph: decode at 1, 2 and past `fused.GATHER_MAX_TOKENS`
+        sequences (the last also a prefill of one token each, which is decode-shaped), prefill chunks of 2 and of
+        more than that many tokens. Each runs real requests through the engine and aborts them (no KV is cached,
+        no page is kept)."""
+        big = min(GATHER_MAX_TOKENS + 1, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
+        def stage(n: int, prompt: int):
+            return lambda: self._warmup_requests(n, prompt)
+
+        return [stage(1, 2), stage(1, GATHER_MAX_TOKENS + 1), stage(2, 3), stage(big, 1)]
+
+    def _warmup_requests(self, n: int, prompt: int) -> None:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        ids = [f"compile-warmup-{n}-{prompt}-{i}" for i in range(n)]
+        for i, req_id in enumerate(ids):
+            self.add_request(Request(req_id, [(7 + i + j) % self.model_config.vocab_size for j in range(prompt)],
+                                     params))
+        tokens = dict.fromkeys(ids, 0)
+        for _ in range(4 * (prompt + 3)):  # (bounded: prefill, then two decode steps for every request)
+            for out in self.step():
+                tokens[out.req_id] = tokens.get(out.req_id, 0) + len(out.new_token_ids)
+            if all(tokens[r] >= 2 for r in ids):
+                break
+        for req_id in ids:
+            self.abort(req_id)
+        while self.has_work():
+            self.step()
 
     @property
     def max_seq_pages(self) -> int:
@@ -557,7 +621,13 @@ class EngineCore:
                           prompt_tokens=sch.stats.prompt_tokens, hit_tokens=sch.stats.hit_tokens,
                           preemptions=sch.stats.preemptions, cache=self.cache.cache_stats(),
                           host_hit_tokens=sch.stats.host_hit_tokens, l3_hit_tokens=sch.stats.l3_hit_tokens,
-                          spec=self.spec_stats(), arrivals=sch.stats.arrivals)
+                          spec=self.spec_stats(), arrivals=sch.stats.arrivals, **self._compile_counts())
+
+    def _compile_counts(self) -> dict:
+        step = getattr(getattr(self.runner, "model", None), "compiled", None)
+        if step is None:
+            return {}
+        return {"compiled_calls": step.compiled_calls, "eager_fallbacks": dict(step.fallbacks)}
 
     def spec_stats(self) -> SpecStats | None:
         """MTP speculative decoding counters (None when it is off)."""

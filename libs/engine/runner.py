@@ -224,10 +224,12 @@ class ModelRunner:
         try:
             if inputs is None:
                 return torch.empty(0)
+            # the compiled decode graph runs no layer hooks: not while a load or an interrupt must act between layers
+            graph = {"graph": False} if self._load is not None or interrupt is not None else {}
             if not self.draft_layers:
-                return self.model(inputs.input_ids, inputs.meta, self.kv, embeds=inputs.embeds)
+                return self.model(inputs.input_ids, inputs.meta, self.kv, embeds=inputs.embeds, **graph)
             logits, self.hidden = self.model(inputs.input_ids, inputs.meta, self.kv, return_hidden=True,
-                                             embeds=inputs.embeds)
+                                             embeds=inputs.embeds, **graph)
             return logits
         finally:
             self._interrupt = self._forward_thread = None

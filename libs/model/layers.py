@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttnPlan, grouped_moe, paged_attention, scatter_kv, sigmoid_topk_route
+from libs.model.compiled import CompiledStep
 from libs.model.config import ModelConfig
 
 
@@ -129,15 +130,20 @@ class Attention(nn.Module):
         has_sinks = cfg.swa_sinks if is_swa else cfg.full_sinks
         self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if has_sinks else None
         self._qkv = FusedWeight()
+        self.compiled: CompiledStep | None = None  # set by MiMoV2Model.set_compiled
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, k_pool: torch.Tensor, v_pool: torch.Tensor):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.qk_dim
-        qkv = F.linear(x, self._qkv.get((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)))
-        # q and k heads share head_dim and sit side by side in the fused output: one rotation covers both
-        qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
-        apply_partial_rope_(qk, ctx.cos, ctx.sin)
-        q, k = qk.split((hq, hkv), dim=1)
-        v = qkv[:, (hq + hkv) * d:].view(t, hkv, self.v_dim) * self.v_scale
+        w_qkv = self._qkv.get((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        if self.compiled is not None:
+            q, k, v = self.compiled.run("qkv_rope", (x, ctx.cos, ctx.sin), w_qkv, hq, hkv, d, self.v_scale)
+        else:
+            qkv = F.linear(x, w_qkv)
+            # q and k heads share head_dim and sit side by side in the fused output: one rotation covers both
+            qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+            apply_partial_rope_(qk, ctx.cos, ctx.sin)
+            q, k = qk.split((hq, hkv), dim=1)
+            v = qkv[:, (hq + hkv) * d:].view(t, hkv, self.v_dim) * self.v_scale
         if ctx.write_rows is not None:
             k, v = k.index_select(0, ctx.write_rows), v.index_select(0, ctx.write_rows)
         scatter_kv(k_pool, v_pool, ctx.slots, k, v)
@@ -152,9 +158,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self._gate_up = FusedWeight()
+        self.compiled: CompiledStep | None = None  # set by MiMoV2Model.set_compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self._gate_up.get((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+        w_gate_up = self._gate_up.get((self.gate_proj.weight, self.up_proj.weight))
+        if self.compiled is not None:
+            return self.compiled.run("swiglu", (x,), w_gate_up, self.down_proj.weight)
+        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -181,9 +191,14 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.gate = MoEGate(cfg)
         self.experts = Experts(cfg)
+        self.compiled: CompiledStep | None = None  # set by MiMoV2Model.set_compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
+        if self.compiled is not None:
+            return self.compiled.run("moe", (x,), self.gate.weight, self.gate.e_score_correction_bias,
+                                     self.experts.gate_up_proj, self.experts.down_proj, c.num_experts_per_tok,
+                                     c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         logits = F.linear(x.float(), self.gate.weight.float())
         w, ids = sigmoid_topk_route(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                                     n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
@@ -201,9 +216,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, self.is_swa)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = MoE(cfg) if cfg.layer_is_moe[index] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.compiled: CompiledStep | None = None  # set by MiMoV2Model.set_compiled
 
     def forward(self, h: torch.Tensor, ctx: AttnContext, k_pool: torch.Tensor, v_pool: torch.Tensor):
-        h = h + self.self_attn(self.input_layernorm(h), ctx, k_pool, v_pool)
+        attn = self.self_attn(self.input_layernorm(h), ctx, k_pool, v_pool)
+        if self.compiled is not None:
+            norm = self.post_attention_layernorm
+            h, x = self.compiled.run("add_rms_norm", (h, attn), norm.weight, norm.eps)
+            return h + self.mlp(x)
+        h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

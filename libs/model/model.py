@@ -6,15 +6,19 @@ import math
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kernels import plan_paged_attention
+from kernels import fused, plan_paged_attention
 from kernels.attn_plan import AttnPlan
 from kernels.kv import new_token_index
+from libs.model.compiled import CompiledStep
 from libs.model.config import ModelConfig
 from libs.model.layers import (
+    MLP,
     AttnContext,
     DecoderLayer,
+    MoE,
     MTPLayer,
     RMSNorm,
     rope_cos_sin,
@@ -131,10 +135,22 @@ class MiMoV2Model(nn.Module):
         self.register_buffer("inv_freq_full", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_full), persistent=False)
         self.register_buffer("inv_freq_swa", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta_swa), persistent=False)
         self._rope_full, self._rope_swa = RopeTable(), RopeTable()
+        self._compiled: CompiledStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def compiled(self) -> CompiledStep | None:
+        return self._compiled
+
+    def set_compiled(self, step: CompiledStep | None) -> None:
+        """Run the layers' dense segments through `step` (libs/model/compiled.py); None = eager."""
+        self._compiled = step
+        for module in self.modules():
+            if hasattr(module, "compiled") and module is not self:
+                setattr(module, "compiled", step)  # noqa: B010 (an nn.Module attribute, typed per class)
 
     def _contexts(self, meta: BatchMeta, kv: KVPools) -> tuple[list[AttnContext], list[AttnContext]]:
         """One attention plan (and rope lookup) per layer group per forward, shared by its layers; with one
@@ -153,15 +169,26 @@ class MiMoV2Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools, return_hidden: bool = False,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, graph: bool = True):
         """input_ids int64 ``[sum(q_lens)]``. Writes the new K/V into the pools, attends cached + new
         (causal; window + sinks on SWA layers) and returns float32 logits ``[num_logits, vocab]`` — plus the
         final-norm hidden states of every new token ``[T, hidden]`` when ``return_hidden`` (MTP input).
         ``embeds`` = (rows int64 ``[n]``, values ``[n, hidden]``): those rows of the token embeddings are replaced
-        by the values (image / video embeddings at their pad positions, #16)."""
+        by the values (image / video embeddings at their pad positions, #16).
+
+        With a compiled step (`set_compiled`) a pure decode step (one new token per sequence, no embeddings, no
+        window rebuild) runs as one compiled graph (`_decode_graph`) unless `graph` is False (the runner passes
+        False while it must act between layers: a layer-wise KV load, an interrupt check); the module hooks of
+        the layers do not fire inside it. Other steps compile the layers' dense segments only."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but q_lens sum to {meta.num_tokens}")
         full, swa = self._contexts(meta, kv)
+        step = self._compiled
+        if (graph and step is not None and embeds is None and meta.full_write_from is None
+                and meta.num_tokens == len(meta.q_lens)):
+            got = self._decode_graph(step, input_ids, meta, kv, full, swa)
+            if got is not None:
+                return got if return_hidden else got[0]
         h = self.model.embed_tokens(input_ids)
         if embeds is not None:
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
@@ -173,6 +200,44 @@ class MiMoV2Model(nn.Module):
         h = self.model.norm(h)
         logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
         return (logits, h) if return_hidden else logits
+
+    def _decode_graph(self, step: CompiledStep, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools,
+                      full: list[AttnContext], swa: list[AttnContext]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, final-norm hidden) of a pure decode step through `step.decode`; None when a plan is not one
+        block over every row in order (then the caller runs the layers)."""
+        ctxs: list[tuple] = []
+        ctx_index: dict[tuple[str, int], int] = {}
+        bufs: list[torch.Tensor] = []
+        layers: list[tuple] = []
+        weights: list[tuple] = []
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)
+            group = "swa" if layer.is_swa else "full"
+            k_buf, v_buf, plane, row = kv.layer_base(group, layer.pool_index)
+            key = (group, row)
+            if key not in ctx_index:
+                ctx = (swa if layer.is_swa else full)[row]
+                if not ctx.plan.identity or ctx.write_rows is not None:
+                    return None
+                blk = ctx.plan.blocks[0]
+                ctx_index[key] = len(ctxs)
+                ctxs.append((ctx.cos, ctx.sin, ctx.slots, blk.slots, blk.hidden))
+            for buf in (k_buf, v_buf):
+                if not any(buf is b for b in bufs):
+                    bufs.append(buf)
+            attn = layer.self_attn
+            layers.append((ctx_index[key], next(i for i, b in enumerate(bufs) if b is k_buf),
+                           next(i for i, b in enumerate(bufs) if b is v_buf), plane, attn.num_heads, attn.num_kv_heads,
+                           attn.qk_dim, attn.v_scale, attn.scale, isinstance(layer.mlp, MoE)))
+            weights.append((layer.input_layernorm.weight, attn._qkv.get((attn.q_proj.weight, attn.k_proj.weight,
+                                                                          attn.v_proj.weight)),
+                            attn.attention_sink_bias, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                            *_mlp_weights(layer.mlp)))
+        c = self.cfg
+        consts = (tuple(layers), c.rms_norm_eps, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+                  c.routed_scaling_factor)
+        return step.decode(_decode_step, input_ids, ctxs, meta.logits_rows(), bufs, weights,
+                           (self.model.embed_tokens.weight, self.model.norm.weight, self.lm_head.weight), consts)
 
     def mtp_contexts(self, meta: BatchMeta, kv_mtp: KVPools, steps: range) -> dict[int, AttnContext]:
         """The attention contexts of MTP blocks `steps` over one `meta`, by page-table row (`forward_mtp`'s
@@ -214,6 +279,36 @@ class MiMoV2Model(nn.Module):
         emb = self.model.embed_tokens(input_ids)
         h = block(emb, prev_hidden, ctx, k, v)
         return self.lm_head(h.index_select(0, meta.logits_rows())).float(), h
+
+
+def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    if isinstance(mlp, MoE):
+        return mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.gate_up_proj, mlp.experts.down_proj
+    m = cast(MLP, mlp)
+    return m._gate_up.get((m.gate_proj.weight, m.up_proj.weight)), m.down_proj.weight
+
+
+def _decode_step(input_ids: torch.Tensor, ctxs: list[tuple], logits_rows: torch.Tensor, bufs: list[torch.Tensor],
+                 weights: list[tuple], shared: tuple, consts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole decoder over one new token per sequence, as one function of tensors for `torch.compile`: the
+    layers' dense parts from `kernels/fused.py`, attention as the opaque `fused.decode_attention` (it writes the
+    KV buffers). `ctxs`: per (group, table row) (cos, sin, write slots, key slots, hidden mask); `consts`: the
+    per-layer structure (context, buffers, plane, heads, dims, scales, MoE or not) and the model's constants."""
+    layers, eps, top_k, n_group, topk_group, renorm, scaling = consts
+    embed_w, norm_w, lm_w = shared
+    h = F.embedding(input_ids, embed_w)
+    t = h.shape[0]
+    for (ci, kb, vb, plane, hq, hkv, d, v_scale, scale, is_moe), w in zip(layers, weights, strict=True):
+        cos, sin, write_slots, slots, hidden = ctxs[ci]
+        q, k, v = fused.qkv_rope(fused.rms_norm(h, w[0], eps), cos, sin, w[1], hq, hkv, d, v_scale)
+        out = fused.decode_attention(q, k, v, bufs[kb], bufs[vb], plane, write_slots, slots, hidden, scale, w[2])
+        h, x = fused.add_rms_norm(h, F.linear(out.reshape(t, -1), w[3]), w[4], eps)
+        if is_moe:
+            h = h + fused.moe(x, w[5], w[6], w[7], w[8], top_k, n_group, topk_group, renorm, scaling)
+        else:
+            h = h + fused.swiglu(x, w[5], w[6])
+    h = fused.rms_norm(h, norm_w, eps)
+    return F.linear(h.index_select(0, logits_rows), lm_w).float(), h
 
 
 def _rows_used(kv: KVPools, n_swa: int) -> int:

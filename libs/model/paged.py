@@ -198,6 +198,17 @@ class KVPools:
                                                vv.view(-1, self.page_size, heads, vv.shape[-1]), row)
         return got
 
+    def layer_base(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(K buffer, V buffer, plane, table row) of one layer: `layer_kv`'s pools are plane `plane` of the
+        buffers (static: the group's [layers, ...] tensors; arena: its K / V), seen as [rows, page, heads, dim].
+        The compiled decode step takes the buffers themselves, so no two of its inputs alias."""
+        a = self.arena
+        if a is None:
+            k, v = self.group(group)
+            return k, v, index, 0
+        s, _, row = a.where(group, index + (self.swa_offset if group == "swa" else 0))
+        return a.k, a.v, s, row
+
     def page_rows(self, group: str, index: int, ids: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of `layer_kv(group, index)`'s pools that hold pages `ids` (int64; static: `ids` itself).
         `units`: see `KVArena.rows`."""

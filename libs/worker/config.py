@@ -89,6 +89,18 @@ class EngineServiceConfig(ServiceConfig):
     parallel_timeout_s: float = Field(default=30.0, gt=0, description="with tp / ep > 1: bound of one collective; a "
                                       "rank that stops answering fails the engine (and the service) after it")
 
+    compile: bool = Field(default=True, description="run the engine through the compiled step (torch.compile; a "
+                          "pure decode step as one graph), warmed up before the service is ready (docs/engine.md, "
+                          "Compiled step); 0 = eager. Not with tp / ep > 1")
+    compile_warmup_s: float = Field(default=300.0, gt=0, description="bound of the compile warm-up; past it the engine "
+                                    "serves eager")
+    compile_cache_dir: str = Field(default="", description="inductor's on-disk cache of compiled code (empty: "
+                                   "~/.cache/windserve/torch-compile), so a restart loads instead of compiling")
+    compute_threads: int = Field(default=0, ge=0, description="torch intra-op threads of the engine (0: one per "
+                                 "compute CPU when set, else all cores but one, at least one)")
+    compute_cpus: str = Field(default="", description="CPUs the engine's step thread is pinned to, a Linux CPU list "
+                              "('1', '2-7'); empty = not pinned")
+
     mm_fetch_timeout_s: float = Field(
         default=10.0, gt=0, description="multimodal models: bound of fetching one request's image / video "
         "embeddings from the encoder tier (before the request enters the engine; past it the request fails)")
@@ -150,7 +162,9 @@ class EngineServiceConfig(ServiceConfig):
             checkpoint_every_pages=self.gcache_checkpoint_every // self.page_size if self.gcache else 0,
             served_buckets=tuple(self.served_buckets) or None, dtype=self.dtype, device=self.device,
             seed=self.seed, speculative_tokens=self.speculative_tokens, tp=self.tp, ep=self.ep,
-            parallel_timeout_s=self.parallel_timeout_s, kv_arena=self.kv_arena)
+            parallel_timeout_s=self.parallel_timeout_s, kv_arena=self.kv_arena, compile=self.compile,
+            compile_warmup_s=self.compile_warmup_s, compile_cache_dir=self.compile_cache_dir,
+            compute_threads=self.compute_threads, compute_cpus=self.compute_cpus)
 
 
 class DisaggServiceConfig(EngineServiceConfig):

@@ -32,6 +32,10 @@ KV_ARENA_UNITS = Gauge("windserve_worker_kv_arena_units", "KV arena units by tie
                        "full_in_use, full_cached, swa_in_use, swa_cached; reserved: the part of free + cached promised "
                        "to running sequences); units: the arena's size. Bytes = units x the arena's unit bytes "
                        "(docs/kvcache.md)", ["tier", "state"])
+COMPILED_CALLS = Gauge("windserve_worker_compiled_calls", "Compiled-step graph calls since start (docs/engine.md, "
+                       "Compiled step)")
+EAGER_FALLBACKS = Gauge("windserve_worker_eager_fallbacks", "Compiled-step calls that ran eager since start, by reason "
+                        "(tokens_over_max: a step above the compiled sizes; compile_failed)", ["reason"])
 PREEMPTIONS = Gauge("windserve_worker_preemptions", "Sequences preempted (recomputed later) since start")
 SPEC_TOKENS = Gauge("windserve_worker_spec_tokens", "MTP speculative decoding since start: draft tokens verified "
                     "(drafted) and accepted", ["kind"])
@@ -87,6 +91,9 @@ def export(load: EngineLoad, outcomes: Mapping[str, int], gcache: Mapping[str, i
     for event, n in (gcache or {}).items():
         GCACHE.labels(event).set(n)
     PREEMPTIONS.set(load.preemptions)
+    COMPILED_CALLS.set(load.compiled_calls)
+    for reason, n in load.eager_fallbacks.items():
+        EAGER_FALLBACKS.labels(reason).set(n)
     if load.spec is not None:
         SPEC_TOKENS.labels("drafted").set(load.spec.drafted_tokens)
         SPEC_TOKENS.labels("accepted").set(load.spec.accepted_tokens)

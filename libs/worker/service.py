@@ -399,6 +399,7 @@ class EngineWorkerService(Service):
         if self.engine is not None:  # the parallel layout, and the device KV bytes each rank holds (#18)
             details["parallel"] = self.engine.core.config.layout.describe()
             details["kv_bytes_per_rank"] = str(sum(self.engine.core.runner.kv.pool_bytes().values()))
+            details["compile"] = str(self.engine.core.compile_stats)
         if self.kv_feed is not None and self.kv_feed.enabled:
             details.update(self.kv_feed.stats.as_details())
         if self.gcache is not None:

@@ -1,0 +1,121 @@
+"""The decoder layer's dense segments as plain functions of tensors, written for `torch.compile` (inductor
+fuses each into a few generated kernels; `libs/model/compiled.py` compiles and calls them).
+
+Each is the same math as the eager modules in `libs/model/layers.py` (the eager path stays the reference):
+
+* :func:`qkv_rope`: fused QKV projection and the partial neox rotation of q and k;
+* :func:`add_rms_norm`: the residual add after attention and the norm before the MLP;
+* :func:`swiglu`: the dense MLP;
+* :func:`moe`: routing and the experts. Up to :data:`GATHER_MAX_TOKENS` tokens the experts are written as
+  reductions over the chosen experts' weights indexed by the routing ids (``gate_up[ids]``): compiled, the
+  index is fused into the reduction, so only the chosen experts' weights are read and nothing is copied
+  (eager, the same expression would copy every chosen expert). Beyond it the grouped matmul runs as one opaque
+  op (:func:`grouped_moe_op`), since the gathered form would read each expert once per token.
+
+Functions take only tensors, ints, floats and bools, so one compiled graph serves every layer of the same
+shapes (dynamo guards on shapes, not on which layer's weights come in). The tensors whose first dimension is the
+step's token count come first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import attend
+from kernels.kv import scatter_kv
+from kernels.moe import grouped_moe, sigmoid_topk_route
+
+# The gathered expert pass reads k experts per token; the grouped one reads each chosen expert once. Past
+# 16 tokens (top-2 of 16 experts: every expert is likely chosen) the grouped pass reads less.
+GATHER_MAX_TOKENS = 16
+
+
+# Ops the compiler calls without tracing into them, registered on the dispatcher directly: a
+# `torch.library.custom_op` wrapper costs ~70 us a call here, the dispatcher's own path a few.
+_LIB = torch.library.Library("windserve", "FRAGMENT")
+
+
+def _op(schema: str, impl, fake):
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"windserve::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.windserve, name).default
+
+
+def _grouped_moe_fake(x, weights, ids, gate_up, down):
+    return torch.empty_like(x)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      plane: int, write_slots: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, scale: float,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+    page, hkv = k_buf.shape[-3], k.shape[1]
+    k_pool = k_buf[plane].view(-1, page, hkv, k_buf.shape[-1])
+    v_pool = v_buf[plane].view(-1, page, hkv, v_buf.shape[-1])
+    scatter_kv(k_pool, v_pool, write_slots, k, v)
+    out = attend(q, k_pool.view(-1, hkv, k_pool.shape[-1]), v_pool.view(-1, hkv, v_pool.shape[-1]), slots, hidden,
+                 scale, sinks)
+    return out.to(q.dtype)
+
+
+def _decode_attention_fake(q, k, v, k_buf, v_buf, plane, write_slots, slots, hidden, scale, sinks):
+    return q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
+
+
+grouped_moe_op = _op("grouped_moe(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down) -> Tensor",
+                     grouped_moe, _grouped_moe_fake)
+"""`kernels.moe.grouped_moe` as an opaque op (its token counts per expert are data-dependent)."""
+
+decode_attention = _op("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, "
+                       "int plane, Tensor write_slots, Tensor slots, Tensor hidden, float scale, Tensor? sinks) "
+                       "-> Tensor", _decode_attention, _decode_attention_fake)
+"""One decode token per sequence: write k / v ``[B, Hkv, D]`` at `write_slots` of plane `plane` of the KV buffers
+(`libs.model.paged.KVPools.layer_base`; the pool is that plane seen as [rows, page, Hkv, D]) and attend q
+``[B, Hq, D]`` over `slots` ``[B, N]`` with `hidden` ``[B, 1, N]`` masked. Opaque, since it writes the KV buffers in
+place (traced, the compiler copies the whole buffer to write a few rows)."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def qkv_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, w_qkv: torch.Tensor, hq: int, hkv: int,
+             d: int, v_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x ``[T, hidden]`` (normed) -> q ``[T, hq, d]``, k ``[T, hkv, d]`` (rotated), v ``[T, hkv, dv]`` (scaled).
+    cos / sin_signed ``[T, 1, rot]`` as `libs.model.layers.apply_partial_rope_` takes them."""
+    t = x.shape[0]
+    qkv = F.linear(x, w_qkv)
+    qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+    rot = cos.shape[-1]
+    xr = qk[..., :rot]
+    swapped = xr.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)
+    qk = torch.cat([xr * cos + swapped * sin_signed, qk[..., rot:]], dim=-1)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, -1) * v_scale
+    return qk[:, :hq], qk[:, hq:], v
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta))."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def moe(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+        top_k: int, n_group: int, topk_group: int, renormalize: bool, scaling: float) -> torch.Tensor:
+    """Sigmoid top-k routing (`kernels.moe.sigmoid_topk_route`) and the SwiGLU experts."""
+    w, ids = sigmoid_topk_route(F.linear(x.float(), gate_w.float()), bias, top_k, n_group=n_group,
+                                topk_group=topk_group, renormalize=renormalize, scaling=scaling)
+    if x.shape[0] > GATHER_MAX_TOKENS:
+        return grouped_moe_op(x, w, ids, gate_up, down)
+    gate, up = (gate_up[ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [T, k, I] each
+    y = (down[ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [T, k, hidden]
+    return (y * w.to(x.dtype)[..., None]).sum(1)
