@@ -654,7 +654,7 @@ def vllm_bench_cmd(wrapper: Path, w: Workload, port: int, ckpt: Path, out_dir: P
             "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(ckpt), *w.args,
             "--num-prompts", str(w.requests), "--temperature", "0", "--ignore-eos", "--seed", str(w.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{w.name}.json"]
+            "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", f"{w.name}.json"]
 
 
 def vllm_bench_env() -> dict[str, str]:
@@ -686,7 +686,7 @@ def parse_vllm_result(d: dict[str, Any]) -> dict[str, Any]:
             "output_throughput": d.get("output_throughput"), "mean_ttft_ms": d.get("mean_ttft_ms"),
             "p90_ttft_ms": d.get("p90_ttft_ms"), "mean_tpot_ms": d.get("mean_tpot_ms"),
             "p90_tpot_ms": d.get("p90_tpot_ms"), "mean_itl_ms": d.get("mean_itl_ms"),
-            "p90_itl_ms": d.get("p90_itl_ms"), "p99_itl_ms": d.get("p99_itl_ms")}
+            "p90_itl_ms": d.get("p90_itl_ms"), "p99_itl_ms": d.get("p99_itl_ms"), "mean_e2el_ms": d.get("mean_e2el_ms")}
 
 
 def parse_aiperf_result(d: dict[str, Any]) -> dict[str, Any]:
@@ -707,7 +707,7 @@ def parse_aiperf_result(d: dict[str, Any]) -> dict[str, Any]:
             "mean_ttft_ms": stat("time_to_first_token", "avg"), "p90_ttft_ms": stat("time_to_first_token", "p90"),
             "mean_tpot_ms": stat("inter_token_latency", "avg"), "p90_tpot_ms": stat("inter_token_latency", "p90"),
             "mean_itl_ms": stat("inter_token_latency", "avg"), "p90_itl_ms": stat("inter_token_latency", "p90"),
-            "p99_itl_ms": stat("inter_token_latency", "p99")}
+            "p99_itl_ms": stat("inter_token_latency", "p99"), "mean_e2el_ms": stat("request_latency", "avg")}
 
 
 def run_client(cmd: list[str], env: dict[str, str], log: Path, timeout: float = CLIENT_TIMEOUT_S) -> int:
@@ -1018,7 +1018,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
     setup["versions"].update({"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                              "windserve_torch": torch.__version__, "windserve_commit": _git_head()})
+                              "windserve_torch": torch.__version__, "windserve_commit": _git_head(),
+                              "windserve_uncommitted": _git_dirty()})
     try:
         ckpt = build_checkpoint(PEER_DIR)
     except Exception as e:  # noqa: BLE001
@@ -1067,6 +1068,16 @@ def _git_head() -> str:
                               text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "?"
+
+
+def _git_dirty() -> list[str]:
+    """Tracked files of the engine's code that differ from the commit (a run on a tree being edited says so)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", "libs",
+                              "kernels", "services", "scripts"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line[3:] for line in out.splitlines()]
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
