@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -444,8 +445,6 @@ def build_checkpoint(root: Path, recipe: dict[str, Any] = RECIPE) -> Path:
         tmp.rename(path)
     finally:
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -1012,6 +1011,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if peer.vllm is None:
         reason = f"the peer is not installed: {peer.reasons.get('vllm')}"
         print(f"[peer] skipped: {reason}", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
         return build_results({}, {"equal": None, "reason": reason}, setup, skipped=reason)
     import tokenizers
     import torch
@@ -1025,6 +1025,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         reason = f"the shared checkpoint could not be built: {type(e).__name__}: {e}"
         print(f"[peer] skipped: {reason}", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
         return build_results({}, {"equal": None, "reason": reason}, setup, skipped=reason)
     setup["checkpoint"] = {"path": str(ckpt), "recipe": RECIPE,
                            "vocab_size": json.loads((ckpt / "config.json").read_text())["vocab_size"]}
