@@ -1,6 +1,6 @@
 """Engine benchmark: every figure is a ratio of two runs measured side by side in this process.
 
-    python -m bench.engine   ->  bench/results/engine.json, bench/results/engine.png
+    python -m bench.engine [--quick] [--out PATH]   ->  bench/results/engine.json, bench/results/engine.png
 
 - step_overhead_ratio: EngineCore decode step time / the bare model forward on the same batch.
 - throughput_vs_hf: output tokens/s of the engine vs transformers `generate` (same tiny weights,
@@ -9,10 +9,14 @@
   on the device (L1).
 - short_p90_ttft_ratio: p90 TTFT of short requests arriving while long prompts prefill / their p90
   alone; with length buckets and without (plain FCFS).
+
+--quick: each part on tiny sizes (QUICK), the same code (a smoke run, seconds); --out: where the JSON goes (the PNG
+beside it; with --quick the default is .run/bench-quick/engine.json, never bench/results/).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -23,13 +27,17 @@ import torch
 
 from bench.model import hf_tiny_dir
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
-from libs.engine.runner import build_inputs
 from libs.model import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS = RESULTS.parent.parent / ".run" / "bench-quick"
 ROUNDS = 8  # short-TTFT rounds per mode
 GOALS = {"step_overhead_ratio": ("<=", 1.15), "throughput_vs_hf": (">=", 5.0), "l2_hit_ttft_ratio": ("<=", 1.1),
          "short_p90_ttft_ratio_buckets": ("<=", 1.3)}
+HEADLINE_KEYS = tuple(GOALS)  # top-level keys of engine.json
+# --quick: each part's sizes (keyword arguments of its function)
+QUICK = {"step_overhead": dict(batch=8, steps=8), "throughput": dict(n_req=8),
+         "l2": dict(trials=1), "short_ttft": dict(rounds=1, n_short=6, long_len=1024)}
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -64,7 +72,9 @@ def step_overhead(model, cfg, batch: int = 32, steps: int = 30) -> dict:
         core.step()
     plan = core.scheduler.schedule()  # one decode plan, replayed by the bare forward
     core.scheduler.update(plan, {s.req_id: _fake(s) for s in plan.seqs})
-    ids, meta = build_inputs(plan, "cpu")
+    # the engine's own inputs for this plan (with an arena KV: its per-chunk physical rows), built once: the bare
+    # forward times the model alone
+    inp = core.runner.inputs(plan)
     engine_t, bare_t = [], []
     for _ in range(steps):  # interleaved, so background load hits both alike
         t0 = time.perf_counter()
@@ -72,7 +82,7 @@ def step_overhead(model, cfg, batch: int = 32, steps: int = 30) -> dict:
         engine_t.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model(ids, meta, core.runner.kv)
+            model(inp.input_ids, inp.meta, core.runner.kv)
         bare_t.append(time.perf_counter() - t0)
     e, b = statistics.median(engine_t), statistics.median(bare_t)
     return {"batch": batch, "engine_step_ms": e * 1e3, "bare_forward_ms": b * 1e3, "step_overhead_ratio": e / b}
@@ -223,7 +233,7 @@ def p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10)[-1]
 
 
-def short_ttft(model, cfg) -> dict:
+def short_ttft(model, cfg, rounds: int = ROUNDS, **mix) -> dict:
     """Shorts (48 tokens) arrive every 30 ms while two 3072-token prompts prefill, in one worker. Run side by
     side: shorts alone; mix with buckets (edge 512) and the defaults (share 0.05, step-cost-adaptive long cap,
     steps with long prefill interrupted when a short arrives); the same with share 0.2; without interruption;
@@ -240,9 +250,9 @@ def short_ttft(model, cfg) -> dict:
     ttfts: dict[str, list[float]] = {k: [] for k in runs}
     longs: dict[str, list[float]] = {k: [] for k in runs}
     tpots: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(ROUNDS):  # interleaved rounds (the p90 tail is noisy and the machine's speed drifts)
+    for _ in range(rounds):  # interleaved rounds (the p90 tail is noisy and the machine's speed drifts)
         for k, kw in runs.items():
-            short, long, tpot = mixed_ttft(model, cfg, **kw)
+            short, long, tpot = mixed_ttft(model, cfg, **kw, **mix)
             ttfts[k] += short
             longs[k] += long
             tpots[k] += tpot
@@ -279,22 +289,32 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                   "bench/results/engine.json, with --quick .run/bench-quick/engine.json")
+    a = p.parse_args(argv)
+    out = a.out or (QUICK_RESULTS if a.quick else RESULTS) / "engine.json"
+    kw = QUICK if a.quick else {}
     torch.manual_seed(0)
     model, cfg = load_model(None)
-    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads()}
-    for name, fn in (("step_overhead", lambda: step_overhead(model, cfg)), ("throughput", throughput_vs_hf),
-                     ("l2", lambda: l2_ttft(model, cfg)), ("short_ttft", lambda: short_ttft(model, cfg))):
+    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads(), "quick": a.quick}
+    for name, fn in (("step_overhead", lambda: step_overhead(model, cfg, **kw.get("step_overhead", {}))),
+                     ("throughput", lambda: throughput_vs_hf(**kw.get("throughput", {}))),
+                     ("l2", lambda: l2_ttft(model, cfg, **kw.get("l2", {}))),
+                     ("short_ttft", lambda: short_ttft(model, cfg, **kw.get("short_ttft", {})))):
         t0 = time.perf_counter()
         results.update(fn())
         print(f"[engine bench] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
     results["goals"] = {k: f"{op} {v}" for k, (op, v) in GOALS.items()}
     results["goals_met"] = {k: (results[k] <= v if op == "<=" else results[k] >= v) for k, (op, v) in GOALS.items()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "engine.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
     for k in list(GOALS) + ["short_p90_ttft_ratio_buckets_static32", "short_p90_ttft_ratio_fcfs"]:
         print(f"{k:32s} {results[k]:8.3f}")
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":
