@@ -1,19 +1,49 @@
 """`make bench`: run every benchmark in turn; each writes bench/results/<name>.json and a PNG.
 
-Usage: python -m bench [name ...]   (default: all)
+Usage: python -m bench [--quick] [--out-dir DIR] [name ...]   (default: all)
+
+--quick runs each benchmark's smoke mode (tiny sizes, the same code paths, seconds each); its JSON and PNG go to
+--out-dir (default .run/bench-quick/, ignored by git), never over the committed bench/results/. Without --quick,
+--out-dir moves the full results elsewhere too.
 """
 
+import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder",
               "mtp", "parallel")
+QUICK_DIR = Path(__file__).resolve().parent.parent / ".run" / "bench-quick"
+# --quick: one torch (OpenMP) thread per process unless the caller set one. A smoke run's timings mean nothing, and
+# on a shared box two intra-op threads that wait on each other's cores make tiny-model steps 10-50x slower (a quick
+# bench.engine took 10 s or 2 min depending on the neighbours' load); one thread keeps every quick run seconds.
+QUICK_ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def command(name: str, quick: bool, out_dir: Path | None) -> list[str]:
+    """The command line of one benchmark: its own process (one's threads and allocations do not skew the next)."""
+    cmd = [sys.executable, "-m", f"bench.{name}"]
+    if quick:
+        cmd.append("--quick")
+        out_dir = out_dir or QUICK_DIR
+    if out_dir is not None:
+        cmd += ["--out", str(out_dir / f"{name}.json")]
+    return cmd
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(BENCHMARKS)
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", metavar="name",
+                    help=f"benchmarks to run (default all: {', '.join(BENCHMARKS)})")
+    ap.add_argument("--quick", action="store_true", help="each benchmark's smoke mode (seconds each)")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help=f"where the JSON and PNG go (default bench/results/; with --quick {QUICK_DIR})")
+    args = ap.parse_intermixed_args(argv)  # names and options in any order (make bench ARGS=...)
+    names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
@@ -25,8 +55,8 @@ def main(argv: list[str]) -> int:
             continue
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
-        # Each benchmark runs in its own process so one's threads/allocations do not skew the next.
-        rc = subprocess.call([sys.executable, "-m", f"bench.{name}"])
+        rc = subprocess.call(command(name, args.quick, args.out_dir), env={**os.environ, **QUICK_ENV} if args.quick
+                             else None)
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f}s (rc={rc})", flush=True)
         if rc:
             failed.append(name)

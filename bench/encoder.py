@@ -1,6 +1,6 @@
 """Encoder-tier benchmark (#16): batched vs unbatched through the real service, and cached vs cold latency.
 
-    python -m bench.encoder [--quick]
+    python -m bench.encoder [--quick] [--out PATH]
 
 Each configuration is a real topology: nats-server and one encoder process (`python -m services.encoder`,
 scripts.run's supervisor), driven by `EncoderClient` from this process over NATS + the transfer engine. Both
@@ -19,7 +19,11 @@ image (cold: the tower runs for each).
 The tower is whatever `libs.model.vision.VisionTower` is in this checkout, with the model's vision config (the
 built-in tiny model unless WINDSERVE_MODEL names a checkpoint); `setup.tower` records which.
 
-Writes bench/results/encoder.json (headline figures as top-level keys) and bench/results/encoder.png.
+Writes bench/results/encoder.json (headline figures, HEADLINE_KEYS, as top-level keys) and
+bench/results/encoder.png.
+
+--quick: fewer requests, one round, a shorter clip (a smoke run of the same code); --out: where the JSON goes (the
+PNG beside it; with --quick the default is .run/bench-quick/encoder.json, never bench/results/).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = ROOT / ".run" / "bench-quick"
 NAMESPACE = "encbench"
 CONCURRENCY = 32
 LOAD_SHARE = 0.7
@@ -50,6 +55,8 @@ CONFIGS = {"batched": {"WINDSERVE_MAX_BATCH_ITEMS": "16", "WINDSERVE_MAX_WAIT_MS
            "unbatched": {"WINDSERVE_MAX_BATCH_ITEMS": "1", "WINDSERVE_MAX_WAIT_MS": "0"}}
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_LOG_LEVEL": "error"}
 GOALS = {"qps_batched_vs_unbatched": ">= 2", "p90_batched_vs_unbatched": "<= 0.8"}
+# the headline figures (top-level keys of encoder.json): the encoder's, then bench.mm_prep's (merged in)
+HEADLINE_KEYS = (*GOALS, "cached_vs_cold_latency", "preprocess_speedup_vs_transformers", "video_parallel_speedup")
 
 
 def images(seed: int, n: int, hw: tuple[int, int] = IMAGE_HW) -> list[bytes]:
@@ -181,7 +188,7 @@ async def phase(clients: dict[str, Any], rounds: int, run: Any) -> dict[str, tup
 
 
 async def measure_configs(quick: bool) -> dict[str, Any]:
-    n_sat, n_load, rounds = (96, 96, 1) if quick else (200, 150, 2)
+    n_sat, n_load, rounds = (64, 48, 1) if quick else (200, 150, 2)
     with tempfile.TemporaryDirectory(prefix="encbench-") as tmp:
         async with encoder_topology(Path(tmp), "unbatched") as unbatched, \
                 encoder_topology(Path(tmp), "batched") as batched:
@@ -264,17 +271,21 @@ def plot(out: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.encoder", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                        "bench/results/encoder.json, with --quick .run/bench-quick/encoder.json")
+    args = parser.parse_args(argv)
+    path = args.out or (QUICK_RESULTS if args.quick else RESULTS) / "encoder.json"
     out = asyncio.run(measure_all(args.quick))
     out.update(merge_mm_prep(args.quick))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "encoder.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
-    plot(out, RESULTS / "encoder.png")
-    for key in (*GOALS, "cached_vs_cold_latency"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    plot(out, path.with_suffix(".png"))
+    for key in HEADLINE_KEYS:
         print(f"{key}: {out[key]:.3f}" + (f" (goal {GOALS[key]})" if key in GOALS else ""))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":

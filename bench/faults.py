@@ -12,7 +12,12 @@ failed / in-flight streams, requests lost (no explicit ending), 500s, time from 
 request sent after it succeeds, and the attempts the gateway failed over. Goals (issue 14): 0 lost, 0 x 500,
 recovery <= 1 s for a worker death with a survivor, <= the reconnect bound + 1 s for a NATS node.
 
-Writes bench/results/faults.json and faults.png (~3-5 min on 2 cores).
+Writes bench/results/faults.json and faults.png (~3-5 min on 2 cores); HEADLINE_KEYS are top-level keys, null
+(with the reason under "null_reasons") for a fault that was not run.
+
+--quick: only the combined worker of the 2-worker aggregated deployment, killed under 4 streams (a smoke run of
+the same code, tens of seconds); --out: where the JSON goes (the PNG beside it; with --quick the default is
+.run/bench-quick/faults.json, never bench/results/).
 """
 
 from __future__ import annotations
@@ -42,17 +47,26 @@ from tests.fixtures.nats import start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = ROOT / ".run" / "bench-quick"
 
 
 FAULTS = ("roles", "nats_node", "gcache_node", "encoder", "nats_hung", "router_hung")
+QUICK_STREAMS = 4
+# the headline figures (top-level keys of faults.json): totals over every fault run, and each fault's recovery
+# time (kill -> the first later request served) under the name of the fault that sets it
+RECOVERY_KEYS = {"nats_node_recovery_s": "nats_node", "gcache_node_recovery_s": "gcache_node",
+                 "encoder_recovery_s": "encoder", "nats_hung_recovery_s": "nats_hung",
+                 "router_hung_recovery_s": "router_hung"}
+HEADLINE_KEYS = ("failed_requests", "requests_in_flight", "requests_lost", "status_500", "max_recovery_s",
+                 "later_failed", "retried", *RECOVERY_KEYS)
 
 
-async def run_all(streams: int, logs: Path, only: set[str]) -> list[FaultResult]:
+async def run_all(streams: int, logs: Path, only: set[str], quick: bool = False) -> list[FaultResult]:
     nats = start_nats_server(tempfile.mkdtemp(prefix="bench-faults-nats-"))
     results: list[FaultResult] = []
     try:
         if "roles" in only:
-            await role_faults(nats.url, streams, logs, results)
+            await role_faults(nats.url, streams, logs, results, quick)
         if "gcache_node" in only:
             results.append(await gcache_node_fault(nats.url, logs))
         if "encoder" in only:
@@ -113,24 +127,28 @@ async def nats_hung_fault(streams: int, logs: Path) -> FaultResult:
             dep.stop()
 
 
-async def role_faults(nats_url: str, streams: int, logs: Path, results: list[FaultResult]) -> None:
-    """Decode then prefill of 2 prefill + 2 decode, a combined worker of 2, then the aggregated router."""
-    dep = deployment(nats_url, logs / "disagg")
-    try:
-        dep.start_all({"gateway": 1, "router": 1, "prefill": 2, "decode": 2},
-                      {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "16"}})
-        results.append(await kill_under_load(dep, "decode", "decode", streams=streams, prompt_len=40,
-                                             max_tokens=400, before_first_token=False))
-        await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")])
-        results.append(await kill_under_load(dep, "prefill", "prefill", streams=streams, prompt_len=400,
-                                             max_tokens=8, before_first_token=True, seed=100))
-    finally:
-        dep.stop()
+async def role_faults(nats_url: str, streams: int, logs: Path, results: list[FaultResult], quick: bool = False) -> None:
+    """Decode then prefill of 2 prefill + 2 decode, a combined worker of 2, then the aggregated router (`quick`:
+    the combined worker only)."""
+    if not quick:
+        dep = deployment(nats_url, logs / "disagg")
+        try:
+            dep.start_all({"gateway": 1, "router": 1, "prefill": 2, "decode": 2},
+                          {"prefill": {"WINDSERVE_MAX_NUM_BATCHED_TOKENS": "16"}})
+            results.append(await kill_under_load(dep, "decode", "decode", streams=streams, prompt_len=40,
+                                                 max_tokens=400, before_first_token=False))
+            await dep.settled([i for i in dep.procs if i.split("-")[0] in ("prefill", "decode")])
+            results.append(await kill_under_load(dep, "prefill", "prefill", streams=streams, prompt_len=400,
+                                                 max_tokens=8, before_first_token=True, seed=100))
+        finally:
+            dep.stop()
     agg = deployment(nats_url, logs / "aggregated")
     try:
         agg.start_all({"gateway": 1, "router": 1, "worker": 2})
         results.append(await kill_under_load(agg, "worker", "worker", streams=streams, prompt_len=40,
                                              max_tokens=400, before_first_token=False, seed=200))
+        if quick:
+            return
         await agg.settled([i for i in agg.procs if i.startswith("worker")])
         results.append(await kill_under_load(agg, "router", "router", streams=streams, prompt_len=40,
                                              max_tokens=200, before_first_token=False, seed=300,
@@ -208,28 +226,39 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, default=8, help="concurrent streams per fault")
-    ap.add_argument("--only", default=",".join(FAULTS),
-                    help=f"comma-separated faults of {', '.join(FAULTS)} (default all; a subset writes faults_<names>.json)")
-    args = ap.parse_args()
-    only = {f.strip() for f in args.only.split(",") if f.strip()}
+    ap.add_argument("--streams", type=int, default=None, help=f"concurrent streams per fault (default 8, --quick "
+                    f"{QUICK_STREAMS})")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated faults of {', '.join(FAULTS)} (default all, --quick roles; a subset writes "
+                         "faults_<names>.json)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: the aggregated deployment's worker kill only")
+    ap.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                    "bench/results/faults.json (faults_<names>.json for a subset), with --quick "
+                    ".run/bench-quick/faults.json")
+    args = ap.parse_args(argv)
+    streams = args.streams or (QUICK_STREAMS if args.quick else 8)
+    only = {f.strip() for f in (args.only or ("roles" if args.quick else ",".join(FAULTS))).split(",") if f.strip()}
     if only - set(FAULTS):
         ap.error(f"unknown faults {sorted(only - set(FAULTS))}; known: {', '.join(FAULTS)}")
-    name = "faults" if only == set(FAULTS) else "faults_" + "_".join(f for f in FAULTS if f in only)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = "faults" if only == set(FAULTS) or args.quick else "faults_" + "_".join(f for f in FAULTS if f in only)
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS) / f"{name}.json"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        results = asyncio.run(run_all(args.streams, Path(tmp), only))
-    result = {**summary(results), "streams": args.streams, "seconds": round(time.perf_counter() - started, 1)}
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / f"{name}.png")
+        results = asyncio.run(run_all(streams, Path(tmp), only, args.quick))
+    result = {**summary(results), "streams": streams, "quick": args.quick,
+              "seconds": round(time.perf_counter() - started, 1)}
+    result["null_reasons"] = {k: f"the {fault} fault was not run (--only {','.join(sorted(only))})"
+                              for k, fault in RECOVERY_KEYS.items() if result[k] is None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=2))
     for fault, row in result["faults"].items():
         print(f"{fault:11s} failed {row['failed_of_in_flight']:>5s}  lost {row['lost']}  500s {row['status_500']}  "
               f"recovery {row['recovery_s']:.3f}s  later failed {row['later_failed']}  retried {row['retried']}")
-    print(f"wrote {RESULTS / name}.json and {name}.png")
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Structured-output benchmark (#15): every figure is measured side by side in this process, on the engine.
 
-    python -m bench.gateway   ->  bench/results/gateway.json, bench/results/gateway.png
+    python -m bench.gateway [--quick] [--out PATH]   ->  bench/results/gateway.json, bench/results/gateway.png
 
 - constrained_mix_throughput_ratio: decode tokens/s of a batch where half the requests follow a JSON schema
   (grammar bitmask on their rows) / the same batch all free. Every request decodes exactly `max_tokens` tokens
@@ -11,10 +11,15 @@
 - compile_ms_first / compile_ms_cached per schema: a fresh GrammarCache compiling the schema / the same cache
   answering it again (the xxhash of the canonical schema hits).
 - mask_us_per_row: the constrained rows' share of a step (matcher mask fill + bitmask apply + accept), per row.
+
+--quick: batch 8, 16 tokens, one round, one compile per schema (a smoke run of the same code, seconds); --out:
+where the JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/gateway.json, never
+bench/results/).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -28,10 +33,14 @@ from libs.engine.request import GrammarSpec
 from libs.model import load_model, load_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS = RESULTS.parent.parent / ".run" / "bench-quick"
 GOALS = {"constrained_mix_throughput_ratio": (">=", 0.9)}
+HEADLINE_KEYS = ("constrained_mix_throughput_ratio", "mask_us_per_row")  # top-level keys of gateway.json
 BATCH = 32
 MAX_TOKENS = 64
 ROUNDS = 5
+COMPILES = 5  # fresh compiles per schema (median)
+QUICK = {"BATCH": 8, "MAX_TOKENS": 16, "ROUNDS": 1, "COMPILES": 1}  # --quick: these module sizes instead
 LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 200, "maxLength": 400}},
              "required": ["text"], "additionalProperties": False}
 PERSON = {"type": "object", "properties": {
@@ -141,7 +150,7 @@ def compile_times(tok, vocab_size: int) -> dict:
     for name, schema in SCHEMAS.items():
         spec = GrammarSpec("json_schema", json.dumps(schema))
         firsts, cached = [], []
-        for _ in range(5):
+        for _ in range(COMPILES):
             cache = GrammarCache(tok, vocab_size, tok.eos_token_ids)
             t0 = time.perf_counter()
             cache.compile(spec)
@@ -179,11 +188,19 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                   "bench/results/gateway.json, with --quick .run/bench-quick/gateway.json")
+    a = p.parse_args(argv)
+    out = a.out or (QUICK_RESULTS if a.quick else RESULTS) / "gateway.json"
+    if a.quick:
+        globals().update(QUICK)
     torch.manual_seed(0)
     model, cfg = load_model(None)
     tok = load_tokenizer(None)
-    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads()}
+    results: dict = {"device": "cpu", "torch_threads": torch.get_num_threads(), "quick": a.quick}
     for name, fn in (("compile", lambda: compile_times(tok, cfg.vocab_size)),
                      ("throughput", lambda: throughput(model, cfg, tok)), ("mask", lambda: mask_cost(model, cfg, tok))):
         t0 = time.perf_counter()
@@ -191,14 +208,15 @@ def main() -> None:
         print(f"[gateway bench] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
     results["goals"] = {k: f"{op} {v}" for k, (op, v) in GOALS.items()}
     results["goals_met"] = {k: results[k] >= v for k, (_, v) in GOALS.items()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gateway.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "gateway.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
     print(f"constrained_mix_throughput_ratio {results['constrained_mix_throughput_ratio']:.3f} "
           f"(free {results['throughput_free_tok_s']:.0f} tok/s, mixed {results['throughput_mixed_tok_s']:.0f} tok/s)")
     print(f"mask_us_per_row {results['mask_us_per_row']:.1f}")
     for n, v in results["compile"].items():
         print(f"compile {n:20s} first {v['compile_ms_first']:8.2f} ms  cached {v['compile_ms_cached']:8.4f} ms")
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":

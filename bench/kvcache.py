@@ -2,8 +2,13 @@
 byte arena against static full/SWA splits on the conversation and the agentic trace (overlapped and sequential
 replay), and the bookkeeping cost per request against a cache-disabled path.
 
-    python -m bench.kvcache [--requests 2000] [--agentic-requests 1500] [--quick]
+    python -m bench.kvcache [--requests 2000] [--agentic-requests 1500] [--quick] [--out PATH]
     python -m bench.kvcache --engine-arena    # only the engine's physical arena (below)
+
+--quick: 200 trace and 200 agentic requests, four budgets, three no-reuse repeats (a smoke run of the same code,
+seconds); --out: where the JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/kvcache.json,
+never bench/results/). Without the conversation trace (../shared/traces) a --quick run leaves the figures that
+need it null, with the reason under "null_reasons"; a full run fails.
 
 Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget), and
 bench/results/kvcache_engine_arena.json: the real engine (tiny model) with two static pools vs one arena of the
@@ -37,6 +42,7 @@ from libs.kvcache import (
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = traces.TRACE  # ../shared/traces/conversation_trace.jsonl beside the checkout (or one level up)
 OUT = ROOT / "bench" / "results"
+QUICK_OUT = ROOT / ".run" / "bench-quick"
 BLOCK = 512  # trace block size (tokens per hash id)
 PAGE = 64
 WINDOW = 128
@@ -49,6 +55,11 @@ PREFILL_CHUNK = 2048
 GIB = 1 << 30
 # SWA window rebuild span of the MiMo-V2.5-Pro layout (what the engine sets): (60 SWA layers + 1) windows
 REBUILD_TOKENS = rebuild_span(LAYOUT.swa_layers, WINDOW, PAGE)
+# the headline figures (top-level keys of kvcache.json); TRACE_KEYS are the ones the conversation trace feeds
+TRACE_KEYS = ("memory_efficiency_at_90pct_oracle", "memory_efficiency_arena", "us_per_request", "no_reuse_ratio",
+              "no_reuse_ratio_arena")
+HEADLINE_KEYS = ("capacity_ratio_to_limit", "capacity_ratio_to_limit_arena", *TRACE_KEYS,
+                 "arena_over_best_static_min", "arena_over_default_min")
 
 
 @dataclass(frozen=True)
@@ -396,7 +407,7 @@ def arena_vs_static(name: str, reqs: list[Request], budgets_gib: list[float], se
     return rows
 
 
-def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> None:
+def plot(sweep: dict[str, Any] | None, path: Path, compare: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -412,9 +423,10 @@ def plot(sweep: dict[str, Any], path: Path, compare: list[dict[str, Any]]) -> No
     bx.set_ylabel("hit tokens / input tokens")
     bx.set_title("One arena vs static full/SWA splits")
     bx.legend(fontsize=8)
-    for name, pts in sweep["curves"].items():  # type: ignore[attr-defined]
+    for name, pts in (sweep or {}).get("curves", {}).items():  # (no sweep: the trace is missing)
         ax.plot([p["budget_gib"] for p in pts], [p["hit_rate"] for p in pts], marker="o", label=name)
-    ax.axhline(sweep["oracle_hit_rate"], color="k", ls="--", label="unlimited-memory oracle")  # type: ignore[arg-type]
+    if sweep:
+        ax.axhline(sweep["oracle_hit_rate"], color="k", ls="--", label="unlimited-memory oracle")  # type: ignore[arg-type]
     ax.set_xscale("log")
     ax.set_xlabel("KV budget (GiB, MiMo-V2.5-Pro bf16)")
     ax.set_ylabel("hit tokens / input tokens")
@@ -434,7 +446,8 @@ def engine_arena_headline(out: dict) -> dict:
             "arena_peak_running_ratio_long": out["long"]["peak_running_ratio"],
             "arena_same_outputs": all(out[k]["same_outputs"] for k in ("short", "long", "same_schedule"))}
 
-def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16, repeats: int = 7) -> dict[str, Any]:
+def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16, repeats: int = 7,
+                 out_path: Path = OUT / "kvcache_engine_arena.json") -> dict[str, Any]:
     """The engine's physical KV: the tiny model's engine with two static pools and with one arena of the same
     bytes. Capacity on two workloads: 32 short requests (32 + 4 tokens: SWA-bound on the static split) and 4
     long ones (400 + 4: a 400-token chunk needs more transient SWA pages than the static SWA pool has, so the
@@ -508,7 +521,8 @@ def engine_arena(full_pages: int = 192, swa_pages: int = 24, page: int = 16, rep
         "steps": steps, "cpu_s_static": round(cpu["static"], 3), "cpu_s_arena": round(cpu["arena"], 3),
         "cpu_ratio": round(statistics.median(ratios), 3), "cpu_ratios": [round(r, 3) for r in ratios],
         "same_outputs": outs["static"] == outs["arena"]}
-    (OUT / "kvcache_engine_arena.json").write_text(json.dumps({**engine_arena_headline(out), **out}, indent=2))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({**engine_arena_headline(out), **out}, indent=2))
     for name in workloads:
         r = out[name]
         print(f"  engine arena, {name}: {r['static']['kv_bytes']} B static vs {r['arena']['kv_bytes']} B arena; "
@@ -552,70 +566,105 @@ def lockstep(turns: list[list[list[int]]], n_out: int, page: int, **opts) -> tup
     return spent, got, steps
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=2000, help="trace prefix length")
+    ap.add_argument("--requests", type=int, default=None, help="trace prefix length (default 2000, --quick 200)")
     ap.add_argument("--checkpoints-per-seq", type=float, default=1.25,
                     help="planner share of SWA checkpoints (hit at 512 GiB: 1.1: 0.253, 1.2: 0.259, 1.25: 0.260, "
                          "1.3: 0.258, 1.5: 0.258, 2: 0.257, 3: 0.248)")
-    ap.add_argument("--agentic-requests", type=int, default=1500, help="requests of the generated agentic trace")
-    ap.add_argument("--quick", action="store_true", help="fewer budgets (smoke run)")
-    ap.add_argument("--engine-arena", action="store_true", help="only the engine's static pools vs one arena")
-    args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    ap.add_argument("--agentic-requests", type=int, default=None,
+                    help="requests of the generated agentic trace (default 1500, --quick 200)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: fewer requests, budgets and repeats")
+    ap.add_argument("--engine-arena", action="store_true", help="only the engine's static pools vs one arena "
+                    "(writes <out stem>_engine_arena.json)")
+    ap.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                    "bench/results/kvcache.json, with --quick .run/bench-quick/kvcache.json")
+    a = ap.parse_args(argv)
+    a.requests = a.requests or (200 if a.quick else 2000)
+    a.agentic_requests = a.agentic_requests or (200 if a.quick else 1500)
+    a.out = a.out or (QUICK_OUT if a.quick else OUT) / "kvcache.json"
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.engine_arena:
-        engine_arena()
+        engine_arena(repeats=2 if args.quick else 7,
+                     out_path=args.out.with_name(f"{args.out.stem}_engine_arena.json"))
         return
-    reqs = load_trace(args.requests)
+    reasons: dict[str, str] = {}
+    if TRACE.exists() or not args.quick:
+        reqs = load_trace(args.requests)
+    else:  # a smoke run where the trace is not checked out (CI): the figures it feeds are null, with the reason
+        reqs = []
+        reasons.update(dict.fromkeys(TRACE_KEYS, f"the conversation trace is not here ({TRACE}): not measured"))
     print(f"kvcache bench: {len(reqs)} trace requests, page {PAGE}, window {WINDOW}, MiMo-V2.5-Pro bytes")
     cap = capacity()
     cap_arena = capacity(arena=True)
     print(f"  capacity: {cap['admitted']} x 32K sequences in {cap['budget_gib']:.0f} GiB, "
           f"theory {cap['theoretical_max']:.1f} -> ratio {cap['capacity_ratio_to_limit']:.3f} (arena: "
           f"{cap_arena['admitted']} -> {cap_arena['capacity_ratio_to_limit']:.3f})")
-    over = no_reuse_overhead(reqs[:500])
-    print(f"  no-reuse: {over['us_per_request_cache']:.0f} us/request with cache "
-          f"({over['us_per_request_cache_hashing']:.0f} us hashing itself), {over['us_per_request_disabled']:.0f} us "
-          f"disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x); arena {over['us_per_request_arena']:.0f}"
-          f" vs {over['us_per_request_arena_disabled']:.0f} us -> {over['ratio_arena']:.2f}x")
+    over: dict[str, Any] | None = None
+    if reqs:
+        over = no_reuse_overhead(reqs[:100] if args.quick else reqs[:500], repeats=3 if args.quick else 15)
+        print(f"  no-reuse: {over['us_per_request_cache']:.0f} us/request with cache "
+              f"({over['us_per_request_cache_hashing']:.0f} us hashing itself), {over['us_per_request_disabled']:.0f} "
+              f"us disabled -> {over['ratio']:.2f}x ({over['ratio_hashing']:.2f}x); arena "
+              f"{over['us_per_request_arena']:.0f} vs {over['us_per_request_arena_disabled']:.0f} us -> "
+              f"{over['ratio_arena']:.2f}x")
     # Finer around the two 90%-of-oracle crossings (windserve ~0.5-1 TiB, single pool ~2-4 TiB): the budget
     # needed is interpolated log-linearly between neighbouring points.
     budgets = [64, 256, 1024, 4096] if args.quick else [32, 64, 128, 256, 384, 448, 512, 576, 640, 768, 1024,
                                                          1536, 2048, 2560, 3072, 3584, 4096, 8192]
-    sweep = hit_rate_sweep(reqs, budgets, args.checkpoints_per_seq)
+    sweep = hit_rate_sweep(reqs, budgets, args.checkpoints_per_seq) if reqs else None
     agentic = traces.agentic(args.agentic_requests)
     conv = reqs[:500] if args.quick else reqs
     compare: list[dict[str, Any]] = []
     for sequential in (False, True):
         compare += arena_vs_static("agentic", agentic, [4, 16] if args.quick else [4, 16, 64], sequential)  # type: ignore[arg-type]
-        compare += arena_vs_static("conversation", conv, [64, 256] if args.quick else [64, 256, 1024], sequential)
+        if conv:
+            compare += arena_vs_static("conversation", conv, [64, 256] if args.quick else [64, 256, 1024],
+                                       sequential)
     ratios = [r["arena_over_best_static"] for r in compare if r["arena_over_best_static"] is not None]
     ratios_d = [r["arena_over_default"] for r in compare if r["arena_over_default"] is not None]
     result = {
+        "capacity_ratio_to_limit": cap["capacity_ratio_to_limit"],
+        "capacity_ratio_to_limit_arena": cap_arena["capacity_ratio_to_limit"],
+        "memory_efficiency_at_90pct_oracle": sweep["memory_efficiency_at_90pct_oracle"] if sweep else None,
+        "memory_efficiency_arena": sweep["memory_efficiency_arena"] if sweep else None,
+        "us_per_request": sweep["us_per_request_trace"] if sweep else None,
+        "no_reuse_ratio": over["ratio"] if over else None,
+        "no_reuse_ratio_arena": over["ratio_arena"] if over else None,
+        "arena_over_best_static_min": min(ratios), "arena_over_default_min": min(ratios_d),  # type: ignore[type-var]
+        "arena_over_default_max": max(ratios_d),  # type: ignore[type-var]
+        "quick": args.quick,
         "trace": {"file": "shared/traces/conversation_trace.jsonl", "requests_used": len(reqs),
                   "note": f"first {len(reqs)} of 12,031 requests; block id b -> tokens b*512..b*512+511"},
         "config": {"page_size": PAGE, "window": WINDOW, "layout": LAYOUT.__dict__, "checkpoint_align": BLOCK,
                    "rebuild_tokens": REBUILD_TOKENS,
                    "checkpoints_per_seq": args.checkpoints_per_seq, "prefill_tok_per_s": PREFILL_TOK_PER_S,
                    "decode_s_per_tok": DECODE_S_PER_TOK, "prefill_chunk": PREFILL_CHUNK},
-        "capacity": cap, "capacity_ratio_to_limit": cap["capacity_ratio_to_limit"], "capacity_arena": cap_arena,
-        "capacity_ratio_to_limit_arena": cap_arena["capacity_ratio_to_limit"],
-        "hit_rate": sweep, "memory_efficiency_at_90pct_oracle": sweep["memory_efficiency_at_90pct_oracle"],
-        "no_reuse": over, "us_per_request": sweep["us_per_request_trace"],
-        "arena_over_best_static_min": min(ratios), "arena_over_default_min": min(ratios_d),  # type: ignore[type-var]
-        "arena_over_default_max": max(ratios_d),  # type: ignore[type-var]
-        "memory_efficiency_arena": sweep["memory_efficiency_arena"], "no_reuse_ratio": over["ratio"],
-        "no_reuse_ratio_arena": over["ratio_arena"],
+        "capacity": cap, "capacity_arena": cap_arena, "hit_rate": sweep, "no_reuse": over,
         "arena_vs_static": compare,
         "agentic_trace": {"generator": "bench.traces.agentic", "requests": len(agentic),
                           "ckpts_sweep": list(CKPT_SWEEP), "default_ckpts": DEFAULT_CKPTS},
     }
-    (OUT / "kvcache.json").write_text(json.dumps(result, indent=2))
-    plot(sweep, OUT / "kvcache.png", compare)
-    print(f"  oracle {sweep['oracle_hit_rate']:.4f}; budget for 90% of oracle: {sweep['budget_gib_for_90pct_oracle']}"
-          f" -> memory efficiency {sweep['memory_efficiency_at_90pct_oracle']} (no rebuild: "
-          f"{sweep['memory_efficiency_no_rebuild']})")
-    print(f"  wrote {OUT / 'kvcache.json'} and kvcache.png")
+    for k in ("memory_efficiency_at_90pct_oracle", "memory_efficiency_arena"):
+        if result[k] is None and k not in reasons:
+            reasons[k] = ("90% of the oracle's hit rate is not reached by both this layout and the single pool "
+                          f"within the budgets swept ({budgets} GiB)")
+    if reasons:
+        result["null_reasons"] = reasons
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(sweep, args.out.with_suffix(".png"), compare)
+    if sweep:
+        print(f"  oracle {sweep['oracle_hit_rate']:.4f}; budget for 90% of oracle: "
+              f"{sweep['budget_gib_for_90pct_oracle']} -> memory efficiency "
+              f"{sweep['memory_efficiency_at_90pct_oracle']} (no rebuild: {sweep['memory_efficiency_no_rebuild']})")
+    for k, why in reasons.items():
+        print(f"  {k}: null ({why})")
+    print(f"  wrote {args.out} and {args.out.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":

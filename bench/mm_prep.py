@@ -1,7 +1,7 @@
 """Media preparation benchmark (#16): windserve's decode + device preprocessing against transformers' Qwen2-VL
 image processor, and parallel against sequential video frame decode.
 
-    python -m bench.mm_prep [--quick]
+    python -m bench.mm_prep [--quick] [--out PATH]
 
 1. Preprocessing, on the same encoded images (JPEG and PNG, 0.3 to 2 Mpx, some over the pixel budget so they
    shrink), the MiMo-V2.5 settings (patch 16, merge 2, CLIP mean / std, the default pixel budget):
@@ -53,8 +53,10 @@ from libs.model.vision_config import VisionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = ROOT / ".run" / "bench-quick"
 SIZES = ((480, 640), (720, 1280), (768, 1024), (1080, 1920), (1200, 1600), (600, 800))
 GOALS = {"preprocess_speedup_vs_transformers": 2.0, "video_parallel_speedup": 1.7}
+HEADLINE_KEYS = tuple(GOALS)  # top-level keys of mm_prep.json (and of bench.encoder's JSON)
 
 
 def photo(h: int, w: int, seed: int) -> np.ndarray:
@@ -224,13 +226,16 @@ def measure(quick: bool) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="3 image sizes, a 4 s clip, 3 rounds (a smoke run)")
+    ap.add_argument("--out", type=Path, default=None, help="the JSON; default bench/results/mm_prep.json, with "
+                    "--quick .run/bench-quick/mm_prep.json")
+    args = ap.parse_args(argv)
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS) / "mm_prep.json"
     res = measure(args.quick)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "mm_prep.json").write_text(json.dumps(res, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
     for key, goal in GOALS.items():
         print(f"{key}: {res[key]:.2f} (goal >= {goal}) {'met' if res['met'][key] else 'MISSED'}")
     print(f"load average at start {res['load_average_at_start']:.1f} on {res['cpus']} cpus; "

@@ -2,11 +2,15 @@
 and weights (prefill one pass, then batched decode), measured side by side in one run; plus KV bytes per token
 of the Flash / V2.5 / Pro configs computed from config alone and checked against REFERENCE.md.
 
-    python -m bench.model   ->  bench/results/model.json, bench/results/model.png
+    python -m bench.model [--quick] [--out PATH]   ->  bench/results/model.json, bench/results/model.png
+
+--quick: batch 2, prompt 64, 8 decode steps, one repeat (a smoke run of the same code, seconds); --out: where the
+JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/model.json, never bench/results/).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import tempfile
@@ -18,7 +22,12 @@ import torch
 from libs.model import BatchMeta, KVPools, ModelConfig, load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS = RESULTS.parent.parent / ".run" / "bench-quick"
 BATCH, PROMPT, DECODE_STEPS, REPEATS = 4, 256, 32, 5
+QUICK = {"BATCH": 2, "PROMPT": 64, "DECODE_STEPS": 8, "REPEATS": 1}  # --quick: these module sizes instead
+# the headline figures, top-level keys of the JSON: windserve over transformers tokens/s per phase, and whether
+# the KV bytes computed from config match REFERENCE.md's table
+HEADLINE_KEYS = ("prefill_ratio_vs_transformers", "decode_ratio_vs_transformers", "kv_table_matches_reference")
 N_TOKENS = {"4K": 4096, "32K": 32768, "128K": 131072, "1M": 1 << 20}
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -207,24 +216,41 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default bench/results/model.json, "
+                   "with --quick .run/bench-quick/model.json")
+    a = p.parse_args(argv)
+    a.out = a.out or (QUICK_RESULTS if a.quick else RESULTS) / "model.json"
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.quick:
+        globals().update(QUICK)
     res = {"config": {"batch": BATCH, "prompt": PROMPT, "decode_steps": DECODE_STEPS, "repeats_best_of": REPEATS,
-                      "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu"},
+                      "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu", "quick": a.quick},
            "throughput": throughput(), "kv_bytes": kv_bytes()}
-    (RESULTS / "model.json").write_text(json.dumps(res, indent=2))
-    plot(res, RESULTS / "model.png")
-    for phase, r in res["throughput"].items():
-        print(f"{phase:8s} windserve {r['windserve_tok_s']:9.1f} tok/s  transformers {r['transformers_tok_s']:9.1f} "
-              f"tok/s  ratio {r['ratio_windserve_over_transformers']:.2f}x")
     ok = all(e["matches_reference_per_token"] and all(r.get("matches_reference", True)
                                                       for r in e["by_length"].values())
              for e in res["kv_bytes"].values())
+    res = {"prefill_ratio_vs_transformers": res["throughput"]["prefill"]["ratio_windserve_over_transformers"],
+           "decode_ratio_vs_transformers": res["throughput"]["decode"]["ratio_windserve_over_transformers"],
+           "kv_table_matches_reference": ok, **res}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2))
+    plot(res, a.out.with_suffix(".png"))
+    for phase, r in res["throughput"].items():
+        print(f"{phase:8s} windserve {r['windserve_tok_s']:9.1f} tok/s  transformers {r['transformers_tok_s']:9.1f} "
+              f"tok/s  ratio {r['ratio_windserve_over_transformers']:.2f}x")
     for name, e in res["kv_bytes"].items():
         sizes = ", ".join(f"{k} {r['hybrid_bytes'] / GIB:.3g} GiB ({r['ratio']:.1f}x)" for k, r in e["by_length"].items())
         print(f"{name:9s} KV/token full {e['bytes_per_token_full_layer']} B swa {e['bytes_per_token_swa_layer']} B; "
               f"{sizes}")
     print("KV table vs REFERENCE.md:", "match" if ok else "MISMATCH")
+    print(f"wrote {a.out} and {a.out.with_suffix('.png').name}")
     return 0 if ok else 1
 
 

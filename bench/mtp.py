@@ -1,6 +1,6 @@
 """MTP speculative decoding benchmark (#17).
 
-    python -m bench.mtp   ->  bench/results/mtp.json, bench/results/mtp.png
+    python -m bench.mtp [--quick] [--out PATH]   ->  bench/results/mtp.json, bench/results/mtp.png
 
 MTP layers are trained with a language model on real text; a random tiny model is no such target (its greedy
 continuations are nearly unpredictable: docs/mtp.md). So the bench first trains the tiny target itself as a
@@ -18,10 +18,17 @@ under .cache/mtp/ (ignored by git). Measured on prompts cut from the held-out fi
 - greedy_identical: greedy outputs with MTP equal MTP off for every held-out prompt.
 
 The machine's cores are shared, so torch runs one thread (the tiny model's matmuls do not gain from more).
+
+--quick: the same pipeline on tiny sizes (QUICK: a few training steps of the target and of the blocks, short
+decodes; its own cache under .cache/mtp-quick/, and the checkout's HEAD docs as the corpus where the pinned commit
+is not in a shallow clone's history): a smoke run of the code in seconds, its figures meaningless (the blocks are
+barely trained); --out: where the JSON goes (the PNG beside it; with --quick the default is
+.run/bench-quick/mtp.json, never bench/results/).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -34,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.mtp_target import trained_target, windows
+from bench.mtp_target import CORPUS_COMMIT, has_commit, trained_target, windows
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
 from libs.model import load_model
 from libs.model.layers import apply_partial_rope, rope_cos_sin
@@ -42,6 +49,7 @@ from libs.model.paged import BatchMeta, KVPools
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+QUICK_RESULTS = ROOT / ".run" / "bench-quick"
 CACHE = ROOT / ".cache" / "mtp"
 K = 3
 PROMPT, CONT = 16, 96  # training sequences: a prompt cut from the text + the target's greedy continuation
@@ -50,6 +58,15 @@ TRAIN_STEPS, BATCH, LR = 900, 64, 6e-3  # one-cycle schedule (5 % warm-up, cosin
 CURVE_EVERY = 150  # steps between the learning curve's points (train / held-out top-1 per block)
 CHAINED_K = 5  # speculative_tokens of the chained-reuse row (blocks 0, 1, 2, 2, 2)
 GOALS = {"accepted_len": (">=", 2.5), "decode_speedup_1": (">=", 1.8), "greedy_identical": ("==", True)}
+# the headline figures (top-level keys of mtp.json)
+HEADLINE_KEYS = ("accepted_len", "decode_speedup_1", "decode_speedup_8", "step_cost_ratio_1",
+                 "short_output_latency_ratio", "greedy_identical")
+# --quick: these module sizes, the target's training steps, and the measurements' output tokens and repeats
+QUICK = {"N_TRAIN": 64, "N_HELD": 4, "CONT": 32, "TRAIN_STEPS": 6, "BATCH": 16, "CURVE_EVERY": 3,
+         "CACHE": ROOT / ".cache" / "mtp-quick"}
+QUICK_TARGET_STEPS = 6
+QUICK_DECODE = {"n_out": 16, "repeats": 1}
+QUICK_SHORT = {"repeats": 2}
 
 
 def prompts(text: torch.Tensor, seed: int, n: int, length: int = PROMPT) -> list[list[int]]:
@@ -385,17 +402,31 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny training and measurement sizes")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default bench/results/mtp.json, "
+                   "with --quick .run/bench-quick/mtp.json")
+    a = p.parse_args(argv)
+    out = a.out or (QUICK_RESULTS if a.quick else RESULTS) / "mtp.json"
+    target_kw: dict = {}
+    dec_kw: dict = {}
+    short_kw: dict = {}
+    if a.quick:
+        globals().update(QUICK)
+        target_kw = {"steps": QUICK_TARGET_STEPS,
+                     "commit": CORPUS_COMMIT if has_commit(ROOT, CORPUS_COMMIT) else "HEAD"}
+        dec_kw, short_kw = QUICK_DECODE, QUICK_SHORT
     torch.set_num_threads(1)
     torch.manual_seed(0)
     load_start = os.getloadavg()
     model, cfg = load_model(None)
-    target, train_text, held_text = trained_target(model, cfg, ROOT, CACHE)
+    target, train_text, held_text = trained_target(model, cfg, ROOT, CACHE, **target_kw)
     info, held = trained_model(model, cfg, train_text, held_text)
-    decode = {str(c): decode_speedup(model, cfg, held, c) for c in (1, 8)}
+    decode = {str(c): decode_speedup(model, cfg, held, c, **dec_kw) for c in (1, 8)}
     # k above the 3 MTP blocks: draft steps 3 and 4 reuse block 2, chained (it was trained for step 2 only)
-    chained = decode_speedup(model, cfg, held, 1, k=CHAINED_K)
-    short = short_output_latency(model, cfg, held)
+    chained = decode_speedup(model, cfg, held, 1, k=CHAINED_K, **dec_kw)
+    short = short_output_latency(model, cfg, held, **short_kw)
     results = {
         "accepted_len": decode["1"]["accepted_len"],
         "acceptance_per_block": decode["1"]["acceptance_per_block"],
@@ -405,6 +436,7 @@ def main() -> None:
         "short_output_latency_ratio": short["ratio"],
         "greedy_identical": all(d["greedy_identical"] for d in (*decode.values(), chained)),
         "speculative_tokens": K,
+        "quick": a.quick,
         "decode": decode,
         f"chained_k{CHAINED_K}_1": chained,
         "short_output": short,
@@ -414,15 +446,16 @@ def main() -> None:
         "load_average": {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()},
     }
     results["goals_met"] = {k: _meets(results[k], op, v) for k, (op, v) in GOALS.items()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "mtp.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "mtp.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
     print(json.dumps({k: results[k] for k in ("accepted_len", "acceptance_per_block", "step_cost_ratio_1",
                                               "decode_speedup_1", "decode_speedup_8",
                                               "short_output_latency_ratio", "greedy_identical", "goals_met",
                                               "load_average")},
                      indent=2))
     print(f"chained k={CHAINED_K}: accepted_len {chained['accepted_len']:.2f}, speedup {chained['speedup']:.2f}")
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
 
 
 def _meets(value, op: str, goal) -> bool:

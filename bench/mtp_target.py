@@ -40,11 +40,11 @@ CURVE_EVERY = 200
 
 
 # ---------------------------------------------------------------- text
-def corpus(root: Path) -> tuple[dict[str, bytes], str]:
-    """{path: bytes} of every markdown file at CORPUS_COMMIT, and a digest of them."""
-    names = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", CORPUS_COMMIT],
+def corpus(root: Path, commit: str = CORPUS_COMMIT) -> tuple[dict[str, bytes], str]:
+    """{path: bytes} of every markdown file at `commit`, and a digest of them."""
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", commit],
                            check=True, capture_output=True, text=True).stdout.split()
-    files = {n: subprocess.run(["git", "-C", str(root), "show", f"{CORPUS_COMMIT}:{n}"], check=True,
+    files = {n: subprocess.run(["git", "-C", str(root), "show", f"{commit}:{n}"], check=True,
                                capture_output=True).stdout for n in sorted(names) if n.endswith(".md")}
     digest = hashlib.sha256(b"".join(n.encode() + b"\0" + files[n] for n in files)).hexdigest()[:16]
     return files, digest
@@ -181,15 +181,23 @@ def train_target(model, train_text: torch.Tensor, held_text: torch.Tensor, steps
             "curve": curve}
 
 
-def trained_target(model, cfg, root: Path, cache: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Train (or load from the cache) the target; returns its facts and the (train, held-out) text."""
-    files, digest = corpus(root)
+def has_commit(root: Path, commit: str) -> bool:
+    """Whether the checkout's history holds `commit` (a shallow clone may not)."""
+    return subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{commit}^{{commit}}"],
+                          capture_output=True).returncode == 0
+
+
+def trained_target(model, cfg, root: Path, cache: Path, steps: int = STEPS,
+                   commit: str = CORPUS_COMMIT) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Train (or load from the cache) the target; returns its facts and the (train, held-out) text. `steps` and
+    `commit` (the corpus) other than the defaults: a --quick run's."""
+    files, digest = corpus(root, commit)
     train_text, held_text = split(files)
     init = hashlib.sha256(b"".join(p.detach().float().numpy().tobytes()[:4096] for p in trainable(model)))
-    key = hashlib.sha256(json.dumps([CORPUS_COMMIT, HELD_FILES, digest, SEQ, BATCH, STEPS, LR, WEIGHT_DECAY,
+    key = hashlib.sha256(json.dumps([commit, HELD_FILES, digest, SEQ, BATCH, steps, LR, WEIGHT_DECAY,
                                      "adamw-onecycle-clip1", init.hexdigest()]).encode()).hexdigest()[:16]
     path = cache / f"tiny-target-{key}.pt"
-    info: dict = {"corpus_commit": CORPUS_COMMIT, "corpus_files": len(files), "train_bytes": train_text.numel(),
+    info: dict = {"corpus_commit": commit, "corpus_files": len(files), "train_bytes": train_text.numel(),
                   "held_files": list(HELD_FILES), "held_bytes": held_text.numel(), "cache": str(path.relative_to(root))}
     info["dense_vs_paged_max_abs_before"] = check_dense_matches_paged(model, cfg, held_text[:200])
     facts = path.with_suffix(".json")  # the training facts (learning curve) of the run that trained the cache
@@ -197,7 +205,7 @@ def trained_target(model, cfg, root: Path, cache: Path) -> tuple[dict, torch.Ten
         model.load_state_dict(torch.load(path), strict=False)
         info["training"] = {"loaded_from_cache": True, **(json.loads(facts.read_text()) if facts.exists() else {})}
     else:
-        info["training"] = train_target(model, train_text, held_text)
+        info["training"] = train_target(model, train_text, held_text, steps)
         cache.mkdir(parents=True, exist_ok=True)
         names = {id(p) for p in trainable(model)}
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if id(p) in names}, path)

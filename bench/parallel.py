@@ -1,7 +1,7 @@
 """Model parallelism benchmark (#18): tp / ep shards of the tiny model in real rank processes (gloo over
 loopback TCP) against one process.
 
-    python -m bench.parallel [--quick]  ->  bench/results/parallel.json, bench/results/parallel.png
+    python -m bench.parallel [--quick] [--out PATH]  ->  bench/results/parallel.json, bench/results/parallel.png
 
 Every layout (tp = 2, ep = 2, tp = 2 + ep = 2) is a real EngineCore over a ParallelRunner (rank 0 here, rank 1
 a spawned process), the reference one process (tp = 1). Per layout:
@@ -438,7 +438,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="greedy output tokens per prompt")
     p.add_argument("--steps", type=int, default=5, help="forwards of the fixed batch the bytes are counted over")
     p.add_argument("--repeats", type=int, default=15, help="timed forwards per step-time figure (median)")
-    p.add_argument("--out", type=Path, default=RESULTS / "parallel.json")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                   "bench/results/parallel.json, with --quick .run/bench-quick/parallel.json")
     # the all-reduce check's child process
     p.add_argument("--role", choices=["main", "allreduce"], default="main")
     p.add_argument("--port", type=int, default=0)
@@ -447,6 +448,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.prompts, a.max_tokens, a.steps, a.repeats = min(a.prompts, 3), min(a.max_tokens, 6), 3, 1
+    a.out = a.out or (ROOT / ".run" / "bench-quick" if a.quick else RESULTS) / "parallel.json"
     return a
 
 

@@ -29,7 +29,14 @@ measures the containerised topology (docker compose: gateway, router, 2 prefill,
 builds what is missing) against the same topology under `make run`, same requests, one run each: TTFT / TPOT and
 output tokens/s, and their throughput ratio (goal >= 0.9). Writes bench/results/serving_compose.json.
 
-Writes bench/results/serving.json and serving.png.
+Writes bench/results/serving.json and serving.png (HEADLINE_KEYS as top-level keys).
+
+    python -m bench.serving --quick [--out PATH]
+
+a smoke run of the same code in well under a minute: 8 trace requests (<= 256 prompt, <= 16 output tokens) at
+concurrency 4, 2 sequential ones, one long prompt each way; JSON and PNG to --out (default
+.run/bench-quick/serving.json, never bench/results/). Where the conversation trace is not checked out (CI), a
+--quick run uses deterministic synthetic prompts instead (`workload.trace` says so); a full run fails.
 """
 
 from __future__ import annotations
@@ -47,9 +54,17 @@ from pathlib import Path
 
 import torch
 
+from bench import traces
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+QUICK_RESULTS = ROOT / ".run" / "bench-quick"
+TRACE = traces.TRACE  # ../shared/traces/conversation_trace.jsonl beside the checkout (or one level up)
+# --quick: these argument values instead of the defaults (flags given explicitly still win)
+QUICK = {"requests": 8, "concurrency": 4, "sequential": 2, "max_in": 256, "max_out": 16, "long_prompts": 1}
+# the headline figures (top-level keys of serving.json)
+HEADLINE_KEYS = ("handoff_overlap_ratio", "transfer_bytes_ratio", "output_tokens_per_s", "ttft_p90_ms", "tpot_p90_ms",
+                 "overhead_ms_per_token", "ucx_engine_over_raw")
 MODEL = "windserve-tiny"
 ENGINE_ENV = {"WINDSERVE_PAGE_SIZE": "16", "WINDSERVE_NUM_FULL_PAGES": "4096", "WINDSERVE_NUM_SWA_PAGES": "512",
               "WINDSERVE_MAX_NUM_BATCHED_TOKENS": "512", "WINDSERVE_LOAD_INTERVAL_S": "0.2"}
@@ -86,6 +101,24 @@ def load_jobs(path: Path, count: int, in_scale: int, out_scale: int, max_in: int
             toks = [t for b in row["hash_ids"] for t in block_tokens(b, per_block)][:n_in]
             jobs.append(Job(toks, min(max_out, max(2, row["output_length"] // out_scale))))
     return jobs
+
+
+def synthetic_jobs(count: int, max_in: int, max_out: int) -> list[Job]:
+    """Trace-shaped jobs without the trace (a --quick run where it is not checked out): every other prompt shares a
+    prefix with the one before, lengths spread over [max_in / 8, max_in] and [2, max_out]."""
+    jobs = []
+    for i in range(count):
+        n_in = max(8, max_in // 8 + (i * 37) % (max_in - max_in // 8 + 1))
+        toks = (block_tokens(800_000 + i // 2, n_in // 2) + block_tokens(810_000 + i, n_in))[:n_in]
+        jobs.append(Job(toks, 2 + (i * 5) % (max_out - 1)))
+    return jobs
+
+
+def trace_jobs(args: argparse.Namespace) -> tuple[list[Job], str]:
+    """The jobs of a run and where they come from (the trace; synthetic only in a --quick run without it)."""
+    if args.quick and not TRACE.exists():
+        return synthetic_jobs(args.requests, args.max_in, args.max_out), f"synthetic (no trace at {TRACE})"
+    return load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out), str(TRACE)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -352,7 +385,7 @@ async def bench_compose(args: argparse.Namespace) -> dict:
     from scripts.compose import COMPOSE_FILE, Stack, prepared
     from scripts.run import free_port
 
-    jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
+    jobs, source = trace_jobs(args)
     with tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp:
         with System(Path(tmp) / "d", "gateway,router,prefill=2,decode=2") as native:
             make_run = await measure_topology(native.client(), jobs, args.concurrency)
@@ -369,13 +402,13 @@ async def bench_compose(args: argparse.Namespace) -> dict:
             finally:
                 stack.down()
     return {"topology": "gateway, router, 2 prefill, 2 decode (tiny model, CPU)",
-            "workload": {"trace": str(TRACE), "requests": len(jobs), "concurrency": args.concurrency},
+            "workload": {"trace": source, "requests": len(jobs), "concurrency": args.concurrency},
             "make_run": make_run, "compose": containers,
             "throughput_ratio": containers["output_tokens_per_s"] / make_run["output_tokens_per_s"]}
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    jobs = load_jobs(TRACE, args.requests, args.in_scale, args.out_scale, args.max_in, args.max_out)
+    jobs, source = trace_jobs(args)
     seq_jobs = jobs[: args.sequential]
     with (tempfile.TemporaryDirectory(prefix="windserve-bench-") as tmp, System(Path(tmp) / "d") as system,
           System(Path(tmp) / "c", COLOCATED) as coloc):
@@ -395,18 +428,23 @@ async def bench(args: argparse.Namespace) -> dict:
     secs, kv_reqs = float(pre["kv_transfer_seconds"]), int(pre["kv_requests"])
     served_tpot = statistics.median(r["tpot"] for r in seq)
     offline_tpot = statistics.median(off)
+    concurrent = summarize(rows, wall, args.concurrency)
+    ucx = await raw_vs_engine(sent)
     return {
-        "handoff_overlap_ratio": overlap["ratio"],
-        "workload": {"trace": str(TRACE), "requests": len(jobs), "in_scale": args.in_scale,
+        "handoff_overlap_ratio": overlap["ratio"], "transfer_bytes_ratio": sent / max(1, full_eq),
+        "output_tokens_per_s": concurrent["output_tokens_per_s"], "ttft_p90_ms": concurrent["ttft_p90_ms"],
+        "tpot_p90_ms": concurrent["tpot_p90_ms"], "overhead_ms_per_token": 1e3 * (served_tpot - offline_tpot),
+        "ucx_engine_over_raw": ucx["engine_over_raw"], "quick": args.quick,
+        "workload": {"trace": source, "requests": len(jobs), "in_scale": args.in_scale,
                      "out_scale": args.out_scale, "mean_prompt_tokens": statistics.mean(len(j.prompt) for j in jobs),
                      "mean_output_tokens": statistics.mean(j.max_tokens for j in jobs)},
-        "concurrent": summarize(rows, wall, args.concurrency),
+        "concurrent": concurrent,
         "kv_transfer": {"requests": kv_reqs, "bytes_per_request": sent / max(1, kv_reqs),
                         "full_kv_bytes_per_request": full_eq / max(1, kv_reqs),
                         "transfer_bytes_ratio": sent / max(1, full_eq), "dual_pool_limit": dual_pool_limit(jobs),
                         "decode_hit_tokens": int(details["decode"]["kv_hit_tokens"]),
                         "served_engine_gbps": sent / secs / 1e9 if secs else 0.0},
-        "ucx": await raw_vs_engine(sent),
+        "ucx": ucx,
         "overhead": {"sequential_requests": len(seq), "served_tpot_ms": 1e3 * served_tpot,
                      "offline_tpot_ms": 1e3 * offline_tpot,
                      "overhead_ms_per_token": 1e3 * (served_tpot - offline_tpot),
@@ -415,7 +453,7 @@ async def bench(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
@@ -427,11 +465,24 @@ def main() -> int:
     p.add_argument("--long-prompts", type=int, default=8, help="prompts of the overlap figure (each way)")
     p.add_argument("--overlap-only", action="store_true", help="measure only handoff_overlap_ratio")
     p.add_argument("--out", type=Path, default=None,
-                   help="with --overlap-only (default serving_overlap.json) or --compose (serving_compose.json)")
+                   help="the JSON (PNG beside it); default bench/results/serving.json (--quick: "
+                        ".run/bench-quick/serving.json; --overlap-only: serving_overlap.json; --compose: "
+                        "serving_compose.json)")
     p.add_argument("--compose", action="store_true", help="only containerised 2x2 (docker compose) vs make run's")
     p.add_argument("--base-image", default=os.environ.get("WINDSERVE_BASE_IMAGE", "windserve-base:bookworm"),
                    help="with --compose: base of the image (scripts/compose.py)")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    args = p.parse_args(argv)
+    if args.quick:  # the quick sizes, except where a flag was given
+        given = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(QUICK)))
+        for k, v in QUICK.items():
+            if getattr(given, k) is None:
+                setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     sys.path.insert(0, str(ROOT))
     if args.compose:
         result = asyncio.run(bench_compose(args))
@@ -454,9 +505,10 @@ def main() -> int:
         print(f"wrote {out}")
         return 0
     result = asyncio.run(bench(args))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "serving.png")
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS) / "serving.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
     c, kv, u, o = result["concurrent"], result["kv_transfer"], result["ucx"], result["overhead"]
     print(f"concurrent: {c['requests']} req x{c['concurrency']}: TTFT p50 {c['ttft_p50_ms']:.0f} ms p90 "
           f"{c['ttft_p90_ms']:.0f} ms, TPOT p50 {c['tpot_p50_ms']:.1f} ms p90 {c['tpot_p90_ms']:.1f} ms, "
@@ -469,7 +521,7 @@ def main() -> int:
     print(f"overhead: served TPOT {o['served_tpot_ms']:.2f} ms vs offline {o['offline_tpot_ms']:.2f} ms "
           f"(+{o['overhead_ms_per_token']:.2f} ms/token)")
     print_overlap(result["handoff_overlap"])
-    print(f"wrote {RESULTS / 'serving.json'} and serving.png")
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
     return 0
 
 

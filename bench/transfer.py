@@ -1,6 +1,6 @@
 """KV transfer throughput: the transfer engine vs a raw ucxx tagged send of the same bytes.
 
-    python -m bench.transfer [--mib 64] [--layers 16] [--iters 5]
+    python -m bench.transfer [--mib 64] [--layers 16] [--iters 5] [--quick] [--out PATH]
 
 The receiver runs in this process, the sender in a child process (two UCX workers, two
 processes, like prefill -> decode). For each UCX transport (tcp over loopback, shared
@@ -12,7 +12,11 @@ memory) the two methods alternate round by round in one run, on the same workers
 
 Both are timed on the sender from the first byte offered to the receiver's final answer.
 The plain-TCP fallback engine is measured too (no raw counterpart). Writes
-bench/results/transfer.json and transfer.png.
+bench/results/transfer.json and transfer.png: the headline figures (HEADLINE_KEYS) as top-level keys, null
+with the reason under "null_reasons" for a transport this host lacks, and every run's row under "runs".
+
+--quick: 8 MiB in 4 layers, 2 rounds (a smoke run of the same code, seconds); --out: where the JSON goes (the
+PNG beside it; with --quick the default is .run/bench-quick/transfer.json, never bench/results/).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ import torch
 from libs.transfer import LayerSpec, TransferBackend, TransferConfig, create_engine
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_RESULTS = RESULTS.parent.parent / ".run" / "bench-quick"
+QUICK = {"mib": 8, "layers": 4, "iters": 2}
+RUNS = (("ucx-tcp", "ucx", "tcp"), ("ucx-sm", "ucx", "sm"), ("tcp-fallback", "tcp", "tcp"))
+# the headline figures: the transfer engine over raw ucxx per UCX transport, and the fallback engine's GB/s
+HEADLINE_KEYS = ("engine_over_raw_ucx_tcp", "engine_over_raw_ucx_sm", "tcp_fallback_gbps")
 PAGE_SHAPE = (16, 8, 320)  # page of 16 tokens, 8 KV heads, k 192 + v 128 dims (bf16)
 TRANSPORTS = {"tcp": (("TLS", "tcp,self"), ("NET_DEVICES", "lo")), "sm": (("TLS", "sm,self"),)}
 RAW_TAG, ACK_TAG = 0x5A00_0000, 0x5AFF_FFFF
@@ -200,15 +209,29 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def headline(rows: list[dict], skipped: dict[str, str]) -> dict:
+    """HEADLINE_KEYS from the rows; a null one's reason (the run that was skipped) under "null_reasons"."""
+    by = {r["name"]: r for r in rows}
+    out: dict = {"engine_over_raw_ucx_tcp": by.get("ucx-tcp", {}).get("engine_over_raw"),
+                 "engine_over_raw_ucx_sm": by.get("ucx-sm", {}).get("engine_over_raw"),
+                 "tcp_fallback_gbps": by["tcp-fallback"]["engine"]["gbps"] if "tcp-fallback" in by else None}
+    source = dict(zip(HEADLINE_KEYS, ("ucx-tcp", "ucx-sm", "tcp-fallback"), strict=True))
+    out["null_reasons"] = {k: f"{source[k]} skipped: {skipped.get(source[k], 'no result')}"
+                           for k in HEADLINE_KEYS if out[k] is None}
+    return out
+
+
 async def main(args: argparse.Namespace) -> None:
     specs = layer_specs(args.mib, args.layers)
     nbytes = sum(s.nbytes for s in specs)
     results = []
-    for name, backend, transport in [("ucx-tcp", "ucx", "tcp"), ("ucx-sm", "ucx", "sm"), ("tcp-fallback", "tcp", "tcp")]:
+    skipped: dict[str, str] = {}
+    for name, backend, transport in RUNS:
         try:
             times = await measure(backend, transport, args.mib, args.layers, args.iters)
         except Exception as exc:  # a transport missing on this host is reported, not fatal
             print(f"{name}: skipped ({exc!r})")
+            skipped[name] = repr(exc)
             continue
         row = {"name": name, "mib": args.mib, "layers": args.layers, "bytes": nbytes, "iters": args.iters,
                **{k: summarize(nbytes, v) for k, v in times.items()}}
@@ -217,24 +240,33 @@ async def main(args: argparse.Namespace) -> None:
         results.append(row)
         raw = f", raw {row['raw']['gbps']:.3f} GB/s, ratio {row['engine_over_raw']:.2f}" if "raw" in row else ""
         print(f"{name:13s} engine {row['engine']['gbps']:.3f} GB/s{raw}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "transfer.json").write_text(json.dumps(results, indent=2))
+    out = {**headline(results, skipped), "quick": args.quick, "runs": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
     if results:
-        plot(results, RESULTS / "transfer.png")
-    print(f"wrote {RESULTS / 'transfer.json'} and transfer.png")
+        plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mib", type=int, default=64)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--mib", type=int, default=None, help="total MiB per transfer (default 64, --quick 8)")
+    p.add_argument("--layers", type=int, default=None, help="layers per transfer (default 16, --quick 4)")
+    p.add_argument("--iters", type=int, default=None, help="measured rounds (default 5, --quick 2)")
+    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
+                   "bench/results/transfer.json, with --quick .run/bench-quick/transfer.json")
     p.add_argument("--role", choices=["receiver", "sender"], default="receiver")
     p.add_argument("--backend", default="ucx")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--address", default="")
     p.add_argument("--peer", default="-")
-    return p.parse_args()
+    a = p.parse_args(argv)
+    for k, full in (("mib", 64), ("layers", 16), ("iters", 5)):
+        if getattr(a, k) is None:
+            setattr(a, k, QUICK[k] if a.quick else full)
+    a.out = a.out or (QUICK_RESULTS if a.quick else RESULTS) / "transfer.json"
+    return a
 
 
 if __name__ == "__main__":
