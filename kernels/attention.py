@@ -22,13 +22,41 @@ import torch
 
 from kernels.attn_plan import AttnBlock, AttnPlan
 
+# Prefill blocks of at least this many queries use torch's fused CPU attention kernel (`attend_fused`); below
+# it the few ops of `attend` cost less than the kernel's set-up.
+FUSED_MIN_QUERIES = 16
+
 
 def _attend_block(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, blk: AttnBlock, scale: float,
                   sinks: torch.Tensor | None) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> the block's output ``[G * L, Hq, Dv]`` (float32)."""
     g_seqs, n_q = blk.rows.shape
     qb = q.index_select(0, blk.rows.flatten()) if n_q > 1 or blk.rows.shape[0] != q.shape[0] else q
+    if n_q >= FUSED_MIN_QUERIES and not q.is_cuda and k_flat.shape[-1] == v_flat.shape[-1]:
+        return attend_fused(qb, k_flat, v_flat, blk.slots, blk.hidden, scale, sinks)
     return attend(qb, k_flat, v_flat, blk.slots, blk.hidden, scale, sinks)
+
+
+def attend_fused(qb: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor,
+                 hidden: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`attend` through torch's fused (flash) CPU attention, which never holds the [L, N] scores of every head at
+    once. It returns each row's log-sum-exp too, so a sink is applied afterwards: with the sink's logit in the
+    denominator the output is the sink-free one times sigmoid(lse - sink). Needs Dv == D (the kernel's shape)."""
+    g_seqs, n_q, n_keys = hidden.shape
+    hq, hkv = qb.shape[1], k_flat.shape[1]
+    flat = slots.flatten()
+    qh = qb.float().view(g_seqs, n_q, hq, -1).transpose(1, 2)  # [G, Hq, L, D]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [G, Hq, N, D]: query head h reads KV head h // (Hq / Hkv)
+        x = x.index_select(0, flat).float().view(g_seqs, n_keys, hkv, 1, -1)
+        return x.expand(-1, -1, -1, hq // hkv, -1).reshape(g_seqs, n_keys, hq, -1).transpose(1, 2)
+
+    mask = torch.zeros(g_seqs, 1, n_q, n_keys, device=qb.device).masked_fill_(hidden[:, None], float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, heads(k_flat), heads(v_flat), 0.0, False, attn_mask=mask, scale=scale)
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]
+    return out.transpose(1, 2).reshape(g_seqs * n_q, hq, -1)
 
 
 def attend(qb: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
