@@ -183,7 +183,16 @@ def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_l
                           checkpoint=model_path)
 
 
-class EngineCore:
+class _Built(type):
+    """Runs `_built()` once the whole construction, a subclass's `__init__` included, is done."""
+
+    def __call__(cls, *args, **kwargs):
+        core = super().__call__(*args, **kwargs)
+        core._built()
+        return core
+
+
+class EngineCore(metaclass=_Built):
     """Continuous-batching engine over one model and one dual-pool KV cache."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None, model_config, tokenizer=None, *,
@@ -217,7 +226,10 @@ class EngineCore:
         self._grammars: GrammarBook | None = None  # built on the first constrained request (tokenizer tables)
         self.compute_threads = apply_threads(config.compute_threads, parse_cpus(config.compute_cpus))
         self.compile_stats: dict = {"enabled": False, "reason": "off (EngineConfig.compile)"}
-        if config.compile:
+
+    def _built(self) -> None:
+        """After construction (of a subclass too: the warm-up's requests go through its own step)."""
+        if self.config.compile:
             self._compile()
 
     def _compile(self) -> None:

@@ -39,6 +39,7 @@ SEGMENTS: dict[str, Callable] = {
     "moe": fused.moe,
 }
 
+RECOMPILE_LIMIT = 64
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "windserve" / "torch-compile"
 
 
@@ -52,6 +53,10 @@ class CompiledStep:
         self.cache_dir = Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR
         # inductor reads its cache location from the environment each time it compiles
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir))
+        # graphs are per model shape and per function: a process holding several models (tests, a benchmark)
+        # passes dynamo's default of 8 graphs per function, and fullgraph makes that a hard failure
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.fallbacks: Counter[str] = Counter()
         self.compiled_calls = 0
         self.warmup_s: float | None = None

@@ -6,6 +6,7 @@ the one mapping to `EngineConfig`; `DisaggServiceConfig` adds the KV hand-off kn
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -15,6 +16,12 @@ from libs.gcache.config import GCacheConfig
 from libs.parallel.layout import ParallelLayout
 from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
+
+
+def _compile_default() -> bool:
+    """On, unless WINDSERVE_COMPILE says 0: a config built in code (tests, benchmarks) follows the environment
+    the way one read from it does (the suite runs eager: tests/conftest.py)."""
+    return os.environ.get("WINDSERVE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class EngineServiceConfig(ServiceConfig):
@@ -89,7 +96,7 @@ class EngineServiceConfig(ServiceConfig):
     parallel_timeout_s: float = Field(default=30.0, gt=0, description="with tp / ep > 1: bound of one collective; a "
                                       "rank that stops answering fails the engine (and the service) after it")
 
-    compile: bool = Field(default=True, description="run the engine through the compiled step (torch.compile; a "
+    compile: bool = Field(default_factory=_compile_default, description="run the engine through the compiled step (torch.compile; a "
                           "pure decode step as one graph), warmed up before the service is ready (docs/engine.md, "
                           "Compiled step); 0 = eager. Not with tp / ep > 1")
     compile_warmup_s: float = Field(default=300.0, gt=0, description="bound of the compile warm-up; past it the engine "
