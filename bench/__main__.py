@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark in turn; each writes bench/results/<name>.json and a PNG.
 
-Usage: python -m bench [--quick] [--out-dir DIR] [name ...]   (default: all)
+Usage: python -m bench [--quick] [--out-dir DIR] [name ...]   (default: all but the optional `peer`)
 
 --quick runs each benchmark's smoke mode (tiny sizes, the same code paths, seconds each); its JSON and PNG go to
 --out-dir (default .run/bench-quick/, ignored by git), never over the committed bench/results/. Without --quick,
@@ -17,6 +17,9 @@ from pathlib import Path
 
 BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder",
               "mtp", "parallel")
+# Run only when named (`python -m bench peer`): it installs vLLM's CPU build in its own venv on first use and takes
+# ~10 minutes (bench/README.md)
+OPTIONAL = ("peer",)
 QUICK_DIR = Path(__file__).resolve().parent.parent / ".run" / "bench-quick"
 # --quick: one torch (OpenMP) thread per process unless the caller set one. A smoke run's timings mean nothing, and
 # on a shared box two intra-op threads that wait on each other's cores make tiny-model steps 10-50x slower (a quick
@@ -44,9 +47,10 @@ def main(argv: list[str]) -> int:
                     help=f"where the JSON and PNG go (default bench/results/; with --quick {QUICK_DIR})")
     args = ap.parse_intermixed_args(argv)  # names and options in any order (make bench ARGS=...)
     names = args.names or list(BENCHMARKS)
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in BENCHMARKS + OPTIONAL]
     if unknown:
-        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHMARKS + OPTIONAL)}",
+              file=sys.stderr)
         return 2
     failed = []
     for name in names:
