@@ -145,9 +145,13 @@ class System:
     def __enter__(self) -> System:
         from scripts.run import StopFlag
 
-        self.sup.start_nats()
-        self.sup.start_services()
-        self.sup.wait_ready(StopFlag())
+        try:
+            self.sup.start_nats()
+            self.sup.start_services()
+            self.sup.wait_ready(StopFlag())
+        except BaseException:  # (__exit__ does not run when __enter__ raises: nothing may be left running)
+            self.sup.stop_all()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
