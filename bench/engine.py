@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         results.update(fn())
         print(f"[engine bench] {name} done in {time.perf_counter() - t0:.1f}s", flush=True)
+    results["torch_threads"] = torch.get_num_threads()  # (the engines set it: all cores but one)
     results["goals"] = {k: f"{op} {v}" for k, (op, v) in GOALS.items()}
     results["goals_met"] = {k: (results[k] <= v if op == "<=" else results[k] >= v) for k, (op, v) in GOALS.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
