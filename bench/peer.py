@@ -994,9 +994,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "thread_placement": {
             "vllm": "VLLM_CPU_OMP_THREADS_BIND=auto: one OMP compute thread bound to core 0, core 1 left to its "
                     "API server and scheduler (see setup.vllm.placement for the threads it ran)",
-            "windserve": "defaults: no CPU binding; torch intra-op threads = torch's default for the machine; the "
-                         "gateway, router, worker and nats-server processes share every core (see "
-                         "setup.windserve.placement)"},
+            "windserve": "defaults: the engine's torch intra-op threads = all cores but one (WINDSERVE_COMPUTE_THREADS), "
+                         "nothing pinned (WINDSERVE_COMPUTE_CPUS unset); the gateway, router, worker and nats-server "
+                         "processes share every core (see setup.windserve.placement)"},
         "one_after_the_other": True,
         "window_semantics": "windserve and transformers attend 129 keys per SWA query (sliding_window 129), vLLM 0.32 "
                             "128 (sliding_window_size 128, counting the query): greedy outputs are compared only where "
