@@ -373,10 +373,12 @@ def tokenizer_config(specials: dict[str, int], max_len: int) -> dict[str, Any]:
             "chat_template": CHAT_TEMPLATE}
 
 
-def _randomize(model, seed: int, lm_head_gain: float) -> None:
+def randomize_weights(model, seed: int, lm_head_gain: float = 1.0) -> None:
     """Weights of unit-scale activations (HF's std-0.02 init leaves near-flat logits whose greedy argmax two
     implementations may break differently): matrices ~ N(0, 1/fan_in), norms ~ 1 + 0.1 N, sinks ~ N, the MoE
-    correction bias ~ 0.3 N; the LM head scaled by lm_head_gain so greedy picks are clear of float noise."""
+    correction bias ~ 0.3 N; the LM head scaled by lm_head_gain so greedy picks are clear of float noise. (Also
+    the weights of tests/test_model.py's transformers reference: a wrong mask, rope or routing shows as a large
+    logit difference.)"""
     import math
 
     import torch
@@ -429,7 +431,7 @@ def build_checkpoint(root: Path, recipe: dict[str, Any] = RECIPE) -> Path:
         hf_cfg = MiMoV2FlashConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
         torch.manual_seed(recipe["seed"])
         model = MiMoV2FlashForCausalLM(hf_cfg)
-        _randomize(model, recipe["seed"] + 1, recipe["lm_head_gain"])
+        randomize_weights(model, recipe["seed"] + 1, recipe["lm_head_gain"])
         model.save_pretrained(tmp, safe_serialization=True)
         saved = json.loads((tmp / "config.json").read_text())
         saved.update(cfg)  # both dialects, whatever save_pretrained dropped or renamed

@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import attend
-from kernels.kv import scatter_kv
 from kernels.moe import grouped_moe, sigmoid_topk_route
 
 # The gathered expert pass reads k experts per token; the grouped one reads each chosen expert once. Past
@@ -48,33 +46,55 @@ def _grouped_moe_fake(x, weights, ids, gate_up, down):
     return torch.empty_like(x)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                      plane: int, write_slots: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, scale: float,
-                      sinks: torch.Tensor | None) -> torch.Tensor:
-    page, hkv = k_buf.shape[-3], k.shape[1]
-    k_pool = k_buf[plane].view(-1, page, hkv, k_buf.shape[-1])
-    v_pool = v_buf[plane].view(-1, page, hkv, v_buf.shape[-1])
-    scatter_kv(k_pool, v_pool, write_slots, k, v)
-    out = attend(q, k_pool.view(-1, hkv, k_pool.shape[-1]), v_pool.view(-1, hkv, v_pool.shape[-1]), slots, hidden,
-                 scale, sinks)
-    return out.to(q.dtype)
+def _kv_write(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plane: int,
+              write_slots: torch.Tensor) -> None:
+    hkv = k.shape[1]
+    k_buf[plane].view(-1, hkv, k_buf.shape[-1]).index_copy_(0, write_slots, k.to(k_buf.dtype))
+    v_buf[plane].view(-1, hkv, v_buf.shape[-1]).index_copy_(0, write_slots, v.to(v_buf.dtype))
 
 
-def _decode_attention_fake(q, k, v, k_buf, v_buf, plane, write_slots, slots, hidden, scale, sinks):
-    return q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
+def _kv_write_fake(k, v, k_buf, v_buf, plane, write_slots) -> None:
+    return None
 
 
 grouped_moe_op = _op("grouped_moe(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down) -> Tensor",
                      grouped_moe, _grouped_moe_fake)
 """`kernels.moe.grouped_moe` as an opaque op (its token counts per expert are data-dependent)."""
 
-decode_attention = _op("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, "
-                       "int plane, Tensor write_slots, Tensor slots, Tensor hidden, float scale, Tensor? sinks) "
-                       "-> Tensor", _decode_attention, _decode_attention_fake)
-"""One decode token per sequence: write k / v ``[B, Hkv, D]`` at `write_slots` of plane `plane` of the KV buffers
-(`libs.model.paged.KVPools.layer_base`; the pool is that plane seen as [rows, page, Hkv, D]) and attend q
-``[B, Hq, D]`` over `slots` ``[B, N]`` with `hidden` ``[B, 1, N]`` masked. Opaque, since it writes the KV buffers in
-place (traced, the compiler copies the whole buffer to write a few rows)."""
+kv_write = _op("kv_write(Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, int plane, Tensor write_slots) -> ()",
+               _kv_write, _kv_write_fake)
+"""Write k / v ``[T, Hkv, D]`` at flat `write_slots` of plane `plane` of the KV buffers
+(`libs.model.paged.KVPools.layer_base`), in place. Opaque, because it writes in place: traced, the compiler
+copies the whole buffer to write a few rows."""
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     plane: int, write_slots: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """One decode token per sequence: write k / v ``[B, Hkv, D]`` at `write_slots` (`kv_write`) and attend q
+    ``[B, Hq, D]`` over the keys at `slots` ``[B, N]`` (flat slots of plane `plane` of the KV buffers, seen as
+    [rows x page, Hkv, D]) with `hidden` ``[B, 1, N]`` masked, a sink's logit in the softmax denominator. Written as
+    reductions over the indexed keys and values (``k_buf[...][slots]``): compiled, the index is fused into them,
+    so no key is gathered into a copy."""
+    kv_write(k, v, k_buf, v_buf, plane, write_slots)
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kk = k_buf[plane].view(-1, hkv, d)[slots].float()  # [B, N, Hkv, D]
+    vv = v_buf[plane].view(-1, hkv, v_buf.shape[-1])[slots].float()
+    scores = (kk[:, :, :, None, :] * q.float().view(b, 1, hkv, g, d)).sum(-1) * scale  # [B, N, Hkv, g]
+    scores = scores.masked_fill(hidden[:, 0, :, None, None], float("-inf"))
+    m = scores.amax(1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.float().view(1, 1, hkv, g)
+        m = torch.maximum(m, sink)
+    e = torch.exp(scores - m)
+    denom = e.sum(1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - m)
+    p = e / denom
+    out = (p[..., None] * vv[:, :, :, None, :]).sum(1)  # [B, Hkv, g, Dv]
+    return out.reshape(b, hq, -1).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,12 +4,14 @@ loop, FP8 block dequantization and the fused-qkv layout on tensors with known an
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 from kernels import (
     dequant_fp8_block,
+    fused,
     gather_kv,
     grouped_moe,
     kv_slot_mapping,
@@ -284,3 +286,35 @@ def test_flashinfer_matches_reference():
         got = paged_attention_flashinfer(q, k_pool, v_pool, plan, dqk ** -0.5,
                                          sinks if window_left >= 0 else None)
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_decode_attention_matches_the_reference(with_sinks):
+    """The compiled decode step's attention (kernels/fused.py, here run eager) writes the new K/V where the plan
+    says and equals the reference over a plan of one decode token per sequence (window and sinks included)."""
+    torch.manual_seed(4)
+    page, hq, hkv, d = 4, 4, 2, 8
+    k_buf, v_buf = torch.randn(2, 16, page, hkv, d), torch.randn(2, 16, page, hkv, d)  # [layers, pages, ...]
+    table = torch.tensor([[3, 7, -1, -1], [0, 1, 2, -1], [4, 5, 6, 8]])
+    plan = plan_paged_attention(table, [1, 1, 1], [5, 9, 13], page, window_left=6)
+    q, k, v = torch.randn(3, hq, d), torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    sinks = torch.randn(hq) if with_sinks else None
+    k_ref, v_ref = k_buf[1].clone(), v_buf[1].clone()
+    scatter_kv(k_ref, v_ref, plan.write_slots, k, v)
+    ref = paged_attention(q, k_ref, v_ref, plan, 0.3, sinks)
+    blk = plan.blocks[0]
+    got = fused.decode_attention(q, k, v, k_buf, v_buf, 1, plan.write_slots, blk.slots, blk.hidden, 0.3, sinks)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_buf[1], k_ref) and torch.equal(v_buf[1], v_ref)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("window,sinks", [(None, True), (6, True), (9, False)])
+def test_long_prefill_chunks_through_the_fused_kernel_equal_dense(window, sinks, monkeypatch):
+    """Chunks of >= FUSED_MIN_QUERIES queries with Dv == D go through torch's fused CPU attention
+    (kernels.attention.attend_fused, the sink applied after it from the log-sum-exp)."""
+    from kernels.attention import FUSED_MIN_QUERIES
+
+    monkeypatch.setattr(sys.modules[__name__], "DV", DQK)
+    _run_chunked([45, 30], [FUSED_MIN_QUERIES + 4, FUSED_MIN_QUERIES], window, sinks, drop_out_of_window=False)

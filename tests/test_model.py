@@ -4,7 +4,6 @@ FP8 / fused-qkv / sharded checkpoints; tokenizer; CLI."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.peer import randomize_weights
 from kernels.fp8 import dequant_fp8_block, quant_fp8_block
 from libs.model import BatchMeta, CheckpointError, KVPools, ModelConfig, load_model, load_tokenizer
 from libs.model.compiled import CompiledStep
@@ -25,23 +25,6 @@ WINDOW = 9  # HF meaning: keys in (q-9, q]
 LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                "sliding_attention"]
 VOCAB = 300
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """HF's own init (std 0.02) makes logits nearly flat; use larger deterministic weights so a wrong mask,
-    rope or routing shows up as a large logit difference."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +43,7 @@ def hf_dir(tmp_path_factory) -> Path:
     )
     torch.manual_seed(0)
     model = MiMoV2FlashForCausalLM(cfg)
-    _randomize(model, seed=1)
+    randomize_weights(model, seed=1)  # (HF's std-0.02 init makes logits nearly flat)
     path = tmp_path_factory.mktemp("hf_tiny")
     model.save_pretrained(path)
     return path

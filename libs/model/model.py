@@ -290,9 +290,8 @@ def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...]:
 
 def _decode_step(input_ids: torch.Tensor, ctxs: list[tuple], logits_rows: torch.Tensor, bufs: list[torch.Tensor],
                  weights: list[tuple], shared: tuple, consts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole decoder over one new token per sequence, as one function of tensors for `torch.compile`: the
-    layers' dense parts from `kernels/fused.py`, attention as the opaque `fused.decode_attention` (it writes the
-    KV buffers). `ctxs`: per (group, table row) (cos, sin, write slots, key slots, hidden mask); `consts`: the
+    """The whole decoder over one new token per sequence, as one function of tensors for `torch.compile`, from
+    `kernels/fused.py` (the KV write is the one opaque op in it). `ctxs`: per (group, table row) (cos, sin, write slots, key slots, hidden mask); `consts`: the
     per-layer structure (context, buffers, plane, heads, dims, scales, MoE or not) and the model's constants."""
     layers, eps, top_k, n_group, topk_group, renorm, scaling = consts
     embed_w, norm_w, lm_w = shared
