@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
-from libs.model import load_model, load_tokenizer
+from libs.model import BatchMeta, KVPools, load_model, load_tokenizer
 from libs.model.compiled import CompiledStep
 from tests.test_engine import assert_baseline
 
@@ -114,3 +114,12 @@ def test_a_failed_warm_up_bound_leaves_the_engine_eager():
     assert core.runner.model.compiled is None
     ref = run(core_of(False), [prompts(2, 5, 11)])
     assert_same(ref, run(core, [prompts(2, 5, 11)]))
+
+
+def test_the_decode_graph_refuses_an_unmapped_page_like_the_plan():
+    model, cfg = load_model(None)
+    model.set_compiled(CompiledStep(max_tokens=8))
+    kv = KVPools.allocate(cfg, 8, 8, page_size=4)
+    meta = BatchMeta.build([1], [9], [[0, -1, 2]], [[0, 1, 2]])  # position 4..7's full page is unmapped
+    with pytest.raises(ValueError, match="logical page 1 is unmapped"):
+        model(torch.tensor([5]), meta, kv)

@@ -84,11 +84,11 @@ class CompiledStep:
         self.compiled_calls += 1
         return out
 
-    def decode(self, fn: Callable, input_ids: torch.Tensor, ctxs: list[tuple], logits_rows: torch.Tensor,
-               bufs: list[torch.Tensor], *rest):
+    def decode(self, fn: Callable, input_ids: torch.Tensor, kv_lens: torch.Tensor, ctxs: list[tuple],
+               logits_rows: torch.Tensor, *rest):
         """`fn` (the model's whole decode step, `libs.model.model._decode_step`) compiled, over one new token per
         sequence; None when the step must run eager instead (too many tokens, or its compilation failed), counted
-        in `fallbacks`. The token count and every context's key count are the graph's dynamic dimensions."""
+        in `fallbacks`. The sequence count and every context's key count are the graph's dynamic dimensions."""
         t = input_ids.shape[0]
         if "decode" in self._broken:
             self.fallbacks["compile_failed"] += 1
@@ -99,14 +99,14 @@ class CompiledStep:
         compiled = self._decode_fns.get(fn)
         if compiled is None:
             compiled = self._decode_fns[fn] = torch.compile(fn, fullgraph=True)
-        for _cos, _sin, _write, slots, hidden in ctxs:
-            torch._dynamo.maybe_mark_dynamic(slots, 1)
-            torch._dynamo.maybe_mark_dynamic(hidden, 2)
+        for _cos, _sin, table, kcol in ctxs:
+            torch._dynamo.maybe_mark_dynamic(kcol, 0)
+            torch._dynamo.maybe_mark_dynamic(table, 1)
         if t > 1:
-            for a in (input_ids, logits_rows, *(x for c in ctxs for x in c)):
+            for a in (input_ids, kv_lens, logits_rows, *(x for c in ctxs for x in c[:3])):
                 torch._dynamo.maybe_mark_dynamic(a, 0)
         try:
-            out = compiled(input_ids, ctxs, logits_rows, bufs, *rest)
+            out = compiled(input_ids, kv_lens, ctxs, logits_rows, *rest)
         except Exception:  # the eager layers rewrite whatever KV it wrote before failing
             log.exception("compiling the decode step failed; decode steps run eager from now on")
             self._broken.add("decode")

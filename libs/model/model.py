@@ -182,13 +182,13 @@ class MiMoV2Model(nn.Module):
         the layers do not fire inside it. Other steps compile the layers' dense segments only."""
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"input_ids has {input_ids.shape[0]} tokens but q_lens sum to {meta.num_tokens}")
-        full, swa = self._contexts(meta, kv)
         step = self._compiled
         if (graph and step is not None and embeds is None and meta.full_write_from is None
                 and meta.num_tokens == len(meta.q_lens)):
-            got = self._decode_graph(step, input_ids, meta, kv, full, swa)
+            got = self._decode_graph(step, input_ids, meta, kv)
             if got is not None:
                 return got if return_hidden else got[0]
+        full, swa = self._contexts(meta, kv)
         h = self.model.embed_tokens(input_ids)
         if embeds is not None:
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
@@ -201,10 +201,17 @@ class MiMoV2Model(nn.Module):
         logits = self.lm_head(h.index_select(0, meta.logits_rows())).float()
         return (logits, h) if return_hidden else logits
 
-    def _decode_graph(self, step: CompiledStep, input_ids: torch.Tensor, meta: BatchMeta, kv: KVPools,
-                      full: list[AttnContext], swa: list[AttnContext]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(logits, final-norm hidden) of a pure decode step through `step.decode`; None when a plan is not one
-        block over every row in order (then the caller runs the layers)."""
+    def _decode_graph(self, step: CompiledStep, input_ids: torch.Tensor, meta: BatchMeta,
+                      kv: KVPools) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, final-norm hidden) of a pure decode step through `step.decode`; None when it ran eager. No
+        attention plan is built: the graph derives each sequence's key slots from its page table row and length
+        (`_decode_keys`); the pages those keys need are checked mapped here, as the plan would."""
+        dev = input_ids.device
+        kv_lens = torch.as_tensor(meta.kv_lens, dtype=torch.int64, device=dev)
+        longest = max(meta.kv_lens)
+        groups = {"full": (meta.full_page_table, meta.full_rows, -1, self._rope_full, self.inv_freq_full),
+                  "swa": (meta.swa_page_table, meta.swa_rows, self.cfg.window_left, self._rope_swa,
+                          self.inv_freq_swa)}
         ctxs: list[tuple] = []
         ctx_index: dict[tuple[str, int], int] = {}
         bufs: list[torch.Tensor] = []
@@ -214,29 +221,30 @@ class MiMoV2Model(nn.Module):
             layer = cast(DecoderLayer, module)
             group = "swa" if layer.is_swa else "full"
             k_buf, v_buf, plane, row = kv.layer_base(group, layer.pool_index)
-            key = (group, row)
-            if key not in ctx_index:
-                ctx = (swa if layer.is_swa else full)[row]
-                if not ctx.plan.identity or ctx.write_rows is not None:
-                    return None
-                blk = ctx.plan.blocks[0]
-                ctx_index[key] = len(ctxs)
-                ctxs.append((ctx.cos, ctx.sin, ctx.slots, blk.slots, blk.hidden))
+            if (group, row) not in ctx_index:
+                table, rows, window_left, rope, inv_freq = groups[group]
+                table = table if rows is None else rows[row]
+                _check_decode_pages(table, meta.kv_lens, kv.page_size, window_left)
+                cos, sin = rope.lookup(kv_lens - 1, longest, inv_freq, self.dtype)
+                keys = longest if window_left < 0 else min(longest, window_left + 1)
+                ctx_index[group, row] = len(ctxs)
+                ctxs.append((cos, sin, table, torch.arange(keys, device=dev)))
             for buf in (k_buf, v_buf):
                 if not any(buf is b for b in bufs):
                     bufs.append(buf)
             attn = layer.self_attn
-            layers.append((ctx_index[key], next(i for i, b in enumerate(bufs) if b is k_buf),
-                           next(i for i, b in enumerate(bufs) if b is v_buf), plane, attn.num_heads, attn.num_kv_heads,
-                           attn.qk_dim, attn.v_scale, attn.scale, isinstance(layer.mlp, MoE)))
+            window_left = self.cfg.window_left if layer.is_swa else -1
+            layers.append((ctx_index[group, row], next(i for i, b in enumerate(bufs) if b is k_buf),
+                           next(i for i, b in enumerate(bufs) if b is v_buf), plane, window_left, attn.num_heads,
+                           attn.num_kv_heads, attn.qk_dim, attn.v_scale, attn.scale, isinstance(layer.mlp, MoE)))
             weights.append((layer.input_layernorm.weight, attn._qkv.get((attn.q_proj.weight, attn.k_proj.weight,
                                                                           attn.v_proj.weight)),
                             attn.attention_sink_bias, attn.o_proj.weight, layer.post_attention_layernorm.weight,
                             *_mlp_weights(layer.mlp)))
         c = self.cfg
-        consts = (tuple(layers), c.rms_norm_eps, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
-                  c.routed_scaling_factor)
-        return step.decode(_decode_step, input_ids, ctxs, meta.logits_rows(), bufs, weights,
+        consts = (tuple(layers), kv.page_size, c.rms_norm_eps, c.num_experts_per_tok, c.n_group, c.topk_group,
+                  c.norm_topk_prob, c.routed_scaling_factor)
+        return step.decode(_decode_step, input_ids, kv_lens, ctxs, meta.logits_rows(), bufs, weights,
                            (self.model.embed_tokens.weight, self.model.norm.weight, self.lm_head.weight), consts)
 
     def mtp_contexts(self, meta: BatchMeta, kv_mtp: KVPools, steps: range) -> dict[int, AttnContext]:
@@ -288,17 +296,54 @@ def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return m._gate_up.get((m.gate_proj.weight, m.up_proj.weight)), m.down_proj.weight
 
 
-def _decode_step(input_ids: torch.Tensor, ctxs: list[tuple], logits_rows: torch.Tensor, bufs: list[torch.Tensor],
-                 weights: list[tuple], shared: tuple, consts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_decode_pages(table: torch.Tensor, kv_lens: list[int], page: int, window_left: int) -> None:
+    """Every page a decode step reads or writes is mapped (the attention plan's check, for the decode graph)."""
+    last = [(n - 1) // page for n in kv_lens]
+    first = [0 if window_left < 0 else max(0, n - 1 - window_left) // page for n in kv_lens]
+    if max(last) >= table.shape[1]:
+        b = last.index(max(last))
+        raise ValueError(f"attention read, sequence {b}: position {kv_lens[b] - 1} needs logical page {last[b]} but "
+                         f"the page table has only {table.shape[1]} columns")
+    cols = torch.arange(table.shape[1], device=table.device)
+    lo = torch.tensor(first, device=table.device)[:, None]
+    hi = torch.tensor(last, device=table.device)[:, None]
+    bad = (table < 0) & (cols >= lo) & (cols <= hi)
+    if bool(bad.any()):
+        b, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"attention read, sequence {b}: logical page {j} is unmapped (-1) but holds positions that "
+                         f"must be used")
+
+
+def _decode_keys(table: torch.Tensor, kv_lens: torch.Tensor, kcol: torch.Tensor, window_left: int,
+                 page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(write slot [B], key slots [B, N], hidden [B, 1, N]) of one decode token per sequence: the keys are
+    positions [lo, kv) (lo = kv - 1 - window_left, or 0), padded to N = len(kcol) with the last key, masked."""
+    last = kv_lens - 1
+    lo = (last - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(last)
+    valid = kcol[None, :] < (kv_lens - lo)[:, None]
+    pos = torch.where(valid, lo[:, None] + kcol[None, :], last[:, None])
+    slots = table.gather(1, torch.div(pos, page, rounding_mode="floor")) * page + pos % page
+    write = table.gather(1, torch.div(last, page, rounding_mode="floor")[:, None])[:, 0] * page + last % page
+    return write, slots, ~valid[:, None, :]
+
+
+def _decode_step(input_ids: torch.Tensor, kv_lens: torch.Tensor, ctxs: list[tuple], logits_rows: torch.Tensor,
+                 bufs: list[torch.Tensor], weights: list[tuple], shared: tuple,
+                 consts: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole decoder over one new token per sequence, as one function of tensors for `torch.compile`, from
-    `kernels/fused.py` (the KV write is the one opaque op in it). `ctxs`: per (group, table row) (cos, sin, write slots, key slots, hidden mask); `consts`: the
-    per-layer structure (context, buffers, plane, heads, dims, scales, MoE or not) and the model's constants."""
-    layers, eps, top_k, n_group, topk_group, renorm, scaling = consts
+    `kernels/fused.py` (the KV write is the one opaque op in it). `ctxs`: per (group, table row) (cos, sin, page
+    table [B, W], key columns [N]); `consts`: the per-layer structure (context, buffers, plane, window, heads,
+    dims, scales, MoE or not) and the model's constants."""
+    layers, page, eps, top_k, n_group, topk_group, renorm, scaling = consts
     embed_w, norm_w, lm_w = shared
     h = F.embedding(input_ids, embed_w)
     t = h.shape[0]
-    for (ci, kb, vb, plane, hq, hkv, d, v_scale, scale, is_moe), w in zip(layers, weights, strict=True):
-        cos, sin, write_slots, slots, hidden = ctxs[ci]
+    keys: dict[tuple[int, int], tuple] = {}  # (context, window): slots, computed once per group and row
+    for (ci, kb, vb, plane, window_left, hq, hkv, d, v_scale, scale, is_moe), w in zip(layers, weights, strict=True):
+        cos, sin, table, kcol = ctxs[ci]
+        if (ci, window_left) not in keys:
+            keys[ci, window_left] = _decode_keys(table, kv_lens, kcol, window_left, page)
+        write_slots, slots, hidden = keys[ci, window_left]
         q, k, v = fused.qkv_rope(fused.rms_norm(h, w[0], eps), cos, sin, w[1], hq, hkv, d, v_scale)
         out = fused.decode_attention(q, k, v, bufs[kb], bufs[vb], plane, write_slots, slots, hidden, scale, w[2])
         h, x = fused.add_rms_norm(h, F.linear(out.reshape(t, -1), w[3]), w[4], eps)
