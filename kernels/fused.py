@@ -27,6 +27,9 @@ from kernels.moe import grouped_moe, sigmoid_topk_route
 # The gathered expert pass reads k experts per token; the grouped one reads each chosen expert once. Past
 # 16 tokens (top-2 of 16 experts: every expert is likely chosen) the grouped pass reads less.
 GATHER_MAX_TOKENS = 16
+# Inductor's CPU code sums more than this many floats in chunks (a cascade, for accuracy) and guards the length: a
+# decode step whose sequences reach past it runs a graph of its own (warmed up where the engine holds such lengths).
+LONG_DECODE_KEYS = 4096
 
 
 # Ops the compiler calls without tracing into them, registered on the dispatcher directly: a

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.fused import GATHER_MAX_TOKENS
+from kernels.fused import GATHER_MAX_TOKENS, LONG_DECODE_KEYS
 from libs.engine.config import EngineConfig
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
 from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
@@ -259,16 +259,24 @@ class EngineCore(metaclass=_Built):
         def stage(n: int, prompt: int):
             return lambda: self._warmup_requests(n, prompt)
 
-        return [stage(1, 2), stage(1, GATHER_MAX_TOKENS + 1), stage(2, 3), stage(big, 1)]
+        stages = [stage(1, 2), stage(1, GATHER_MAX_TOKENS + 1), stage(2, 3), stage(big, 1)]
+        # inductor sums more than 4096 floats another way (and guards the length): decode past 4096 keys is a graph
+        # of its own, compiled here for one and two sequences where the engine holds such lengths
+        long = LONG_DECODE_KEYS + 1
+        if min(self.max_request_tokens, self.model_config.max_position_embeddings) >= long + 64:
+            stages += [stage(1, long), stage(2, long)]
+        return stages
 
     def _warmup_requests(self, n: int, prompt: int) -> None:
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        # room to keep decoding while the others prefill (a finished request would be cached): all n decode at once
+        steps = -(-n * prompt // self.config.max_num_batched_tokens) + n + 4
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         ids = [f"compile-warmup-{n}-{prompt}-{i}" for i in range(n)]
         for i, req_id in enumerate(ids):
             self.add_request(Request(req_id, [(7 + i + j) % self.model_config.vocab_size for j in range(prompt)],
                                      params))
         tokens = dict.fromkeys(ids, 0)
-        for _ in range(4 * (prompt + 3)):  # (bounded: prefill, then two decode steps for every request)
+        for _ in range(2 * steps):  # (bounded: prefill, then two decode steps for every request)
             for out in self.step():
                 tokens[out.req_id] = tokens.get(out.req_id, 0) + len(out.new_token_ids)
             if all(tokens[r] >= 2 for r in ids):

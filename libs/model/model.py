@@ -227,8 +227,12 @@ class MiMoV2Model(nn.Module):
                 _check_decode_pages(table, meta.kv_lens, kv.page_size, window_left)
                 cos, sin = rope.lookup(kv_lens - 1, longest, inv_freq, self.dtype)
                 keys = longest if window_left < 0 else min(longest, window_left + 1)
+                # at least 2 table columns and 2 keys (the extra ones are never read or are masked): a size of 1
+                # would get a graph of its own, compiled mid-serving the first time a short sequence comes
+                if table.shape[1] < 2:
+                    table = F.pad(table, (0, 2 - table.shape[1]), value=-1)
                 ctx_index[group, row] = len(ctxs)
-                ctxs.append((cos, sin, table, torch.arange(keys, device=dev)))
+                ctxs.append((cos, sin, table, torch.arange(max(keys, 2), device=dev)))
             for buf in (k_buf, v_buf):
                 if not any(buf is b for b in bufs):
                     bufs.append(buf)
