@@ -1,5 +1,5 @@
-"""The decoder layer's dense segments as plain functions of tensors, written for `torch.compile` (inductor
-fuses each into a few generated kernels; `libs/model/compiled.py` compiles and calls them).
+"""The decoder's parts as plain functions of tensors, written for `torch.compile` (inductor fuses each into a few
+generated kernels; `libs/model/compiled.py` compiles and calls them).
 
 Each is the same math as the eager modules in `libs/model/layers.py` (the eager path stays the reference):
 
@@ -10,7 +10,9 @@ Each is the same math as the eager modules in `libs/model/layers.py` (the eager 
   reductions over the chosen experts' weights indexed by the routing ids (``gate_up[ids]``): compiled, the
   index is fused into the reduction, so only the chosen experts' weights are read and nothing is copied
   (eager, the same expression would copy every chosen expert). Beyond it the grouped matmul runs as one opaque
-  op (:func:`grouped_moe_op`), since the gathered form would read each expert once per token.
+  op (:func:`grouped_moe_op`), since the gathered form would read each expert once per token;
+* :func:`decode_attention`: one query per sequence over its keys, as reductions over the indexed KV (the compiled
+  decode step's attention), after :data:`kv_write`, the one opaque op that writes the new K/V in place.
 
 Functions take only tensors, ints, floats and bools, so one compiled graph serves every layer of the same
 shapes (dynamo guards on shapes, not on which layer's weights come in). The tensors whose first dimension is the

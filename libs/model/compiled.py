@@ -1,17 +1,18 @@
-"""The compiled step: `torch.compile` (inductor) over the decoder layer's dense segments (`kernels/fused.py`).
+"""The compiled step: `torch.compile` (inductor) over the model's forward (`kernels/fused.py`; docs/engine.md).
 
 Contract:
 
-* What is compiled: per layer, the QKV projection with RoPE, the residual add with the post-attention norm,
-  and the MLP or the MoE (routing and experts). Attention itself (KV scatter, the paged read) stays eager
-  between the segments: its shapes follow the batch's key ranges, not its token count.
-* Shapes: the token count T is the only varying dimension. T = 1 (one decoding sequence) gets a graph of its
-  own; 2 <= T <= `max_tokens` share one dynamic-shape graph per segment (on CPU this replaces the fixed
-  capture sizes a CUDA graph needs; the MoE's gathered form holds up to 16 tokens, a second graph covers
-  more). Larger steps, and any segment whose compilation failed, run eager and are counted in `fallbacks`
-  by reason.
-* Warm-up (`warm_up`) compiles every graph before the engine serves, within a time bound; the compiled code
-  is cached on disk (inductor's and the FX graph cache under `cache_dir`), so a restart loads it instead of
+* A pure decode step (one new token per sequence) is one compiled graph over the whole decoder
+  (`decode`, running `libs.model.model._decode_step`); attention is fused in it, only the KV write is opaque.
+* Every other step runs the layers eager with each layer's dense segments compiled (`run`: the QKV projection
+  with RoPE, the residual add with the post-attention norm, the MLP or the MoE); attention runs eager between
+  them, since its shapes follow the batch's key ranges.
+* Shapes: the token count is the varying dimension (and, in the decode graph, the keys). One token gets a graph
+  of its own; 2 <= T <= `max_tokens` share a dynamic-shape graph, split at 16 by the MoE's form (on CPU this
+  replaces the fixed capture sizes a CUDA graph needs). Larger steps, and any graph whose compilation failed,
+  run eager and are counted in `fallbacks` by reason.
+* Warm-up (`warm_up`) compiles every graph before the engine serves, within a time bound; the compiled code is
+  cached on disk (inductor's and the FX graph cache under `cache_dir`), so a restart loads it instead of
   compiling again.
 * Results equal the eager path up to floating-point reassociation (fused kernels sum in another order);
   greedy outputs are checked equal in the tests.
@@ -127,7 +128,7 @@ class CompiledStep:
 
     def warm_up(self, stages: Sequence[Callable[[], None]], bound_s: float) -> bool:
         """Compile every graph before serving by running `stages` (steps whose shapes select each graph: see
-        `EngineCore.warm_up`). False when the bound ran out before the last stage began (checked between stages:
+        `EngineCore._warmup_stages`). False when the bound ran out before the last stage began (checked between stages:
         one stage's compilation is not cut short)."""
         start = time.perf_counter()
         for i, stage in enumerate(stages):
