@@ -212,6 +212,7 @@ class MiMoV2Model(nn.Module):
         groups = {"full": (meta.full_page_table, meta.full_rows, -1, self._rope_full, self.inv_freq_full),
                   "swa": (meta.swa_page_table, meta.swa_rows, self.cfg.window_left, self._rope_swa,
                           self.inv_freq_swa)}
+        shared: dict[str, tuple] = {}  # group -> (cos, sin, key columns)
         ctxs: list[tuple] = []
         ctx_index: dict[tuple[str, int], int] = {}
         bufs: list[torch.Tensor] = []
@@ -221,18 +222,22 @@ class MiMoV2Model(nn.Module):
             layer = cast(DecoderLayer, module)
             group = "swa" if layer.is_swa else "full"
             k_buf, v_buf, plane, row = kv.layer_base(group, layer.pool_index)
-            if (group, row) not in ctx_index:
+            if group not in shared:  # once per group: an arena's rows are -1 where its page table is
                 table, rows, window_left, rope, inv_freq = groups[group]
-                table = table if rows is None else rows[row]
                 _check_decode_pages(table, meta.kv_lens, kv.page_size, window_left)
-                cos, sin = rope.lookup(kv_lens - 1, longest, inv_freq, self.dtype)
                 keys = longest if window_left < 0 else min(longest, window_left + 1)
-                # at least 2 table columns and 2 keys (the extra ones are never read or are masked): a size of 1
+                # at least 2 keys and 2 table columns (the extra ones are masked or never read): a size of 1
                 # would get a graph of its own, compiled mid-serving the first time a short sequence comes
+                shared[group] = (*rope.lookup(kv_lens - 1, longest, inv_freq, self.dtype),
+                                 torch.arange(max(keys, 2), device=dev))
+            if (group, row) not in ctx_index:
+                table, rows = groups[group][:2]
+                table = table if rows is None else rows[row]
                 if table.shape[1] < 2:
                     table = F.pad(table, (0, 2 - table.shape[1]), value=-1)
+                cos, sin, kcol = shared[group]
                 ctx_index[group, row] = len(ctxs)
-                ctxs.append((cos, sin, table, torch.arange(max(keys, 2), device=dev)))
+                ctxs.append((cos, sin, table, kcol))
             for buf in (k_buf, v_buf):
                 if not any(buf is b for b in bufs):
                     bufs.append(buf)
