@@ -9,7 +9,7 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
    on the same bytes in the same run, for each UCX transport (the same UCX_TLS for the raw baselines and GCache,
    which run in alternating blocks of rounds, A B C C B A, so a slow spell of the machine falls on every side of a
    ratio):
-   * gcache:  NODES real storage nodes (`python -m services.cache`, a real nats-server) through `GCacheClient`;
+   * gcache:  NODES real storage nodes (`python -m services.gcache`, a real nats-server) through `GCacheClient`;
    * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
               its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
               path), value i of client c on server (c + i) % NODES; every buffer touched before the rounds and
@@ -93,7 +93,7 @@ def gcache_missing() -> str | None:
     if importlib.util.find_spec("libs.gcache.client") is None:
         return "needs wave4-node: libs/gcache/client.py (GCacheClient) is not in this checkout"
     if not (ROOT / "services" / "cache" / "__main__.py").exists():
-        return "needs wave4-node: services/cache/__main__.py (the storage node) is not in this checkout"
+        return "needs wave4-node: services/gcache/__main__.py (the storage node) is not in this checkout"
     return None
 
 
@@ -872,7 +872,7 @@ def default_checkpoint_every() -> int:
 class PooledL3:
     """The simulation's GCache: one pooled LRU store of `capacity` bytes. A written sequence (a prompt at the end
     of its prefill, prompt + output when it finishes) stores one full value per page-aligned block and the SWA
-    checkpoints (one window of SWA pages each) the engine's write-back stores (libs/engine/l3.py: the end, and
+    checkpoints (one window of SWA pages each) the engine's write-back stores (libs/engine/gcache_tier.py: the end, and
     every `checkpoint_every_pages` pages whose window the worker's cache kept, `libs.kvcache.l3_checkpoints`);
     keys are immutable (a write of a stored key only refreshes it)."""
 
@@ -1040,7 +1040,7 @@ def engine_missing() -> str | None:
     its stored-bytes helper (wave4-engine) must all be in this checkout."""
     if (why := gcache_missing()) is not None:
         return f"{ENGINE_REASON}: {why}"
-    for mod in ("libs.engine.l3", "libs.kvcache.l3", "libs.worker.gcache"):
+    for mod in ("libs.engine.gcache_tier", "libs.kvcache.gcache_tier", "libs.worker.gcache"):
         if importlib.util.find_spec(mod) is None:
             return f"{ENGINE_REASON}: the engine's L3 integration ({mod}) is not in this checkout"
     return None
@@ -1149,7 +1149,7 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
     """A second turn whose prefix (the first turn's long prompt + output) is only in L3 — the first turn computed
     and written back, then the worker restarted — vs a prompt of the same length computed from scratch on the
     same fresh worker, alternated; and the bytes the nodes hold per cached token over the dual-layout limit
-    (libs.kvcache.l3.l3_footprint) of what the first turns wrote (one window of SWA KV per stored checkpoint).
+    (libs.kvcache.gcache_tier.l3_footprint) of what the first turns wrote (one window of SWA KV per stored checkpoint).
     The engine stores an SWA checkpoint where a sequence ended (and every WINDSERVE_GCACHE_CHECKPOINT_EVERY
     tokens), so the L3 hit is a continuation's prefix (a repeat of the same prompt would resume at the last
     periodic checkpoint before its end: one prompt token must stay to compute)."""
@@ -1160,9 +1160,9 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
     from libs.model import ModelConfig
     from libs.worker.config import EngineServiceConfig
 
-    kv_layout = importlib.import_module("libs.engine.l3").kv_layout  # wave4-engine's
-    l3_footprint = importlib.import_module("libs.kvcache.l3").l3_footprint
-    l3_checkpoint_ends = importlib.import_module("libs.kvcache.l3").l3_checkpoint_ends
+    kv_layout = importlib.import_module("libs.engine.gcache_tier").kv_layout  # wave4-engine's
+    l3_footprint = importlib.import_module("libs.kvcache.gcache_tier").l3_footprint
+    l3_checkpoint_ends = importlib.import_module("libs.kvcache.gcache_tier").l3_checkpoint_ends
     page = int(SERVING_ENV["WINDSERVE_PAGE_SIZE"])
     n_tok = LONG_CHUNKS * int(SERVING_ENV["WINDSERVE_MAX_NUM_BATCHED_TOKENS"])
     count = 2 if quick else 4

@@ -4,7 +4,7 @@
 
 MTP layers are trained with a language model on real text; a random tiny model is no such target (its greedy
 continuations are nearly unpredictable: docs/mtp.md). So the bench first trains the tiny target itself as a
-byte-level LM on the repository's own markdown at a pinned commit, a few files held out (bench/mtp_target.py,
+byte-level LM on the repository's own markdown at a pinned commit, a few files held out (scripts/train_tiny.py,
 a few CPU minutes), then trains the MTP blocks (the target frozen) to predict the trained target's own greedy
 continuations of prompts cut from the training text: block j at position i reads token i+1+j and block j-1's
 hidden state and predicts token i+2+j (teacher forcing, the scheme the engine drafts with). Both are cached
@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.mtp_target import CORPUS_COMMIT, has_commit, trained_target, windows
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
 from libs.model import load_model
 from libs.model.layers import apply_partial_rope, rope_cos_sin
 from libs.model.paged import BatchMeta, KVPools
+from scripts.train_tiny import CORPUS_COMMIT, has_commit, trained_target, windows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

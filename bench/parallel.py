@@ -44,13 +44,13 @@ from typing import Any
 import torch
 
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
+from libs.engine.parallel.comm import Comm, ring_all_reduce_bytes
+from libs.engine.parallel.layout import ParallelLayout
+from libs.engine.parallel.rank import io_bytes
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.model.config import ModelConfig
 from libs.model.loader import TINY_SEED, load_model, set_dtype
 from libs.model.model import MiMoV2Model, init_random_
-from libs.parallel.comm import Comm, ring_all_reduce_bytes
-from libs.parallel.layout import ParallelLayout
-from libs.parallel.rank import io_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -12,7 +12,7 @@ MiMo-V2-Flash checkpoint, driven by the same third-party clients.
 - The checkpoint (~/.cache/windserve/peer/ckpt/<hash of its recipe>): `transformers`' MiMoV2FlashForCausalLM, 8
   layers (full attention at 0 and 5), hidden 256, 16 experts top-2, window 128, head_dim = v_head_dim = 64, partial
   rotary 0.5, fixed seed, both config dialects in one config.json (vLLM reads the hub names, transformers its own), a
-  ~6k byte-level BPE trained on the repo's markdown at bench.mtp_target.CORPUS_COMMIT, ChatML specials and a
+  ~6k byte-level BPE trained on the repo's markdown at scripts.train_tiny.CORPUS_COMMIT, ChatML specials and a
   chat_template.
 - vLLM: `serve --dtype float32 --enable-prefix-caching --enable-prompt-tokens-details`, VLLM_CPU_OMP_THREADS_BIND=auto
   (one compute thread on core 0, core 1 for its API server and scheduler). windserve: `scripts.run --services
@@ -400,9 +400,9 @@ def randomize_weights(model, seed: int, lm_head_gain: float = 1.0) -> None:
 
 
 def training_text() -> tuple[dict[str, bytes], str]:
-    """The tokenizer's text: the repo's markdown at bench.mtp_target.CORPUS_COMMIT (fixed, so the checkpoint's hash
+    """The tokenizer's text: the repo's markdown at scripts.train_tiny.CORPUS_COMMIT (fixed, so the checkpoint's hash
     stays put while the docs change), or the working tree's where a shallow clone lacks that commit."""
-    from bench.mtp_target import corpus
+    from scripts.train_tiny import corpus
 
     try:
         return corpus(ROOT)

@@ -183,10 +183,10 @@ class MMKind(StrEnum):
 
 class WireMMItem(WireModel):
     """One image or video of a prompt (#16). Its embedding rows fill prompt positions [offset, offset + num_tokens),
-    where `token_ids` carries the pseudo tokens `libs.mm.spec.mm_token(mm_hash, k)`; the rows are fetched from
+    where `token_ids` carries the pseudo tokens `libs.mm.placeholders.mm_token(mm_hash, k)`; the rows are fetched from
     `encoder_instance` by `mm_hash` (`EmbedFetchRequest`)."""
 
-    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.spec.content_hash of the bytes + preprocessing")
+    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.placeholders.content_hash of the bytes + preprocessing")
     kind: MMKind = MMKind.IMAGE
     offset: int = Field(ge=0, description="index in token_ids of the first embedding row")
     num_tokens: int = Field(ge=1)
@@ -533,7 +533,7 @@ class CachePutReply(WireModel):
 
 class EncodeRequest(WireModel):
     request_id: str
-    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.spec.content_hash of `data` (the encoder checks)")
+    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.placeholders.content_hash of `data` (the encoder checks)")
     kind: MMKind = MMKind.IMAGE
     data_b64: str = Field(min_length=1, description="the image / video file bytes, base64")
 

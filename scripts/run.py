@@ -62,6 +62,10 @@ class RunError(Exception):
     """Startup failed; the message says which process and where its log is."""
 
 
+# A role whose package is named after its feature: `--services cache=2` runs `services.gcache`.
+SERVICE_MODULES = {"cache": "gcache"}
+
+
 @dataclass(frozen=True)
 class RunConfig:
     services: tuple[tuple[str, int], ...]  # (name, replicas)
@@ -73,15 +77,16 @@ class RunConfig:
     run_dir: Path = ROOT / ".run"
     ready_timeout_s: float = 60.0
     grace_s: float = 10.0
-    liveness_timeout_s: float = 15.0  # a service that answers no health probe this long is killed and restarted; 0 = off
+    liveness_timeout_s: float = 15.0  # no health answer this long: killed and restarted; 0 = off
     liveness_grace_s: float = 60.0  # after a (re)start, until its first answer, probes do not count for this long
 
     def __post_init__(self) -> None:
         if not self.services:
             raise ValueError("no services selected")
         for name, replicas in self.services:
-            if not (ROOT / "services" / name / "__main__.py").exists():
-                raise ValueError(f"unknown service {name!r}: services/{name}/__main__.py does not exist")
+            module = SERVICE_MODULES.get(name, name)
+            if not (ROOT / "services" / module / "__main__.py").exists():
+                raise ValueError(f"unknown service {name!r}: services/{module}/__main__.py does not exist")
             if replicas < 1:
                 raise ValueError(f"service {name!r}: replicas must be >= 1")
         if dict(self.services).get("gateway", 1) != 1:
@@ -481,7 +486,7 @@ class Supervisor:
         # A known id per process lets readiness wait for exactly these instances; a restarted process
         # gets a new one (it is a new instance: empty KV cache, new transfer address).
         iid = f"{label}-{secrets.token_hex(3)}"
-        cmd = [sys.executable, "-m", f"services.{service}"]
+        cmd = [sys.executable, "-m", f"services.{SERVICE_MODULES.get(service, service)}"]
         return self._spawn(label, cmd, self.service_env(service, iid, label), iid, service)
 
     def start_services(self) -> None:
@@ -523,7 +528,8 @@ class Supervisor:
                 return time.monotonic() - start
             time.sleep(0.2)
         detail = f"not registered: {', '.join(missing)}" if missing else f"/health/ready is 503: {why}"
-        raise RunError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {detail}; logs in {self.cfg.run_dir / 'logs'}")
+        raise RunError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {detail}; "
+                       f"logs in {self.cfg.run_dir / 'logs'}")
 
     # --- after startup: restart what exits ------------------------------------------------------
 
@@ -542,9 +548,9 @@ class Supervisor:
                 child.restart_at = now + delay
                 cause = (f"killed by the supervisor: unresponsive for {child.hung_for:.0f} s" if child.hung_for
                          else last_error(child.log_path))
-                out.append(f"windserve: {child.name} exited with {describe_exit(code)}"
-                           f"{' (' + cause + ')' if cause and (code > 0 or child.hung_for) else ''}; restarting in {delay:.0f} s "
-                           f"(restart {child.restarts + 1}; log {child.log_path})")
+                why = f" ({cause})" if cause and (code > 0 or child.hung_for) else ""
+                out.append(f"windserve: {child.name} exited with {describe_exit(code)}{why}; restarting in "
+                           f"{delay:.0f} s (restart {child.restarts + 1}; log {child.log_path})")
             elif now >= child.restart_at:
                 out.append(self._restart(child, now))
         return out
@@ -768,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         sup.preflight()
         sup.start_nats()
         stores = ", ".join(str(sup.nats_store(i)) for i in range(cfg.nats_cluster))
-        nodes = f"a {cfg.nats_cluster}-node cluster, registry and payloads at R{cfg.replicas}" if cfg.nats_cluster > 1 else ""
+        nodes = (f"a {cfg.nats_cluster}-node cluster, registry and payloads at R{cfg.replicas}"
+                 if cfg.nats_cluster > 1 else "")
         print(f"windserve: nats-server at {sup.nats_url} ({nodes + '; ' if nodes else ''}store {stores})", flush=True)
         if cleared := sup.clear_registry():
             print(f"windserve: cleared {cleared} registry entries left by an earlier run", flush=True)

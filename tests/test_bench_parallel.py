@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from bench import parallel
+from libs.engine.parallel.layout import ParallelLayout
 from libs.model.config import ModelConfig
-from libs.parallel.layout import ParallelLayout
 
 
 def test_needed_all_reduces_and_the_minimum() -> None:

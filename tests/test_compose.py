@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scripts.run import SERVICE_MODULES
+
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
@@ -35,8 +37,9 @@ def test_valid_against_compose_spec():
 def test_one_service_per_role_plus_nats(spec):
     assert set(spec["services"]) == ROLES | {"nats"}
     for role in ROLES:
-        assert spec["services"][role]["command"] == ["python", "-m", f"services.{role}"]
-        assert (ROOT / "services" / role / "__main__.py").exists()
+        module = SERVICE_MODULES.get(role, role)
+        assert spec["services"][role]["command"] == ["python", "-m", f"services.{module}"]
+        assert (ROOT / "services" / module / "__main__.py").exists()
 
 
 def test_only_gateway_publishes_ports(spec):

@@ -29,8 +29,8 @@ from prometheus_client import REGISTRY
 from libs.mm.api import EncodeError, EncoderUnavailable
 from libs.mm.client import EncoderClientConfig, connect_client
 from libs.mm.image import decode_image
+from libs.mm.placeholders import content_hash
 from libs.mm.preprocess import preprocess
-from libs.mm.spec import content_hash
 from libs.mm.video import decode_video
 from libs.model.config import ModelConfig
 from libs.service import load_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from libs.engine import LLM, EngineConfig, EngineCore, Request, SamplingParams
-from libs.engine.l3 import kv_layout
+from libs.engine.gcache_tier import kv_layout
 from libs.kvcache import plan_arena
 from tests.test_disagg import OPTS as DISAGG_OPTS
 from tests.test_disagg import Pipeline, tokens_of, ucx_config
@@ -131,9 +131,9 @@ def test_a_rank_arena_keeps_the_models_layout_over_its_own_heads():
     stride makes two pages share a row); an unpadded arena is unchanged (stride = r_g)."""
     from array import array
 
+    from libs.engine.parallel.layout import ParallelLayout
     from libs.model.config import ModelConfig
     from libs.model.paged import KVPools, arena_sub
-    from libs.parallel.layout import ParallelLayout
 
     cfg = ModelConfig.tiny()
     assert KVPools.allocate_arena(cfg, 4, 1, 4).arena.stride == arena_sub(cfg) == {"full": 2, "swa": 1}

@@ -44,7 +44,7 @@ def test_the_allocator_falls_back_to_fresh_buffers_and_prefault_writes_nothing()
 
 def _arena_store(segments: int, segment: int, evict_segments: int = 2):
     """A node store over an arena, wired as the cache service wires it."""
-    from services.cache.store import NodeStore
+    from services.gcache.store import NodeStore
 
     arena = SegmentArena(segments * segment, segment)
     store = NodeStore(segments * segment, allocate=Allocator(None), arena=arena, arena_evict_segments=evict_segments)

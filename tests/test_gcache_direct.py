@@ -1,8 +1,8 @@
-"""The direct path of GCache (libs/gcache/direct.py, services/cache/direct.py): puts and gets as MESSAGE frames
+"""The direct path of GCache (libs/gcache/direct.py, services/gcache/direct.py): puts and gets as MESSAGE frames
 on the transfer engine's control connection plus one tagged UCX message per value (per slice of a larger one),
 over real ucxx (UCX over tcp
 on loopback). In-process: a node's handlers over a real `NodeStore` and a real UCX engine, a client's
-`DirectCalls` on another engine. With node processes: `GCacheClient` against `python -m services.cache`, the
+`DirectCalls` on another engine. With node processes: `GCacheClient` against `python -m services.gcache`, the
 direct path taken (the node's counters), and a client SIGKILLed halfway through a direct put."""
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class Pair:
     async def start(self, put_timeout_s: float = 30.0, memory: int = 16 << 20) -> Pair:
         from libs.gcache.direct import DirectCalls
         from libs.transfer import TransferBackend, TransferConfig, create_engine
-        from services.cache.config import CacheConfig
-        from services.cache.direct import DirectNode
-        from services.cache.handlers import CacheNode
-        from services.cache.store import NodeStore
+        from services.gcache.config import CacheConfig
+        from services.gcache.direct import DirectNode
+        from services.gcache.handlers import CacheNode
+        from services.gcache.store import NodeStore
 
         self.tasks: set[asyncio.Task] = set()
         self.store = NodeStore(memory, put_timeout_s=put_timeout_s)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from libs.engine import AsyncEngine, EngineCore, Request, SamplingParams
-from libs.engine.l3 import kv_layout, l3_namespace
+from libs.engine.gcache_tier import kv_layout, l3_namespace
 from libs.gcache.api import Buffer
 from libs.gcache.memory import MemoryBlockStore
 from libs.kvcache import KVCache, KVCacheConfig, l3_checkpoint_ends, l3_checkpoints, l3_footprint, l3_hit_end
@@ -62,7 +62,14 @@ def test_l3_footprint_is_the_dual_layout_limit_when_the_window_is_whole_pages() 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_round_trip_from_device_pages_to_host_pages(dtype) -> None:
     """Write-back bytes of some pages, staged and written into other host pages, are those pages' K and V."""
-    from libs.engine.l3 import KnownBlocks, L3Export, ValueLayout, WriteBack, stage_values, write_host_blocks
+    from libs.engine.gcache_tier import (
+        KnownBlocks,
+        L3Export,
+        ValueLayout,
+        WriteBack,
+        stage_values,
+        write_host_blocks,
+    )
     from libs.model.paged import KVPools
 
     cfg = load_model(None)[1]

@@ -1,4 +1,4 @@
-"""GCache with real storage-node processes (`python -m services.cache`), a real nats-server and real ucxx
+"""GCache with real storage-node processes (`python -m services.gcache`), a real nats-server and real ucxx
 (UCX over tcp): values round-trip byte-equal, batches, immutability, write-back, a client SIGKILLed mid-put, a
 node SIGKILLed during gets, a restarted node serving its disk, a corrupted file, and (in network namespaces) a
 link cut."""
@@ -239,7 +239,7 @@ async def test_a_restarted_node_serves_its_disk_values(nats_server, tmp_path):
 
 
 async def test_a_corrupted_file_is_a_miss_never_wrong_bytes(nats_server, tmp_path):
-    from services.cache.disk_tier import file_name
+    from services.gcache.disk_tier import file_name
 
     nodes = CacheNodes(nats_server.url, tmp_path / "logs")
     _disk_node(nodes, "node-c", tmp_path / "disk")

@@ -1,4 +1,4 @@
-"""The storage node's tiers (services/cache/store.py): atomic puts, LRU demotion / promotion / eviction under both
+"""The storage node's tiers (services/gcache/store.py): atomic puts, LRU demotion / promotion / eviction under both
 budgets, checksums on every read, reaping, and the disk tier's re-index on restart. Real files in tmp dirs."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libs.gcache.keys import value_checksum
-from services.cache.disk_tier import file_name
-from services.cache.store import NodeStore, PutSlot, PutState
+from services.gcache.disk_tier import file_name
+from services.gcache.store import NodeStore, PutSlot, PutState
 
 pytestmark = pytest.mark.unit
 
@@ -453,8 +453,8 @@ async def test_a_get_hashes_memory_values_in_flight_and_never_completes_with_a_b
     from libs.gcache import wire
     from libs.transfer import TransferBackend, TransferConfig, TransferError, create_engine
     from protos.messages import CacheGetRequest
-    from services.cache.config import CacheConfig
-    from services.cache.handlers import CacheNode
+    from services.gcache.config import CacheConfig
+    from services.gcache.handlers import CacheNode
 
     chunk = 64 << 10
     store = NodeStore(1 << 22)

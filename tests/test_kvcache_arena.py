@@ -197,7 +197,7 @@ def test_host_arena_config_and_sizing() -> None:
     without one."""
     from libs.engine.config import EngineConfig
     from libs.engine.core import arena_plan, host_plan
-    from libs.engine.l3 import kv_layout
+    from libs.engine.gcache_tier import kv_layout
     from libs.model.config import ModelConfig
 
     with pytest.raises(ValueError, match="replaces num_host_full_pages"):

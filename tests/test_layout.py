@@ -148,6 +148,22 @@ def test_no_longer_import_cycles():
     assert cycles == [], f"import cycles: {cycles}"
 
 
+def _package(module: str) -> str:
+    """The package a module belongs to: `libs.engine.parallel.rank` -> `libs.engine`, `kernels.moe` -> `kernels`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("libs", "services") and len(parts) > 1 else parts[0]
+
+
+def test_no_package_import_cycles():
+    """Packages form a layering too: no two packages (libs.engine, libs.routing, ...) reach each other."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        here = _package(module)
+        packages.setdefault(here, set()).update(t for t in map(_package, targets) if t != here)
+    cycles = _cycles({p: frozenset(t) for p, t in packages.items()})
+    assert cycles == [], f"package import cycles: {cycles}"
+
+
 def test_kvcache_is_pure():
     assert _hits(_in("libs.kvcache"), IO_MODULES) == []
 

@@ -18,8 +18,8 @@ from PIL import Image
 from libs.mm import image as image_mod
 from libs.mm.api import EncodeError
 from libs.mm.image import decode_image, probe_image
+from libs.mm.placeholders import smart_resize
 from libs.mm.preprocess import preprocess
-from libs.mm.spec import smart_resize
 from libs.mm.video import decode_video, sample_indices, split_segments
 from libs.model.vision_config import VisionConfig
 

@@ -25,7 +25,7 @@ from libs.engine.mm import MMEmbeddings
 from libs.engine.runner import direct_greedy
 from libs.mm.api import Encoded, EncoderUnavailable
 from libs.mm.local import LocalEncoder
-from libs.mm.spec import hash_view, is_mm_token, mm_token
+from libs.mm.placeholders import hash_view, is_mm_token, mm_token
 from libs.model.vision import VisionTower
 from protos.messages import GenerateRequest, MMKind, WireFinishReason, WireMMItem, WireSamplingParams
 from tests import test_engine

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from libs.engine import EngineCore, Request, SamplingParams
-from libs.engine.l3 import kv_layout
-from libs.engine.spec import DraftSpan, HiddenRing, block_inputs, check_draft_layers, greedy_accept
+from libs.engine.gcache_tier import kv_layout
+from libs.engine.mtp import DraftSpan, HiddenRing, block_inputs, check_draft_layers, greedy_accept
 from libs.kvcache import KVCache, KVCacheConfig
 from libs.kvcache.config import plan_pools
 from libs.model.paged import BatchMeta, KVPools
@@ -482,7 +482,7 @@ async def test_disaggregated_mtp_in_prefill_verifies_prefill_drafts_as_colocated
 def test_first_drafts_cross_the_wire_bit_exact(dtype):
     """kv_commit's drafts and hidden rows survive the JSON round trip bit for bit; rows that do not decode
     (bad base64, a byte count that does not divide into the rows) are no drafts, never an error."""
-    from libs.engine.spec import FirstDrafts
+    from libs.engine.mtp import FirstDrafts
     from libs.worker.wire import engine_first_drafts, wire_hidden
     from protos.base import decode, encode
     from protos.messages import KVCommitRequest
@@ -508,7 +508,7 @@ def test_decode_engine_drops_first_drafts_it_cannot_use(tiny):
     positions; a dropped hand-over decodes one token first, never fails."""
     from libs.engine import EngineConfig
     from libs.engine.disagg import DisaggEngineCore, RemoteRequest
-    from libs.engine.spec import FirstDrafts
+    from libs.engine.mtp import FirstDrafts
     from tests.test_disagg import OPTS
 
     model, cfg, _ = tiny
@@ -546,7 +546,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     """On a 6-token vocabulary with a draft distribution far from the target's, the tokens speculation emits are
     distributed as the target's: the first (accepted draft or residual draw) as p0 and, when the first draft was
     accepted, the second as p1. Chi-square at significance 0.001, fixed seed, 20000 verify steps."""
-    from libs.engine.spec import rejection_accept
+    from libs.engine.mtp import rejection_accept
 
     g = torch.Generator().manual_seed(1234)
     p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],

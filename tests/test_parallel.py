@@ -14,14 +14,14 @@ import torch
 
 from libs.engine import AsyncEngine, EngineConfig, EngineCore, Request
 from libs.engine.async_engine import EngineDeadError
+from libs.engine.parallel.build import shard_state
+from libs.engine.parallel.layout import LayoutError, ParallelLayout
+from libs.engine.parallel.runner import ParallelRunner, RankDied
 from libs.engine.runner import one_shot_logits
 from libs.model.config import ModelConfig
 from libs.model.loader import TINY_SEED, init_random_, load_model
 from libs.model.model import MiMoV2Model
 from libs.model.paged import BatchMeta, KVPools
-from libs.parallel.build import shard_state
-from libs.parallel.layout import LayoutError, ParallelLayout
-from libs.parallel.runner import ParallelRunner, RankDied
 from tests.test_engine import (
     PAGE,
     assert_baseline,
@@ -154,7 +154,7 @@ def test_shards_sum_to_the_full_logits(tiny):
 
 
 def _summed_forward(tiny, lay: ParallelLayout, shards, ids) -> torch.Tensor:
-    from libs.parallel.build import build_shard
+    from libs.engine.parallel.build import build_shard
 
     model, cfg, _ = tiny
     models = [build_shard(s, cfg, lay, r, None, torch.float32, "cpu") for r, s in enumerate(shards)]

@@ -1,7 +1,7 @@
 """Disaggregated serving with parallel engines (#18): prefill and decode services (in-process, a real
 nats-server, the plain-TCP KV transfer) whose engines run tp / ep rank processes, against the colocated
 single-process engine. The wire holds every KV head, so prefill and decode may run different tp: a tp prefill
-gathers its ranks' head slices, a parallel decode scatters them to its ranks (libs/parallel/kvio.py).
+gathers its ranks' head slices, a parallel decode scatters them to its ranks (libs/engine/parallel/kvio.py).
 
 One set of engines for the module (a rank process takes seconds to start on a busy machine):
 prefill tp=2, prefill tp=1, decode tp=2, decode tp=1, decode ep=2 (tp=1: every rank a replica of the KV).
@@ -20,11 +20,11 @@ import torch
 from libs.bus import Bus
 from libs.engine import LLM, EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine import disagg as dg
+from libs.engine.parallel.kvio import head_owners
+from libs.engine.parallel.layout import ParallelLayout
 from libs.engine.plan import BatchPlan
 from libs.model import load_model
 from libs.model.config import ModelConfig
-from libs.parallel.kvio import head_owners
-from libs.parallel.layout import ParallelLayout
 from services.decode.config import DecodeConfig
 from services.decode.service import DecodeService
 from services.prefill.config import PrefillConfig

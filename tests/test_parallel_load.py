@@ -1,5 +1,5 @@
 """Loading a parallel rank's shard straight from a safetensors checkpoint (#18): each rank reads only its part
-(FP8 and fused-qkv layouts included) and gets exactly the shard libs/parallel/build.py cuts from a full model."""
+(FP8 and fused-qkv layouts included) and gets exactly the shard libs/engine/parallel/build.py cuts from a full model."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from kernels.fp8 import quant_fp8_block
 from libs.engine.config import EngineConfig
 from libs.engine.core import EngineCore
 from libs.engine.llm import LLM
+from libs.engine.parallel.build import shard_state
+from libs.engine.parallel.layout import ParallelLayout
+from libs.engine.parallel.load import load_shard
 from libs.engine.request import Request
 from libs.model import CheckpointError, load_model
 from libs.model.loader import _Shards, checkpoint_config
-from libs.parallel.build import shard_state
-from libs.parallel.layout import ParallelLayout
-from libs.parallel.load import load_shard
 from libs.worker.engine import build_engine
 from tests.test_engine import assert_baseline, drain, greedy
 from tests.test_model import LAYER_TYPES, _fuse_qkv, _rewrite, _save_sharded, hf_dir  # noqa: F401 (a fixture)

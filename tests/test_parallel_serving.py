@@ -48,7 +48,7 @@ def rank_pids(parent: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"libs.parallel.rank" in cmd:
+        if ppid == parent and b"libs.engine.parallel.rank" in cmd:
             found.append(int(entry))
     return found
 

@@ -283,14 +283,14 @@ def _retry_until(deadline: float, attempt):
 def test_cache_nodes_come_up_each_with_its_own_disk_dir_kept_across_a_restart(tmp_path):
     with supervised(tmp_path, "--services", "cache=2") as proc:
         wait_for_line(proc, "windserve: ready", timeout=60)
-        nodes = _descendants_named(proc, "services.cache")
+        nodes = _descendants_named(proc, "services.gcache")
         dirs = {p.environ()["WINDSERVE_DISK_DIR"] for p in nodes}
         assert dirs == {str(tmp_path / "run" / "cache" / f"cache-{i}") for i in range(2)}
         assert all(os.path.isdir(d) for d in dirs)
         victim = next(p for p in nodes if p.environ()["WINDSERVE_DISK_DIR"].endswith("cache-0"))
         victim.kill()
         wait_for_line(proc, "cache-0 restarted as cache-0-", timeout=30)
-        again = [p for p in _descendants_named(proc, "services.cache") if p.pid != victim.pid]
+        again = [p for p in _descendants_named(proc, "services.gcache") if p.pid != victim.pid]
         assert {p.environ()["WINDSERVE_DISK_DIR"] for p in again} == dirs  # the restarted node finds its disk
 
 

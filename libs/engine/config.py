@@ -6,10 +6,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from libs.buckets import DEFAULT_BUCKET_EDGES
+from libs.engine.parallel.layout import ParallelLayout
 from libs.engine.placement import parse_cpus
 from libs.engine.scheduler import SchedulerConfig
-from libs.parallel.layout import ParallelLayout
-from libs.routing.buckets import DEFAULT_BUCKET_EDGES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

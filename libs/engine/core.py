@@ -16,22 +16,10 @@ import torch
 
 from kernels.fused import GATHER_MAX_TOKENS, LONG_DECODE_KEYS
 from libs.engine.config import EngineConfig
+from libs.engine.gcache_tier import StagedValues, ValueLayout, kv_layout
 from libs.engine.grammar import ConstrainedRow, GrammarBook, GrammarCache
-from libs.engine.l3 import StagedValues, ValueLayout, kv_layout
 from libs.engine.mm import MMEmbeddings
-from libs.engine.placement import apply_threads, parse_cpus
-from libs.engine.request import (
-    AdmittedHit,
-    FinishReason,
-    PrefillProgress,
-    Request,
-    RequestOutput,
-    SamplingParams,
-)
-from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
-from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
-from libs.engine.spec import (
+from libs.engine.mtp import (
     DraftSpan,
     FirstDrafts,
     HiddenRing,
@@ -44,10 +32,22 @@ from libs.engine.spec import (
     rejection_accept,
     run_chain,
 )
+from libs.engine.placement import apply_threads, parse_cpus
+from libs.engine.request import (
+    AdmittedHit,
+    FinishReason,
+    PrefillProgress,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
+from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
+from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.step_cost import StepCostModel
 from libs.kvcache import ArenaPlan, KVCache, KVCacheConfig, plan_arena, rebuild_span
 from libs.kvcache.types import CacheStats, PoolUsage
-from libs.mm.spec import MM_TOKEN_FLAG
+from libs.mm.placeholders import MM_TOKEN_FLAG
 from libs.model.compiled import CompiledStep
 from libs.model.model import MiMoV2Model
 
@@ -103,7 +103,7 @@ class SpecStats:
 def arena_plan(config: EngineConfig, model_config) -> ArenaPlan | None:
     """With `kv_arena`: the one arena of the bytes the two configured pools would take (`plan_arena` over the
     model's KV layout in the pool dtype, MTP draft layers included); else None. A parallel engine's ranks hold
-    this plan's units of their own KV heads (libs/parallel/runner.py `rank_sizes`)."""
+    this plan's units of their own KV heads (libs/engine/parallel/runner.py `rank_sizes`)."""
     if not config.kv_arena:
         return None
     layout = kv_layout(model_config, config.torch_dtype, config.speculative_tokens)
@@ -172,7 +172,7 @@ def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_l
             raise ValueError("EngineCore needs a model (only a parallel engine loads from model_path alone)")
         return ModelRunner(model, model_config, sizes, dtype=config.torch_dtype, device=config.device,
                            seed=config.seed, load_mode=config.resolved_load_mode, draft_layers=draft_layers)
-    from libs.parallel.runner import ParallelRunner  # (spawns the other ranks)
+    from libs.engine.parallel.runner import ParallelRunner  # (spawns the other ranks)
 
     if model_path is not None:  # every rank reads its own shard of the checkpoint
         model = None
@@ -337,7 +337,7 @@ class EngineCore(metaclass=_Built):
         self.scheduler.add_request(req)
 
     def _check_mm(self, req: Request) -> None:
-        """A prompt with pseudo tokens (images, libs/mm/spec.py) needs rows for exactly those positions."""
+        """A prompt with pseudo tokens (images, libs/mm/placeholders.py) needs rows for exactly those positions."""
         if req.mm is None and not any(t >= MM_TOKEN_FLAG for t in req.prompt_token_ids):
             return
         if self.model_config.vision is None:
@@ -395,13 +395,13 @@ class EngineCore(metaclass=_Built):
 
     # ------------------------------------------------------------------ GCache (L3)
     def l3_layout(self) -> ValueLayout:
-        """Byte sizes of this engine's GCache values (libs/engine/l3.py)."""
+        """Byte sizes of this engine's GCache values (libs/engine/gcache_tier.py)."""
         return ValueLayout.of(self.runner.kv_access().shapes, self.cache.cfg.window_pages)  # (every KV head)
 
     def import_l3(self, tokens: Sequence[int], block_hashes: Sequence[int], first: int, end: int,
                   values: StagedValues) -> int:
         """Import the L3 hit [first, end) of `tokens` (the full values of those blocks and the SWA checkpoint at
-        block end - 1, staged by `libs.engine.l3.stage_values`) into the host tier; pages imported (0: the cache
+        block end - 1, staged by `libs.engine.gcache_tier.stage_values`) into the host tier; pages imported (0: the cache
         refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
         if values.blocks != end - first or values.swa_pages != min(self.cache.cfg.window_pages, end):
             raise ValueError(f"GCache import of pages [{first}, {end}): {values.blocks} blocks and "

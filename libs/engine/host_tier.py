@@ -50,7 +50,7 @@ def layer_slots(layer_is_swa: Sequence[bool]) -> list[LayerSlot]:
 def live_loads(copies: Sequence, device_pools) -> list:
     """A step's loads as `plan_copies` runs them (the last one per target page, those whose device page still
     holds the units they were made for), for processes whose arena has no unit tables: rank 0 of a parallel
-    engine sends these, so the other ranks copy exactly what it copies (libs/parallel/runner.py)."""
+    engine sends these, so the other ranks copy exactly what it copies (libs/engine/parallel/runner.py)."""
     return [c for cs in _live(last_copies(copies, "h2d"), "h2d", device_pools).values() for c in cs]
 
 

@@ -1,6 +1,6 @@
 """Image / video embedding rows attached to an engine request (#16).
 
-A multimodal prompt arrives in the *hash view* (libs/mm/spec.py): the pad positions of item i carry pseudo tokens
+A multimodal prompt arrives in the *hash view* (libs/mm/placeholders.py): the pad positions of item i carry pseudo tokens
 ``mm_token(mm_hash, k)``, which the prefix cache hashes like any token (so two images never share KV). The model
 cannot look those ids up: the runner maps them to the pad id (`model_token_ids`) and overwrites the embedding
 output at those positions with the rows of `MMEmbeddings`, indexed by position (row k of an item at prompt
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.mm.spec import MM_TOKEN_FLAG, model_token_ids
+from libs.mm.placeholders import MM_TOKEN_FLAG, model_token_ids
 
 
 @dataclass(frozen=True)

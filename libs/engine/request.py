@@ -140,7 +140,7 @@ class Request:
     (once that step is committed), with a `PrefillProgress`. It runs inside the step loop: it must be quick
     and must not raise (the engine logs and aborts the request if it does).
     mm: the embedding rows of the prompt's images (libs/engine/mm.py) when `prompt_token_ids` carries pseudo
-    tokens (the hash view, libs/mm/spec.py); kept for the request's life (a preempted request recomputes).
+    tokens (the hash view, libs/mm/placeholders.py); kept for the request's life (a preempted request recomputes).
     """
 
     req_id: str

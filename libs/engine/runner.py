@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 
 from libs.engine import mm as mm_rows
+from libs.engine.gcache_tier import StagedValues, write_host_blocks
 from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, plan_copies
-from libs.engine.l3 import StagedValues, write_host_blocks
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
 from libs.engine.sampling import History, SampleResult, TokenMask, make_generator, sample
@@ -245,7 +245,7 @@ class ModelRunner:
 
     def write_host_blocks(self, full_ids: Sequence[int], swa_ids: Sequence[int], staged: StagedValues,
                           skip: int = 0) -> None:
-        """An L3 import into the host tier (libs/engine/l3.write_host_blocks)."""
+        """An L3 import into the host tier (libs/engine/gcache_tier.write_host_blocks)."""
         write_host_blocks(self.host, full_ids, swa_ids, staged, skip)
 
     def kv_access(self):

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import AdmittedHit, FinishReason, Request, RequestOutput, TokenLogprob
 from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
 from libs.kvcache import block_hashes
-from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 
 # Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
 COLD_LONG_CHUNK = 32
@@ -260,7 +260,7 @@ class Scheduler:
         # first admissions and their hits, for the worker's hit reports; None = nobody reads them
         self.admissions: deque[AdmittedHit] | None = None
         # called with a sequence that finishes into the prefix cache, right before cache.finish (its pages still
-        # its own): the GCache write-back copies its KV out here (libs/engine/l3.py)
+        # its own): the GCache write-back copies its KV out here (libs/engine/gcache_tier.py)
         self.on_finish: Callable[[Seq], None] | None = None
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []

@@ -12,8 +12,8 @@ from libs.kvcache.config import (
     plan_pools,
     rebuild_span,
 )
+from libs.kvcache.gcache_tier import l3_checkpoint_ends, l3_checkpoints, l3_footprint, l3_hit_end
 from libs.kvcache.hashing import block_hashes
-from libs.kvcache.l3 import l3_checkpoint_ends, l3_checkpoints, l3_footprint, l3_hit_end
 from libs.kvcache.retention import POLICIES, RetentionContext, RetentionPlan, register_policy
 from libs.kvcache.types import (
     AdmitResult,

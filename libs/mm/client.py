@@ -6,7 +6,7 @@ Construction and lifecycle, as gateway and workers use it:
                            config=EncoderClientConfig(vision=model_config.vision))
     await client.start(); ...; await client.close()
 
-- **Placement**: `encode` computes the content hash (`libs.mm.spec.content_hash` under `config.vision`, which
+- **Placement**: `encode` computes the content hash (`libs.mm.placeholders.content_hash` under `config.vision`, which
   must be the served model's: the encoder checks it) and picks the encoder by consistent hashing of it over the
   live `Role.ENCODER` entries of `view` (`libs.gcache.ring.HashRing`), so the same image meets the same cache;
   encoders joining or leaving move only the hashes they win or held.
@@ -42,7 +42,7 @@ from libs.bus import Bus, BusError, Registry, RegistryView
 from libs.gcache.ring import HashRing
 from libs.mm import wire
 from libs.mm.api import Encoded, EncodeError, EncoderUnavailable
-from libs.mm.spec import content_hash, num_tokens
+from libs.mm.placeholders import content_hash, num_tokens
 from libs.model.config import ModelConfig
 from libs.model.vision_config import VisionConfig
 from libs.transfer import KVTransferEngine, TransferError, TransferHeader, advertised_address, create_engine

@@ -8,8 +8,8 @@ import torch
 
 from libs.mm.api import Encoded, EncoderUnavailable
 from libs.mm.image import decode_image
+from libs.mm.placeholders import content_hash
 from libs.mm.preprocess import preprocess
-from libs.mm.spec import content_hash
 from libs.mm.video import decode_video
 from libs.model.vision import VisionTower
 from protos.messages import MMKind, WireMMItem

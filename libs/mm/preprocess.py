@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from libs.mm.spec import grid_thw, smart_resize
+from libs.mm.placeholders import grid_thw, smart_resize
 from libs.model.vision_config import VisionConfig
 
 

@@ -4,7 +4,7 @@ Handles FP8 e4m3 block-quantized weights (``weight_scale_inv``, dequantized at l
 ``qkv_proj`` layout, per-expert tensors mapped onto stacked expert weights, and transformers' ``sinks`` name
 for the sink logits. Any missing, unexpected or mis-shaped tensor raises :class:`CheckpointError` naming it.
 
-One code path loads a whole model and one parallel rank's shard (libs/parallel/load.py): a :class:`Selection`
+One code path loads a whole model and one parallel rank's shard (libs/engine/parallel/load.py): a :class:`Selection`
 says which checkpoint tensors the load needs and which rows / columns of each (:class:`Cut`); the full load
 (this module's :class:`Selection`) keeps everything whole.
 """
@@ -94,7 +94,7 @@ class Cut:
 
 class Selection:
     """What a load keeps of the checkpoint. This base class: everything, whole (the full model). A parallel rank's
-    selection (libs/parallel/load.py) keeps its experts only, drops what its shard lacks and cuts tensors."""
+    selection (libs/engine/parallel/load.py) keeps its experts only, drops what its shard lacks and cuts tensors."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.experts = range(cfg.num_experts)  # the experts this load holds (stacked in this order)

@@ -6,7 +6,7 @@
   ``merge²`` patches of one LM token are consecutive), values already normalised (``libs/mm`` preprocessing);
 - ``grid_thw`` int64 ``[num_items, 3]``;
 - returns ``[sum_i num_tokens_i, vc.out_hidden_size]`` in the weights' dtype: item after item, the rows the LM
-  puts at the item's pad positions (``libs.mm.spec.num_tokens``).
+  puts at the item's pad positions (``libs.mm.placeholders.num_tokens``).
 
 Pipeline: patch embedding (a Conv3d whose kernel equals its stride, i.e. one linear map per patch) → 2-D rotary
 (Qwen2.5-VL: half the rotary frequencies on the row index, half on the column index) → ``depth`` pre-norm blocks

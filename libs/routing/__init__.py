@@ -3,7 +3,7 @@
     router = Router(bucket_edges=(4096, 65536))
     route = router.route(Fleet(prefills=..., decodes=...), request_id, num_tokens, now=time.time())
 
-- `buckets`: `LengthBuckets` (also the engine scheduler's) and `DEFAULT_BUCKET_EDGES`, the one default of
+- `LengthBuckets` and `DEFAULT_BUCKET_EDGES` come from `libs.buckets` (the engine scheduler's too), the one default of
   every `bucket_edges` setting;
 - `instance`: `Instance`, the routing view of a registry entry (`instance_of` builds it);
 - `choice`: `pick_worker` (aggregated), `pick_pair` (disaggregated), their cost and xxhash `tie_break`;
@@ -18,6 +18,7 @@
 The router service and the gateway's no-router fallback both choose through here (docs/routing.md).
 """
 
+from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.affinity import (
     AffinityRouter,
     AffinityWeights,
@@ -27,7 +28,6 @@ from libs.routing.affinity import (
     prefill_cost,
 )
 from libs.routing.approx import ApproxIndex
-from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import cost, least_loaded, pick_pair, pick_worker, serving, tie_break
 from libs.routing.index import NO_HIT, BlockState, ClusterPrefixIndex, KVSnapshot, PredictedHit
 from libs.routing.instance import EntryLike, Instance, instance_of

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import xxhash
 
-from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
+from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import avoiding, tie_break
 from libs.routing.index import NO_HIT, PredictedHit
 from libs.routing.instance import Instance

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
-from libs.routing.buckets import LengthBuckets
+from libs.buckets import LengthBuckets
 from libs.routing.instance import Instance
 
 

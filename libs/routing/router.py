@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from libs.routing.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
+from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
 from libs.routing.choice import pick_pair, pick_worker
 from libs.routing.instance import Instance
 from libs.routing.recent import RecentPicks, snapshots

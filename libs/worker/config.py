@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from libs.engine.config import EngineConfig
+from libs.engine.parallel.layout import ParallelLayout
 from libs.gcache.config import GCacheConfig
-from libs.parallel.layout import ParallelLayout
 from libs.routing import DEFAULT_BUCKET_EDGES
 from libs.service import ServiceConfig
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from libs.engine.async_engine import AsyncEngine, Prefetched
 from libs.engine.core import EngineCore
-from libs.engine.l3 import KnownBlocks, L3Export, StagedValues, ValueLayout, WriteBack, stage_values
+from libs.engine.gcache_tier import KnownBlocks, L3Export, StagedValues, ValueLayout, WriteBack, stage_values
 from libs.engine.request import Request
 from libs.gcache.api import BlockStore
 from libs.gcache.keys import full_key, swa_key

@@ -17,7 +17,7 @@ import torch
 
 from libs.engine.mm import MMEmbeddings
 from libs.mm.api import Encoded, EncoderAPI, EncoderUnavailable
-from libs.mm.spec import MM_TOKEN_FLAG, mm_token
+from libs.mm.placeholders import MM_TOKEN_FLAG, mm_token
 from protos.messages import MMKind, WireMMItem
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from libs.engine.async_engine import AsyncEngine, EngineDeadError
 from libs.engine.core import EngineCore
-from libs.engine.l3 import l3_namespace
+from libs.engine.gcache_tier import l3_namespace
 from libs.gcache.api import BlockStore
 from libs.kvcache import block_hashes
 from libs.mm.api import EncoderAPI

@@ -9,9 +9,9 @@ import torch
 
 from libs.engine.core import EngineLoad
 from libs.engine.grammar import validate_spec
+from libs.engine.mtp import FirstDrafts
 from libs.engine.request import FinishReason, GrammarSpec, RequestOutput, SamplingParams, TokenLogprob
-from libs.engine.spec import FirstDrafts
-from libs.mm.spec import MM_TOKEN_FLAG
+from libs.mm.placeholders import MM_TOKEN_FLAG
 from libs.mm.wire import dtype_name, torch_dtype
 from libs.worker.mm import mm_refusal
 from protos import messages as wire

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from libs.mm.spec import num_tokens
+from libs.mm.placeholders import num_tokens
 from libs.model.vision_config import VisionConfig
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

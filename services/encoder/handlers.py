@@ -31,8 +31,8 @@ from libs.mm import wire
 from libs.mm.api import EncodeError
 from libs.mm.client import off_loop
 from libs.mm.image import decode_image
+from libs.mm.placeholders import content_hash
 from libs.mm.preprocess import preprocess
-from libs.mm.spec import content_hash
 from libs.mm.video import decode_video
 from libs.model.vision_config import VisionConfig
 from libs.transfer import KVTransferEngine, TransferError
@@ -149,7 +149,7 @@ class EncoderNode:
         data = decode_b64(req.data_b64, self.config.max_input_bytes)
         if content_hash(data, req.kind.value, self.vc) != req.mm_hash:
             raise EncodeError("mm_hash is not the content hash of the data under this encoder's preprocessing "
-                              "(libs.mm.spec.content_hash)")
+                              "(libs.mm.placeholders.content_hash)")
         return data
 
     async def _compute(self, mm_hash: int, kind: MMKind, data: bytes) -> Entry:

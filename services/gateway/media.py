@@ -13,7 +13,7 @@ A user message's content parts `{"type": "image_url", "image_url": {"url": ...}}
 3. `encode_all`: every item through the EncoderAPI at once (EncodeError -> 400 with its message, EncoderUnavailable
    -> 503 `encoder_unavailable`);
 4. `expand` (pure): the tokenized prompt's single pad per item grows to N pads, then the hash view
-   (libs/mm/spec.py: pad k of an item becomes `mm_token(mm_hash, k)`) and one WireMMItem per item whose offset
+   (libs/mm/placeholders.py: pad k of an item becomes `mm_token(mm_hash, k)`) and one WireMMItem per item whose offset
    indexes the final token ids. Any vision special the template produced beyond ours is a 400.
 """
 
@@ -32,7 +32,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from libs.mm.api import Encoded, EncodeError, EncoderAPI, EncoderUnavailable
-from libs.mm.spec import hash_view
+from libs.mm.placeholders import hash_view
 from protos.messages import MMKind, WireMMItem
 from services.gateway.protocol import ApiError
 

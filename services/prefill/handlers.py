@@ -37,7 +37,7 @@ from libs.bus import NoResponders, RemoteError, Unavailable
 from libs.engine import AsyncEngine, Request, RequestOutput
 from libs.engine import disagg as dg
 from libs.engine.mm import MMEmbeddings
-from libs.engine.spec import FirstDrafts
+from libs.engine.mtp import FirstDrafts
 from libs.mm.api import EncoderUnavailable
 from libs.transfer import KVTransferEngine, TransferStats
 from libs.worker.kv_stream import KVSender, layer_specs

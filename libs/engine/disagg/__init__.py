@@ -5,7 +5,7 @@
     shipment.py  torch: per-layer page lists, payload specs, the sender's copies (and the engine-thread
                  `SegmentCollector` that makes them as segments complete), the receiver's destination views,
                  and `KVAccess` / `Landing`, the seam through which the services reach an engine's KV (every
-                 KV head; a parallel engine's own in libs/parallel/kvio.py)
+                 KV head; a parallel engine's own in libs/engine/parallel/kvio.py)
     remote.py    `DisaggEngineCore` (decode: admits a `RemoteRequest` whose KV arrives from elsewhere) and
                  `first_token_finishes` (prefill)
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
+from libs.engine.mtp import FirstDrafts
 from libs.engine.plan import BatchPlan
 from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
 from libs.engine.scheduler import Seq, SeqStatus
-from libs.engine.spec import FirstDrafts
 from libs.engine.stopping import check_stop
 
 

@@ -8,7 +8,7 @@ transfer engine's LayerSpec: libs/engine does not import libs/transfer).
 The services reach an engine's KV through a `KVAccess` (`runner.kv_access()`): the wire always carries every
 KV head, in a single process's page layout, so the header and the bytes do not depend on how either side
 spreads its KV over processes. The plain one reads the engine's own pools and lets the transfer write into
-them in place (zero copy); a parallel engine's (libs/parallel/kvio.py) gathers the ranks' head slices and
+them in place (zero copy); a parallel engine's (libs/engine/parallel/kvio.py) gathers the ranks' head slices and
 lands the received pages in staging tensors that it scatters to the ranks before the engine uses them.
 """
 
@@ -143,7 +143,7 @@ class Landing:
 
 class KVAccess:
     """The hand-off's access to one engine's KV, every KV head (see the module doc). This one: a single
-    process's pools; a parallel engine's runner returns its own (libs/parallel/kvio.py).
+    process's pools; a parallel engine's runner returns its own (libs/engine/parallel/kvio.py).
 
     `shapes`: pools with the wire's shapes and dtype (every KV head), for specs and byte counts only."""
 

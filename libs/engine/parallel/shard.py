@@ -1,7 +1,7 @@
 """Turn a full MiMoV2Model into one rank's shard, in place: attention and dense MLPs split over tp (their
 outputs summed by an all-reduce), MoE experts split over ep (or their intermediate dim over tp), embeddings,
 norms, the router and lm_head replicated. Parameter names stay the checkpoint's, so a shard can also be
-loaded directly (libs/parallel/load.py).
+loaded directly (libs/engine/parallel/load.py).
 
 The MoE router (sigmoid scores + correction bias, top-k) runs on every rank over the same replicated input, so
 every rank picks the same experts; a rank computes its own experts' share and the all-reduce combines them.
@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from kernels import grouped_moe, sigmoid_topk_route
+from libs.engine.parallel.comm import Comm
+from libs.engine.parallel.layout import ParallelLayout
 from libs.model.config import ModelConfig
 from libs.model.layers import MLP, Attention, DecoderLayer, Experts, MoE, MoEGate
 from libs.model.model import MiMoV2Model
-from libs.parallel.comm import Comm
-from libs.parallel.layout import ParallelLayout
 
 
 def _rows(t: torch.Tensor, groups: range, size: int) -> torch.Tensor:

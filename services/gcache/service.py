@@ -17,10 +17,10 @@ from libs.service import Service
 from libs.transfer import KVTransferEngine, TransferBackend, advertised_address, create_engine
 from protos import subjects
 from protos.messages import CacheExistsRequest, CacheGetRequest, CachePutRequest, RegistryEntry, Role
-from services.cache.config import CacheConfig
-from services.cache.direct import DirectNode
-from services.cache.handlers import CacheNode
-from services.cache.store import NodeStore
+from services.gcache.config import CacheConfig
+from services.gcache.direct import DirectNode
+from services.gcache.handlers import CacheNode
+from services.gcache.store import NodeStore
 
 _PREFAULT_WAIT_S = 120.0
 _SEGMENT_BYTES = 64 << 20  # arena segment: a 64 MiB value fills one; smaller values share one

@@ -3,7 +3,7 @@ run once, here, pure); every step it sends the step's copies and model inputs to
 own shard of the forward, whose all-reduces meet theirs. Only rank 0 samples (lm_head is replicated, so its
 logits are the whole model's).
 
-The other ranks are processes it spawns (libs/parallel/rank.py), one pipe each for control, the engine's own
+The other ranks are processes it spawns (libs/engine/parallel/rank.py), one pipe each for control, the engine's own
 gloo / NCCL group for activations. A rank that exits fails the next collective at once (its sockets close) and
 `check_alive` (polled by EngineCore.load) reports it while the engine is idle; a rank that hangs fails the
 collective after `timeout_s`. Either way the engine's step loop stops with the error: its requests fail
@@ -28,6 +28,12 @@ from pathlib import Path
 import torch
 
 from libs.engine.host_tier import live_loads
+from libs.engine.parallel.build import build_shard, shard_state
+from libs.engine.parallel.comm import Comm, CommStats
+from libs.engine.parallel.kvio import ShardedKV
+from libs.engine.parallel.layout import ParallelLayout
+from libs.engine.parallel.load import load_shard
+from libs.engine.parallel.rank import RankSpec, io_bytes
 from libs.engine.plan import BatchPlan
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.kvcache.config import ArenaPlan
@@ -35,12 +41,6 @@ from libs.model.config import ModelConfig
 from libs.model.loader import CheckpointError
 from libs.model.model import MiMoV2Model
 from libs.model.paged import arena_sub
-from libs.parallel.build import build_shard, shard_state
-from libs.parallel.comm import Comm, CommStats
-from libs.parallel.kvio import ShardedKV
-from libs.parallel.layout import ParallelLayout
-from libs.parallel.load import load_shard
-from libs.parallel.rank import RankSpec, io_bytes
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -77,7 +77,7 @@ class ParallelRunner(ModelRunner):
             for r in range(1, world):
                 parent, child = _pipe()
                 procs.append(subprocess.Popen(  # a fresh interpreter: nothing of the caller's __main__ is re-run
-                    [sys.executable, "-m", "libs.parallel.rank", str(child.fileno())], pass_fds=(child.fileno(),),
+                    [sys.executable, "-m", "libs.engine.parallel.rank", str(child.fileno())], pass_fds=(child.fileno(),),
                     cwd=_ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                         p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}))
                 child.close()
@@ -150,7 +150,7 @@ class ParallelRunner(ModelRunner):
                 raise RankDied(f"parallel rank {r} is gone: {exc}") from exc
 
     def kv_access(self) -> ShardedKV:
-        """The KV hand-off's access to every rank's KV heads (libs/parallel/kvio.py)."""
+        """The KV hand-off's access to every rank's KV heads (libs/engine/parallel/kvio.py)."""
         if self._kv_access is None:
             self._kv_access = ShardedKV(self.kv, self.layout, self.full_config, self.comm, self._send,
                                         self.check_alive)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 class CommStats:
     all_reduces: int = 0
     all_reduce_bytes: int = 0  # payload handed to all_reduce (each rank's tensor), summed
-    sends: int = 0  # point-to-point sends of this rank (the KV hand-off's head slices: libs/parallel/kvio.py)
+    sends: int = 0  # point-to-point sends of this rank (the KV hand-off's head slices: libs/engine/parallel/kvio.py)
     send_bytes: int = 0
 
     def reset(self) -> None:

@@ -35,19 +35,19 @@ from libs.engine.disagg.shipment import (
     gather_layer,
     synchronize_copies,
 )
+from libs.engine.gcache_tier import StagedValues, write_host_blocks
 from libs.engine.host_tier import LayerSlot
-from libs.engine.l3 import StagedValues, write_host_blocks
+from libs.engine.parallel.comm import Comm
+from libs.engine.parallel.layout import ParallelLayout
 from libs.model.config import ModelConfig
 from libs.model.paged import KVPools
-from libs.parallel.comm import Comm
-from libs.parallel.layout import ParallelLayout
 
 # One layer payload in a control message: (pool group, layer index in the group, page ids, their units). With an
 # arena the units are rank 0's unit-table rows of those pages ([pages][units per page]): the other ranks hold no
-# tables, only arenas of the same units (libs/parallel/runner.py `rank_sizes`); () with the static pools.
+# tables, only arenas of the same units (libs/engine/parallel/runner.py `rank_sizes`); () with the static pools.
 LayerRef = tuple[str, int, tuple[int, ...], tuple[tuple[int, ...], ...]]
 
-GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/parallel/rank.py)
+GATHER, SCATTER = "kv_gather", "kv_scatter"  # the control ops (libs/engine/parallel/rank.py)
 HOST_WRITE = "kv_host_write"  # an L3 import into the host tier: (op, full page ids, SWA page ids, their units)
 
 
@@ -228,7 +228,7 @@ class ShardedKV(KVAccess):
 
     def write_host(self, host: KVPools, full_ids: Sequence[int], swa_ids: Sequence[int],
                    staged: StagedValues, skip: int = 0) -> None:
-        """An L3 import (every KV head, `staged` as libs/engine/l3.stage_values lays it out) into every rank's host
+        """An L3 import (every KV head, `staged` as libs/engine/gcache_tier.stage_values lays it out) into every rank's host
         tier, each its own heads (replicas included)."""
         values = (staged.full_k[:, skip:], staged.full_v[:, skip:], staged.swa_k, staged.swa_v)
         groups = ("full", "full", "swa", "swa")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from libs.engine.sampling import History, adjust_logits
-from libs.mm.spec import model_token_ids
+from libs.mm.placeholders import model_token_ids
 from libs.model.layers import AttnContext
 from libs.model.paged import BatchMeta, KVPools
 

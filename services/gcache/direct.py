@@ -42,9 +42,9 @@ from libs.gcache.direct import (
 from libs.transfer import PeerDisconnected, TransferError
 from libs.transfer.connection import Connection
 from libs.transfer.protocol import message_tag
-from services.cache import metrics
-from services.cache.handlers import CacheNode, mismatches
-from services.cache.store import Found, PutSlot
+from services.gcache import metrics
+from services.gcache.handlers import CacheNode, mismatches
+from services.gcache.store import Found, PutSlot
 
 log = logging.getLogger("windserve.cache")
 

@@ -1,7 +1,7 @@
 """Loading one rank's shard straight from a checkpoint directory: the rank's sharded skeleton (build.skeleton)
 filled by the model loader (libs/model/loader.py) with a selection that keeps only the rank's part.
 
-What a rank reads (the same slices libs/parallel/shard.py cuts out of a full model, which the tests check):
+What a rank reads (the same slices libs/engine/parallel/shard.py cuts out of a full model, which the tests check):
 
 - attention q / k / v rows of its query heads and KV heads (a KV head replicated when tp > KV heads), o_proj
   columns of its query heads, its sink logits; dense MLP gate / up rows and down columns of its intermediate
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from libs.engine.parallel.build import skeleton
+from libs.engine.parallel.comm import Comm
+from libs.engine.parallel.layout import ParallelLayout
 from libs.model.config import ModelConfig
 from libs.model.loader import Cut, Selection, load_weights
 from libs.model.model import MiMoV2Model
-from libs.parallel.build import skeleton
-from libs.parallel.comm import Comm
-from libs.parallel.layout import ParallelLayout
 
 _LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
 _EXPERT_PART = re.compile(r"^mlp\.experts\.\d+\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")

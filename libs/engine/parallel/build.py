@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from libs.engine.parallel.comm import Comm
+from libs.engine.parallel.layout import ParallelLayout
+from libs.engine.parallel.shard import shard_model_
 from libs.model.config import ModelConfig
 from libs.model.layers import rope_inv_freq
 from libs.model.loader import set_dtype
 from libs.model.model import MiMoV2Model
-from libs.parallel.comm import Comm
-from libs.parallel.layout import ParallelLayout
-from libs.parallel.shard import shard_model_
 
 
 def skeleton(cfg: ModelConfig, layout: ParallelLayout, rank: int, comm: Comm | None, dtype: torch.dtype,

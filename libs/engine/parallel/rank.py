@@ -15,13 +15,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from libs.engine.host_tier import LoadMode
+from libs.engine.parallel.build import build_shard
+from libs.engine.parallel.comm import Comm
+from libs.engine.parallel.kvio import GATHER, HOST_WRITE, SCATTER, RankKV
+from libs.engine.parallel.layout import ParallelLayout
+from libs.engine.parallel.load import load_shard
 from libs.engine.runner import ModelInputs, ModelRunner, PoolSizes
 from libs.model.config import ModelConfig
-from libs.parallel.build import build_shard
-from libs.parallel.comm import Comm
-from libs.parallel.kvio import GATHER, HOST_WRITE, SCATTER, RankKV
-from libs.parallel.layout import ParallelLayout
-from libs.parallel.load import load_shard
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RankSpec:
 
 # messages rank 0 sends (pickled): ("step", backup_copies, load_copies, ModelInputs fields | None), ("stats",),
 # ("reset",), ("close",); the KV hand-off's (GATHER / SCATTER, layer refs), an L3 import's (HOST_WRITE, page ids, units)
-# (libs/parallel/kvio.py); a rank answers
+# (libs/engine/parallel/kvio.py); a rank answers
 # "stats" with ("stats", CommStats, io_bytes(), its KV pools' pool_bytes())
 
 
@@ -102,11 +102,11 @@ def _serve(conn, runner: ModelRunner, comm: Comm, kv: RankKV) -> None:
             conn.send_bytes(pickle.dumps(("stats", comm.stats, io_bytes(), runner.kv.pool_bytes())))
         elif op == "reset":
             comm.stats.reset()
-        elif op == GATHER:  # the KV hand-off (libs/parallel/kvio.py)
+        elif op == GATHER:  # the KV hand-off (libs/engine/parallel/kvio.py)
             kv.send_slices(msg[1])
         elif op == SCATTER:
             kv.receive_slices(msg[1])
-        elif op == HOST_WRITE:  # an L3 import (libs/parallel/kvio.py)
+        elif op == HOST_WRITE:  # an L3 import (libs/engine/parallel/kvio.py)
             kv.receive_host(msg[1], msg[2], msg[3])
         elif op == "close":
             return
@@ -126,6 +126,6 @@ def io_bytes() -> int:
     return -1
 
 
-if __name__ == "__main__":  # python -m libs.parallel.rank <fd of its end of the control pipe>
+if __name__ == "__main__":  # python -m libs.engine.parallel.rank <fd of its end of the control pipe>
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(levelname)s %(message)s")
     rank_main(Connection(int(sys.argv[1])))

@@ -7,7 +7,7 @@ page of a layer group: its K [layers, page, kv heads, head dim], then its V, in 
 - SWA checkpoint `S:<hash of b>`: the records of the SWA pages of the window ending at b, in page order,
   w = min(window pages, b + 1) of them (`ValueLayout.swa_bytes`); written at a sequence's last full block and
   every `checkpoint_every_pages` pages the cache retained (`L3Export`).
-The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/l3.py.
+The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/gcache_tier.py.
 """
 
 from __future__ import annotations

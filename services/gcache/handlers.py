@@ -38,9 +38,9 @@ from protos.messages import (
     CachePutReply,
     CachePutRequest,
 )
-from services.cache import metrics
-from services.cache.config import CacheConfig
-from services.cache.store import Found, NodeStore, PutSlot
+from services.gcache import metrics
+from services.gcache.config import CacheConfig
+from services.gcache.store import Found, NodeStore, PutSlot
 
 log = logging.getLogger("windserve.cache")
 K = TypeVar("K")

@@ -1,0 +1,8 @@
+"""`python -m services.gcache`: a GCache storage node, configuration from WINDSERVE_* env vars."""
+
+from libs.service import main
+from services.gcache.config import CacheConfig
+from services.gcache.service import CacheService
+
+if __name__ == "__main__":
+    raise SystemExit(main(CacheService, CacheConfig))
