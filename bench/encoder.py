@@ -2,28 +2,12 @@
 
     python -m bench.encoder [--quick] [--out PATH]
 
-Each configuration is a real topology: nats-server and one encoder process (`python -m services.encoder`,
-scripts.run's supervisor), driven by `EncoderClient` from this process over NATS + the transfer engine. Both
-run side by side and take turns (which goes first alternates per round; figures pooled over the rounds), so a
-load change on a shared machine hits both alike. Every encode in the throughput and load phases is a distinct
-image (cold: the tower runs for each).
-
-1. Saturation: CONCURRENCY encodes in flight (closed loop) -> QPS, batched (WINDSERVE_MAX_BATCH_ITEMS=16,
-   WINDSERVE_MAX_WAIT_MS=5) and unbatched (1, 0). `qps_batched_vs_unbatched` (goal >= 2).
-2. Fixed offered load: Poisson arrivals at LOAD_SHARE x the unbatched saturation QPS (the same rate for both),
-   latency from each request's scheduled arrival to its reply. `p90_batched_vs_unbatched` (goal <= 0.8).
-3. Cached vs cold: one encode at a time on the batched encoder, a new image (cold) vs an image it holds (the
-   cache hit still carries the bytes and checks the hash). `cached_vs_cold_latency` (p50 ratio).
-4. Preprocessing / video decode: `bench.mm_prep.measure(quick)`, merged into the same JSON.
-
-The tower is whatever `libs.model.vision.VisionTower` is in this checkout, with the model's vision config (the
-built-in tiny model unless WINDSERVE_MODEL names a checkpoint); `setup.tower` records which.
-
-Writes bench/results/encoder.json (headline figures, HEADLINE_KEYS, as top-level keys) and
-bench/results/encoder.png.
-
---quick: fewer requests, one round, a shorter clip (a smoke run of the same code); --out: where the JSON goes (the
-PNG beside it; with --quick the default is .run/bench-quick/encoder.json, never bench/results/).
+Runs a real topology (nats-server, one encoder process per configuration) driven by `EncoderClient`, the
+configurations taking turns: saturation QPS batched vs unbatched, latency at a fixed offered load, cached vs
+cold latency, and `bench.mm_prep.measure` merged into the same JSON. The tower is this checkout's
+`libs.model.vision.VisionTower` with the model's vision config (`setup.tower` records which). Writes
+bench/results/encoder.json (`HEADLINE_KEYS` top-level) and encoder.png; `--quick` is a smoke run with its
+JSON under .run/bench-quick/. Results: bench/README.md.
 """
 
 from __future__ import annotations
@@ -231,7 +215,8 @@ async def measure_all(quick: bool) -> dict[str, Any]:
             "tower": _tower_name(vc), "vision_config": {k: getattr(vc, k) for k in (
                 "depth", "hidden_size", "patch_size", "spatial_merge_size", "out_hidden_size", "max_pixels")},
             "image_hw": list(IMAGE_HW), "concurrency": CONCURRENCY, "load_share_of_unbatched_qps": LOAD_SHARE,
-            "configs": CONFIGS, "rounds": runs["rounds"], "quick": quick, "cpus": os.cpu_count(), "transfer": "UCX tcp,self on loopback",
+            "configs": CONFIGS, "rounds": runs["rounds"], "quick": quick, "cpus": os.cpu_count(),
+            "transfer": "UCX tcp,self on loopback",
             "encoder_device": os.environ.get("WINDSERVE_DEVICE", "cpu"),
         },
     }
@@ -242,7 +227,8 @@ def _tower_name(vc: Any) -> str:
 
     stub = "CONTRACT STUB" in (vision.__doc__ or "")
     model = os.environ.get("WINDSERVE_MODEL", "") or "built-in tiny model"
-    return f"{'stub ' if stub else ''}VisionTower of {model} (depth {vc.depth}, hidden {vc.hidden_size}), random weights"
+    return (f"{'stub ' if stub else ''}VisionTower of {model} (depth {vc.depth}, hidden {vc.hidden_size}), "
+            "random weights")
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

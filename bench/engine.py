@@ -2,20 +2,11 @@
 
     python -m bench.engine [--quick] [--out PATH]   ->  bench/results/engine.json, bench/results/engine.png
 
-- step_overhead_ratio: EngineCore decode step time / the bare model forward on the same batch, both on the
-  compiled step (docs/engine.md, "Compiled step"); the eager pair beside it.
-- compiled_step_speedup: the eager engine's decode step time / the compiled engine's, same batch.
-- throughput_vs_hf: output tokens/s of the compiled engine vs transformers `generate` (same tiny weights,
-  32 concurrent requests, same number of new tokens); the eager engine's ratio beside it.
-- startup_warm_cache_s: a fresh process loading the tiny model and building a compiled engine (warm-up
-  included) with the compile cache already filled (the run before it fills it).
-- l2_hit_ttft_ratio: TTFT of a request whose prefix lives only in the host tier / TTFT when it is
-  on the device (L1).
-- short_p90_ttft_ratio: p90 TTFT of short requests arriving while long prompts prefill / their p90
-  alone; with length buckets and without (plain FCFS).
-
---quick: each part on tiny sizes (QUICK), the same code (a smoke run, seconds); --out: where the JSON goes (the PNG
-beside it; with --quick the default is .run/bench-quick/engine.json, never bench/results/).
+Figures: step_overhead_ratio (engine decode step over the bare forward, compiled and eager),
+compiled_step_speedup, throughput_vs_hf (against transformers `generate`, same weights), startup_warm_cache_s,
+l2_hit_ttft_ratio (prefix in the host tier over on device) and short_p90_ttft_ratio (short requests behind
+long prefills, with and without length buckets). `--quick` runs each part at tiny sizes (a smoke run; JSON
+under .run/bench-quick/). Results: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """`python -m bench.faults`: SIGKILL of each role under concurrent streams, on real processes.
 
-Faults, in order (`--only` selects): `roles`: a decode worker and then a prefill worker of a 2 prefill + 2
-decode deployment (the prefill while prompts are still before their first token), a combined worker of a
-2-worker aggregated deployment, then that deployment's router; `gcache_node`: one of 2 GCache storage nodes
-while requests look up and write L3 (`gcache_node_*`); `encoder`: one of 2 encoders under image chats
-(`encoder_*`); `nats_node`: the NATS node leading the registry stream of a 3-node cluster (with a client's
-short requests across the election: `nats_node_*`); `nats_hung`: that node SIGSTOPped for 6 s then continued
-(`nats_hung_*`); `router_hung`: one of 2 routers SIGSTOPped for 6 s then continued under 4 clients' short
-requests (`router_hung_*`). The request-load faults' rows count the requests in flight at the kill as `in_flight`. Per fault:
-failed / in-flight streams, requests lost (no explicit ending), 500s, time from the kill until the first
-request sent after it succeeds, and the attempts the gateway failed over. Goals (issue 14): 0 lost, 0 x 500,
-recovery <= 1 s for a worker death with a survivor, <= the reconnect bound + 1 s for a NATS node.
-
-Writes bench/results/faults.json and faults.png (~3-5 min on 2 cores); HEADLINE_KEYS are top-level keys, null
-(with the reason under "null_reasons") for a fault that was not run.
-
---quick: only the combined worker of the 2-worker aggregated deployment, killed under 4 streams (a smoke run of
-the same code, tens of seconds); --out: where the JSON goes (the PNG beside it; with --quick the default is
-.run/bench-quick/faults.json, never bench/results/).
+Faults (`--only` selects): `roles` (a decode, a prefill and a combined worker, then a router), `gcache_node`,
+`encoder`, `nats_node` (the registry stream's leader of a 3-node cluster), `nats_hung` and `router_hung`
+(SIGSTOP, then continue). Per fault: failed and in-flight streams, requests lost, 500s, time until the first
+request sent after the fault succeeds, and failover attempts; goals: none lost, no 500, fast recovery.
+Writes bench/results/faults.json and faults.png (`HEADLINE_KEYS` top-level; null with the reason under
+"null_reasons" for a fault not run). `--quick` kills only the combined worker (a smoke run; JSON under
+.run/bench-quick/). Faults: docs/faults.md, "The fault suite"; results: bench/README.md.
 """
 
 from __future__ import annotations

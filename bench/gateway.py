@@ -3,18 +3,12 @@
     python -m bench.gateway [--quick] [--out PATH]   ->  bench/results/gateway.json, bench/results/gateway.png
 
 - constrained_mix_throughput_ratio: decode tokens/s of a batch where half the requests follow a JSON schema
-  (grammar bitmask on their rows) / the same batch all free. Every request decodes exactly `max_tokens` tokens
-  in both runs (the free ones ignore EOS; the schema's string has a minLength longer than max_tokens), so the
-  two runs do the same model work and the ratio is the cost of constraining. The two batches run on two engines
-  over the same model with their decode steps interleaved one for one (only step time counted), so load from
-  elsewhere hits both alike; the median ratio of ROUNDS rounds is reported. Goal >= 0.9.
-- compile_ms_first / compile_ms_cached per schema: a fresh GrammarCache compiling the schema / the same cache
-  answering it again (the xxhash of the canonical schema hits).
-- mask_us_per_row: the constrained rows' share of a step (matcher mask fill + bitmask apply + accept), per row.
+  over the same batch all free, both decoding exactly `max_tokens` tokens, steps interleaved on two engines;
+  the median of ROUNDS rounds (goal >= 0.9);
+- compile_ms_first / compile_ms_cached per schema: a fresh GrammarCache compiling it / answering it again;
+- mask_us_per_row: the constrained rows' share of a step, per row.
 
---quick: batch 8, 16 tokens, one round, one compile per schema (a smoke run of the same code, seconds); --out:
-where the JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/gateway.json, never
-bench/results/).
+`--quick` is a smoke run of the same code (JSON under .run/bench-quick/).
 """
 
 from __future__ import annotations

@@ -3,17 +3,11 @@ byte arena against static full/SWA splits on the conversation and the agentic tr
 replay), and the bookkeeping cost per request against a cache-disabled path.
 
     python -m bench.kvcache [--requests 2000] [--agentic-requests 1500] [--quick] [--out PATH]
-    python -m bench.kvcache --engine-arena    # only the engine's physical arena (below)
+    python -m bench.kvcache --engine-arena    # only the engine's physical arena: two pools vs one arena
 
---quick: 200 trace and 200 agentic requests, four budgets, three no-reuse repeats (a smoke run of the same code,
-seconds); --out: where the JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/kvcache.json,
-never bench/results/). Without the conversation trace (../shared/traces) a --quick run leaves the figures that
-need it null, with the reason under "null_reasons"; a full run fails.
-
-Writes bench/results/kvcache.json and bench/results/kvcache.png (hit rate vs KV budget), and
-bench/results/kvcache_engine_arena.json: the real engine (tiny model) with two static pools vs one arena of the
-same bytes (EngineConfig.kv_arena): bytes allocated, most sequences running at once, same outputs, and the
-CPU time of a workload both layouts schedule identically (the arena's own cost).
+Writes bench/results/kvcache.json and kvcache.png, and (--engine-arena) kvcache_engine_arena.json.
+`--quick` is a smoke run (JSON under .run/bench-quick/); without the conversation trace (../shared/traces)
+it leaves the figures that need it null, with the reason under "null_reasons", and a full run fails.
 """
 
 from __future__ import annotations
@@ -195,7 +189,8 @@ def arena_cfg(budget: int, rebuild: bool = True) -> KVCacheConfig:
     plan = plan_arena(budget, LAYOUT, PAGE)
     return KVCacheConfig(page_size=PAGE, window=WINDOW, num_full_pages=0, num_swa_pages=0, arena_units=plan.units,
                          full_page_units=plan.full_page_units, swa_page_units=plan.swa_page_units,
-                         retention="checkpoints", checkpoint_align=BLOCK, rebuild_tokens=REBUILD_TOKENS if rebuild else 0)
+                         retention="checkpoints", checkpoint_align=BLOCK,
+                         rebuild_tokens=REBUILD_TOKENS if rebuild else 0)
 
 
 def windserve_cfg(budget: int, retention: str, seq_tokens: int, max_running: int, ckpts: float,

@@ -3,27 +3,12 @@ image processor, and parallel against sequential video frame decode.
 
     python -m bench.mm_prep [--quick] [--out PATH]
 
-1. Preprocessing, on the same encoded images (JPEG and PNG, 0.3 to 2 Mpx, some over the pixel budget so they
-   shrink), the MiMo-V2.5 settings (patch 16, merge 2, CLIP mean / std, the default pixel budget):
-   * windserve:    ``libs.mm.image.decode_image`` (opencv) + ``libs.mm.preprocess.preprocess`` on the encoder's
-                   device (CUDA when present, else CPU with torch's default threads), patch rows out;
-   * transformers: pillow decode (``Image.open(...).convert("RGB")``) + ``Qwen2VLImageProcessorPil`` (the
-                   processor transformers uses without torchvision), ``pixel_values`` out.
-   One round = every image once through each, the two taking turns round by round; the figure is the median
-   round (and the best) over ROUNDS rounds, after a warm-up round. On CPU windserve runs with one torch thread
-   (pillow and the processor's numpy steps use one), its figure with torch's default threads is recorded too,
-   and so is the preprocessing alone (``preprocess_only_speedup``: decoded arrays in, both sides), since
-   decoding costs both sides about the same. Headline: ``preprocess_speedup_vs_transformers`` = transformers /
-   windserve per round (goal >= 2).
-2. Video: an mp4v clip written with opencv, decoded with ``decode_video`` at the config's fps with 1 worker and
-   with 2 workers (the second seeking to its segment), taking turns round by round; the median of 15 rounds.
-   Headline: ``video_parallel_speedup`` = sequential / parallel wall time (goal >= 1.7 on 2 cores). The process
-   CPU time is recorded too: ``speedup_on_two_free_cores`` = 2 × sequential CPU / parallel CPU is what the split gives
-   where two cores are free, and ``sequential_cpu_share`` (CPU / wall of the sequential decode) shows whether
-   they were: on a shared machine the wall-time figure measures the neighbours.
+1. Images: `libs.mm.image.decode_image` + `libs.mm.preprocess.preprocess` against pillow +
+   `Qwen2VLImageProcessorPil` on the same encoded images, taking turns; the median round.
+2. Video: `decode_video` with 1 and with 2 workers, taking turns; wall and CPU time.
 
-``measure(quick)`` returns the figures (bench.encoder embeds them); ``main`` writes bench/results/mm_prep.json.
-The load average at the start is recorded: on a shared machine it bounds what a 2-worker decode can gain.
+Headline: `HEADLINE_KEYS` (goals in `GOALS`). `measure(quick)` returns the figures (bench.encoder embeds
+them); `main` writes bench/results/mm_prep.json. Method: docs/multimodal.md, "Media preparation".
 """
 
 from __future__ import annotations

@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{phase:8s} windserve {r['windserve_tok_s']:9.1f} tok/s  transformers {r['transformers_tok_s']:9.1f} "
               f"tok/s  ratio {r['ratio_windserve_over_transformers']:.2f}x")
     for name, e in res["kv_bytes"].items():
-        sizes = ", ".join(f"{k} {r['hybrid_bytes'] / GIB:.3g} GiB ({r['ratio']:.1f}x)" for k, r in e["by_length"].items())
+        sizes = ", ".join(f"{k} {r['hybrid_bytes'] / GIB:.3g} GiB ({r['ratio']:.1f}x)"
+                          for k, r in e["by_length"].items())
         print(f"{name:9s} KV/token full {e['bytes_per_token_full_layer']} B swa {e['bytes_per_token_swa_layer']} B; "
               f"{sizes}")
     print("KV table vs REFERENCE.md:", "match" if ok else "MISMATCH")

@@ -2,28 +2,12 @@
 
     python -m bench.mtp [--quick] [--out PATH]   ->  bench/results/mtp.json, bench/results/mtp.png
 
-MTP layers are trained with a language model on real text; a random tiny model is no such target (its greedy
-continuations are nearly unpredictable: docs/mtp.md). So the bench first trains the tiny target itself as a
-byte-level LM on the repository's own markdown at a pinned commit, a few files held out (scripts/train_tiny.py,
-a few CPU minutes), then trains the MTP blocks (the target frozen) to predict the trained target's own greedy
-continuations of prompts cut from the training text: block j at position i reads token i+1+j and block j-1's
-hidden state and predicts token i+2+j (teacher forcing, the scheme the engine drafts with). Both are cached
-under .cache/mtp/ (ignored by git). Measured on prompts cut from the held-out files:
-
-- accepted_len: mean tokens emitted per verify step with 3 MTP blocks (goal >= 2.5);
-- decode_speedup_1 / decode_speedup_8: output tokens/s MTP on / off at 1 and 8 concurrent requests, runs
-  interleaved in this process (goal >= 1.8 at 1);
-- short_output_latency_ratio: time to the 8th token of an 8-token output with MTP in prefill / without (the
-  first decode step then verifies drafts at once; report);
-- greedy_identical: greedy outputs with MTP equal MTP off for every held-out prompt.
-
-The machine's cores are shared, so torch runs one thread (the tiny model's matmuls do not gain from more).
-
---quick: the same pipeline on tiny sizes (QUICK: a few training steps of the target and of the blocks, short
-decodes; its own cache under .cache/mtp-quick/, and the checkout's HEAD docs as the corpus where the pinned commit
-is not in a shallow clone's history): a smoke run of the code in seconds, its figures meaningless (the blocks are
-barely trained); --out: where the JSON goes (the PNG beside it; with --quick the default is
-.run/bench-quick/mtp.json, never bench/results/).
+Trains the tiny target as a byte-level LM on the repository's markdown (scripts/train_tiny.py), then the MTP
+blocks on the target's own greedy continuations, both cached under .cache/mtp/, and measures on held-out
+prompts: accepted tokens per verify step, decode speed-up with MTP at 1 and 8 concurrent requests, short
+output latency with MTP in prefill, and greedy equality with MTP off. Goals in `GOALS`. `--quick` runs the
+same pipeline at tiny sizes (cache .cache/mtp-quick/, JSON under .run/bench-quick/): a smoke run whose
+figures mean nothing. Scheme: docs/mtp.md; results: bench/README.md.
 """
 
 from __future__ import annotations
@@ -251,7 +235,8 @@ def trained_model(model, cfg, train_text: torch.Tensor, held_text: torch.Tensor)
                          + b"".join(p.detach().float().numpy().tobytes()[:4096] for p in
                                     (model.lm_head.weight, model.model.embed_tokens.weight))).hexdigest()[:16]
     path = CACHE / f"tiny-mtp-{key}.pt"
-    info: dict = {"cache": str(path.relative_to(ROOT)), "train_sequences": N_TRAIN, "tokens_per_sequence": PROMPT + CONT}
+    info: dict = {"cache": str(path.relative_to(ROOT)), "train_sequences": N_TRAIN,
+                  "tokens_per_sequence": PROMPT + CONT}
     t0 = time.perf_counter()
     core = data_core(model, cfg)
     seqs = [p + c for p, c in zip(train_prompts, generate(core, train_prompts, CONT), strict=True)]
@@ -382,9 +367,11 @@ def plot(results: dict, path: Path) -> None:
         steps = [p["step"] for p in training["curve"]]
         for j in range(K):
             c.plot(steps, [p["held_top1"][j] for p in training["curve"]], marker="o", label=f"block {j} held-out")
-            c.plot(steps, [p["train_top1"][j] for p in training["curve"]], ls="--", color=f"C{j}", label=f"block {j} train")
+            c.plot(steps, [p["train_top1"][j] for p in training["curve"]], ls="--", color=f"C{j}",
+                   label=f"block {j} train")
     c.axhline(results["training"]["held_bigram_accuracy"], color="grey", ls=":", label="last-token lookup table")
-    c.axhline(results["training"]["held_copy_accuracy"], color="black", ls="-.", label="copy of the last 3-gram's successor")
+    c.axhline(results["training"]["held_copy_accuracy"], color="black", ls="-.",
+              label="copy of the last 3-gram's successor")
     c.set_xlabel("training step")
     c.set_ylabel("top-1 vs the target's greedy token")
     c.set_title("MTP blocks' learning curve")

@@ -3,29 +3,10 @@ loopback TCP) against one process.
 
     python -m bench.parallel [--quick] [--out PATH]  ->  bench/results/parallel.json, bench/results/parallel.png
 
-Every layout (tp = 2, ep = 2, tp = 2 + ep = 2) is a real EngineCore over a ParallelRunner (rank 0 here, rank 1
-a spawned process), the reference one process (tp = 1). Per layout:
-
-- greedy_identical: greedy outputs on the bench's prompts (two waves sharing a prefix, so the second hits the
-  prefix cache; chunked prefill at 64 tokens a step) equal one process's; max_logit_diff: max |logits - one
-  process's logits| (fp32) on one 512-token forward.
-- kv_bytes_per_rank_ratio at tp = 2: bytes each rank's KV pools hold (read off the pool tensors: rank 0's
-  runner.kv, the other ranks' through the "stats" op) over the single-process pools' bytes, per pool (goal 0.5
-  for both). The headline is measured on a tiny variant with MiMo's KV-head proportions (num_heads 8,
-  kv_heads_full 2, kv_heads_swa 4: heads / KV heads 4, SWA / full KV heads 2, as MiMo-V2's 64 / 4 / 8); the
-  built-in tiny has kv_heads_full = 1, which tp = 2 cannot split (each rank keeps that one head: ratio 1.0).
-- comm_bytes_vs_min: bytes rank 1 actually wrote (its /proc/self/io wchar: the rank process writes only to its
-  gloo sockets and its control pipe) over N steps of a fixed 512-token batch, per token per layer, over the
-  analytic minimum: the bandwidth-optimal all-reduce bound 2 (p - 1) / p x hidden x dtype bytes per
-  all-reduce, times the all-reduces a layer needs (attention output with tp; MLP / MoE output with tp, MoE
-  output with ep). The wchar measurement is first checked on a plain all-reduce of known size. The control
-  bytes rank 0 sends per step over the pipes (the pickled step message) are reported next to it.
-- step time (a figure, not a goal): decode-step (8 sequences at 64 tokens of context) and prefill-step (512
-  tokens) forward time, one process vs each layout, every process with cores / 2 torch threads (one process
-  also on all cores). On CPU the ranks share the machine's cores, so this shows the overhead of the split, not
-  a speed-up.
-- decode tokens/s on GPUs at tp = 1 and tp = 2 (rank r on the r-th GPU; null with the reason on CPU or with one
-  GPU).
+Per layout (tp = 2, ep = 2, tp = 2 + ep = 2, each a real EngineCore over a ParallelRunner): greedy outputs
+and logits against one process, KV bytes per rank, bytes rank 1 writes against the all-reduce minimum,
+step time (on CPU the ranks share cores: the split's overhead, not a speed-up), and decode tokens/s on GPUs
+(null with the reason without two). Goals in `GOALS`; results: bench/README.md.
 """
 
 from __future__ import annotations

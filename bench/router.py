@@ -5,12 +5,9 @@ N = 32 with >= 1M indexed blocks.
     python -m bench.router [--requests 1500] [--quick] [--out PATH]
 
 Writes bench/results/router.json (headline figures at N = 16, the worse trace, as top-level keys; the full
-grid under "grid") and bench/results/router.png. See docs/routing.md for what each figure means.
-
---quick: 300 requests per trace, N = 8 and 16 only, an index of 200K entries (a smoke run of the same code, seconds);
---out: where the JSON goes (the PNG beside it; with --quick the default is .run/bench-quick/router.json, never
-bench/results/). Without the conversation trace (../shared/traces) a --quick run writes every headline figure
-null, with the reason under "null_reasons" (both traces derive from it); a full run fails.
+grid under "grid") and router.png. `--quick` is a smoke run (JSON under .run/bench-quick/); without the
+conversation trace (../shared/traces) it writes every headline figure null, with the reason under
+"null_reasons", and a full run fails. Figures: docs/routing.md, "Benchmark".
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """Serving benchmark: the disaggregated pipeline (gateway -> router -> prefill -> UCX -> decode) under load.
 
     python -m bench.serving [--requests 64] [--concurrency 8] [--in-scale 64] [--out-scale 16]
-
-Starts the `make run` topology (nats-server, gateway, router, one prefill, one decode, tiny model) as
-processes, replays the first requests of the conversation trace scaled to the tiny model (input and
-output lengths divided, each 512-token hash block expanded to 512/in-scale deterministic tokens seeded
-by its id, so shared prefixes stay shared) with concurrent streaming openai clients, and measures:
-
-* TTFT / TPOT p50 / p90 and output tokens/s (concurrent phase);
-* KV bytes moved prefill -> decode vs what a full-KV transfer would move (`transfer_bytes_ratio`),
-  next to the dual-pool limit for the same prompts (full layers O(N) + SWA layers one window);
-* UCX transfer GB/s inside the system, and TransferEngine vs raw ucxx on the same total bytes (this run);
-* gateway + bus overhead per output token: sequential requests through the gateway vs the offline
-  engine on the same requests, side by side in one run;
-* `handoff_overlap_ratio`: for long prompts (>= 8 prefill chunks: `LONG_CHUNKS` x the engines'
-  max_num_batched_tokens), the time from the first token to the second one at the client, disaggregated
-  over colocated (the combined `worker` behind its own gateway, same model, knobs and prompts, started next
-  to the pipeline and alternated with it request by request). Goal <= 1.15: the KV hand-off should be off
-  the critical path once the first token is out.
-
     python -m bench.serving --overlap-only [--long-prompts 4] [--out PATH]
-
-runs just that figure (both topologies, nothing else) and writes it to --out.
-
     python -m bench.serving --compose [--requests 64] [--concurrency 8]
-
-measures the containerised topology (docker compose: gateway, router, 2 prefill, 2 decode; scripts/compose.py
-builds what is missing) against the same topology under `make run`, same requests, one run each: TTFT / TPOT and
-output tokens/s, and their throughput ratio (goal >= 0.9). Writes bench/results/serving_compose.json.
-
-Writes bench/results/serving.json and serving.png (HEADLINE_KEYS as top-level keys).
-
     python -m bench.serving --quick [--out PATH]
 
-a smoke run of the same code in well under a minute: 8 trace requests (<= 256 prompt, <= 16 output tokens) at
-concurrency 4, 2 sequential ones, one long prompt each way; JSON and PNG to --out (default
-.run/bench-quick/serving.json, never bench/results/). Where the conversation trace is not checked out (CI), a
---quick run uses deterministic synthetic prompts instead (`workload.trace` says so); a full run fails.
+Starts the `make run` topology as processes and replays the conversation trace, scaled to the tiny model,
+with concurrent streaming clients: TTFT / TPOT, tokens/s, KV bytes moved against a full-KV transfer,
+gateway overhead per token, and `handoff_overlap_ratio` (second-token latency of long prompts,
+disaggregated over colocated). `--compose` compares the docker compose topology with `make run`; `--quick`
+is a smoke run (synthetic prompts where the trace is not checked out) that writes under .run/bench-quick/.
+Writes bench/results/serving.json and serving.png (`HEADLINE_KEYS` top-level); results: bench/README.md.
 """
 
 from __future__ import annotations

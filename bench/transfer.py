@@ -2,21 +2,11 @@
 
     python -m bench.transfer [--mib 64] [--layers 16] [--iters 5] [--quick] [--out PATH]
 
-The receiver runs in this process, the sender in a child process (two UCX workers, two
-processes, like prefill -> decode). For each UCX transport (tcp over loopback, shared
-memory) the two methods alternate round by round in one run, on the same workers:
-
-* engine: ``engine.send`` (header/accept, one LAYER per layer, END, DONE);
-* raw:    the receiver pre-posts one tagged recv per layer, the sender sends the layers
-          one after another, the receiver acks when all landed.
-
-Both are timed on the sender from the first byte offered to the receiver's final answer.
-The plain-TCP fallback engine is measured too (no raw counterpart). Writes
-bench/results/transfer.json and transfer.png: the headline figures (HEADLINE_KEYS) as top-level keys, null
-with the reason under "null_reasons" for a transport this host lacks, and every run's row under "runs".
-
---quick: 8 MiB in 4 layers, 2 rounds (a smoke run of the same code, seconds); --out: where the JSON goes (the
-PNG beside it; with --quick the default is .run/bench-quick/transfer.json, never bench/results/).
+Receiver in this process, sender in a child process (like prefill -> decode); per UCX transport the engine's
+`send` and a raw tagged send per layer alternate round by round on the same workers, each timed from the first
+byte offered to the receiver's final answer; the plain-TCP engine is measured too. Writes
+bench/results/transfer.json and transfer.png (`HEADLINE_KEYS` top-level, null with the reason under
+"null_reasons" for a transport this host lacks). `--quick` is a smoke run (JSON under .run/bench-quick/).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Paged attention over a ragged batch (prefill chunks and decode steps mixed), with an optional sliding
 window and per-head attention sinks.
 
-Semantics (shared by the torch reference and the flashinfer path):
-
-* sequence ``b`` has ``q_lens[b]`` new tokens at positions ``kv_lens[b]-q_lens[b] .. kv_lens[b]-1``; all of
-  its K/V (cached prefix + the new tokens, already scattered into the pool) are addressed by
-  ``page_table[b]``;
-* query at position ``qp`` sees key ``kp`` iff ``kp <= qp`` and, with a window, ``kp >= qp - window_left``
-  (flashinfer's ``window_left``; HF ``sliding_window`` is ``window_left + 1``);
-* a sink adds one logit per query head to the softmax denominator and no value (gpt-oss / MiMo style).
-
-Pages wholly to the left of every query's window are never read, so they may be ``-1`` in the table.
-
-The plan (which slots each query reads, and the masks) is built once per step in ``kernels.attn_plan``;
-the torch reference here and ``kernels.flashinfer_attn`` both consume it.
+Semantics (the torch reference and the flashinfer path agree): sequence ``b``'s ``q_lens[b]`` new tokens sit
+at positions ``kv_lens[b]-q_lens[b] .. kv_lens[b]-1`` and all its K/V, already in the pool, is addressed by
+``page_table[b]``; a query at ``qp`` sees key ``kp`` iff ``kp <= qp`` and, with a window,
+``kp >= qp - window_left`` (HF ``sliding_window`` is ``window_left + 1``); a sink adds one logit per query
+head to the softmax denominator and no value. Pages wholly left of every query's window are never read
+(they may be ``-1``). Both paths consume the per-step plan of ``kernels.attn_plan``.
 """
 
 from __future__ import annotations

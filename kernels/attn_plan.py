@@ -1,13 +1,10 @@
 """Attention plans: per-forward metadata shared by the torch reference and the flashinfer path.
 
-The torch reference attends *blocks*: a block is G sequences padded to L queries and N keys each, attended
-with one gather and two batched matmuls. All decode rows form one block; prefill rows form one more block
-when padding wastes little, otherwise one block per sequence (a long chunk next to short ones would
-otherwise pad every short one to the long one's size). Plans are built with tensor ops for the whole batch,
-once per step per layer group, and reused by every layer of the group.
-
-Semantics of the plan (positions, window, sinks) are in ``kernels.attention``. This module imports
-neither attention path, so both can depend on it.
+The torch reference attends *blocks* (G sequences padded to L queries and N keys each): all decode rows form
+one block; prefill rows one more when padding wastes little, else one block per sequence. Plans are built
+with tensor ops once per step per layer group and reused by every layer of the group. Semantics (positions,
+window, sinks) are in ``kernels.attention``; this module imports neither attention path, so both can depend
+on it.
 """
 
 from __future__ import annotations

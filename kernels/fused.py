@@ -2,21 +2,11 @@
 generated kernels; `libs/model/compiled.py` compiles and calls them).
 
 Each is the same math as the eager modules in `libs/model/layers.py` (the eager path stays the reference):
-
-* :func:`qkv_rope`: fused QKV projection and the partial neox rotation of q and k;
-* :func:`add_rms_norm`: the residual add after attention and the norm before the MLP;
-* :func:`swiglu`: the dense MLP;
-* :func:`moe`: routing and the experts. Up to :data:`GATHER_MAX_TOKENS` tokens the experts are written as
-  reductions over the chosen experts' weights indexed by the routing ids (``gate_up[ids]``): compiled, the
-  index is fused into the reduction, so only the chosen experts' weights are read and nothing is copied
-  (eager, the same expression would copy every chosen expert). Beyond it the grouped matmul runs as one opaque
-  op (:func:`grouped_moe_op`), since the gathered form would read each expert once per token;
-* :func:`decode_attention`: one query per sequence over its keys, as reductions over the indexed KV (the compiled
-  decode step's attention), after :data:`kv_write`, the one opaque op that writes the new K/V in place.
-
+:func:`qkv_rope`, :func:`add_rms_norm`, :func:`swiglu`, :func:`moe` (indexed reductions over the chosen
+experts' weights up to :data:`GATHER_MAX_TOKENS` tokens, the opaque :func:`grouped_moe_op` beyond) and
+:func:`decode_attention` (after :data:`kv_write`, the one opaque op that writes the new K/V in place).
 Functions take only tensors, ints, floats and bools, so one compiled graph serves every layer of the same
-shapes (dynamo guards on shapes, not on which layer's weights come in). The tensors whose first dimension is the
-step's token count come first.
+shapes; tensors whose first dimension is the step's token count come first.
 """
 
 from __future__ import annotations

@@ -4,21 +4,11 @@ Routing: ``scores = sigmoid(x @ Wg^T)``; experts are *chosen* on ``scores + corr
 restricted to the best ``topk_group`` of ``n_group`` groups), but *weighted* by the plain scores,
 renormalised over the chosen k and multiplied by ``routed_scaling_factor``.
 
-Expert pass, two shapes with the same result (up to fp32 rounding):
-
-* dense (small batches): every expert runs on every token as two batched matmuls over ``[E, T, .]`` and the
-  outputs are summed with a dense ``[T, E]`` weight matrix that is zero off the chosen experts. It does
-  ``E / k`` times the useful flops but is ~8 torch ops whatever ``E`` is; at decode batch sizes on a small
-  model the per-op overhead, not the flops, is the cost.
-* grouped (everything else): token-expert pairs are sorted by expert and both projections are one grouped
-  matmul each (``torch.nn.functional.grouped_mm`` over per-expert row offsets: no loop over experts, no host
-  sync), then one ``index_add_``. Only the chosen experts' weights are read, which is what a decode step on a
-  real model is bound by (16 experts of 256 x 128 are 6 MiB a layer; two of them 0.8 MiB).
-* segmented: the same sort with a Python loop over the active experts; kept for dtypes ``grouped_mm`` has no
-  CPU kernel for (float64).
-
-:func:`grouped_moe` picks dense only while all experts' weights are small enough to stay in cache
-(:data:`DENSE_MOE_MAX_WEIGHT_BYTES`) and its padded work stays under :data:`DENSE_MOE_MAX_MACS`.
+Expert pass, three shapes with the same result (up to fp32 rounding): dense (every expert on every token, a
+few ops whatever ``E`` is: for small batches), grouped (pairs sorted by expert, one ``grouped_mm`` per
+projection, only the chosen experts' weights read) and segmented (a loop over active experts, for dtypes
+``grouped_mm`` has no CPU kernel for). :func:`grouped_moe` picks dense only under
+:data:`DENSE_MOE_MAX_WEIGHT_BYTES` and :data:`DENSE_MOE_MAX_MACS`.
 """
 
 from __future__ import annotations

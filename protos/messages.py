@@ -80,7 +80,8 @@ class RegistryEntry(WireModel):
     metrics_url: str = ""
     started_at: float = Field(default=0.0, description="unix time the instance started")
     buckets: list[int] = Field(default_factory=list, description="length buckets served; empty = all")
-    max_tokens: int = Field(default=0, ge=0, description="most tokens (prompt + output) one request may hold; 0 = unknown")
+    max_tokens: int = Field(default=0, ge=0,
+                            description="most tokens (prompt + output) one request may hold; 0 = unknown")
     max_prompt_tokens: int = Field(
         default=0, ge=0, description="most prompt tokens one request may bring (a decode worker's SWA pool holds the "
         "whole prompt while its KV arrives); 0 = only max_tokens limits it")
@@ -533,7 +534,8 @@ class CachePutReply(WireModel):
 
 class EncodeRequest(WireModel):
     request_id: str
-    mm_hash: int = Field(ge=0, lt=1 << 64, description="libs.mm.placeholders.content_hash of `data` (the encoder checks)")
+    mm_hash: int = Field(ge=0, lt=1 << 64,
+                         description="libs.mm.placeholders.content_hash of `data` (the encoder checks)")
     kind: MMKind = MMKind.IMAGE
     data_b64: str = Field(min_length=1, description="the image / video file bytes, base64")
 

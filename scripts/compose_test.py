@@ -2,18 +2,11 @@
 
     python -m scripts.compose_test [--base-image IMAGE]
 
-Prerequisites, the daemon and the images come from scripts/compose.py (a dockerd started here is stopped again;
-the stack's containers, network and volumes are removed, and checked to be gone). The checks:
-
-1. the openai client gets completions, chat and streams of both from the containerised gateway;
-2. greedy outputs equal those of `make run` (python -m scripts.run, started here on other ports) on the same
-   prompts;
-3. --scale prefill=2 decode=2, then back to 1 each while streams are in flight: no request that had not
-   started streaming when the scale-down began is lost, and the registry (the gateway's /health) shows each
-   change within the registry TTL;
-4. the decode container's process is killed (SIGKILL, as the kernel's OOM killer would): its restart policy
-   brings it back as a new instance and the stack serves again.
-Every wait is bounded; a failed check raises ComposeError with what was seen.
+Checks: the openai client against the containerised gateway; greedy outputs equal `make run`'s; scaling
+prefill / decode up and back down under streams loses no request that had not started streaming, and the
+registry shows each change within its TTL; a SIGKILLed decode container is restarted and the stack serves
+again. Every wait is bounded; a failed check raises ComposeError with what was seen. Everything it started
+(stack, volumes, a dockerd) is removed again. Details: docs/deployment.md, "`make compose-test`".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The MTP bench's target: the tiny model trained briefly as a byte-level LM on the repository's own markdown.
 
-A random tiny model is not what MTP is for: its greedy continuations are nearly unpredictable (the last token
-predicts the next one a third of the time, and one MTP block learns little beyond that; docs/mtp.md), while a
-trained LM's next tokens on real text are far more predictable, which is what MTP layers exploit. So before the
-bench trains the MTP blocks on the target's own greedy continuations, it trains the target itself:
-
-- text: every ``*.md`` file of the repository at a pinned commit (`CORPUS_COMMIT`, read with ``git show``, so
-  later edits of the docs do not change the figures), as UTF-8 bytes: the tiny model's tokenizer is byte-level
-  (ids 0..255 = bytes, `libs.model.tokenizer.ByteTokenizer`);
-- held out: whole files (`HELD_FILES`, ~10 % of the bytes), never trained on; the bench's held-out prompts come
-  from them;
-- training: every weight of the main model (embeddings, the 6 decoder layers with their MoE routers and
-  experts, final norm, lm_head; not the MTP blocks, not the vision tower) from the tiny model's random init,
-  next-byte cross-entropy on random windows of `SEQ` bytes, AdamW, one-cycle schedule; the dense training
-  forward (`dense_forward`) is the paged forward's math in plain torch ops and is checked against it;
-- cached under ``.cache/mtp/`` (ignored), keyed on the recipe, the corpus and the random init.
+A random tiny model's continuations are nearly unpredictable, so MTP blocks trained on it learn little
+(docs/mtp.md). `trained_target` trains the main model's weights (not the MTP blocks, not the vision tower)
+from the tiny random init on every ``*.md`` file at the pinned `CORPUS_COMMIT` (read with ``git show``, so
+doc edits do not change the figures), holding out whole files (`HELD_FILES`) for the bench's prompts. The
+dense training forward (`dense_forward`) is checked against the paged forward. The result is cached under
+``.cache/mtp/``, keyed on the recipe, the corpus and the random init.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ async def test_queue_group_delivers_each_request_once(bus, nats_url):
         await other.serve("t.route.q", RouteRequest, member("b"), queue="routers")
         await other.flush()
         replies = await asyncio.gather(
-            *(bus.request("t.route.q", RouteRequest(request_id=f"r{i}", num_tokens=1), RouteReply, 5) for i in range(40))
+            *(bus.request("t.route.q", RouteRequest(request_id=f"r{i}", num_tokens=1), RouteReply, 5)
+              for i in range(40))
         )
     finally:
         await other.close()

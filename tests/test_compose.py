@@ -76,7 +76,8 @@ def test_gpu_reserved_only_in_the_override_for_the_engines(spec):
 
 def test_only_the_combined_worker_sits_behind_a_profile(spec):
     # `up` starts the disaggregated topology; `--profile aggregated` adds the combined worker
-    assert {n: svc["profiles"] for n, svc in spec["services"].items() if "profiles" in svc} == {"worker": ["aggregated"]}
+    profiles = {n: svc["profiles"] for n, svc in spec["services"].items() if "profiles" in svc}
+    assert profiles == {"worker": ["aggregated"]}
 
 
 def test_nats_runs_jetstream_from_the_shipped_config(spec):
@@ -94,7 +95,8 @@ def test_nats_conf_is_accepted_by_nats_server(tmp_path):
     binary = Path(sys.executable).parent / "nats-server"
     conf = (ROOT / "compose" / "nats.conf").read_text().replace("/data", str(tmp_path))
     (tmp_path / "nats.conf").write_text(conf)
-    proc = subprocess.run([str(binary), "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([str(binary), "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True,
+                          timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

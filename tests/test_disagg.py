@@ -284,7 +284,7 @@ async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
         await pipe.assert_no_kv_in_use()
 
 
-# ------------------------------------------------------------------------------------------ streaming while prefill computes
+# ----------------------------------------------------------------------------- streaming while prefill computes
 @pytest.mark.unit
 @pytest.mark.parametrize("n,hit,seg", [(37, 8, 4), (37, 0, 4), (40, 0, 4), (5, 0, 4), (200, 64, 3), (64, 0, 16),
                                        (37, 32, 2), (37, 0, 0), (1000, 12, 1)])

@@ -143,7 +143,8 @@ async def test_prefill_and_decode_export_the_worker_metrics(pair2):
     client = pair2.client()
     await complete_ids(client, prompt(200, 30), 4)
     await client.close()
-    roles = {"prefill": [pair2.iid("prefill", i) for i in range(2)], "decode": [pair2.iid("decode", i) for i in range(2)]}
+    roles = {"prefill": [pair2.iid("prefill", i) for i in range(2)],
+             "decode": [pair2.iid("decode", i) for i in range(2)]}
 
     def value(samples, name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted(labels.items())))]

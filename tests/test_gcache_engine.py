@@ -105,7 +105,8 @@ def test_values_round_trip_from_device_pages_to_host_pages(dtype) -> None:
     full = [items[k] for k in job.full_keys]
     staged = stage_values(host, layout, full[1:], items[jobs[1].swa_keys[0]], 3)  # blocks 1..2, window pages 0..2
     write_host_blocks(host, [0, 4], [1, 2, 3], staged)
-    for t_dev, t_host, pairs in ((dev.full_k, host.full_k, ((2, 0), (7, 4))), (dev.full_v, host.full_v, ((2, 0), (7, 4))),
+    for t_dev, t_host, pairs in ((dev.full_k, host.full_k, ((2, 0), (7, 4))),
+                                 (dev.full_v, host.full_v, ((2, 0), (7, 4))),
                                  (dev.swa_k, host.swa_k, ((4, 1), (3, 2), (6, 3))),
                                  (dev.swa_v, host.swa_v, ((4, 1), (3, 2), (6, 3)))):
         for d, h in pairs:
@@ -514,7 +515,8 @@ async def test_disaggregated_second_turn_on_the_other_prefill_worker_is_cached(b
         did = decode.config.instance_id
         first = tokens(70, 45)
         _, out = await serve(bus, prefills[0], "turn1", first, 8, decode=did)
-        await until(lambda: decode.gcache.counts()["writebacks"] == 1 and prefills[0].gcache.counts()["writebacks"] == 1)
+        await until(lambda: decode.gcache.counts()["writebacks"] == 1
+                    and prefills[0].gcache.counts()["writebacks"] == 1)
         turn2 = [*first, *out, *tokens(71, 6)]
         final, out2 = await serve(bus, prefills[1], "turn2", turn2, 8, decode=did)
         assert final.usage.cached_tokens >= (45 + 8 - 1) // PAGE * PAGE

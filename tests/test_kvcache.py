@@ -87,7 +87,8 @@ def test_plan_pools_fits_budget_and_sizes_swa_from_window_per_running_sequence()
 
 def test_decode_of_ten_windows_keeps_swa_within_window_plus_page() -> None:
     # retention "none": no checkpoint pages, so every SWA page the sequence holds is its window.
-    c = KVCache(audit_tokens=True, config=cfg(page_size=4, window=8, num_full_pages=64, num_swa_pages=8, retention="none"))
+    c = KVCache(audit_tokens=True,
+                config=cfg(page_size=4, window=8, num_full_pages=64, num_swa_pages=8, retention="none"))
     o = Oracle(c)
     tokens = list(range(6))
     hit = c.match(tokens)
@@ -154,7 +155,8 @@ def test_admission_accounts_decode_growth_and_names_the_pool() -> None:
     assert not res.ok and "full pool" in res.reason and "needs 1 pages" in res.reason
     c.abort("a")
     c.check_invariants()
-    res = KVCache(audit_tokens=True, config=cfg(num_full_pages=5, num_swa_pages=2)).admit("c", tokens, KVCache(audit_tokens=True, config=cfg()).match([]), 0)
+    res = KVCache(audit_tokens=True, config=cfg(num_full_pages=5, num_swa_pages=2)).admit(
+        "c", tokens, KVCache(audit_tokens=True, config=cfg()).match([]), 0)
     assert not res.ok and "swa pool" in res.reason
 
 
@@ -284,8 +286,8 @@ def test_abort_frees_everything_and_inserts_nothing() -> None:
 
 
 def test_backup_evict_and_load_back_moves_full_pages_and_live_swa_only() -> None:
-    c = KVCache(audit_tokens=True, config=cfg(retention="none", num_full_pages=10, num_swa_pages=8, num_host_full_pages=16,
-                    num_host_swa_pages=8))
+    c = KVCache(audit_tokens=True, config=cfg(retention="none", num_full_pages=10, num_swa_pages=8,
+                                              num_host_full_pages=16, num_host_swa_pages=8))
     o = Oracle(c)
     a = list(range(33))
     serve(o, "a", a)  # 8 full pages, SWA on pages 6, 7 only

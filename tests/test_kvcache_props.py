@@ -58,7 +58,8 @@ def _apply(o: Oracle, op: str, r: int, history: list[list[int]], names: list[str
         if op == "turn" and history:
             prev = history[r % len(history)]
             tokens = prev + [70_000 + r % 11 + i for i in range(1 + r % 6)]
-        elif op in ("branch", "bserve") and history:  # leaves an earlier sequence at a page boundary: full KV, no checkpoint
+        elif op in ("branch", "bserve") and history:
+            # leaves an earlier sequence at a page boundary: full KV, no checkpoint
             prev = history[r % len(history)]
             cut = (r >> 3) % (len(prev) // cache.cfg.page_size + 1) * cache.cfg.page_size
             tokens = prev[:cut] + [80_000 + r % 13 * 10 + i for i in range(1 + r % 7)]

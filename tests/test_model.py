@@ -349,7 +349,8 @@ def test_tokenizer_json_and_template_from_model_dir(tmp_path):
     from tests.fixtures.tokenizers import write_byte_level_tokenizer
 
     write_byte_level_tokenizer(tmp_path)
-    tpl = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    tpl = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+           "{% if add_generation_prompt %}[assistant]{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
     tok = load_tokenizer(str(tmp_path))
     text = "<|im_start|>hello brown fox<|im_end|>"

@@ -34,8 +34,9 @@ from tests.test_engine import (
 )
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
-PRESSURED = dict(page_size=PAGE, bucket_edges=(), max_num_seqs=16, num_full_pages=72, num_swa_pages=36, num_host_full_pages=256, num_host_swa_pages=128,
-                 max_num_batched_tokens=64, l2_backup_watermark=0.3, l2_backup_pages=16, admission_decode_tokens=2)
+PRESSURED = dict(page_size=PAGE, bucket_edges=(), max_num_seqs=16, num_full_pages=72, num_swa_pages=36,
+                 num_host_full_pages=256, num_host_swa_pages=128, max_num_batched_tokens=64,
+                 l2_backup_watermark=0.3, l2_backup_pages=16, admission_decode_tokens=2)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ def entry(role: Role, iid: str, address: str = "", heartbeat_at: float = NOW) ->
 
 
 def test_serving_path_needs_a_worker_or_router_prefill_and_decode_with_an_address():
-    assert serving_path([], NOW).missing == ("a router", "a prefill worker", "a decode worker with a KV transfer address")
+    assert serving_path([], NOW).missing == ("a router", "a prefill worker",
+                                             "a decode worker with a KV transfer address")
     assert serving_path([entry(Role.WORKER, "w")], NOW).ready
     disagg = [entry(Role.ROUTER, "r"), entry(Role.PREFILL, "p"), entry(Role.DECODE, "d", address="ucx://d")]
     assert serving_path(disagg, NOW).ready

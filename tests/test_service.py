@@ -115,7 +115,8 @@ async def test_service_registers_answers_health_and_drains_before_deregistering(
     try:
         registry = await Registry.open(bus, bucket=subjects.registry_bucket("test_service"))
         assert [e.instance_id for e in await registry.list(Role.ROUTER)] == [svc.config.instance_id]
-        health = await bus.request(subjects.health("test_service", svc.config.instance_id), HealthRequest(), HealthReply, 2)
+        health = await bus.request(subjects.health("test_service", svc.config.instance_id), HealthRequest(),
+                                   HealthReply, 2)
         assert (health.role, health.state, health.in_flight) == (Role.ROUTER, ServiceState.RUNNING, 0)
 
         body = urllib.request.urlopen(svc.metrics_server.url, timeout=5).read().decode()

@@ -81,7 +81,8 @@ def test_streamed_content_holds_back_only_the_tool_call(split):
 def test_tools_and_tool_results_render_through_chatml_and_a_qwen_style_template():
     conversation = [*USER,
                     {"role": "assistant", "content": "", "tool_calls": [
-                        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
     tools = [t for t in TOOLS]
     for tok in (TOK, ByteTokenizer(QWEN_TOOLS_TEMPLATE)):
@@ -89,7 +90,8 @@ def test_tools_and_tool_results_render_through_chatml_and_a_qwen_style_template(
         assert '"name": "get_weather"' in text and "<tools>" in text
         assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in text
         assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
-    assert TOK.apply_chat_template(USER) == "<|im_start|>user\nweather in Paris? and 2+3<|im_end|>\n<|im_start|>assistant\n"
+    assert TOK.apply_chat_template(USER) == ("<|im_start|>user\nweather in Paris? and 2+3<|im_end|>\n"
+                                             "<|im_start|>assistant\n")
 
 
 def test_required_and_named_choices_become_tool_call_grammars():
@@ -176,7 +178,8 @@ def accumulate(deltas: list[dict]) -> list[dict]:
 # literal outputs in each format (hermes: what Qwen2.5 / Qwen3 write; xml: MiMo-V2.6's format as its chat template and
 # xgrammar's `mimo` builtin give it; string values raw, others JSON)
 OUTPUTS = {
-    HERMES: ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
+    HERMES: ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+             '\n</tool_call>\n'
              '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
     XML: ('Checking.\n<tool_call><function=get_weather><parameter=city>Paris</parameter><parameter=unit>c</parameter>'
           '</function></tool_call><tool_call><function=add><parameter=a>2</parameter><parameter=b>3</parameter>'
@@ -200,7 +203,8 @@ def test_streamed_calls_accumulate_to_the_whole_parse_for_any_split(fmt):
         assert streamed == "Checking.\n" and "<" not in streamed  # the markup never leaks into content
         firsts = [d for d in deltas if "id" in d]  # each call announced once: index, id, type, name, arguments ""
         assert [(d["index"], d["type"], d["function"]) for d in firsts] == [
-            (0, "function", {"name": "get_weather", "arguments": ""}), (1, "function", {"name": "add", "arguments": ""})]
+            (0, "function", {"name": "get_weather", "arguments": ""}),
+            (1, "function", {"name": "add", "arguments": ""})]
     per_char = stream_all(fmt, text, list(text))[2]
     assert sum(1 for d in per_char if d["function"].get("arguments") and d["index"] == 0) > 2  # fragments, not whole
 
@@ -210,7 +214,8 @@ def test_the_chat_template_selects_the_tool_call_format():
     assert tool_format_for(XML_TOOLS_TEMPLATE) == XML
     tok = ByteTokenizer(XML_TOOLS_TEMPLATE)  # and the xml template renders earlier calls the same way
     history = [*USER, {"role": "assistant", "content": "Checking.\n", "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}},
+        {"id": "c0", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}},
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
     assert OUTPUTS[XML] + "<|im_end|>" in tok.apply_chat_template(history, add_generation_prompt=False, tools=TOOLS)
 

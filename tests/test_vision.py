@@ -112,7 +112,8 @@ def dense_mask(grids, vc: VisionConfig, kind: str) -> torch.Tensor:
         return same
     if kind == "window":
         ws = vc.window_tokens
-        return same & ((c[:, None, 2] // ws) == (c[None, :, 2] // ws)) & ((c[:, None, 3] // ws) == (c[None, :, 3] // ws))
+        return (same & ((c[:, None, 2] // ws) == (c[None, :, 2] // ws))
+                & ((c[:, None, 3] // ws) == (c[None, :, 3] // ws)))
     # band: rank of each patch in the frame's row- or column-major merged order (units of m*m patches)
     wm = torch.tensor([grids[int(i)][2] // m for i in c[:, 0]])
     hm = torch.tensor([grids[int(i)][1] // m for i in c[:, 0]])
@@ -226,7 +227,8 @@ def test_loader_names_missing_and_misshaped_tensors(tmp_path):
         load_vision_tower(tmp_path / "a", MIMO)
     (tmp_path / "b").mkdir()
     _save(src, tmp_path / "b")
-    with pytest.raises(CheckpointError, match=r"visual.blocks.0.attn.proj.weight: checkpoint shape \(32, 64\) != expected \(32, 32\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"visual.blocks.0.attn.proj.weight: checkpoint shape \(32, 64\) != expected \(32, 32\)"):
         load_vision_tower(tmp_path / "b", replace(MIMO, head_dim=8))
     with pytest.raises(CheckpointError, match="unexpected vision tensor visual.blocks.1.attn.sinks"):
         load_vision_tower(tmp_path / "b", replace(MIMO, use_sink=False))

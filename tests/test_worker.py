@@ -154,7 +154,8 @@ def test_chunks_carry_usage_only_when_final_and_logprobs_stay_finite():
 @pytest.mark.unit
 def test_outcomes_count_final_chunks_only():
     outcomes = Outcomes()
-    for reason in (None, WireFinishReason.STOP, WireFinishReason.LENGTH, WireFinishReason.ABORT, WireFinishReason.ERROR, None):
+    for reason in (None, WireFinishReason.STOP, WireFinishReason.LENGTH, WireFinishReason.ABORT,
+                   WireFinishReason.ERROR, None):
         outcomes.observe(TokenChunk(request_id="r", finish_reason=reason,
                                     error="x" if reason is WireFinishReason.ERROR else None))
     assert outcomes.as_dict() == {"accepted": 0, "refused": 0, "finished": 2, "aborted": 1, "failed": 1}
@@ -262,7 +263,8 @@ async def assert_engine_at_baseline(svc) -> None:
 
 def generate_request(namespace: str, request_id: str, tokens: list[int], max_tokens: int,
                      decode_instance: str = "") -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream(namespace, request_id),
+    return GenerateRequest(request_id=request_id, token_ids=tokens,
+                           stream_subject=subjects.stream(namespace, request_id),
                            sampling=WireSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                            decode_instance=decode_instance)
 

@@ -6,27 +6,12 @@
     view.live(time.time())                  # the fresh entries, sorted by key
     await view.stop()
 
-How it stays right:
-- **Watch**: `Registry.watch(refreshes=True)` delivers every put (joins, heartbeat refreshes carrying the new
-  load) and every leave marker (deregistration, TTL expiry on the server).
-- **Listings** resync it: one at start, one after every watch error (then the watch restarts, with backoff),
-  one every `resync_interval_s` (a watcher that went quiet after a reconnect is not noticed otherwise). A
-  listing and the watch race: a key the watch changed while the listing ran keeps the watch's version.
-- **Freshness**: an entry whose heartbeat is older than its TTL is dropped (`RegistryEntry.fresh`), whatever
-  the store says or whether its leave marker was seen: a SIGKILLed instance leaves the view within its TTL
-  (+ `slack_s` + one `prune_interval_s`), and a stale entry of an earlier run never joins.
-- **A watch that went quiet** (its consumer lived on a NATS node that died; it delivers nothing until it is
-  recreated) must not make live instances leave: before an entry is dropped for its age the store is listed
-  (at most every `stale_check_s`). If the listing holds a fresh heartbeat the view held a stale one for, the
-  watch missed refreshes: the entry stays and the watch is restarted (`watch_stalls`). An instance that really
-  died has no fresher heartbeat in the store and is dropped as before.
-- **While the registry cannot be written** (a NATS node died and the registry stream elects a new leader:
-  several seconds in which no heartbeat can be put), entries would all expire and routers would refuse every
-  request while the workers serve. A view given `outages` (the windows in which this process's own heartbeats
-  failed: `Registration.unwritable`) does not count that time against any entry's age, up to
-  `outage_keep_s`. A worker that dies meanwhile is failed over by the gateway (docs/gateway.md).
-
-Every wait is bounded (`list_timeout_s`); listeners run synchronously in the view's task and must not block.
+Promises: listings resync the watch (at start, after a watch error, every `resync_interval_s`); only fresh
+entries are live, so a dead instance leaves within its TTL (+ `slack_s`); an entry is dropped for its age
+only if the store has no fresher heartbeat; time this process could not write heartbeats (`outages`) does
+not age entries, up to `outage_keep_s`. Every wait is bounded; listeners run in the view's task and must
+not block. Rules: docs/reliability.md, "Registry freshness rule" and "A NATS node dies: the registry's
+election".
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The torch side of GCache (L3): the byte layout of L3 values, copying a finishing sequence's KV out (the
 write-back's engine-thread half) and writing fetched values into host-tier pages (the import's).
 
-Values, per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`), made of page records (one
-page of a layer group: its K [layers, page, kv heads, head dim], then its V, in the pool dtype):
-- full value `F:<hash of b>`: the record of block b's full-attention page (`ValueLayout.full_bytes`);
-- SWA checkpoint `S:<hash of b>`: the records of the SWA pages of the window ending at b, in page order,
-  w = min(window pages, b + 1) of them (`ValueLayout.swa_bytes`); written at a sequence's last full block and
-  every `checkpoint_every_pages` pages the cache retained (`L3Export`).
-The bookkeeping (which hit to take, what it costs in bytes) is pure: libs/kvcache/gcache_tier.py.
+Per page-aligned block b (keys: libs.gcache.keys under `l3_namespace`) L3 holds a full value `F:<hash>` (the
+block's full-attention page of every layer, K then V, in the pool dtype) and, where `L3Export` writes one,
+an SWA checkpoint `S:<hash>` (the SWA pages of the window ending at b); sizes in `ValueLayout`. The pure
+bookkeeping (which hit to take, bytes per token) is libs/kvcache/gcache_tier.py. Details: docs/kvcache.md,
+"Engine integration (L3)".
 """
 
 from __future__ import annotations
@@ -224,13 +222,11 @@ class L3Export:
     """The scheduler's `on_finish` hook: copies a finishing sequence's new L3 values out of the device pools and
     hands them to `sink` (the worker's bounded write-back queue; False = full, the batch is dropped).
 
-    What it writes: the full value of every page-aligned computed block not in `known`, and the SWA checkpoints
-    `libs.kvcache.l3_checkpoints` names that are not in `known`: the one at the last full block (the window a
-    finished sequence always still holds) and, with the cache's `checkpoint_every_pages`, one every that many
-    pages whose window the cache's retention kept (periodic checkpoints, best effort: a window the cache took
-    back is not written). Engine-thread cost per finish: the block hashes (cached on the sequence), a lookup per
-    block in `known`, and one gather per pool tensor of the new pages (on CUDA four indexed-copy kernels and an
-    event, asynchronous; on CPU a memcpy of their bytes)."""
+    It writes the full value of every page-aligned computed block not in `known`, and the SWA checkpoints
+    `libs.kvcache.l3_checkpoints` names that are not in `known`: always the one at the last full block and,
+    with `checkpoint_every_pages`, the periodic ones whose window the cache still kept (best effort). On the
+    engine thread it costs a lookup per block and one gather per pool tensor of the new pages.
+    """
 
     def __init__(self, kv: KVPools, cache, namespace: str, known: KnownBlocks,
                  sink: Callable[[WriteBack], bool],

@@ -1,21 +1,12 @@
 """Grammar-constrained decoding with xgrammar: structured outputs (`response_format`) and forced tool calls.
 
-    GrammarSpec (pure, on the wire)  --grammar_ebnf-->  EBNF text (no tokenizer needed: the gateway validates
-    with it)  --GrammarCache.compile-->  CompiledGrammar (per tokenizer, cached by `spec_key`, an xxhash of the
-    spec's canonical form)  -->  one GrammarMatcher per sequence (GrammarBook). A `structural_tag` spec (tool
-    calls: free text or a call, other call formats) is an xgrammar structural tag, converted to EBNF by xgrammar.
-
-Per step, only the constrained rows of a batch are touched: each one's matcher fills its row of a token bitmask
-and the mask is applied to those rows alone (`apply_token_bitmask_inplace(indices=...)`); after sampling each
-matcher accepts its sampled token. A matcher catches up on output tokens it has not seen before it fills a mask,
-so a disaggregated decode engine, whose sequence starts with the first token the prefill worker sampled under the
-same grammar, rebuilds its matcher from the wire parameters and the prompt-side state (that token) alone; a
-preempted sequence keeps its matcher (its output tokens stay).
-
-Schemas become EBNF with compact separators (", " and ": ", no free whitespace: with free whitespace a weak
-model can emit blanks until max_tokens). xgrammar 0.2.9 lets raw control characters (U+0000-U+001F) into
-length-bounded strings (`maxLength`), which no strict JSON parser accepts, and UTF-16 surrogates (encoded as
-three bytes: not UTF-8) into every string: `_fix_string_chars` narrows those character classes.
+A `GrammarSpec` (pure, on the wire) becomes EBNF (`grammar_ebnf`, no tokenizer needed: the gateway
+validates with it), then a `CompiledGrammar` per tokenizer (`GrammarCache`, keyed by `spec_key`), then one
+matcher per sequence (`GrammarBook`). Per step only the constrained rows of a batch are masked. A matcher
+catches up on output tokens it has not seen, so a disaggregated decode engine rebuilds it from the wire
+parameters and the first token, and a preempted sequence keeps it. Schemas compile with compact separators
+and no free whitespace; `_fix_string_chars` keeps control characters and surrogates out of strings, which
+xgrammar would let in. Details: docs/gateway.md, "Structured outputs".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Executing KV page copies between the device pools and the host (L2) pools (the torch side; the
 bookkeeping, which pages go where, is libs/kvcache/tiers.py).
 
-Backups (device -> host) run synchronously at the start of a step, before anything can reuse
-the backed-up device pages. Load-backs (host -> device) run layer by layer on a copy worker so
-that loading layer i+1 overlaps computing layer i: the model's decoder layer i waits (through a
-forward pre-hook) only for layer i's copies. On CUDA the worker issues copies on a side stream
-and the compute stream waits on a per-layer event; on CPU a copy thread sets a per-layer
-threading.Event (torch releases the GIL inside the copy kernels, so some overlap is real).
+Backups (device -> host) run synchronously at the start of a step, before anything can reuse the backed-up
+device pages. Load-backs (host -> device) run layer by layer on a copy worker (a side stream on CUDA, a
+thread on CPU), and decoder layer i waits, through a forward pre-hook, only for layer i's copies, so
+loading overlaps computing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Image / video embedding rows attached to an engine request (#16).
 
-A multimodal prompt arrives in the *hash view* (libs/mm/placeholders.py): the pad positions of item i carry pseudo tokens
-``mm_token(mm_hash, k)``, which the prefix cache hashes like any token (so two images never share KV). The model
-cannot look those ids up: the runner maps them to the pad id (`model_token_ids`) and overwrites the embedding
-output at those positions with the rows of `MMEmbeddings`, indexed by position (row k of an item at prompt
-position offset + k). A chunk that starts inside an image (chunked prefill, or a prefix hit that covers part of
-it) therefore takes exactly its own rows; a hit that covers a whole image needs none of them.
-
+A multimodal prompt arrives in the *hash view* (libs/mm/placeholders.py): item pad positions carry pseudo
+tokens ``mm_token(mm_hash, k)``, which the prefix cache hashes like any token (two images never share KV).
+The runner maps them to the pad id (`model_token_ids`) and overwrites the embedding output there with the
+rows of `MMEmbeddings`, indexed by position, so a chunk starting inside an image takes exactly its own rows.
 The rows stay with the request while it lives: a preempted request recomputes its prompt from them.
 """
 

@@ -1,17 +1,11 @@
 """MTP speculative decoding: draft with the model's MTP layers, verify in one target forward, accept exactly.
 
-Scheme (docs/mtp.md). MTP block j at position i reads the embedding of token i+1+j and the hidden state of the
-stage before it at i (block j-1's output; the target's final-norm hidden for j = 0) and predicts token i+2+j;
-its K/V at position i lives in SWA-pool layer ``n_swa + j`` (the dual pools carry the draft layers, so the
-same page ids, admission promises, eviction, L2 copies and KV shipping cover them). After a step committed a
-sequence's positions up to ``hi`` (its last token ``t[hi+1]`` has no KV yet), block j runs over ``[lo, hi]``
-and its row at ``hi`` gives draft ``d[j+1]`` (token ``hi + 2 + j``); block j's inputs at the last j positions
-are drafts, so those rows are provisional and recomputed by the next step: ``lo = start - (k - 1)``, for which
-the last k - 1 target hidden states of every sequence are kept here (`HiddenRing`).
-
-Verification: the next decode step writes the sequence's last token and its k drafts (k + 1 positions, the
-chunked-prefill path) and takes logits at all of them; greedy acceptance keeps the leading drafts that equal
-the argmax and emits the argmax after them, so outputs equal decoding without MTP token for token.
+MTP block j at position i reads token i+1+j and the previous stage's hidden state at i and predicts token
+i+2+j; its K/V lives in SWA-pool layer ``n_swa + j``, so pages, admission, eviction, L2 copies and KV
+shipping cover the draft layers unchanged. The last k - 1 target hidden states of every sequence are kept
+(`HiddenRing`) because the rows that read drafts are provisional and recomputed next step. The next decode
+step verifies the last token and its k drafts in one forward; greedy acceptance (`greedy_accept`) makes
+outputs equal to decoding without MTP, token for token. Scheme: docs/mtp.md, "The scheme".
 """
 
 from __future__ import annotations
@@ -216,7 +210,8 @@ def run_chain(model, spans: Sequence[DraftSpan], hidden: Sequence[torch.Tensor],
             prev[b] = h[offs:offs + n]
             offs += n
         drafting = [spans[b].req_id for b in live if spans[b].drafting]
-        for req_id, d in zip(drafting, choose(drafting, logits, [drafts[r] for r in drafting]) if drafting else (), strict=True):
+        chosen = choose(drafting, logits, [drafts[r] for r in drafting]) if drafting else ()
+        for req_id, d in zip(drafting, chosen, strict=True):
             drafts[req_id].append(int(d))
     return drafts
 

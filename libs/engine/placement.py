@@ -1,8 +1,8 @@
 """Where an engine computes: torch's intra-op threads, and optionally the CPUs its step thread may run on.
 
 A small CPU host runs the engine beside its own event loop, the bus client and other services' processes. As
-many compute threads as cores then fight those for the same cores (vLLM's CPU build measured 2.7x slower with
-both of two cores bound to compute); the automatic default leaves one core to the rest.
+many compute threads as cores would fight those for the same cores, so the automatic default leaves one core
+to the rest.
 """
 
 from __future__ import annotations

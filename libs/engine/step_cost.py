@@ -2,13 +2,11 @@
 
     seconds ~= fixed + per_token * new_tokens + per_pair * attention_pairs + per_seq * prefill_sequences
 
-where attention_pairs = sum over sequences of q_len * kv_len (the query/key pairs attention visits) and
-prefill_sequences counts the step's prefill chunks: each brings its own attention block and planning, a cost
-independent of its length (on the CPU reference a 7-token chunk next to a 48-token prefill adds ~25%). The
-engine reports every step's measured time; the model refits by least squares over a sliding window.
-The scheduler uses it to size long-bucket prefill chunks in *time*, not tokens: on small models or CPUs a
-step has a large fixed cost, and a long chunk's tokens cost more than short ones (they attend a long
-context), so a token-proportional cap misjudges both.
+where attention_pairs = sum over sequences of q_len * kv_len and prefill_sequences counts the step's prefill
+chunks (each has a cost independent of its length). The engine reports every step's measured time; the
+model refits by least squares over a sliding window. The scheduler uses it to size long-bucket prefill
+chunks in time rather than tokens, since fixed per-step cost and long-context attention make a token count
+a poor proxy.
 """
 
 from __future__ import annotations

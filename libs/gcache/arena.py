@@ -1,24 +1,12 @@
 """`SegmentArena`: reusable (and optionally pre-faulted) memory for GCache value buffers.
 
-Why: on the dev VM the first touch of fresh memory costs about 2-3 ms per MiB (a page fault per 4 KiB page),
-more than moving the bytes: a 64 MiB put into a fresh `bytearray` spent ~150 ms faulting against ~25 ms of
-transfer. Raw UCX receives into buffers it already touched. So a node's put slots and a client's get landing
-buffers come from one anonymous mapping, carved into fixed-size segments, reused once freed:
-
-- `alloc(size)` bump-allocates in the open segment (from its start again once all its buffers are gone); when
-  the value does not fit its rest, that segment is closed (its rest stays unused until it empties) and the next
-  free segment is opened, touched ones first. A value larger than a
-  segment, or no free segment left, gives None: the caller allocates on its own (`Allocator` below does).
-- A buffer is a writable memoryview over a numpy slice of the mapping; a `weakref.finalize` on that slice
-  counts it free when the last reference to it goes (the caller's memoryview, a memoryview of it, a tensor
-  over it, an in-flight send all keep it alive), so a segment is reused only when nothing can read or write
-  any of its bytes. A segment whose values are all freed goes back to the free list (already faulted).
-- `prefault()` (a daemon thread) populates the page tables of the whole mapping with
-  madvise(MADV_POPULATE_WRITE), which writes no data: safe beside buffers in use. Without it pages fault on
-  first use, once; every reuse after that is free.
-
-Thread-safe (finalizers run on whichever thread drops the last reference). Memory: the mapping is `capacity`
-bytes of address space, resident as it is touched; a segment pinned by one live value keeps its whole size.
+A node's put slots and a client's get landing buffers come from one anonymous mapping carved into
+fixed-size segments, so a transfer lands in memory that is already faulted. `alloc(size)` bump-allocates
+in the open segment and returns None for a value larger than a segment or when no segment is free (then
+`Allocator` allocates on its own). A segment is reused only when no reference to any of its buffers is
+left (a `weakref.finalize` per buffer). `prefault()` populates the mapping's page tables on a daemon thread
+without writing data. Thread-safe. Memory: `capacity` bytes of address space, resident as touched; one
+live value pins its whole segment. Rationale: docs/gcache.md, "Value memory".
 """
 
 from __future__ import annotations

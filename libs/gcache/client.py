@@ -8,19 +8,11 @@
     client.put_nowait([(key, value)])    # write-back: queued or dropped, never blocks
     await client.close()
 
-Threads and loops: each IO thread (`GCacheConfig.io_threads`) runs its own asyncio loop with its own NATS
-connection, transfer engine, registry view and ring; a call from any loop or thread hops onto one of them
-(`run_coroutine_threadsafe` + `wrap_future`), so neither the caller's loop nor an engine thread ever runs
-GCache IO or waits on it beyond the awaited call.
-
-Failure contract (`BlockStore`): every call is bounded by `op_timeout_s`; a node that is dead, unreachable,
-slow, or answers nonsense yields misses (`exists` False, `get` None, `put` False), counted in `stats`, never an
-exception or a hang. The ring follows the registry (`RegistryView`, role cache, fresh entries only), so a
-node whose entry goes leaves the ring within the registry TTL.
-
-Batching: one NATS request and at most one transfer per node per call (split at the messages' 4096-key limit).
-Replication 2: `put` writes both successors (True if any stored it), `exists` asks both (True if either
-has it), `get` reads the first successor and asks the second only for what the first missed.
+All GCache IO runs on the client's own IO threads (`io_threads`), never on the caller's loop or an engine
+thread. Failure contract: every call is bounded by `op_timeout_s`; a dead, unreachable, slow or confused
+node yields misses, counted in `stats`, never an exception or a hang. The ring follows the registry, so a
+node whose entry goes leaves it within the registry TTL. Replication 2: `put` writes both successors,
+`get` asks the second only for what the first missed. Details: docs/gcache.md, "Contract".
 """
 
 from __future__ import annotations

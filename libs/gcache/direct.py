@@ -1,41 +1,13 @@
-"""The direct path: puts and gets without NATS or transfer headers (docs/gcache.md, "The direct path").
+"""The direct path, client side: puts and gets to a node without NATS or transfer headers.
 
-On a UCX transfer engine a client's put or get to one node is
+Holds the MESSAGE codec and `DirectCalls`, the client side of one IO thread: MESSAGE frames on the engine's
+control connection to the node, one tagged UCX message per value, each value hashed once per call.
 
-- MESSAGE frames (`libs.transfer`, "Messages") on the engine's persistent control connection to the node
-  (dialled once per (IO thread, node), cached by the engine; its UCX endpoint comes with it), and
-- one tagged UCX message per value (per slice of at most `message_bytes` of a larger one), on that
-  connection's endpoint, tag `message_tag(connection nonce, message id, index)` (index: running over the
-  batch's messages in value order; values of 0 bytes have none),
-
-with no HEADER / ACCEPT round trip, no LAYER frames, no END / DONE:
-
-```
-put   client ── MESSAGE {op: put, chunk, items[key, size]} ──▶ node: begin_put per item, a receive posted per
-             ══ every value, sent at once ══▶                    message (a refused item's into scratch memory)
-             ── MESSAGE {op: sums, sums[]} ──▶                   every message landed and the sums came →
-             ◀── MESSAGE {stored[]} ──                           commit with those sums as the checksums
-get   client ── MESSAGE {op: get, chunk, keys} ──▶ node: lookup; reply at once, send every value at once
-             ◀── MESSAGE {sizes[], check} ──       and hash its memory values meanwhile (a disk value was
-             ◀══ the found values ══               verified on read); a value whose hash fails is dropped
-             ◀── MESSAGE {bad[]} ── (when check)   there and named in `bad`: the client returns it as a miss
-```
-
-Each value is hashed once per put and once per get, by the side that holds it at rest, while its bytes are in
-flight: the client hashes its values on a thread as they go (their sums follow in a second message), the node
-hashes what it sends. A value is one UCX message because each message costs a completion handed from ucxx's
-progress thread to the loop (docs/gcache.md, "Throughput"), and because a receiver can only hash a message
-once all of it landed.
-
-This module holds the message codec and `DirectCalls`, the client side of one IO thread.
-
-Failure contract: a call fails (its keys become misses) when the control connection drops (the node died: its
-socket closes at once, which shared-memory UCX cannot report), when the node answers an error or nonsense,
-or past the caller's deadline. A failed call's posted receives and issued sends are given `drain_timeout_s` to
-finish; if they do not, the connection is dropped, which closes the endpoint and cancels them — so no buffer
-is read or written by UCX after that (a landing buffer is referenced until then, so the arena cannot reuse
-it). A reply to a call that was given up (its get's sizes) is drained into scratch memory, so the node's sends
-never stay pending. A put's sums are sent even when its caller gave up: the node holds the put until they come.
+Failure contract: a call fails (its keys become misses) when the connection drops, the node answers an
+error or nonsense, or the caller's deadline passes. A failed call's UCX requests get `drain_timeout_s`,
+then the connection is dropped, so UCX touches no buffer afterwards; unwanted replies are drained into
+scratch memory; a put's sums are sent even when its caller gave up. Protocol: docs/gcache.md, "The direct
+path".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The consistent-hash ring that maps GCache keys to storage nodes (pure: no IO).
 
 Each node owns `virtual_nodes` points on a 64-bit ring (xxh64 of "<node>#<i>", fixed seed, so every client
-agrees). Plain virtual nodes leave a node's share of keys spread by about 1/sqrt(virtual_nodes) (±12 % at
-64: one node of eight routinely holds 20 % too much), so a key is hashed at `PROBES` points too
-(multi-probe consistent hashing) and belongs to the node whose point follows one of its probes most closely.
-That keeps every node within a few percent of its fair share at 64 virtual nodes, and keeps the property
-that makes the ring consistent: a key's distance to a node depends only on that node's points, so a join
-moves only the keys the new node now wins, and a leave only the keys of the node that left.
-
-`successors(key, n)` ranks distinct nodes by that distance: the first is the key's home, the second its
-replica (replication factor 2).
+agrees); a key is hashed at `PROBES` points (multi-probe consistent hashing) and belongs to the node whose
+point follows one of its probes most closely, which keeps every node near its fair share. A key's distance
+to a node depends only on that node's points, so a join moves only the keys the new node wins, a leave only
+the keys of the node that left. `successors(key, n)` ranks distinct nodes by that distance: the first is
+the key's home, the second its replica. Details: docs/gcache.md, "Replication and the ring".
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_HASH_SEED", "MIMO_V25_PRO", "POLICIES", "AdmitResult", "ArenaPlan", "ArenaStats", "BlockHeld",
     "CacheSnapshot", "CacheStats", "Direction", "EventKind", "Group", "HostImport", "KVCache",
     "KVCacheConfig", "KVEvent", "KVLayout", "PageCopy", "PoolPlan", "PoolStats", "PoolUsage", "PrefixHit",
-    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "l3_checkpoint_ends", "l3_checkpoints", "l3_footprint", "l3_hit_end", "plan_arena", "plan_pools", "rebuild_span",
+    "RebuildStats", "RetentionContext", "RetentionPlan", "Tier", "block_hashes", "l3_checkpoint_ends",
+    "l3_checkpoints", "l3_footprint", "l3_hit_end", "plan_arena", "plan_pools", "rebuild_span",
     "register_policy",
 ]

@@ -8,13 +8,11 @@ Engine protocol: match -> admit -> (reserve -> forward -> commit)* -> finish | a
       |-- Evictor      evictor.py    full-LRU and SWA-LRU heaps (which node goes next)
       |-- Running      running.py    sequence views, promises, the sliding window, the lazy queue
       |-- ReuseStats   retention.py  checkpoint kinds stored / reused, cold kinds, rebuild counts
-      |-- LowerTier[]  tiers.py      host tier (L2) pools and copies; GCache (L3) plugs in here
+      |-- LowerTier[]  tiers.py      host tier (L2) pools and copies (L3 imports land in its pages)
       `-- EventLog     events.py     numbered KVEvents
 
-Accounting (per device pool): free + cached + in_use == capacity, where cached = tree pages nobody locks
-(evictable) and in_use = locked tree pages + pages private to running sequences. Admission promises each
-running sequence its lifetime growth (`reserved`), and nothing is handed out unless free + cached stays
->= reserved, so an admitted sequence's reserve() of a page-sized chunk or a decode token never fails.
+Promise: per device pool free + cached + in_use == capacity, and admission reserves each running sequence's
+lifetime growth, so an admitted sequence's `reserve()` never fails.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def swa_evictable(n: Node) -> bool:
 
 
 def full_key(n: Node) -> int:
-    """Full LRU order over leaves. (A cold-first order here measured no gain: the SWA LRU already drops a cold
-    leaf's checkpoint first, and the tombstone leaf then leaves the tree with its full pages.)"""
+    """Full LRU order over leaves. (No cold-first order needed: the SWA LRU already drops a cold leaf's
+    checkpoint first, and the tombstone leaf then leaves the tree with its full pages.)"""
     return n.access
 
 

@@ -1,28 +1,11 @@
 """The page ledger: the two device pools and the accounting of every device page.
 
-A device page of either group is in exactly one state (free, private to a running sequence, lazy, in the tree,
-in the tree and locked), and only the ledger's transitions move it:
-
-    grant              free -> private               reserve
-    slide_swa          private -> free | lazy        commit: SWA pages leaving the window
-    from_lazy          lazy -> private | free        finish; the cache taking lazy pages back
-    free_private       private -> free               finish / abort; duplicates at insert
-    to_tree            private -> tree               insert (healing: maybe straight to locked)
-    lock               tree <-> tree, locked         hits and running sequences (negative: unlock)
-    load               free -> tree, locked          a hit bringing a node back from a lower tier
-    free_tree[_swa]    tree -> free                  eviction
-    promise            reserved += n                 admission, growth, finish
-
-so per pool free + cached + in_use == capacity, with cached = unlocked tree pages (+ lazy SWA pages) and
-in_use = locked tree pages + private pages. `reserved` is what admission promised running sequences for their
-growth; nothing is handed out unless free + cached stays >= reserved (`avail_*`).
-
-Callers pair a transition with their own record of where the pages went (a node, a sequence's page table)
-within one cache operation; the ledger checks both agree in `check_invariants`. Transitions are per operation
-(counts and page arrays), never per page. The two static pools sit behind this interface: one byte arena
-shared by both groups (issue #13) is `ArenaLedger`: the same transitions and page ids, but one unit budget
-decides what fits (`fits`, `has_free`, `avail_*`), so the callers did not change beyond asking `fits` for
-both groups at once.
+A device page is in exactly one state (free, private, lazy, in the tree, locked in the tree) and only the
+ledger's transitions move it, per operation, never per page; so per pool free + cached + in_use ==
+capacity. Nothing is handed out unless free + cached stays >= `reserved` (what admission promised running
+sequences). Callers pair each transition with their own record of the pages; `check_invariants` checks
+both agree. `ArenaLedger` keeps the interface over one unit budget for both groups. Details:
+docs/kvcache.md, "Parts" and "One arena".
 """
 
 from __future__ import annotations
@@ -260,15 +243,13 @@ class UnitPagePool(PagePool):
 
 class ArenaLedger(PageLedger):
     """Both groups on one arena of `units`: a full page takes `fu` units, an SWA page `su`, and any free unit
-    serves either group. The page ids stay per group (id pools as large as the arena could hold of that
-    group, so ids never run out before units do); free units are derived from the pages handed out, so the
-    transitions are the static ledger's and only the reads below differ.
+    serves either group (each page id maps to its units in `unit_table`, so there is no fragmentation).
 
-    Physically each page id maps to the units it holds (`unit_table`): the engine's KV buffer is indexed by
-    unit, so any free unit serves either group without fragmentation (docs/kvcache.md, "One arena").
-
-    Units free + cached + in use == arena; promises (`reserved`) are held in units too, so a promise of SWA
-    pages can be kept with bytes that full KV had cached, and the other way round."""
+    Page ids stay per group and never run out before units do; the transitions are `PageLedger`'s, only the
+    reads (`fits`, `has_free`, `avail_*`) count units. Units free + cached + in use == arena, and promises
+    (`reserved`) are held in units, so bytes either group had cached can keep a promise of the other.
+    Details: docs/kvcache.md, "One arena".
+    """
 
     __slots__ = ("_units", "_fu", "_su", "_free_units")
 

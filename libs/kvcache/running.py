@@ -46,7 +46,8 @@ class Running:
         self.seqs: dict[str, SeqAllocation] = {}
         # (stamp, page index, seq id), oldest first: stamps are the clock when the page left its window, so
         # appending keeps the queue sorted (no heap needed). An entry is stale once the index left seq.lazy. Ids,
-        # not SeqAllocation objects: a stale entry must not keep a finished sequence (and its token list) alive for the GC.
+        # not SeqAllocation objects: a stale entry must not keep a finished sequence (and its token list) alive
+        # for the GC.
         self._lazy_q: deque[_LazyEntry] = deque()
 
     # ------------------------------------------------------------------ admission
@@ -87,7 +88,8 @@ class Running:
         self._ledger.promise(seq.full_cap, seq.swa_cap)
         return AdmitResult(True, "", seq.full_cap, seq.swa_cap)
 
-    def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None, max_new: int) -> SeqAllocation:
+    def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None,
+                 max_new: int) -> SeqAllocation:
         """The sequence view of an admission. Full pages: the hit's tree pages [0, full_tokens), private after.
         SWA pages: its own from `hit.tokens` on (a rebuild hit reads none of the tree's)."""
         hp = hit.full_tokens // self.P

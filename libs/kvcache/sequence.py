@@ -1,25 +1,10 @@
 """The per-sequence view: one logical token sequence over both pools.
 
-Full-pool pages are authoritative: `full[j]` is the page of logical page j for every computed (or reserved)
-page. `swa[j]` maps the same logical page to an SWA page, or -1 where no SWA KV is held (it slid out of the
-window and was freed). Pages j < hit_pages belong to the prefix tree (locked by this sequence); the rest are
-the sequence's own until `finish` hands them to the tree or frees them.
-
-    logical pages   0 .. hit_pages-1 | hit_pages ..................... len(full)-1
-    full            tree (locked)    | private
-    swa             -1 ... tree(win) | -1 -1 -1 (freed) ... ckpt ... lazy ... -1 [window + page]
-
-A rebuild hit (full KV cached up to E, no SWA checkpoint near it) starts the sequence at R < E: the tree's full
-pages cover [0, E) (hit_pages = E / page) and the sequence owns SWA pages from `swa_from` = R / page on. The
-SWA KV of its pages below `scratch_end` = E / page - window pages is scratch (inexact: missing context before
-R); it is freed as the window slides and never retained or inserted.
-
-    logical pages   0 .. swa_from-1 | swa_from .. scratch_end-1 | .. hit_pages-1 | hit_pages ..
-    full            tree (locked)                                                | private
-    swa             -1              | scratch (window only)     | exact (window, checkpoints) ...
-
-`lazy` pages are checkpoint pages of cold kinds kept after they left the window: the cache may take them back
-at any time (they count as cached, not in use), so they never add to what the sequence is promised.
+`full[j]` is the full-pool page of logical page j (authoritative); `swa[j]` its SWA page, or -1 where no
+SWA KV is held. Pages j < hit_pages belong to the prefix tree, locked by this sequence; the rest are its own
+until `finish` hands them to the tree or frees them. After a rebuild hit, SWA KV below `scratch_end` is
+inexact scratch, never retained or inserted. `lazy` pages are checkpoints the cache may take back at any
+time, so they never add to what the sequence is promised. Details: docs/kvcache.md, "Parts".
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Lower KV tiers: copies of tree nodes below the device pools. The host tier (L2) today; GCache (L3, a
-distributed store) is the next one.
+"""Lower KV tiers: copies of tree nodes below the device pools (the host tier, L2).
 
 The seam is `LowerTier`: the prefix index calls every tier when a node splits or leaves the tree, the front
 asks them to back up cold device nodes and for their pool usage, and a hit that reaches a node off the device
-asks the node's tier for the copies that load it. A tier keeps its own pools and page ids; the engine executes
-the `PageCopy` lists (torch, in `libs/engine/host_tier.py`), this module only does the bookkeeping.
-
-The L2 copy of a node is recorded on the node itself (`Node.host_full` / `host_swa`: the hit-validity scan of
-`match` reads them on the hot path); `HostTier` is the only writer of those fields.
+asks the node's tier for the copies that load it. A tier keeps its own pools and page ids; this module only
+does the bookkeeping (the engine executes the `PageCopy` lists: libs/engine/host_tier.py). `HostTier` is the
+only writer of a node's L2 fields (`Node.host_full` / `host_swa`). GCache (L3) imports land in host-tier
+pages.
 """
 
 from __future__ import annotations

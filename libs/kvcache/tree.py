@@ -1,13 +1,11 @@
 """Radix-tree nodes over page-aligned token blocks, and the pure structural helpers (walk, split).
 
-Nodes are keyed by block hash, not by tokens: the chained xxhash64 of a page identifies the page and its whole
-prefix, so a node stores one 8-byte hash per page instead of a copy of its tokens (the copy was the largest cost
-of inserting a sequence nothing reuses), and a child is found by its first page's hash.
-
-A node holds a run of whole pages: its block hashes (the key), full-pool page ids (None when the node lives only in the host
-tier), SWA page ids per page (-1 = no SWA KV, a tombstone page) and its host copies.
-`lock` counts the hits / running sequences whose prefix passes through the node (so every ancestor of a locked
-node is locked too); `swa_lock` counts those whose last window covers the node (its SWA pages are being read).
+Nodes are keyed by block hash (the chained xxhash64 of a page identifies the page and its whole prefix), so a
+node stores one 8-byte hash per page, not its tokens, and a child is found by its first page's hash. A node
+holds a run of whole pages: block hashes, full-pool page ids (None when it lives only in the host tier), SWA
+page ids (-1: a tombstone page) and host copies. `lock` counts the hits / running sequences whose prefix
+passes through the node (every ancestor of a locked node is locked too); `swa_lock` counts those whose last
+window covers it.
 """
 
 from __future__ import annotations

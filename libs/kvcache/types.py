@@ -42,15 +42,14 @@ class PageCopy:
 class PrefixHit:
     """The answer of `KVCache.match`.
 
-    `tokens` is the longest valid hit L (page aligned, < len(prompt)); full KV exists for [0, L) and SWA KV for
-    [L - window, L). `full_pages[j]` / `swa_pages[j]` are the device page ids of logical page j < L / page_size
-    (`swa_pages[j] == -1` where no SWA KV is held). The nodes behind the hit stay locked until `admit` takes them
-    over or `release_hit` is called. `load_copies` must be executed before the pages are read.
+    `tokens` is the longest valid hit L (page aligned, < len(prompt)): full KV for [0, L), SWA KV for
+    [L - window, L). `full_pages[j]` / `swa_pages[j]` are the device pages of logical page j < L / page_size
+    (`swa_pages[j] == -1`: no SWA KV). The hit's nodes stay locked until `admit` takes them over or
+    `release_hit` is called; `load_copies` must run before the pages are read.
 
-    A **rebuild hit** (`full_tokens > tokens`, only with `KVCacheConfig.rebuild_tokens` > 0): full KV exists for
-    [0, E = full_tokens) but no SWA checkpoint near E. The engine skips R = `tokens` tokens and recomputes
-    [R, E) (E - R >= rebuild_tokens) reading the cached full KV (never rewriting it) and SWA keys >= R only; the
-    window before E comes out exact. `full_pages` then covers [0, E) and `swa_pages` is -1 throughout.
+    A **rebuild hit** (`full_tokens` = E > `tokens` = R, only with `rebuild_tokens` > 0) has full KV for
+    [0, E) but no SWA checkpoint near E: the engine recomputes [R, E) from the cached full KV, so the window
+    before E comes out exact. `full_pages` covers [0, E), `swa_pages` is -1 throughout.
     """
 
     tokens: int

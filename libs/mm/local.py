@@ -24,7 +24,8 @@ class LocalEncoder:
         mm_hash = content_hash(data, kind.value, self.vc)
         cached = mm_hash in self.cache
         if not cached:
-            frames = decode_image(data, self.vc.max_pixels * 64) if kind is MMKind.IMAGE else decode_video(data, self.vc)
+            frames = (decode_image(data, self.vc.max_pixels * 64) if kind is MMKind.IMAGE
+                      else decode_video(data, self.vc))
             patches, grid = preprocess([frames], self.vc)
             t, h, w = (int(v) for v in grid[0])
             self.cache[mm_hash] = (self.tower(patches, grid), (t, h, w))

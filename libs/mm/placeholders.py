@@ -1,12 +1,10 @@
 """Pure multimodal arithmetic shared by gateway, encoder, router and workers.
 
-**Image identity in token ids.** A prompt's image is ``<|vision_start|>`` + N ``<|image_pad|>`` +
-``<|vision_end|>`` for the model, but every pad is the same id, so two prompts with different images would share
-block hashes and KV. windserve therefore sends the *hash view* of the prompt everywhere (gateway → router →
-prefill → decode → GCache): pad position k of item ``mm_hash`` carries the pseudo token ``mm_token(mm_hash, k)``
-(bit 31 set, never a vocabulary id). Block hashes, KV events, the router's index, GCache keys and the
-disaggregated hand-off then separate images with no change to any of them; only the model runner maps pseudo
-tokens back (its input id is the pad id, its embedding the tower's output row k; ``WireMMItem`` says where).
+Every image pad is the same token id, so prompts with different images would share block hashes and KV.
+windserve therefore sends the *hash view* of a prompt everywhere (gateway → router → prefill → decode →
+GCache): pad position k of item ``mm_hash`` carries the pseudo token ``mm_token(mm_hash, k)`` (bit 31 set,
+never a vocabulary id), so block hashes, KV events, the router's index, GCache keys and the hand-off tell
+images apart unchanged. Only the model runner maps pseudo tokens back (``WireMMItem`` says where).
 """
 
 from __future__ import annotations

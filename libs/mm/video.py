@@ -1,15 +1,11 @@
 """Video decoding for the encoder tier: frames sampled at ``vc.video_fps`` (at most ``vc.video_max_frames``, spread
 evenly over the clip when more would be sampled), decoded in parallel by a thread pool.
 
-opencv needs a file, so the bytes go to a temporary file that is always removed. The sampled frame indices are
-split into at most ``workers`` contiguous segments of about equal decode cost (`split_segments`: a seek costs
-about 28 frame decodes, so the first segment, read without one, is the longest). Segment 0 goes on with the capture
-that read the header; every other worker opens its own, seeks to its segment's first frame, and walks forward
-(``grab`` for frames it skips, ``retrieve`` for frames it keeps). opencv's FFmpeg decode releases the GIL, so the
-workers run in parallel on as many cores.
-
-Limits (bytes, seconds, source frames, pixels per frame) are checked on the container's header before decoding
-and raise :class:`EncodeError`, as does a file opencv cannot open or with no decodable frame.
+`decode_video` writes the bytes to a temporary file (always removed), splits the sampled frames into at most
+``workers`` contiguous segments of about equal cost (`split_segments`, counting a seek as
+`SEEK_COST_FRAMES` decodes) and decodes each on its own capture; opencv's decode releases the GIL. Limits
+(bytes, seconds, source frames, pixels per frame) are checked on the header before decoding and raise
+:class:`EncodeError`, as does a file opencv cannot open or with no decodable frame.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ from libs.model.vision_config import VisionConfig
 def single_threaded_opencv() -> None:
     """OpenCV without its own thread pool, process-wide (what the encoder runs with): a media decode here is
     parallel by windserve's pools (`workers` above, the encoder's decode threads), and OpenCV's pool on top
-    only oversubscribed the cores: a 1-worker decode of 48 frames (640x480 mp4v) took 1.3 cores for the same
-    wall time as with one OpenCV thread (75 ms), and a 2-worker one was no faster (bench.mm_prep)."""
+    would only oversubscribe the cores."""
     cv2.setNumThreads(1)
 
 

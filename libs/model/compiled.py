@@ -1,21 +1,11 @@
 """The compiled step: `torch.compile` (inductor) over the model's forward (`kernels/fused.py`; docs/engine.md).
 
-Contract:
-
-* A pure decode step (one new token per sequence) is one compiled graph over the whole decoder
-  (`decode`, running `libs.model.model._decode_step`); attention is fused in it, only the KV write is opaque.
-* Every other step runs the layers eager with each layer's dense segments compiled (`run`: the QKV projection
-  with RoPE, the residual add with the post-attention norm, the MLP or the MoE); attention runs eager between
-  them, since its shapes follow the batch's key ranges.
-* Shapes: the token count is the varying dimension (and, in the decode graph, the keys). One token gets a graph
-  of its own; 2 <= T <= `max_tokens` share a dynamic-shape graph, split at 16 by the MoE's form (on CPU this
-  replaces the fixed capture sizes a CUDA graph needs). Larger steps, and any graph whose compilation failed,
-  run eager and are counted in `fallbacks` by reason.
-* Warm-up (`warm_up`) compiles every graph before the engine serves, within a time bound; the compiled code is
-  cached on disk (inductor's and the FX graph cache under `cache_dir`), so a restart loads it instead of
-  compiling again.
-* Results equal the eager path up to floating-point reassociation (fused kernels sum in another order);
-  greedy outputs are checked equal in the tests.
+Contract: a pure decode step is one compiled graph over the whole decoder (`decode`); every other step runs
+the layers eager with their dense segments compiled (`run`). One token gets a graph of its own, 2 <= T <=
+`max_tokens` share dynamic-shape graphs; larger steps, and any graph whose compilation failed, run eager and
+are counted in `fallbacks`. `warm_up` compiles every graph before the engine serves, within a time bound,
+with the compiled code cached on disk under `cache_dir`. Results equal the eager path up to floating-point
+reassociation. Details: docs/engine.md, "Compiled step".
 """
 
 from __future__ import annotations

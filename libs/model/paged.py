@@ -26,20 +26,13 @@ from libs.model.config import ModelConfig
 class KVArena:
     """Both groups' KV in one K and one V buffer of `units` (docs/kvcache.md, "One arena").
 
-    `k` is [planes, units, page, H, qk dim] (`v` likewise), H = lcm of the two groups' KV heads: unit u is
-    plane slot u of every plane. Group g views a plane as [units x r_g, page, heads_g, dim] (r_g = H /
-    heads_g: a plane slot holds r_g of its layer-pages), so a unit holds planes x r_g layer-pages of g and a
-    page of g takes ceil(layers_g / (planes x r_g)) units (its chunks). Layer l of g is in chunk c = l //
-    (planes x r_g), at plane s and sub-slot h; its physical row for page p is table_g[p, c] x r_g + h. Each
-    plane view is contiguous, so kernels see an ordinary [rows, page, heads, dim] pool per layer.
-
-    `tables`: the cache ledger's unit tables (int64 [page ids, units per page], live: the ledger mutates them in
-    place), set by the engine once both exist (`bind`).
-
-    `stride` (default r_g): rows of group g per plane slot, >= r_g. A rank of a parallel engine whose two groups
-    hold unequal shares of the model's KV heads keeps the model's r_g (rank 0's cache lays pages out by them)
-    over a plane slot of H' heads that fits both groups' r_g x heads: the group with fewer uses r_g of its
-    stride_g = H' / heads_g rows (`allocate_arena(sub=...)`), and row = table[p, c] x stride_g + h."""
+    `k` is [planes, units, page, H, qk dim] (`v` likewise), H = lcm of the two groups' KV heads. Group g views
+    a plane as [units x r_g, page, heads_g, dim] (r_g = H / heads_g); layer l of g lies in chunk
+    c = l // (planes x r_g), and its row for page p is table_g[p, c] x stride_g + h (sub-slot h; `stride`
+    defaults to r_g, larger on a parallel rank whose groups hold unequal head shares). Each plane view is
+    contiguous, so kernels see an ordinary pool per layer. `tables` are the ledger's live unit tables, set by
+    `bind`.
+    """
 
     k: torch.Tensor
     v: torch.Tensor

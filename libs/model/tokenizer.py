@@ -214,7 +214,8 @@ def _configured_specials(path: Path) -> set[str]:
     def content(t: Any) -> str | None:
         return t.get("content") if isinstance(t, dict) else t if isinstance(t, str) else None
 
-    names = [content(t) for t in cfg.get("added_tokens_decoder", {}).values() if isinstance(t, dict) and t.get("special")]
+    names = [content(t) for t in cfg.get("added_tokens_decoder", {}).values()
+             if isinstance(t, dict) and t.get("special")]
     names += [content(t) for t in cfg.get("additional_special_tokens") or []]
     names += [content(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")]
     return {n for n in names if n}

@@ -1,27 +1,12 @@
 """MiMo-V2.5 vision tower (#16): a Qwen2.5-VL-style ViT with GQA, MiMo's sliding-band local attention and sinks.
 
-``VisionTower(vc).forward(patches, grid_thw)``:
-- ``patches`` float ``[sum_i t_i*h_i*w_i, vc.patch_dim]``: every image's / video's patches, flattened in the
-  Qwen2-VL processor order (per item: t, then h and w blocked by ``spatial_merge_size`` so that the
-  ``merge²`` patches of one LM token are consecutive), values already normalised (``libs/mm`` preprocessing);
-- ``grid_thw`` int64 ``[num_items, 3]``;
-- returns ``[sum_i num_tokens_i, vc.out_hidden_size]`` in the weights' dtype: item after item, the rows the LM
-  puts at the item's pad positions (``libs.mm.placeholders.num_tokens``).
-
-Pipeline: patch embedding (a Conv3d whose kernel equals its stride, i.e. one linear map per patch) → 2-D rotary
-(Qwen2.5-VL: half the rotary frequencies on the row index, half on the column index) → ``depth`` pre-norm blocks
-(RMSNorm, attention, RMSNorm, SwiGLU MLP) → merger (RMSNorm, the merge² patches of a token concatenated, Linear →
-GELU → Linear).
-
-Attention never crosses a frame: every block attends within *segments* (``SegmentPlan``), which are frames (full
-blocks), window partitions (Qwen2.5-VL local blocks) or whole frames under a ±``sliding_window`` band over the
-row- or column-major token order (MiMo local blocks). Hidden states stay in the processor's order; each block
-gathers its segments (equal lengths batched together), attends and scatters back. Items in one forward are thus
-block-diagonal by construction: batching several items gives what each gives alone (up to float rounding).
-
-Parameter names follow the checkpoints (``visual.`` stripped): ``patch_embed.proj``, ``blocks.{i}.norm1/norm2``,
-``blocks.{i}.attn.qkv/proj/sinks``, ``blocks.{i}.mlp.gate_proj/up_proj/down_proj``, ``merger.ln_q``,
-``merger.mlp.0/2``; see ``libs.model.vision_loader``.
+``VisionTower(vc).forward(patches, grid_thw)`` takes every item's normalised patches, flattened in the
+Qwen2-VL processor order (``[sum_i t_i*h_i*w_i, vc.patch_dim]``), and ``grid_thw`` int64 ``[num_items, 3]``;
+it returns ``[sum_i num_tokens_i, vc.out_hidden_size]`` in the weights' dtype, item after item: the rows the
+LM puts at each item's pad positions (``libs.mm.placeholders.num_tokens``). Attention never crosses a frame
+(each block attends within the segments of a ``SegmentPlan``), so batching several items gives what each
+gives alone, up to float rounding. Parameter names follow the checkpoints (``libs.model.vision_loader``).
+Architecture: docs/multimodal.md, "Vision tower".
 """
 
 from __future__ import annotations

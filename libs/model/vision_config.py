@@ -1,17 +1,11 @@
 """Vision tower configuration (MiMo-V2.5; Qwen2.5-VL style ViT), parsed from the ``vision_config`` of an HF
 ``config.json``.
 
-The tower: patch embedding over ``temporal_patch_size`` × ``patch_size`` × ``patch_size`` RGB patches (an image
-is repeated in time), ``depth`` blocks with 2-D rotary positions, local attention in every block except
-``full_attention_blocks``, then a ``spatial_merge_size``² patch merger to the LM's hidden size (``out_hidden_size``).
-
-Local attention comes in two forms (docs/multimodal.md, "Vision tower"):
-- ``sliding_window == 0`` (Qwen2.5-VL): window partitions of ``window_size`` pixels per side, i.e.
-  (window_size / patch_size / merge)² merged tokens, each window attending only to itself;
-- ``sliding_window > 0`` (MiMo-V2.5, ``visual_token_window_size``): a band of ±``sliding_window`` patch tokens over
-  the frame's token order, row-major or, in blocks whose ``window_attn_types`` entry is 1, column-major, with a
-  per-head attention sink (``use_sink``) in those blocks.
-All attention stays within one frame of one item.
+`VisionConfig` covers the patch embedding, ``depth`` blocks with 2-D rotary positions, the
+``spatial_merge_size``² merger to ``out_hidden_size``, and local attention in every block except
+``full_attention_blocks``: window partitions when ``sliding_window == 0`` (Qwen2.5-VL), else a band of
+±``sliding_window`` tokens, row- or column-major per ``window_attn_types``, with sinks (MiMo-V2.5). All
+attention stays within one frame of one item. Details: docs/multimodal.md, "Vision tower".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Vision tower weights: the built-in tiny tower (fixed seed) or a checkpoint's ``visual.*`` tensors.
 
-Checkpoint names (MiMo-V2.5 as SGLang's / vLLM's MiMo vision code reads them; Qwen2.5-VL uses the same), under
-the prefix ``visual.`` (original checkpoints) or ``model.visual.`` (saved by transformers >= 4.52):
+Checkpoint names (MiMo-V2.5 and Qwen2.5-VL alike), under ``visual.`` or ``model.visual.``
+(transformers >= 4.52):
 
     patch_embed.proj.weight                      [hidden, C, T, P, P]   (Conv3d, no bias)
     blocks.{i}.norm1.weight, norm2.weight        [hidden]               (RMSNorm)
@@ -12,8 +12,8 @@ the prefix ``visual.`` (original checkpoints) or ``model.visual.`` (saved by tra
     merger.ln_q.weight                           [hidden]               (RMSNorm)
     merger.mlp.0.weight / .bias, merger.mlp.2.weight / .bias
 
-The merger biases are optional (vLLM's MiMo merger has none; SGLang zero-fills them): absent ones stay zero.
-Anything else missing, unexpected or mis-shaped raises :class:`CheckpointError` naming the tensor.
+Absent merger biases stay zero; anything else missing, unexpected or mis-shaped raises
+:class:`CheckpointError` naming the tensor.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The KV-affinity policy (pure): pick the worker whose predicted hit and load give the request the least work
 ahead of its first token, from the `ClusterPrefixIndex` prediction and the registry load.
 
-Cost of a worker, in prefill-token equivalents (lower is better):
-
-    prefill:  num_tokens - hit.tokens            the tokens it still computes (a rebuild hit's [R, E) included)
-            + host_penalty * hit.host_tokens     partial credit for the host tier (the H2D copy)
-            + queue_weight * queued prefill tokens (registry load + this router's picks since that snapshot)
-            + decode_weight * running requests   decode steps interleaved with its prefill chunks
-    decode (disaggregated): transfer_weight * (num_tokens - decode-side hit) + decode_weight * running
-
-Candidates are the workers serving the request's length bucket counted in *uncached* tokens (per worker:
-its own hit decides). Ties go to `tie_break` (xxhash); `temperature` > 0 samples a softmax over the costs
-(normalised by the prompt length) with a uniform drawn from xxhash of the request id: every router replica
-draws the same.
+A prefill candidate costs the tokens it still computes, plus partial cost for host-tier hits, queued prefill
+tokens (registry load and this router's recent picks) and running requests; a decode candidate costs the
+tokens to transfer plus its running requests (`AffinityWeights`). Candidates are the workers serving the
+request's bucket in uncached tokens. Ties go to an xxhash tie-break; `temperature` > 0 samples from the
+costs with a draw seeded by the request id, so every router replica picks the same. Formula:
+docs/routing.md, "The KV-affinity cost".
 """
 
 from __future__ import annotations

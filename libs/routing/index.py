@@ -1,25 +1,11 @@
 """The cluster-wide prefix index (pure): which worker holds which KV blocks, fed by each worker's numbered
 `KVEvent`s, and the hit each worker's `KVCache.match` would return for a request's block-hash chain.
 
-State: one dict entry per block hash, an int packing 4 bits (`BlockState`) per worker *slot*:
-
-    bit 0 DEVICE      full KV on device         bit 2 HOST      full KV in the host tier
-    bit 1 DEVICE_SWA  SWA KV on device          bit 3 HOST_SWA  SWA KV in the host tier
-
-so one walk along the chain (one dict lookup per block) answers every worker at once with a few big-int ops;
-validity is computed, not stored: a hit of g pages is valid for a worker when its last min(g, window pages)
-pages all hold SWA KV (device SWA where the block is on device, host SWA where it is host-only: `match`'s
-rule). Storing what each block holds (not whether a hit ending there was valid) keeps the prediction exact
-when an ancestor's SWA KV is evicted or healed later: no descendant's entry goes stale.
-
-Events need, per STORED block, whether that tier holds its SWA KV (`KVEvent.swa_held`); from a producer that
-sends only the validity flags (`swa_checkpoint`) the index infers it (`held_from_flags`): exact except for
-SWA pages that end no valid window when the event is made (see docs/routing.md).
-
-Event ids per worker must be consecutive: a gap marks the worker's view stale (its blocks stop counting, its
-later events are buffered) until `load_snapshot` replaces the view with a `KVSnapshot` consistent with an
-event id and replays the buffered events after it. A stale or removed worker's slot is retired and its bits
-cleared by `sweep` (O(indexed blocks), off the hot path: a fresh slot serves the worker meanwhile).
+Per block hash it keeps 4 bits (`BlockState`) per worker slot, so one walk along the chain answers every
+worker; validity is computed with `match`'s rule, so it stays exact when SWA KV is evicted or healed later.
+A gap in a worker's event ids marks its view stale (its blocks stop counting, events are buffered) until
+`load_snapshot` replaces it and replays them; `sweep` retires stale slots off the hot path. Details:
+docs/routing.md, "The prefix index".
 """
 
 from __future__ import annotations

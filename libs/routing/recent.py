@@ -30,26 +30,15 @@ class _Pick:
 
 class RecentPicks:
     """Picks made in the last `window_s` seconds, per instance (unix time): this router's own, and those its
-    replicas shared (`add` with their time and request id).
+    replicas shared (`add` with their time and request id), counted on top of the registry load so a burst
+    between two heartbeats spreads.
 
-    Registry load is refreshed every heartbeat, so a burst of requests between two refreshes would all see
-    the same "least loaded" worker; counting recent picks on top of the advertised load spreads the burst.
-    Several router replicas share their picks (`RoutePick`), so a burst split over them spreads too. A pick
-    already in the instance's load snapshot is not counted again: counting it twice made a worker whose load
-    had just been refreshed look busier than one whose load had not, and sent a burst to the stale one.
-
-    Which picks a snapshot covers: where the instance reports its arrivals count, exactly those whose request
-    it had taken on. Each pick gets a target (one past the last snapshot's count, or past the previous
-    outstanding pick's target), and a snapshot covers it once its count reaches that. The time of the snapshot
-    alone is not enough: a pick reaches its worker later than it is made (the gateway submits it, a prefill
-    worker hands it to its decode worker only at kv_prepare), so a snapshot taken in between is newer than the
-    pick without holding it, and two quick picks both went to the decode worker that looked idle. Instances that
-    report no count fall back to the snapshot time. A pick whose request never arrives counts until the window
-    ends, unless the router learns it went elsewhere (`drop`: a decode worker that refused the request).
-
-    A pick names its request: a later pick of the same request on the same instance replaces it (a replica
-    asked the same request again, or a retry), and `counts(skip_request=...)` leaves the request's own earlier
-    picks out (a request is no load against itself), so every replica computes the same costs for it."""
+    `counts` leaves out the picks an instance's latest load snapshot already covers: those within its
+    reported `arrivals` count, or, where it reports none, those made before the snapshot. A pick counts until
+    the window ends unless covered or dropped (`drop`: the request went elsewhere). A later pick of the same
+    request on the same instance replaces the earlier one, and `counts(skip_request=...)` leaves a request's
+    own picks out, so every replica computes the same costs for it. Rationale: docs/routing.md, "The choice".
+    """
 
     def __init__(self, window_s: float = 2.0) -> None:
         if window_s <= 0:

@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 
 # Attributes every LogRecord has; anything else was passed via `extra=` and is logged as a field.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = (set(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
+             | {"message", "asctime", "taskName", "color_message"})
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,18 +1,12 @@
 """The bus self-check: a service whose event loop runs but whose NATS subscriptions are gone exits, so its restart
 policy brings it back (compose `restart: unless-stopped`, Kubernetes, the `make run` supervisor).
 
-The loop watchdog (watchdog.py) catches a loop that stopped; it cannot see a loop that runs while the service's
-subscriptions are gone (one not restored after a reconnect, a server that dropped it): no request reaches the
-service, its heartbeats may still be written, and only `make run`'s liveness probes over NATS would notice.
-So the service asks its own health subject (`windserve.<ns>.health.<id>`) over the bus every `interval_s`, each
-ask bounded by `timeout_s`. Every ask that fails (no responders: the server knows no such subscription; or no
-reply in time) while the connection is up and the service is RUNNING adds the time since the previous ask;
-once that reaches `limit_s` the service logs why and stops with `EXIT_CODE`. An answer resets it, and so does
-an ask while the connection is down or reconnecting (that is NATS's outage, not the service's: the bus
-reconnects and nats-py restores the subscriptions).
-
-Observed time only, as the watchdog: one period between asks counts at most `2 * interval_s + timeout_s`, so a
-process resumed after a SIGSTOP is judged on what it does next.
+`BusSelfCheck` asks the service's own health subject every `interval_s` (each ask bounded by `timeout_s`).
+Failed asks while the connection is up and the service is RUNNING accumulate time; at `limit_s` the service
+logs why and exits with `EXIT_CODE`. An answer resets it, and so does an ask while NATS is down (NATS's
+outage, not the service's). Like the loop watchdog (watchdog.py), it counts observed time only, so a process
+resumed after a SIGSTOP is judged on what it does next. Details: docs/reliability.md, "Liveness and
+readiness".
 """
 
 from __future__ import annotations

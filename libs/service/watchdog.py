@@ -1,15 +1,11 @@
 """The event-loop watchdog: a service whose asyncio loop stops running exits, so its restart policy brings it
 back (compose `restart: unless-stopped`, Kubernetes, the `make run` supervisor).
 
-A stalled loop (a dead lock, a blocking call that never returns) answers nothing: no health probe, no
-request, no heartbeat (its registry entry expires and peers route around it), but the process stays up, and
-Docker restarts an exited container, never an unhealthy one. The watchdog is a daemon thread that watches a
-tick the loop posts every `tick_s`; once the tick has not moved for `stall_s` of the watchdog's own observed
-time it logs which loop stalled and for how long, then ends the process with `EXIT_CODE`.
-
-Observed time only: a check that itself wakes late (the whole process was stopped with SIGSTOP, or starved)
-counts at most two periods, so a process resumed after a long stop is judged on what it does next, not on
-the time it was frozen.
+A stalled loop answers nothing, yet its process stays up, and Docker restarts an exited container, never an
+unhealthy one. `LoopWatchdog` is a daemon thread watching a tick the loop posts every `tick_s`; once the tick
+has not moved for `stall_s` of observed time it logs which loop stalled and for how long, then ends the
+process with `EXIT_CODE`. A check that wakes late (SIGSTOP, starvation) counts at most two periods, so a
+resumed process is judged on what it does next.
 """
 
 from __future__ import annotations

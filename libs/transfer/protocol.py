@@ -1,21 +1,10 @@
 """The KV-transfer wire protocol: its vocabulary (layer specs, headers, addresses, tags). Pure: no IO, no torch.
 
-One control connection (a TCP stream) per (sender engine, receiver engine) pair carries
-length-prefixed frames. Payload bytes travel either inline on that stream (TCP engine) or
-as UCX tagged messages whose tag is derived from (connection nonce, transfer seq, layer
-position) (UCX engine). Sequence of one transfer::
-
-    sender                                   receiver
-    HEADER {seq, request_id, layers} ──────▶  look up expect(request_id), allocate dests
-                                      ◀──────  ACCEPT {seq}  |  REJECT {seq, reason}
-    LAYER (seq, pos, nbytes) [+bytes] ──────▶  post recv of layer pos into its destination
-    ... one LAYER per layer, in header order ...
-    END {seq}                         ──────▶  all layers landed?
-                                      ◀──────  DONE {seq, bytes}
-    ABORT {seq, reason} (any time)    ──────▶  fail transfer (after in-flight payloads land)
-                                      ◀──────  CANCEL {seq, reason} (receiver gives up)
-
-The frames themselves (one typed dataclass per frame, their codecs) are in ``frames.py``.
+One control connection (a TCP stream) per (sender engine, receiver engine) pair carries length-prefixed
+frames; payload bytes travel inline (TCP engine) or as UCX tagged messages (`payload_tag`: connection nonce,
+transfer seq, layer position). A transfer is HEADER → ACCEPT | REJECT, one LAYER per layer in header order,
+END → DONE; ABORT (sender) and CANCEL (receiver) end it at any time. The frames and their codecs are in
+``frames.py``; the sequence in docs/transfer.md, "Protocol".
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ class GCacheLink:
         skeys = [swa_key(ns, h) for h in hashes]
         # what the local tree (device + host) holds, asked on the engine thread while the store answers
         local, present = await asyncio.gather(
-            self.engine.call(lambda core: core.cache.cached_pages(tokens, hashes), urgent=self.engine.core.is_urgent(req)),
+            self.engine.call(lambda core: core.cache.cached_pages(tokens, hashes),
+                             urgent=self.engine.core.is_urgent(req)),
             self.store.exists(fkeys + skeys))
         end = l3_hit_end(local, present[:max_pages], present[max_pages:], cfg.window_pages, max_pages)
         if end == 0:

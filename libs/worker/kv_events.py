@@ -1,22 +1,12 @@
 """The KV-affinity feed of an engine worker: its cache's events on the bus, snapshots, and hit reports.
 
-    engine thread                                  asyncio side
-    AsyncEngine step hook `on_step(core, idle)`    run(): woken (call_soon_threadsafe), publishes the
-      every interval_s (and whenever the engine      outbox as KVEventBatches (consecutive ids,
-      idles): drain cache events + admissions  ->     <= max_batch_blocks blocks each) on
-      into the outbox / hits deques                   windserve.<ns>.kv_events.<instance>, then one
-                                                      KVHitReport per admission on windserve.<ns>.kv_hits
-    snapshot (engine.call): cache.snapshot(),  ->  answer_snapshot(): publish the outbox, then the reply
-      its drained events into the outbox
-
-No engine command per step: the hook runs where the engine already is, and costs one length check when
-nothing happened. The cache's events are drained only here, so with publishing off (`kv_events=False`)
-nothing drains them and the cache's bounded queue just drops the oldest. Backpressure: while more than
-`max_queued` drained events wait for the bus, the hook stops draining; the cache's bounded queue then
-drops the oldest and the router sees the gap in the ids (and asks a snapshot): no gap is papered over.
-
-Ids are the cache's own event ids (consecutive, from 0 per process); `epoch` is new per publisher, i.e.
-per process start, so a router tells a restarted worker from a gap.
+`KVFeed.on_step` (an engine step hook, on the engine thread) drains the cache's events and admissions into
+an outbox every `interval_s` and whenever the engine idles; `run()` publishes them as `KVEventBatch`es
+(consecutive ids, at most `max_batch_blocks` blocks each) and one `KVHitReport` per admission;
+`answer_snapshot()` publishes the outbox before the snapshot reply. Ids are the cache's own event ids;
+`epoch` is new per process start. Backpressure: past `max_queued` undelivered events the hook stops
+draining, the cache's bounded queue drops the oldest, and the router sees the gap and asks a snapshot: no
+gap is papered over. Details: docs/worker.md, "KV events".
 """
 
 from __future__ import annotations

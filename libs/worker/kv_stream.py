@@ -25,8 +25,9 @@ class KVSender:
 
     `collector` is the engine's progress hook (give it to the prefill Request); the segments it copies out of
     `kv` (the engine's `runner.kv_access()`; a KVPools stands for its plain one) are queued on this event loop
-    and sent in plan order by a background task, each `send_layer` bounded by `layer_timeout_s`. `finish()` waits (bounded) for the last segment, ends the transfer and returns
-    when decode has every byte; `abort()` stops it at any point.
+    and sent in plan order by a background task, each `send_layer` bounded by `layer_timeout_s`. `finish()`
+    waits (bounded) for the last segment, ends the transfer and returns when decode has every byte; `abort()`
+    stops it at any point.
     """
 
     def __init__(self, tx: OutgoingTransfer, address: str, kv: dg.KVAccess | KVPools,

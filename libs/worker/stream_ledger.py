@@ -1,16 +1,11 @@
 """Numbered token streams a gateway can fetch again.
 
-A worker publishes a request's token chunks on core NATS, which delivers at most once: a NATS node that dies or
-hangs drops the messages it held, and a gateway whose client moved to another node misses what was published
-before its subscription reached the cluster again. Without numbers such a loss is silent: tokens missing from
-the middle of an answer, or a final chunk that never comes (the request then waits for the gateway's idle
-bound while the worker answers every health probe).
-
-`StreamLedger` numbers each request's chunks per sending instance (`TokenChunk.seq`, from 0 without gaps) and
-keeps the last `keep_chunks` of each request while it runs and for `keep_s` after its final chunk, at most
-`max_requests` requests (the oldest finished ones go first). The gateway asks for what it missed
-(`StreamReplayRequest`) when it sees a gap or hears nothing for a liveness interval (docs/reliability.md).
-Pure bookkeeping on the service loop: no locks, no I/O.
+Core NATS delivers at most once, so a dead or hung NATS node can drop chunks silently. `StreamLedger`
+numbers each request's chunks per sending instance (`TokenChunk.seq`, from 0 without gaps) and keeps the
+last `keep_chunks` of each request while it runs and for `keep_s` after its final chunk, for at most
+`max_requests` requests (the oldest finished go first). The gateway asks for what it missed
+(`StreamReplayRequest`) on a gap or after a silent liveness interval (docs/reliability.md). Pure
+bookkeeping on the service loop: no locks, no I/O.
 """
 
 from __future__ import annotations

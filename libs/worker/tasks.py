@@ -1,19 +1,11 @@
 """The request-task registry of an engine worker: one asyncio task per in-flight request, by request id.
 
-The rules are the same on every engine role (combined worker, prefill, decode):
-
-- `spawn(id, run, aborted=...)` starts `run` as the task of `id`. An id that is running is refused
-  (`DuplicateRequest`). An id whose abort arrived first never runs: aborts are broadcast and can overtake
-  their request on the bus, so an unknown id's abort is remembered, and `spawn` then starts `aborted`
-  instead (it tells the client) and forgets the abort. The coroutine not started is closed, never awaited.
-- `cancel(id)` cancels the task of `id`, or remembers `id` when it has none (the newest `remember` ids:
-  memory stays bounded when aborts name requests that went elsewhere).
-- `abort(id)` is `cancel(id)` plus a bounded wait for the task's own cleanup (KV freed or released).
-- `drain(timeout_s)` lets the tasks finish for up to `timeout_s`, then cancels the rest and waits (bounded)
-  for their cleanup.
-
-Pure asyncio: no engine, no bus. A role's task owns its cleanup (`finally:` blocks that abort or release
-the engine request), so cancelling a task is how a request is stopped everywhere.
+`RequestTasks.spawn` refuses an id that is running (`DuplicateRequest`) and runs `aborted` instead for an
+id whose abort arrived first (aborts can overtake their request on the bus); the coroutine not started is
+closed, never awaited. `cancel` cancels a task or remembers its id (bounded: the newest `remember` ids);
+`abort` also waits, bounded, for the task's cleanup; `drain(timeout_s)` lets tasks finish, then cancels the
+rest. Pure asyncio. A task owns its cleanup (`finally:` aborts or releases the engine request), so
+cancelling it stops the request everywhere. Rules: docs/worker.md, "Request tasks, aborts, drain".
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Decode role logic: reserve pages for a prompt prefill is about to compute, receive its KV while it
 streams in, take over with the first token, decode, stream TokenChunks.
 
-IO is injected (`publish`), so the same code runs under NATS in the service and in-process in tests.
-
-One request, top to bottom in `_run()` (`prepare()` answers the prefill worker after step 3, `commit()`
-feeds step 4; the rest runs in the background; every wait bounded):
-  1. admit into both pools through the engine thread (prefix hit on this worker + pages for the rest);
-  2. register the incoming transfer with the reserved pool pages as destinations (the sender's header
-     must equal this worker's own streamed plan);
-  3. answer kv_prepare: hit tokens + transfer address; prefill starts computing and streaming;
-  4. wait for prefill's kv_commit while the segments land: each pause (until the header or the next layer,
-     after the last layer until the commit) is bounded by transfer_timeout_s, and a failed transfer (prefill
-     died or aborted) ends the wait at once. A commit that cancels: free everything, publish nothing;
-  5. wait (bounded) until every layer has landed, then activate (on the engine thread: a parallel engine first
-     scatters the landed KV heads to its ranks): the sequence joins the running batch with the first token
-     (sampled by prefill), which is published now;
-     A request with images (`mm_items`) fetches their embeddings while its KV streams in and attaches them
-     before it runs: a preemption here recomputes the prompt, which needs them. A failed fetch fails the request
-     explicitly (error chunk), even though only a recompute would have used the rows;
-  6. stream one chunk per engine output; the engine caches the finished sequence (prompt + output),
-     so a follow-up turn sent here hits and needs fewer pages shipped.
-Any failure before the end -> the engine request is aborted (frees its pages), the incoming transfer is
-cancelled (the sender stops), an error chunk is published.
+`DecodeWorker.prepare()` admits the request (prefix hit + reserved pages) and registers the incoming
+transfer, which must match this worker's own plan; `commit()` carries prefill's first token, after which
+the request decodes and streams. IO is injected (`publish`), so the code runs under NATS and in tests.
+Every wait is bounded. A failure before the end aborts the engine request (freeing its pages), cancels the
+transfer and publishes an error chunk; a cancelling commit frees everything and publishes nothing.
+Protocol: docs/serving.md, "Request lifecycle" and "Failure semantics".
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Dynamic batching of the vision tower: one tower call per batch, on a dedicated thread.
 
-Items queue as they come out of preprocessing. The batch loop takes the first one, then keeps taking more until
-`max_items` or `max_patches` is reached or `max_wait_s` has passed since it took the first, whichever comes
-first; an item that would overflow `max_patches` starts the next batch (an item larger than `max_patches`
-runs alone). While the tower thread runs a batch the next one forms in the queue, so under load batches fill up
-without waiting and an idle encoder adds at most `max_wait_s` to a request.
-
-The wait is only spent when it can pay: once the queue is empty the loop waits for another item only if one is
-expected before the wait ends (the last arrival plus the recent gap between arrivals, an exponential average of
-gaps each capped at `GAP_CAP` waits). At a moderate rate (gaps longer than the wait) an item runs at once, as
-without batching, and what queues behind a running batch still forms the next one; a burst (short gaps) fills
-batches as before.
-
-The tower sees every item of a batch in one call (patches concatenated, `grid_thw` stacked: the tower keeps
-items apart itself, as its contract says); the rows come back split per item, contiguous on the host.
+`DynamicBatcher` takes queued items into a batch until `max_items` or `max_patches` is reached or
+`max_wait_s` has passed since the first (an item larger than `max_patches` runs alone). It waits only when
+another item is expected before the wait ends (an average of recent arrival gaps), so a lone item runs at
+once and an idle encoder adds at most `max_wait_s` to a request; the next batch forms while the tower runs
+one. The tower gets each batch in one call and the rows come back split per item, contiguous on the host.
+Details: docs/multimodal.md, "Encoder service".
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ def fallback_pick(fleet: Registered, num_tokens: int, buckets: LengthBuckets, re
     raise LookupError("no live worker in the registry")
 
 
-def repick(fleet: Registered, num_tokens: int, buckets: LengthBuckets, request_id: str, avoid: Avoid) -> tuple[str, str]:
+def repick(fleet: Registered, num_tokens: int, buckets: LengthBuckets, request_id: str,
+           avoid: Avoid) -> tuple[str, str]:
     """(prefill, decode) from the registry without the avoided instances: used when the router's answer names
     one (a router that ignores `exclude_instances`, or a registry view that still lists a dead instance).
     Raises LookupError when no such path is live."""

@@ -157,7 +157,8 @@ def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, index: i
     return requested
 
 
-def _common_checks(body: CompletionRequest | ChatCompletionRequest, num_prompts: int, limits: Limits) -> tuple[str, ...]:
+def _common_checks(body: CompletionRequest | ChatCompletionRequest, num_prompts: int,
+                   limits: Limits) -> tuple[str, ...]:
     body.check_unsupported()
     if body.n > limits.max_n:
         raise ApiError(400, f"n={body.n} is above this server's limit of {limits.max_n}", param="n")
@@ -661,7 +662,8 @@ async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
             # a delta with tokens is not empty when the client asked for their ids or logprobs (held back, they
             # would reach it late: its second token's time would be the third's)
             carries = bool(delta.token_ids) and (plan.return_token_ids or plan.logprobs is not None)
-            if not (delta.text or delta.tool_calls or carries or delta.finish_reason or (first and plan.kind == Kind.CHAT)):
+            if not (delta.text or delta.tool_calls or carries or delta.finish_reason
+                    or (first and plan.kind == Kind.CHAT)):
                 st.held = delta.after(st.held)  # no text: its tokens go out with the next delta (no empty chunk)
                 continue
             delta, st.held = delta.after(st.held), None

@@ -1,13 +1,9 @@
 """Gateway HTTP app: OpenAI-compatible API, /health (/health/live, /health/ready), /metrics.
 
-The registry and the downstream are reached through injected objects (`ListServices`, `Api.backend`)
-so the app runs in tests without NATS. Status codes: 400 bad request (malformed JSON, an unsupported
-field, an integer out of range, or well-formed JSON that cannot be served as asked), 401 missing/wrong
-API key (checked before the body is read), 404 unknown model or route, 405 wrong method (`Allow`), 413
-body above `max_body_bytes` (checked before parsing) or prompt (+ max_tokens) longer than the context,
-422 schema validation, 429 queue full (Retry-After), 500 a worker failed, 503 no worker / worker gone /
-router down / every decode worker full (Retry-After). Bodies use OpenAI's error object (`ERRORS`
-documents each in the OpenAPI document).
+The registry and the downstream are reached through injected objects (`ListServices`, `Api.backend`), so
+the app runs in tests without NATS. Auth and body size are checked before the body is read or parsed.
+Errors use OpenAI's error object, each documented in the OpenAPI document (`ERRORS`); 429 and 503 carry
+Retry-After. Status codes: docs/gateway.md, "Errors".
 """
 
 from __future__ import annotations

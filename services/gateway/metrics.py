@@ -2,7 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-REQUESTS = Counter("windserve_gateway_requests_total", "HTTP API requests by endpoint and status", ["endpoint", "status"])
+REQUESTS = Counter("windserve_gateway_requests_total", "HTTP API requests by endpoint and status",
+                   ["endpoint", "status"])
 IN_FLIGHT = Gauge("windserve_gateway_in_flight", "Requests running downstream")
 QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission slot")
 REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
@@ -18,7 +19,8 @@ REASKS = Counter("windserve_gateway_unreachable_reasks_total",
                  "the request (within unreachable_grace_s: its client may be moving to another NATS node)")
 CONTROL_PLANE_WAITS = Counter("windserve_gateway_control_plane_waits_total",
                               "Requests routed again after waiting for NATS to be reachable (this gateway's client "
-                              "reconnecting, within reconnect_bound_s) instead of failing with control_plane_unavailable")
+                              "reconnecting, within reconnect_bound_s) instead of failing with "
+                              "control_plane_unavailable")
 ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
                         "Route requests asked again of another router (one did not answer within route_try_timeout_s, "
                         "was gone, or refused it)")

@@ -220,7 +220,8 @@ class ChatMessage(_Strict):
         if self.tool_calls:
             out["content"] = "" if self.content is None else self.text(index, media)
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments, index)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, index)}}
+                for c in self.tool_calls]
         else:
             out["content"] = self.text(index, media)
         if self.tool_call_id is not None:
@@ -347,7 +348,8 @@ def _loc(error: Any) -> list[str]:
 def _beyond_64_bits(error: Any) -> bool:
     if error.get("type") == OUT_OF_RANGE:
         return True
-    bound = (error.get("ctx") or {}).get({"less_than_equal": "le", "greater_than_equal": "ge"}.get(error.get("type"), ""))
+    bound = (error.get("ctx") or {}).get(
+        {"less_than_equal": "le", "greater_than_equal": "ge"}.get(error.get("type"), ""))
     return bound in (INT64_MAX, INT64_MIN)
 
 

@@ -86,18 +86,15 @@ def _full(entries: list[RegistryEntry]) -> tuple[str, ...]:
 
 
 class CachedListing:
-    """The registry's listing for the gateway's readiness probes and its backend (size checks, chain layout,
-    fallbacks), so they share their reads. A listing at most `max_age_s` old is served as it is. An older one is
-    read again before it is served (concurrent callers share the read), except for callers that pass
-    `wait=False` (the backend's advisory reads on the request path: size check, chain layout): they get the
-    last listing (up to `stale_ok_s` old) at once while one background read refreshes it, so no request waits
-    for the registry once a first listing exists. `fresh` (a failover's re-pick) always reads.
+    """The registry's listing for the gateway's readiness probes and its backend, so they share their reads.
 
-    This matters while the registry cannot be read (a NATS node died and its streams elect new leaders, a few
-    seconds): every request would otherwise wait for the registry's time bound. While the last read failed,
-    every caller gets the last listing at once (up to `stale_ok_s`). Consumers judge each entry by
-    its own heartbeat (`RegistryEntry.fresh`), so an old listing never keeps a dead instance alive past its
-    TTL. A failure with no listing to fall back on is raised, and not cached: the next call reads again."""
+    A listing at most `max_age_s` old is served as it is; an older one is read again first (concurrent callers
+    share the read), except for `wait=False` callers (advisory reads on the request path), who get the last
+    listing (up to `stale_ok_s` old) at once while a background read refreshes it; so do all callers while
+    the last read failed. `fresh` always reads. Consumers judge each entry by its own heartbeat, so an old
+    listing never keeps a dead instance alive past its TTL. A failure with no listing to fall back on is
+    raised and not cached.
+    """
 
     def __init__(self, list_entries: ListEntries, max_age_s: float = 0.5, stale_ok_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:

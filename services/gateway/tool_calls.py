@@ -2,19 +2,12 @@
 that serves both whole responses and streams.
 
 Two formats, chosen by the checkpoint's chat template (`tool_format_for`), never by the model's name:
-
-- **hermes** (Qwen2.5 / Qwen3 / Hermes, and the built-in ChatML template):
-  `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`, parallel calls separated by a newline.
-- **xml** (MiMo-V2.6 — xgrammar's `mimo` builtin, after the model's chat_template.jinja — the Qwen3-Coder
-  parameter style without the newlines): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
-  </function></tool_call>`; a string parameter's VALUE is its raw text, any other value is JSON. A template
-  that renders calls with `<function=` and `<parameter=` selects it.
-
-`ToolCallStream` splits a choice's text as it arrives: text before a call is content (a suffix that could
-become `<tool_call>` waits); a call's markup, and the blanks between calls, never reach the content. A call is announced once its function name is complete (index, id, type, name,
-arguments "") and its arguments follow as JSON-text fragments as the model writes them (hermes: the raw
-argument text, character by character as decoded; xml: one fragment per completed parameter). The whole-response
+**hermes** (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`) and **xml** (MiMo-V2.6:
+`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`). `ToolCallStream`
+splits a choice's text as it arrives: text before a call is content, call markup never is; a call is
+announced once its name is complete and its arguments follow as JSON-text fragments. The whole-response
 path feeds the same stream, so a streamed choice accumulates to exactly the non-streamed message.
+Details: docs/gateway.md, "Tool calling".
 """
 
 from __future__ import annotations

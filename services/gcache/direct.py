@@ -1,22 +1,12 @@
 """The storage node's side of the direct path (`libs.gcache.direct`; docs/gcache.md, "The direct path").
 
-Requests arrive as MESSAGE frames on the transfer engine's control connections (one per client IO thread);
-values move as one tagged UCX message each (per slice of the request's `chunk`) on that connection's endpoint.
-The guarantees are the NATS path's (`handlers.CacheNode`), over the same `NodeStore`:
-
-- **put**: `begin_put` per item, then at once a receive posted per message (into the slot's buffer; a refused
-  item's into scratch memory, so the client's sends complete and nothing is stored). The client hashes its
-  values while they go and sends the sums in a second message; when every message landed and the sums came,
-  the slots are committed with those sums as their checksums (the node's loop never hashes: a value corrupted
-  on its way is found, and dropped, by the first get's verification) and the client is told what was stored.
-  Nothing is visible before its commit. If the client's connection drops (it died) every put of that
-  connection is aborted at once (the link closed first: no receive can land afterwards); if the values or the
-  sums do not come within `put_timeout_s` the put is aborted and the connection dropped (which cancels the
-  posted receives); `reap` stays the backstop.
-- **get**: the store's values (`lookup`: a disk value verified on read), their sizes answered at once, every
-  found value sent at once, and the memory values hashed meanwhile on a thread (`check` in the reply says a
-  verdict follows). Those that fail are dropped and counted (`failed_verification`) and named in the verdict
-  (`bad`), so the client never returns them. Sends still pending after `send_timeout_s` drop the connection.
+`DirectNode` serves MESSAGE requests from the transfer engine's control connections, with the NATS path's
+guarantees over the same `NodeStore`: a put is visible only once every value landed and the client's sums
+came (they become the checksums; the node does not hash puts); a client's dropped connection aborts its
+puts at once; values or sums missing past `put_timeout_s` abort the put and drop the connection. A get
+answers the sizes, sends every found value at once and verifies memory values while they go: a failed one
+is dropped, counted and named, so the client never returns it; sends pending past `send_timeout_s` drop
+the connection.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@ File format (`<xxh3-128 of the key>.gcv`, little endian):
 
     magic "GCV2" | key length u16 | value size u64 | value checksum u64 | header check u64 | key (utf-8) | value
 
-The header check is the xxh64 of everything before it plus the key, so a torn or scribbled header is told apart
-from a valid one without reading the value; the value's own checksum is verified by the store on every read.
-A value is written to `<name>.tmp`, flushed and fsync'd, then renamed into place: a crash leaves either no file
-or a `.tmp` one (removed on the next start), never a visible partial value. Names come from the key alone, so a
-key has one place; the header repeats the key, so even a (2^-128) name collision reads as a bad value, never as
-another key's bytes.
+The header check (xxh64 of the header before it plus the key) tells a torn header apart without reading the
+value; the value's checksum is verified by the store on every read. Writes go to `<name>.tmp`, fsync'd, then
+renamed: a crash never leaves a visible partial value (`.tmp` files are removed on start). The header repeats
+the key, so even a name collision reads as a bad value, never as another key's bytes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The storage node's request handlers: exists, put (announce → transfer → commit), get (sizes → transfer).
 
-Control messages come over NATS; value bytes over the transfer engine (UCX / TCP), one transfer per request,
-each value sliced into chunk layers (`libs.gcache.wire`). The tiers are the `NodeStore`'s; this module only
-drives it:
-
-- **put**: `begin_put` per item (a slot, or None: already stored, being stored, no room) → the reply lists
-  what was accepted and the node's transfer address; the accepted slots' buffers are `expect`ed as the
-  transfer's destinations. When the transfer completes every slot is committed (its checksum verified by the
-  store: a mismatch drops it); when it fails or outlives `put_timeout_s` every slot is aborted. Nothing is
-  visible before its commit, so a client that dies mid-put leaves nothing (its control connection closes:
-  the transfer fails at once), and `reap` is the backstop for a transfer that never even started.
-- **get**: the store's values → the reply's sizes; the found values are then sent to the client's address as
-  the transfer it expects, bounded by `send_timeout_s`. A memory value is hashed while its bytes are in flight
-  and the transfer's last layer goes only once every value matched its checksum (else the transfer is
-  aborted: the client's batch misses, the bad value is dropped and counted); disk values are verified when
-  read. Either way a bad value never reaches the client as a hit.
+`CacheNode` drives the `NodeStore` for the NATS path: control messages over NATS, value bytes as one
+transfer per request (`libs.gcache.wire`). A put's slots are committed (checksums verified by the store)
+when its transfer completes, and aborted when it fails or outlives `put_timeout_s`: nothing is visible
+before its commit, and `reap` is the backstop. A get sends the found values as the transfer the client
+expects, bounded by `send_timeout_s`; memory values are verified while in flight and disk values when read,
+so a bad value never reaches the client as a hit. Protocol: docs/gcache.md, "The NATS path".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """A storage node's tiers: what it holds, where, and when a value becomes visible (pure: no NATS, no UCX).
 
-`NodeStore` composes a `MemoryTier` and an optional `DiskTier` (docs/gcache.md, "Storage tiers"):
-
-- **Atomic puts.** `begin_put` reserves the value's size in the memory budget and hands out a `PutSlot`; the
-  value is invisible until `commit` verified its checksum. A key's life is
-
-      absent ──begin_put──> WRITING ──commit (checksum ok)──> COMMITTED (visible, immutable)
-                               ├──commit (checksum bad)──> DROPPED ─┐
-                               ├──abort──────────────────> ABORTED ─┼─> absent (reservation returned)
-                               └──reap (older than put_timeout_s)─> REAPED ─┘
-
-  and a committed value goes back to absent only when it is evicted or fails verification.
-- **Tiers.** Exclusive: a committed value is in exactly one tier. Memory is full → the least recently used
-  value is demoted to disk (or evicted when there is no disk tier or it is larger than the disk budget); disk
-  is full → its least recently used value is evicted. A read of a disk value promotes it to memory when it fits
-  after demoting committed values (reservations are never demoted); otherwise it is served from disk.
-- **Verification.** Every read (either tier) recomputes the value's checksum (xxh3-64); a mismatch drops the value, counts a
-  checksum failure and is a miss: wrong bytes are never returned. `get` hashes before it returns; `lookup`
-  leaves a memory value's hash to the caller (the node hashes while sending, and the transfer cannot complete
-  before the hash matched), which reports a mismatch with `failed_verification`.
-
-All calls are O(1) in the number of keys (plus the IO of the values they touch), for the node's event loop.
-One owner, not thread-safe.
+`NodeStore` composes a `MemoryTier` and an optional `DiskTier`. Promises: a put (`begin_put` → `PutSlot`)
+is invisible until `commit` verified its checksum, and committed values are immutable; abort, a bad
+checksum or `reap` past `put_timeout_s` return the reservation. Tiers are exclusive and LRU (memory demotes
+to disk, disk evicts). Every read verifies the checksum (xxh3-64): wrong bytes are never returned, a
+mismatch drops the value and is a miss (`lookup` leaves a memory value's hash to the caller). Calls are
+O(1) in the number of keys. One owner, not thread-safe. Details: docs/gcache.md, "Storage tiers".
 """
 
 from __future__ import annotations
@@ -101,7 +85,8 @@ class NodeStore:
                  put_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  allocate: Callable[[int], bytearray | memoryview] = bytearray, arena: SegmentArena | None = None,
                  arena_evict_segments: int = 2) -> None:
-        self.memory_bytes, self.disk_bytes, self.put_timeout_s, self._clock = memory_bytes, disk_bytes, put_timeout_s, clock
+        self.memory_bytes, self.disk_bytes = memory_bytes, disk_bytes
+        self.put_timeout_s, self._clock = put_timeout_s, clock
         # A put slot's buffer: writable, uninitialised is fine (every byte is received, and the checksum at
         # commit catches any that was not). From `arena` (the node's: reused, pre-faulted memory) when it has
         # room (`_buffer`), else `allocate`.

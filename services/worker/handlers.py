@@ -1,18 +1,11 @@
 """Logic of the combined worker: one request = one engine generation streamed as TokenChunks.
 
-Request lifecycle on a worker (the engine-worker base, libs/worker, does the rest: docs/worker.md):
-1. `GenerateRequest` arrives on `windserve.worker.<id>.generate`; the base checks it (draining, duplicate
-   id, token ids, size against the pools, parameters) and answers a `GenerateAck` at once; an accepted
-   request goes to `Generations.start()`.
-2. It runs as one task of the base's registry: `AsyncEngine.generate()` yields one output per engine
-   step; each becomes a `TokenChunk` published on the request's stream subject. The last chunk carries
-   `finish_reason` and `usage` (with `cached_tokens` from the prefix cache).
-   A request with images (`mm_items`) first fetches their embeddings (libs/worker/mm.py, bounded); a failed
-   fetch ends the stream with a retryable error (the client's 503) before anything is admitted.
-3. An `AbortRequest` (broadcast) cancels the task; leaving the engine's generator aborts the request
-   inside the engine, which frees its KV. The stream ends with `finish_reason="abort"`. An abort that
-   arrived before its request: the request never reaches the engine, its stream gets the abort chunk.
-4. An engine failure ends the stream with `finish_reason="error"` and the reason.
+`Generations.start()` runs an accepted `GenerateRequest` (the engine-worker base checked and acked it) as a
+task of the base's registry: image embeddings are fetched first (a failed fetch ends the stream with a
+retryable error before anything is admitted), then each engine output becomes a `TokenChunk`; the last
+carries `finish_reason` and `usage`. An `AbortRequest` cancels the task, which aborts the request in the
+engine and frees its KV; the stream ends with `finish_reason="abort"`. An engine failure ends it with
+`finish_reason="error"` and the reason. Lifecycle: docs/worker.md, "Request tasks, aborts, drain".
 """
 
 from __future__ import annotations

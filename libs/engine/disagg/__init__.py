@@ -1,11 +1,8 @@
 """Disaggregated prefill / decode: the engine's half of the KV hand-off.
 
-    plan.py      pure: which logical pages travel (full pages after decode's hit, SWA pages of the last
-                 window) and how they are cut into segments that leave while prefill computes
-    shipment.py  torch: per-layer page lists, payload specs, the sender's copies (and the engine-thread
-                 `SegmentCollector` that makes them as segments complete), the receiver's destination views,
-                 and `KVAccess` / `Landing`, the seam through which the services reach an engine's KV (every
-                 KV head; a parallel engine's own in libs/engine/parallel/kvio.py)
+    plan.py      pure: which logical pages travel, and in which streamed segments
+    shipment.py  torch: per-layer pages, payload specs, the sender's copies (`SegmentCollector`), the
+                 receiver's views, and `KVAccess` / `Landing`, the services' seam to an engine's KV
     remote.py    `DisaggEngineCore` (decode: admits a `RemoteRequest` whose KV arrives from elsewhere) and
                  `first_token_finishes` (prefill)
 
@@ -49,7 +46,8 @@ from libs.engine.request import FinishReason
 
 __all__ = [
     "DecodeFull", "DisaggEngineCore", "FinishReason", "KVAccess", "Landing", "LayerPages", "Payload",
-    "PayloadSpec", "RemoteRequest", "RemoteSlot", "Segment", "SegmentCollector", "ShipPlan", "StreamPlan", "destination_views",
+    "PayloadSpec", "RemoteRequest", "RemoteSlot", "Segment", "SegmentCollector", "ShipPlan", "StreamPlan",
+    "destination_views",
     "first_token_finishes", "full_kv_pages", "full_transfer_bytes", "gather_layer",
     "payload_specs", "plan_shipment", "plan_stream", "shipment_bytes", "shipment_layers", "stream_destinations",
     "stream_layers", "stream_specs",

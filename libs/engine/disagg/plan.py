@@ -1,28 +1,11 @@
 """Which logical KV pages a prefill ships to a decode worker, and in which segments (pure: no torch, no IO).
 
-A decode worker holding the prompt's KV for tokens [0, H) (its prefix hit, page aligned) needs, for an
-`n`-token prompt with page size `P` and sliding window `W`:
-
-    logical pages   0 ........ H/P-1 | H/P ............................................ ceil(n/P)-1
-    full layers     decode has (hit) | sent
-    SWA layers      decode has / not needed       | sent: [max(H/P, n//P - ceil(W/P)), ceil(n/P))
-
-The SWA range is exactly the set of pages the decode cache keeps live once the prompt is committed (the
-window plus the page being filled): sending less would leave pages the cache believes valid unwritten (a
-later prefix hit would read them), sending more is waste.
-
-Streaming cuts the shipment into segments that can leave while the prefill still computes. With segment
-size `S` pages, full-layer pages are cut at the multiples of `S`; a cut-off piece [a, b) is its own segment
-when its last page is complete before the prompt ends (b * P < n), i.e. when some prefill step can finish
-it before the last one. Everything else (the remaining full pages, the partial last page) and the SWA
-window pages form the last segment, which is final only when the whole prompt is computed:
-
-    S = 4, H/P = 2, n = 37, P = 4 (10 pages), W = 16:
-    full:  [2 3] [4 5 6 7] [8 9]          segments 0, 1 (ready at 16, 32 tokens), then the last one
-    SWA:                   [5 6 7 8 9]    last segment only (ready at 37 tokens)
-
-Prefill and decode derive the same plan from (n, P, W, H, S), so the decode side can check the sender's
-transfer header against its own plan.
+For an `n`-token prompt (page size `P`, window `W`, a page-aligned hit of `H` tokens on decode),
+`plan_shipment` sends full pages [H/P, ceil(n/P)) and SWA pages [max(H/P, n//P - ceil(W/P)), ceil(n/P)):
+exactly what the decode cache keeps live once the prompt is committed. `plan_stream` cuts this into
+segments of `S` pages that can leave while prefill computes; the last one (the rest, with the SWA window)
+is final only when the whole prompt is. Both sides derive the same plan from (n, P, W, H, S), so decode
+checks the sender's header against its own. Protocol: docs/serving.md, "KV hand-off protocol".
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 the sender's copies and the receiver's destination views; and the engine-thread hook that copies each
 streamed segment out of the pools as soon as the prefill has computed it.
 
-The engine side describes a layer payload with its own `PayloadSpec` (the services turn it into the
-transfer engine's LayerSpec: libs/engine does not import libs/transfer).
-
-The services reach an engine's KV through a `KVAccess` (`runner.kv_access()`): the wire always carries every
-KV head, in a single process's page layout, so the header and the bytes do not depend on how either side
-spreads its KV over processes. The plain one reads the engine's own pools and lets the transfer write into
-them in place (zero copy); a parallel engine's (libs/engine/parallel/kvio.py) gathers the ranks' head slices and
-lands the received pages in staging tensors that it scatters to the ranks before the engine uses them.
+Payloads are described by the engine's own `PayloadSpec` (libs/engine does not import libs/transfer).
+Services reach an engine's KV through a `KVAccess` (`runner.kv_access()`); the wire always carries every
+KV head in a single process's page layout, whatever either side's parallelism. The plain access reads and
+writes the engine's own pools in place (zero copy); a parallel engine's is libs/engine/parallel/kvio.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The KV hand-off of a parallel engine (docs/parallel.md): a shipment's pages with every KV head, although each
 rank process holds only its own heads (tp), or a replica of all of them (ep alone).
 
-The wire keeps a single process's layout (every KV head, libs/engine/disagg/shipment.py), so the transfer
-header and bytes are the same whatever tp either side runs: prefill and decode may differ.
-
-Sender, `ShardedKV.gather` (rank 0, on the engine thread after a step, as the plain copy): rank 0 sends
-("kv_gather", layers) to every rank over its control pipe; each rank whose head slice no lower rank holds
-(`head_owners`: a head replicated over several ranks is taken once, from the lowest) index_selects its slice
-of every layer's pages and sends them to rank 0 as one message over the engine's group; rank 0 concatenates
-the slices on the head dim.
-
-Receiver, `ShardedKV.receive`: the transfer writes into full-head staging tensors (one contiguous tensor per
-layer: it lands without a copy); `Staged.land()`, called by `DisaggEngineCore.activate` on the engine thread
-before any step reads the pages, sends ("kv_scatter", layers) to every rank, then each rank its head slice
-(replicas included: every rank computes attention over its own copy), and writes rank 0's own.
-
-Both run on the engine thread between steps and a rank executes its control messages in order, so these
-sends never meet a step's all-reduce. They are bounded by the group's timeout (a rank that died fails them at
-once), counted in CommStats (`sends`, `send_bytes`).
+The wire keeps a single process's layout, so prefill and decode may run different tp. `ShardedKV.gather`
+collects each head slice once, from its lowest owning rank, onto rank 0; `ShardedKV.receive` lands pages in
+full-head staging tensors that `Staged.land()` scatters to the ranks before any step reads them. Both run on
+the engine thread between steps (never meeting a step's all-reduce), bounded by the group's timeout, counted
+in `CommStats`.
 """
 
 from __future__ import annotations
@@ -228,8 +216,8 @@ class ShardedKV(KVAccess):
 
     def write_host(self, host: KVPools, full_ids: Sequence[int], swa_ids: Sequence[int],
                    staged: StagedValues, skip: int = 0) -> None:
-        """An L3 import (every KV head, `staged` as libs/engine/gcache_tier.stage_values lays it out) into every rank's host
-        tier, each its own heads (replicas included)."""
+        """An L3 import (every KV head, `staged` as libs/engine/gcache_tier.stage_values lays it out) into every
+        rank's host tier, each its own heads (replicas included)."""
         values = (staged.full_k[:, skip:], staged.full_v[:, skip:], staged.swa_k, staged.swa_v)
         groups = ("full", "full", "swa", "swa")
 

@@ -1,15 +1,11 @@
 """The parallel layout of one engine: `tp` ranks split the attention (and dense MLP) heads, `ep` ranks split the
 MoE experts; every rank runs every layer over the whole batch.
 
-World size is max(tp, ep); each of tp and ep is either 1 or the world size (tp = 2 + ep = 2 is two ranks that
-split both). With tp = 1 and ep > 1 attention is replicated (every rank holds the whole KV); with ep = 1 and
-tp > 1 the experts' intermediate dimension is split instead (as the dense MLP's).
-
-KV heads: when tp divides a pool's KV head count each rank holds kv/tp heads; when the KV heads divide tp
-(fewer KV heads than ranks) each rank holds the one KV head its query heads read (replicated tp/kv times, as
-vLLM does). The q/k head dim (192 on MiMo) and v head dim (128) are never split.
-
-Pure: no torch.distributed here, so the validation and the shard arithmetic are unit-testable.
+World size is max(tp, ep); tp and ep are each 1 or the world size. With ep alone attention is replicated;
+with tp alone the experts' intermediate dimension is split. A rank holds kv/tp KV heads when tp divides a
+pool's KV heads, else the one KV head its query heads read (replicated); head dims are never split.
+`ParallelLayout` validates this (`LayoutError`) and does the shard arithmetic. Pure: no torch.distributed.
+Details: docs/parallel.md, "Layout".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Loading one rank's shard straight from a checkpoint directory: the rank's sharded skeleton (build.skeleton)
 filled by the model loader (libs/model/loader.py) with a selection that keeps only the rank's part.
 
-What a rank reads (the same slices libs/engine/parallel/shard.py cuts out of a full model, which the tests check):
-
-- attention q / k / v rows of its query heads and KV heads (a KV head replicated when tp > KV heads), o_proj
-  columns of its query heads, its sink logits; dense MLP gate / up rows and down columns of its intermediate
-  slice — each through safetensors ``get_slice``, so the other rows / columns are never read;
-- its experts only (other ranks' per-expert tensors are never opened), each cut to its intermediate slice when
-  ep = 1 splits the experts' width instead;
-- embeddings, norms, the routers and lm_head whole (replicated); the MTP blocks not at all (dropped).
-
-FP8 weights: when the rank's slice starts and ends on the 128-row / column quant block borders only those
-blocks and their scales are read; otherwise the whole weight is read, dequantised, then sliced. The fused
-``qkv_proj`` (V2.5 / Pro) is read whole (its groups interleave q, k and v), dequantised, split, then sliced.
+`load_shard` reads exactly the slices libs/engine/parallel/shard.py cuts out of a full model (the tests
+check they agree): its heads' attention rows / columns and its intermediate slice through safetensors
+``get_slice``, its own experts only, replicated tensors whole, no MTP blocks. FP8 weights are read by quant
+block where the slice is block-aligned, else whole, dequantised, then sliced. Details: docs/parallel.md,
+"Loading".
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """ParallelRunner: rank 0 of a parallel engine. It is the engine's ModelRunner (the scheduler and the KV cache
-run once, here, pure); every step it sends the step's copies and model inputs to the other ranks, then runs its
-own shard of the forward, whose all-reduces meet theirs. Only rank 0 samples (lm_head is replicated, so its
-logits are the whole model's).
+run once, here); every step it sends the step's copies and inputs to the other ranks, then runs its own
+shard of the forward, whose all-reduces meet theirs. Only rank 0 samples (lm_head is replicated).
 
-The other ranks are processes it spawns (libs/engine/parallel/rank.py), one pipe each for control, the engine's own
-gloo / NCCL group for activations. A rank that exits fails the next collective at once (its sockets close) and
-`check_alive` (polled by EngineCore.load) reports it while the engine is idle; a rank that hangs fails the
-collective after `timeout_s`. Either way the engine's step loop stops with the error: its requests fail
-explicitly and the service leaves the registry (its load loop is critical).
+The other ranks are processes it spawns (libs/engine/parallel/rank.py). A rank that exits fails the next
+collective at once (`check_alive` reports it while idle); one that hangs fails it after `timeout_s`. Either
+way the step loop stops with the error, its requests fail explicitly and the service leaves the registry.
+Details: docs/parallel.md, "Execution" and "Failure".
 """
 
 from __future__ import annotations
@@ -77,7 +75,8 @@ class ParallelRunner(ModelRunner):
             for r in range(1, world):
                 parent, child = _pipe()
                 procs.append(subprocess.Popen(  # a fresh interpreter: nothing of the caller's __main__ is re-run
-                    [sys.executable, "-m", "libs.engine.parallel.rank", str(child.fileno())], pass_fds=(child.fileno(),),
+                    [sys.executable, "-m", "libs.engine.parallel.rank", str(child.fileno())],
+                    pass_fds=(child.fileno(),),
                     cwd=_ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                         p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}))
                 child.close()
