@@ -3,40 +3,11 @@ L3, and the two engine figures (TTFT of an L3 hit, L3 bytes per cached token).
 
     python -m bench.gcache [--quick] [--out PATH] [--transports sm,tcp] [--skip-throughput] [--skip-engine]
 
-1. Throughput: put and get GB/s of 1, 4, 16 and 64 MiB values with 1 and 4 concurrent client processes, each
-   moving ROUND_BYTES per round (a batch of ROUND_BYTES / size values), aggregate bytes over the time from the
-   first client's start to the last one's end; the median of ITERS rounds after one warm-up round. Five systems
-   on the same bytes in the same run, for each UCX transport (the same UCX_TLS for the raw baselines and GCache,
-   which run in alternating blocks of rounds, A B C C B A, so a slow spell of the machine falls on every side of a
-   ratio):
-   * gcache:  NODES real storage nodes (`python -m services.gcache`, a real nats-server) through `GCacheClient`;
-   * raw ucx: as many raw server processes, each client sends (put) / receives (get, after a 1-byte request)
-              its values as tagged ucxx messages on a transfer engine's own UCX worker (bench.transfer's raw
-              path), value i of client c on server (c + i) % NODES; every buffer touched before the rounds and
-              reused (a server lands each client's puts in one buffer), as the nodes' pre-faulted arenas;
-   * raw ucx checksummed: the raw baseline with the one pass over each value that a checksummed store cannot
-              skip -- a put's client hashes its values (xxh3, as GCache) on a thread while they are sent and sends
-              the sums once computed, a get's server hashes what it sends and sends a verdict once done: the floor of any
-              design that checksums on write and verifies on read, on this machine (`hashed_raw_{put,get}_vs_raw_ucx`,
-              and GCache against it: `{put,get}_vs_hashed_raw`; no goals);
-   * redis:   /usr/bin/redis-server on a free loopback port, persistence off; SET / GET of the same values in
-              one pipeline per batch (redis-py).
-   * plain tcp: no store, no UCX -- a batch's bytes over one loopback TCP socket per client to one sink process
-              (a thread per connection): what the kernel's loopback TCP moves for the same batches on one socket per
-              client, the room above Redis that the tcp transport has at all (`plain_tcp_put_vs_redis`: its worst
-              put ratio to Redis; no goal).
-   Headline: put_vs_raw_ucx / get_vs_raw_ucx (goal >= 0.8) and put_vs_redis / get_vs_redis (goal >= 3), each the
-   worst ratio over sizes >= 4 MiB, both client counts and every transport measured.
-2. Cluster simulation (bench.router's simulator, pure): N workers with their own KV caches, with and without a
-   pooled L3 of finite capacity that every worker writes prompts and finished sequences to as the engine does
-   (full pages per block, SWA checkpoints at the end and every WINDSERVE_GCACHE_CHECKPOINT_EVERY tokens where the
-   worker's cache kept the window) and reads misses from; hit tokens as a share of the pooled oracle
-   (one cache of N budgets): gcache_cluster_hit_share (goal >= 0.95), no_gcache_cluster_hit_share.
-3. Engine figures on a real topology (gateway, router, worker, cache nodes; WINDSERVE_GCACHE=1):
-   l3_hit_ttft_ratio (goal <= 0.5) and l3_bytes_per_token_ratio (goal <= 1.05); null, with the reason, where the
-   engine integration or the node is not in this checkout.
-
-Writes bench/results/gcache.json (headline figures as top-level keys) and bench/results/gcache.png.
+Throughput: put / get GB/s of real storage nodes against raw ucxx (plain and checksummed), Redis and plain
+loopback TCP, same values, same run, per UCX transport. Simulation (bench.router's simulator): hit share
+of N workers with and without a pooled L3. Engine figures on a real topology, null with the reason where
+the node or integration is missing. Goals in `GOALS`; writes bench/results/gcache.json (`HEADLINE_KEYS`
+top-level) and gcache.png. Method and latest figures: bench/README.md, "bench.gcache".
 """
 
 from __future__ import annotations
@@ -160,11 +131,11 @@ class KVBackend:
 
 class RawClient:
     """A client of the raw ucxx baseline: values as tagged messages on a transfer engine's own UCX worker.
-    `hashed` (the checksummed baseline): each value is also hashed once, as a GCache call must, by the side
-    holding it at rest while it moves -- a put's client hashes its values on a thread while they are sent and
-    sends the sums as soon as they are computed (the server acknowledges once values and sums are in); a get's
-    server hashes what it sends and sends a one-byte verdict as soon as that is done (the client's get ends once
-    values and verdicts are in), as GCache's sums and verdicts travel."""
+
+    `hashed` (the checksummed baseline) adds the one hash per value a GCache call must make, by the side
+    holding the value at rest, while it moves: a put's client sends the sums once computed, a get's server a
+    one-byte verdict; a call ends once values and sums or verdicts are in.
+    """
 
     def __init__(self, client: int, servers: int, hashed: bool = False) -> None:
         self.client, self.servers, self.hashed = client, servers, hashed
@@ -606,8 +577,8 @@ async def run_rounds(systems: dict[str, System], sizes: Sequence[int], iters: in
     keys by every client, after one warm-up round (not counted), for every system. With several systems the
     rounds come in blocks, A B B A: within a block a system's rounds run back to back, as a baseline is measured
     on its own, and a slow spell of this machine (its second core has them) falls on both systems instead of on
-    whichever was being measured then. (Alternating round by round slowed raw UCX by ~15 % against its own
-    back-to-back rounds and left GCache as it was: docs/gcache.md, stop 30.)"""
+    whichever was being measured then. (Alternating round by round would slow raw UCX against its own
+    back-to-back rounds.)"""
     out: dict[str, dict[tuple[str, int], dict[str, Any]]] = {name: {} for name in systems}
     names = list(systems)
     blocks = BLOCKS if len(names) > 1 else 1
@@ -1193,7 +1164,7 @@ async def _engine_run(quick: bool) -> dict[str, Any]:
         os.environ.clear()
         os.environ.update(saved)
     cfg = ModelConfig.tiny()
-    dtype = os.environ.get("WINDSERVE_DTYPE", EngineServiceConfig.model_fields["dtype"].default)
+    dtype = os.environ.get("WINDSERVE_DTYPE", EngineServiceConfig().engine.dtype)
     layout = kv_layout(cfg, getattr(torch, dtype))
     full_values = count * blocks_each
     ckpts = max(0, keys - full_values)  # every other stored value is an SWA checkpoint

@@ -7,7 +7,7 @@ Edges (e.g. 64K, 256K) split [0, inf) into len(edges) + 1 buckets: bucket i hold
 
 The engine's scheduler (which knows the hit) and the router (which does not yet: it classifies the raw
 prompt length until the KV-affinity index predicts the hit) classify with the same edges, so each
-service's `bucket_edges` setting defaults to `DEFAULT_BUCKET_EDGES` here and nowhere else.
+service holds the one `BucketConfig` declared here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,18 @@ import bisect
 from dataclasses import dataclass
 
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (65536, 262144)
-"""The one default of every `bucket_edges` setting (engine, scheduler, worker, prefill, router, gateway)."""
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """The length buckets every service classifies with: the engine's scheduler, the router and the gateway's
+    no-router fallback must agree, so they all hold this part."""
+
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
+    """Length bucket edges over uncached tokens, a JSON list; [] = one bucket (plain FCFS)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_edges", LengthBuckets(tuple(self.bucket_edges)).edges)
 
 
 @dataclass(frozen=True)

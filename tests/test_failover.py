@@ -47,8 +47,9 @@ def entry(instance: str, role: Role = Role.WORKER, running: int = 0, **kw) -> Re
 class FakeWorker:
     """A combined worker on the bus. mode: ok (4 tokens), busy (acks BUSY), silent (accepts, sends nothing),
     first_then_die (one token, then its subjects go away), first_then_move (one token, its subjects gone for 0.8 s,
-    then the rest), hold (takes the request and never answers it), slow_ack (answers after 1 s), error (accepts, sends an error chunk), engine_dead (an
-    error chunk saying its engine died: instance_failed), encoder_down (a retryable error chunk naming its code)."""
+    then the rest), hold (takes the request and never answers it), slow_ack (answers after 1 s), error (accepts,
+    sends an error chunk), engine_dead (an error chunk saying its engine died: instance_failed), encoder_down (a
+    retryable error chunk naming its code)."""
 
     def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
         self.bus, self.instance, self.mode = bus, instance, mode
@@ -94,7 +95,8 @@ class FakeWorker:
         def chunk(**kw) -> TokenChunk:
             return TokenChunk(request_id=req.request_id, instance_id=self.instance, **kw)
         if self.mode == "error":
-            await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, error="engine broke"))
+            await self.bus.publish(req.stream_subject,
+                                   chunk(finish_reason=WireFinishReason.ERROR, error="engine broke"))
             return
         if self.mode == "engine_dead":
             await self.bus.publish(req.stream_subject, chunk(finish_reason=WireFinishReason.ERROR, instance_failed=True,
@@ -118,9 +120,8 @@ class FakeWorker:
 def backend(bus: Bus, entries: list[RegistryEntry], **kw) -> NatsBackend:
     async def list_services() -> list[RegistryEntry]:
         return entries
-    cfg = dict(namespace=NS, liveness_interval_s=0.2, liveness_misses=2, ack_timeout_s=2, route_timeout_s=1,
-               fleet_cache_s=0.0)
-    return NatsBackend(bus, list_services, BackendConfig(**{**cfg, **kw}))
+    cfg = dict(liveness_interval_s=0.2, liveness_misses=2, ack_timeout_s=2, route_timeout_s=1, fleet_cache_s=0.0)
+    return NatsBackend(bus, list_services, BackendConfig(**{**cfg, **kw}), namespace=NS)
 
 
 async def run(b: NatsBackend, request_id: str = "req") -> list[TokenChunk]:

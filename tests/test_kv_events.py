@@ -367,8 +367,7 @@ async def test_kv_events_off_publishes_no_events_and_answers_no_snapshot(bus, na
     from libs.service.config import load_config
     base = service_config(WorkerConfig, nats_url)
     cfg = load_config(WorkerConfig, nats_url=nats_url, namespace=f"off_{uuid.uuid4().hex[:6]}",
-                      **{k: getattr(base, k) for k in ("page_size", "num_full_pages", "num_swa_pages",
-                                                       "max_num_batched_tokens", "bucket_edges", "max_num_seqs")})
+                      engine=base.engine)
     assert cfg.kv_events is False
     svc = await started(WorkerService(cfg))
     try:

@@ -37,7 +37,8 @@ tiny = test_engine.tiny  # the tiny model fixture (model, config, tokenizer)
 
 
 def make_core(tiny, **overrides) -> EngineCore:
-    return test_engine.make_core(tiny, **{"num_full_pages": 256, "max_num_batched_tokens": 256, "max_num_seqs": 8, **overrides})
+    return test_engine.make_core(
+        tiny, **{"num_full_pages": 256, "max_num_batched_tokens": 256, "max_num_seqs": 8, **overrides})
 
 
 def drain(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -135,7 +136,8 @@ def test_different_images_same_text_differ_and_never_share_kv(tiny):
     outs, cached = {}, {}
     for name, h, seed in (("one", 101, 3), ("two", 202, 4)):
         prompt, off = image_prompt(cfg, h, 16, TEXT_A, TEXT_B)
-        core.add_request(Request(name, prompt, greedy(8), mm=MMEmbeddings((off,), (rows_of(seed, 16, cfg.hidden_size),))))
+        core.add_request(Request(name, prompt, greedy(8),
+                                 mm=MMEmbeddings((off,), (rows_of(seed, 16, cfg.hidden_size),))))
         got, hits = drain(core)
         outs[name], cached[name] = got[name], hits[name]
     assert outs["one"] != outs["two"]
@@ -171,7 +173,8 @@ def test_pseudo_tokens_need_their_rows(tiny):
     with pytest.raises(ValueError, match="no embedding rows"):
         core.add_request(Request("x", prompt, greedy(2)))
     with pytest.raises(ValueError, match="where an image's embedding row goes"):
-        core.add_request(Request("y", prompt, greedy(2), mm=MMEmbeddings((off - 1,), (rows_of(0, 4, cfg.hidden_size),))))
+        core.add_request(Request("y", prompt, greedy(2),
+                                 mm=MMEmbeddings((off - 1,), (rows_of(0, 4, cfg.hidden_size),))))
     with pytest.raises(ValueError, match="hidden size"):
         core.add_request(Request("z", prompt, greedy(2), mm=MMEmbeddings((off,), (torch.zeros(4, 3),))))
     assert_baseline(core)
@@ -286,9 +289,10 @@ def gateway_client(encoder, *, vision: bool = True, **media):
     from libs.model.config import ModelConfig
     from libs.model.tokenizer import ByteTokenizer
     from services.gateway.admission import Admission, AdmissionConfig
+    from services.gateway.config import MediaConfig
     from services.gateway.generation import Limits
     from services.gateway.handlers import Api, build_app
-    from services.gateway.media import MediaConfig, VisionTokens
+    from services.gateway.media import VisionTokens
 
     tok = ByteTokenizer()
     backend = RecordingBackend()
@@ -299,7 +303,8 @@ def gateway_client(encoder, *, vision: bool = True, **media):
     api = Api(backend, tok, "tiny", Limits(max_model_len=4096, default_max_tokens=2),
               Admission(AdmissionConfig(4, 4, 5.0)), retry_after_s=2,
               vision=VisionTokens.of(ModelConfig.tiny(), tok.decode) if vision else None, encoder=encoder,
-              media=MediaConfig(**{"max_items": 2, "max_item_bytes": 1 << 20, "url_timeout_s": 1.0, **media}))
+              media=MediaConfig(**{"mm_max_items": 2, "mm_max_item_bytes": 1 << 20, "mm_url_timeout_s": 1.0,
+                                   **{f"mm_{k}": v for k, v in media.items()}}))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(services, "gw", api)), base_url="http://gw")
     return client, backend
 
@@ -334,8 +339,10 @@ def test_gateway_assembles_the_prompt_with_image_tokens(encoder):
 
     cfg = ModelConfig.tiny()
     for item in items:  # <|vision_start|> pseudo tokens <|vision_end|> at the offsets of the final ids
-        assert ids[item.offset - 1] == cfg.vision_start_token_id and ids[item.offset + item.num_tokens] == cfg.vision_end_token_id
-        assert ids[item.offset:item.offset + item.num_tokens] == [mm_token(enc.mm_hash, k) for k in range(enc.num_tokens)]
+        assert ids[item.offset - 1] == cfg.vision_start_token_id
+        assert ids[item.offset + item.num_tokens] == cfg.vision_end_token_id
+        assert ids[item.offset:item.offset + item.num_tokens] == [mm_token(enc.mm_hash, k)
+                                                                  for k in range(enc.num_tokens)]
     assert sum(map(is_mm_token, ids)) == 2 * enc.num_tokens
     assert resp.json()["usage"]["prompt_tokens"] == len(ids)  # image tokens count
 
@@ -455,7 +462,7 @@ def media_server():
     ("/ok.png", 200, ""), ("/slow.png", 400, "did not answer within"), ("/missing.png", 400, "HTTP 404"),
     ("/elsewhere", 400, "not on this server's allow-list")])
 def test_gateway_fetches_allow_listed_urls_with_limits(encoder, media_server, path, status, message):
-    client, backend = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    client, backend = gateway_client(encoder, url_hosts="127.0.0.1")
     resp = asyncio.run(post(client, chat_body(image_part(media_server + path))))
     assert resp.status_code == status, resp.text
     assert message in (resp.json().get("error") or {}).get("message", "")
@@ -468,10 +475,10 @@ def test_gateway_unreachable_and_unlisted_urls_are_400(encoder):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client, _ = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    client, _ = gateway_client(encoder, url_hosts="127.0.0.1")
     resp = asyncio.run(post(client, chat_body(image_part(f"http://127.0.0.1:{port}/x.png"))))
     assert resp.status_code == 400 and "could not be fetched" in resp.json()["error"]["message"]
-    client, _ = gateway_client(encoder, url_hosts=frozenset({"127.0.0.1"}))
+    client, _ = gateway_client(encoder, url_hosts="127.0.0.1")
     resp = asyncio.run(post(client, chat_body(image_part("http://localhost/x.png"))))
     assert resp.status_code == 400 and "allow-list" in resp.json()["error"]["message"]
 
@@ -586,7 +593,7 @@ def test_services_serve_an_image_and_cache_it_across_requests(nats_url, encoder)
     async def main():
         worker = WorkerService(WorkerConfig(**common, load_interval_s=0.1, page_size=PAGE, num_full_pages=256,
                                             num_swa_pages=96, max_num_batched_tokens=64, bucket_edges=[]))
-        gateway = GatewayService(GatewayConfig(**common, http_port=0, page_size=PAGE, served_model_name="tiny"))
+        gateway = GatewayService(GatewayConfig(**common, http_port=0, served_model_name="tiny"))
         worker.encoder = gateway.encoder = encoder
         await worker.start()
         await gateway.start()
@@ -594,7 +601,8 @@ def test_services_serve_an_image_and_cache_it_across_requests(nats_url, encoder)
             async with httpx.AsyncClient(base_url=gateway.http_url, timeout=60) as client:
                 bodies = []
                 for _ in range(2):
-                    resp = await client.post("/v1/chat/completions", json={**chat_body(image_part(data_uri(img))), "max_tokens": 6})
+                    resp = await client.post("/v1/chat/completions",
+                                             json={**chat_body(image_part(data_uri(img))), "max_tokens": 6})
                     assert resp.status_code == 200, resp.text
                     bodies.append(resp.json())
         finally:

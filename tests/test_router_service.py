@@ -414,7 +414,7 @@ async def test_hit_reports_feed_the_predicted_and_actual_metrics(bus, nats_url):
 
 async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
     ns = "rt_approx"
-    router = await start_router(nats_url, ns, "r1", kv_events=False)
+    router = await start_router(nats_url, ns, "r1", kv_index=False)
     workers, _ = await fleet(bus, ns, 3, seed=9)
     try:
         await until(lambda: len(router.sync.members) == 3, what="workers joined")
@@ -430,7 +430,7 @@ async def test_approximate_mode_predicts_from_its_own_decisions(bus, nats_url):
 
 async def test_approximate_replicas_share_their_decisions(bus, nats_url):
     ns = "rt_approx_replicas"
-    routers = [await start_router(nats_url, ns, f"r{i}", kv_events=False) for i in range(2)]
+    routers = [await start_router(nats_url, ns, f"r{i}", kv_index=False) for i in range(2)]
     workers, _ = await fleet(bus, ns, 3, seed=13)
     try:
         await until(lambda: all(len(r.sync.members) == 3 for r in routers), what="workers joined both")

@@ -51,12 +51,13 @@ def test_length_buckets_classify_at_the_edges_and_bound_each_bucket():
         b.bounds(3)
 
 
-def test_every_bucket_edges_default_is_the_one_in_libs_routing():
+def test_every_service_holds_the_one_bucket_config():
+    from libs.buckets import BucketConfig
     from libs.engine.scheduler import SchedulerConfig
     from services.gateway.backend import BackendConfig
     from services.router.config import RouterConfig
-    assert LengthBuckets().edges == SchedulerConfig().bucket_edges == BackendConfig().bucket_edges == DEFAULT_BUCKET_EDGES
-    assert tuple(RouterConfig().bucket_edges) == DEFAULT_BUCKET_EDGES
+    assert SchedulerConfig().buckets == BackendConfig().buckets == RouterConfig().buckets == BucketConfig()
+    assert LengthBuckets().edges == BucketConfig().bucket_edges == DEFAULT_BUCKET_EDGES
     # the literal is written once: every other default refers to DEFAULT_BUCKET_EDGES
     literal = re.compile(r"\b65536,\s*262144\b")
     hits = [str(p.relative_to(ROOT)) for d in ("libs", "services") for p in (ROOT / d).rglob("*.py")
@@ -108,7 +109,8 @@ def test_equal_workers_split_by_tie_break_deterministically():
     picks = [pick_worker(same, 10, b, f"r{i}").instance_id for i in range(40)]
     assert len(set(picks)) > 1  # a burst spreads over equally idle workers
     assert picks == [pick_worker(list(reversed(same)), 10, b, f"r{i}").instance_id for i in range(40)]  # order-free
-    assert pick_worker(same, 10, b, "r1").instance_id == min(same, key=lambda w: tie_break("r1", w.instance_id)).instance_id
+    assert (pick_worker(same, 10, b, "r1").instance_id
+            == min(same, key=lambda w: tie_break("r1", w.instance_id)).instance_id)
 
 
 # ------------------------------------------------------------------------------------------ worker choice

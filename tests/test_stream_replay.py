@@ -126,8 +126,8 @@ class LossyWorker:
 def _backend(bus: Bus) -> NatsBackend:
     async def list_services() -> list[RegistryEntry]:
         return [RegistryEntry(role=Role.WORKER, instance_id="w", load=WorkerLoad())]
-    return NatsBackend(bus, list_services, BackendConfig(namespace=NS, liveness_interval_s=0.2, ack_timeout_s=2,
-                                                         route_timeout_s=1, fleet_cache_s=0.0))
+    return NatsBackend(bus, list_services, BackendConfig(liveness_interval_s=0.2, ack_timeout_s=2, route_timeout_s=1,
+                                                         fleet_cache_s=0.0), namespace=NS)
 
 
 async def _tokens(bus: Bus) -> list[list[int]]:

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from libs.buckets import DEFAULT_BUCKET_EDGES
 from libs.engine.parallel.layout import ParallelLayout
 from libs.engine.placement import parse_cpus
 from libs.engine.scheduler import SchedulerConfig
+from libs.nesting import composed, leaves
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@composed
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of one engine (a colocated worker or the offline LLM)."""
+    """Settings of one engine (a colocated worker or the offline LLM); its scheduler's are a part of it
+    (`EngineConfig(max_num_seqs=8)` sets `scheduler.max_num_seqs`)."""
 
     page_size: int = 16
     """Tokens per KV page (both pools and the host tier)."""
@@ -49,38 +51,8 @@ class EngineConfig:
     swa_rebuild: bool = True
     """When the cache holds full KV of a prefix further than its last SWA checkpoint, rebuild the SWA window
     there by recomputing the (SWA layers + 1) windows before it instead of everything after the checkpoint."""
-    max_num_seqs: int = 64
-    """Most sequences running at once."""
-    max_num_batched_tokens: int = 512
-    """Token budget per step (decode tokens + prefill chunks)."""
-    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
-    """Length bucket edges over uncached tokens; () = a single bucket."""
-    served_buckets: tuple[int, ...] | None = None
-    """Buckets this worker serves (None = all)."""
-    long_prefill_share: float = 0.05
-    """Share of a step's tokens (and, with adaptive_long_cap, of its predicted time) longer-bucket prefills may take
-    while a shorter request waits for its first token (1.0 = no cap)."""
-    long_prefill_max_tokens: int | None = None
-    """Most long-bucket prefill tokens in any step (bounds how long a short arrival waits for the step in
-    flight); None = only the step budget."""
-    adaptive_long_cap: bool = True
-    """Bound long-bucket prefill chunks by the measured step cost (see SchedulerConfig.adaptive_long_cap)."""
-    interruptible_steps: bool = True
-    """Steps carrying long-bucket prefill may be stopped between layers when a short request arrives
-    (EngineCore.step(interrupt=...), which AsyncEngine passes); see SchedulerConfig.interruptible_steps."""
-    long_step_cost: float = 2.0
-    """Most predicted cost of a step carrying longer-bucket prefill but no shorter request's first token, in fixed
-    step costs (see SchedulerConfig.long_step_cost)."""
-    short_lane_share: float = 0.25
-    """Inside a length bucket, the share of a contended step's prefill tokens that goes to prompts shorter than the
-    oldest one, fewest tokens left first (see SchedulerConfig.short_lane_share; 0 = plain FIFO in a bucket)."""
-    admission_decode_tokens: int | None = None
-    """Decode growth reserved at admission (None = all of max_tokens; smaller = more concurrency, with
-    preemption by recompute when the pools fill up)."""
-    l2_backup_watermark: float = 0.125
-    """Free-page share of a device pool under which cached pages are backed up to the host tier."""
-    l2_backup_pages: int = 64
-    """Most pages backed up per step."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The scheduling policy: step budget, concurrency, length buckets (libs/engine/scheduler.py)."""
     l2_load_mode: str = "auto"
     """How host-tier hits are loaded: "thread" (copy thread / CUDA side stream running ahead of the
     forward, layer by layer), "inline" (layer i copied just before layer i runs), "sync" (all before),
@@ -123,9 +95,6 @@ class EngineConfig:
     """CPUs the engine's step thread is pinned to, as a Linux CPU list ("1", "2-7"); "" = not pinned."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
-        if self.served_buckets is not None:
-            object.__setattr__(self, "served_buckets", tuple(self.served_buckets))
         for name in ("page_size", "num_full_pages", "num_swa_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -152,7 +121,6 @@ class EngineConfig:
         parse_cpus(self.compute_cpus)  # a bad list fails here, named
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        self.scheduler_config()  # validates the scheduling knobs
 
     @property
     def resolved_load_mode(self) -> str:
@@ -172,13 +140,9 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    def scheduler_config(self) -> SchedulerConfig:
-        names = {f.name for f in fields(SchedulerConfig)}
-        return SchedulerConfig(**{n: getattr(self, n) for n in names})
-
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | set(leaves(cls))
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -207,7 +207,7 @@ class EngineCore(metaclass=_Built):
         self.cache = KVCache(cache_config(config, model_config, arena, host))
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ()) if tokenizer is not None else ()
         decode = tokenizer.decode if tokenizer is not None else None
-        self.scheduler = Scheduler(config.scheduler_config(), self.cache, eos_token_ids=eos, decode=decode)
+        self.scheduler = Scheduler(config.scheduler, self.cache, eos_token_ids=eos, decode=decode)
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           host.full, host.swa, arena, host.arena)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
@@ -238,7 +238,7 @@ class EngineCore(metaclass=_Built):
         if self.config.layout.is_parallel or not isinstance(model, MiMoV2Model):
             self.compile_stats = {"enabled": False, "reason": "tp / ep > 1: the ranks run eager"}
             return
-        step = CompiledStep(self.config.max_num_batched_tokens, self.config.compile_cache_dir or None)
+        step = CompiledStep(self.config.scheduler.max_num_batched_tokens, self.config.compile_cache_dir or None)
         model.set_compiled(step)
         if step.warm_up(self._warmup_stages(), self.config.compile_warmup_s):
             self.compile_stats = step.stats()
@@ -254,7 +254,8 @@ class EngineCore(metaclass=_Built):
         sequences (the last also a prefill of one token each, which is decode-shaped), prefill chunks of 2 and of
         more than that many tokens. Each runs real requests through the engine and aborts them (no KV is cached,
         no page is kept)."""
-        big = min(GATHER_MAX_TOKENS + 1, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        big = min(GATHER_MAX_TOKENS + 1, self.config.scheduler.max_num_seqs,
+                  self.config.scheduler.max_num_batched_tokens)
 
         def stage(n: int, prompt: int):
             return lambda: self._warmup_requests(n, prompt)
@@ -269,7 +270,7 @@ class EngineCore(metaclass=_Built):
 
     def _warmup_requests(self, n: int, prompt: int) -> None:
         # room to keep decoding while the others prefill (a finished request would be cached): all n decode at once
-        steps = -(-n * prompt // self.config.max_num_batched_tokens) + n + 4
+        steps = -(-n * prompt // self.config.scheduler.max_num_batched_tokens) + n + 4
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         ids = [f"compile-warmup-{n}-{prompt}-{i}" for i in range(n)]
         for i, req_id in enumerate(ids):
@@ -401,8 +402,8 @@ class EngineCore(metaclass=_Built):
     def import_l3(self, tokens: Sequence[int], block_hashes: Sequence[int], first: int, end: int,
                   values: StagedValues) -> int:
         """Import the L3 hit [first, end) of `tokens` (the full values of those blocks and the SWA checkpoint at
-        block end - 1, staged by `libs.engine.gcache_tier.stage_values`) into the host tier; pages imported (0: the cache
-        refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
+        block end - 1, staged by `libs.engine.gcache_tier.stage_values`) into the host tier; pages imported (0: the
+        cache refused, see `KVCache.import_blocks`). The request's match then loads them like any L2 copy."""
         if values.blocks != end - first or values.swa_pages != min(self.cache.cfg.window_pages, end):
             raise ValueError(f"GCache import of pages [{first}, {end}): {values.blocks} blocks and "
                              f"{values.swa_pages} checkpoint pages staged")

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
+from libs.buckets import BucketConfig, LengthBuckets
 from libs.engine.plan import BatchPlan, ScheduledSeq
 from libs.engine.request import AdmittedHit, FinishReason, Request, RequestOutput, TokenLogprob
 from libs.engine.step_cost import StepCostModel
 from libs.engine.stopping import check_stop
 from libs.kvcache import block_hashes
+from libs.nesting import composed
 
 # Longest longer-bucket prefill chunk per step while the step cost model has no fit yet (adaptive cap).
 COLD_LONG_CHUNK = 32
@@ -42,6 +43,7 @@ class SeqStatus(Enum):
     FINISHED = "finished"
 
 
+@composed
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Scheduling policy knobs."""
@@ -50,11 +52,11 @@ class SchedulerConfig:
     """Most sequences running (holding KV) at once."""
     max_num_batched_tokens: int = 512
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
-    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
-    """Length bucket edges over uncached (to-compute) tokens; () = one bucket (plain FCFS)."""
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    """The length buckets (over uncached, to-compute tokens), shared with the router."""
     served_buckets: tuple[int, ...] | None = None
-    """Buckets this worker is meant for (advertised to the router); None = all. Requests from other
-    buckets are still served (the router's prediction can be off) and counted as misrouted."""
+    """Buckets this worker is meant for (advertised to the router), a JSON list; None or [] = all. Requests from
+    other buckets are still served (the router's prediction can be off) and counted as misrouted."""
     long_prefill_share: float = 0.05
     """While a shorter-bucket request waits or prefills, longer-bucket prefill chunks may take at most
     this share of the step's tokens (and, with adaptive_long_cap, of its predicted time), so a step that
@@ -89,7 +91,7 @@ class SchedulerConfig:
     behind long ones in the same bucket is not queued behind all of them: its first token comes within about
     len / (share x budget) steps. The oldest prefill always gets at least (1 - share) of what is left, so
     long prompts are never starved (their prefill is at most 1 / (1 - share) slower while shorter ones pass).
-    0 = plain FIFO inside a bucket; with bucket_edges=() (plain FCFS) the lane is off too."""
+    0 = plain FIFO inside a bucket; with one bucket (bucket_edges []) the lane is off too."""
     admission_decode_tokens: int | None = None
     """Decode growth accounted for at admission: None = the request's whole max_tokens (a running
     sequence then never runs out of pages); a smaller number admits more requests at once and relies
@@ -100,7 +102,7 @@ class SchedulerConfig:
     """Most pages backed up per step."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
+        object.__setattr__(self, "served_buckets", tuple(self.served_buckets) or None if self.served_buckets else None)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -119,9 +121,8 @@ class SchedulerConfig:
             raise ValueError(f"admission_decode_tokens must be None or >= 0, got {self.admission_decode_tokens}")
         if self.l2_backup_pages < 0:
             raise ValueError(f"l2_backup_pages must be >= 0, got {self.l2_backup_pages}")
-        LengthBuckets(self.bucket_edges)  # validates the edges
         if self.served_buckets is not None:
-            nb = len(self.bucket_edges) + 1
+            nb = len(self.buckets.bucket_edges) + 1
             if not self.served_buckets or any(not 0 <= b < nb for b in self.served_buckets):
                 raise ValueError(f"served_buckets {self.served_buckets} must name buckets in [0, {nb})")
 
@@ -250,7 +251,7 @@ class Scheduler:
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.config = config
         self.cache = cache
-        self.buckets = LengthBuckets(config.bucket_edges)
+        self.buckets = LengthBuckets(config.buckets.bucket_edges)
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
         self.seqs: dict[str, Seq] = {}

@@ -14,8 +14,8 @@ Construction and lifecycle, as gateway and workers use it:
   silent (timeout) or refuses (unavailable: its cache is full of leased entries) is retried once on the next
   encoder of the ring (`retries`), then `EncoderUnavailable`; an attempt whose encoder leaves the view
   (dies: no reply will ever come) is abandoned once it has been out of the view for 10 s (a draining encoder
-  leaves the view too and finishes what it took within its drain bound), not after the whole 60 s bound. A reply with an error (bad input) is
-  `EncodeError` at once: another encoder would say the same.
+  leaves the view too and finishes what it took within its drain bound), not after the whole 60 s bound. A reply
+  with an error (bad input) is `EncodeError` at once: another encoder would say the same.
 - **Fetch** (needs `engine`): one transfer per encoder (expect, then request, then await, all within
   `fetch_timeout_s`), at most 64 hashes per request; rows arrive in the requested dtype (the encoder converts).
   An encoder that no longer holds an item, or any failure, is `EncoderUnavailable` (the request fails, or the

@@ -3,19 +3,16 @@
     router = Router(bucket_edges=(4096, 65536))
     route = router.route(Fleet(prefills=..., decodes=...), request_id, num_tokens, now=time.time())
 
-- `LengthBuckets` and `DEFAULT_BUCKET_EDGES` come from `libs.buckets` (the engine scheduler's too), the one default of
-  every `bucket_edges` setting;
 - `instance`: `Instance`, the routing view of a registry entry (`instance_of` builds it);
 - `choice`: `pick_worker` (aggregated), `pick_pair` (disaggregated), their cost and xxhash `tie_break`;
 - `recent`: `RecentPicks`, this router's picks not yet reflected in the registry load;
-- `router`: `Router.route`, the topology decision over a `Fleet` plus the recent-pick bookkeeping
-  (least-loaded policy);
-- `index`: `ClusterPrefixIndex`, the cluster-wide prefix index fed by the workers' `KVEvent`s, predicting each
-  worker's `KVCache.match`; `KVSnapshot` (`snapshot.take_snapshot` builds one from a cache);
-- `affinity`: `AffinityRouter`, the KV-affinity policy (same `route` call) and its cost;
-- `approx`: `ApproxIndex`, the prefix index of the router's own decisions (no KV events), same `predict` call.
+- `router`: `Router.route`, the least-loaded topology decision over a `Fleet`;
+- `index`: `ClusterPrefixIndex` (predicts each worker's `KVCache.match` from its `KVEvent`s), `KVSnapshot`;
+- `affinity`: `AffinityRouter`, the KV-affinity policy (same `route` call);
+- `approx`: `ApproxIndex`, a prefix index of the router's own decisions (same `predict` call).
 
-The router service and the gateway's no-router fallback both choose through here (docs/routing.md).
+Length buckets come from `libs.buckets`. The router service and the gateway's no-router fallback both
+choose through here (docs/routing.md).
 """
 
 from libs.buckets import DEFAULT_BUCKET_EDGES, LengthBuckets
@@ -35,8 +32,10 @@ from libs.routing.recent import RecentPicks, Reflected
 from libs.routing.router import Fleet, Route, Router
 
 __all__ = [
-    "NO_HIT", "AffinityRouter", "AffinityWeights", "ApproxIndex", "BlockState", "HitPredictor", "KVSnapshot", "PredictedHit", "ClusterPrefixIndex",
+    "NO_HIT", "AffinityRouter", "AffinityWeights", "ApproxIndex", "BlockState", "HitPredictor", "KVSnapshot",
+    "PredictedHit", "ClusterPrefixIndex",
     "choose", "decode_cost", "prefill_cost",
-    "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Reflected", "Route", "Router",
+    "DEFAULT_BUCKET_EDGES", "EntryLike", "Fleet", "Instance", "LengthBuckets", "RecentPicks", "Reflected", "Route",
+    "Router",
     "cost", "instance_of", "least_loaded", "pick_pair", "pick_worker", "serving", "tie_break",
 ]

@@ -1,6 +1,13 @@
 """Service base: config loading, JSON logging, metrics endpoint, lifecycle with graceful shutdown."""
 
-from libs.service.config import ConfigError, ServiceConfig, describe_fields, env_name, load_config
+from libs.service.config import (
+    ConfigError,
+    SenderServiceConfig,
+    ServiceConfig,
+    TransferServiceConfig,
+    env_name,
+    load_config,
+)
 from libs.service.logs import JsonFormatter, setup_logging
 from libs.service.service import Service, main
 
@@ -8,8 +15,9 @@ __all__ = [
     "ConfigError",
     "JsonFormatter",
     "Service",
+    "SenderServiceConfig",
     "ServiceConfig",
-    "describe_fields",
+    "TransferServiceConfig",
     "env_name",
     "load_config",
     "main",

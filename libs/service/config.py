@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_origin
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from libs.nesting import field_types, gather, leaves, parts
 from protos import subjects
 
 ENV_PREFIX = "WINDSERVE_"
@@ -46,6 +47,7 @@ class ServiceConfig(BaseModel):
     registry_ttl_s: int = Field(default=5, ge=1, description="registry entry lifetime without heartbeat, seconds")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="registry refresh period, seconds")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="NATS connect timeout, seconds")
+    registry_timeout_s: float = Field(default=2.0, gt=0, description="max time one registry listing may take")
     drain_timeout_s: float = Field(default=10.0, gt=0, description="max wait for in-flight work on shutdown")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus HTTP port; 0 = off")
     metrics_host: str = Field(default="127.0.0.1", description="bind address of the metrics endpoint")
@@ -67,6 +69,15 @@ class ServiceConfig(BaseModel):
         "a restart policy restarts the service (libs/service/selfcheck.py); not counted while NATS is "
         "unreachable; 0 = off")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_parts(cls, data: Any) -> Any:
+        """A part's settings may come flat (`WorkerConfig(page_size=8)`, `WINDSERVE_PAGE_SIZE`): gather them into
+        the part, over its default."""
+        if not isinstance(data, dict):
+            return data
+        return gather(cls, data, lambda name: cls.model_fields[name].get_default(call_default_factory=True))
+
     @model_validator(mode="after")
     def _heartbeat_below_ttl(self) -> ServiceConfig:
         if self.heartbeat_interval_s >= self.registry_ttl_s:
@@ -77,6 +88,21 @@ class ServiceConfig(BaseModel):
         return self
 
 
+class TransferServiceConfig(ServiceConfig):
+    """A service that moves bytes to or from peers over its own transfer engine (UCX / TCP)."""
+
+    transfer_host: str = Field(default="127.0.0.1", description="bind address of the transfer engine")
+    advertise_host: str = Field(default="", description="host peers dial for bytes (empty: transfer_host, or this "
+                                "host's IP when binding 0.0.0.0)")
+
+
+class SenderServiceConfig(TransferServiceConfig):
+    """A service that serves values to clients over its transfer engine (GCache nodes, encoders)."""
+
+    transfer_port: int = Field(default=0, ge=0, le=65535, description="port of the transfer engine; 0 = any free")
+    send_timeout_s: float = Field(default=30.0, gt=0, description="bound of sending one answer's bytes")
+
+
 C = TypeVar("C", bound=ServiceConfig)
 
 
@@ -84,9 +110,17 @@ def env_name(field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
+def leaf_type(cls: type, leaf: str) -> Any:
+    """The annotation of setting `leaf` of `cls` or of one of its parts."""
+    for name in leaves(cls)[leaf]:
+        cls = parts(cls)[name]
+    return field_types(cls)[leaf]
+
+
 def _parse(raw: str, annotation: Any) -> Any:
     # Containers arrive as JSON; scalars stay strings and pydantic's lax mode converts them.
-    if get_origin(annotation) in (dict, list) or annotation in (dict, list):
+    containers = (dict, list, tuple)
+    if get_origin(annotation) in containers or annotation in containers or _optional_tuple(annotation):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -101,18 +135,28 @@ def load_config(cls: type[C], env: Mapping[str, str] | None = None, **overrides:
     """
     source = os.environ if env is None else env
     values: dict[str, Any] = {}
-    for name, field in cls.model_fields.items():
+    for name, path in leaves(cls).items():
         key = env_name(name)
         if key in source:
+            annotation = leaf_type(cls, name)
             try:
-                values[name] = _parse(source[key], field.annotation)
+                values[name] = _parse(source[key], annotation)
+                if path:  # a part's field: a dataclass does not convert strings, so convert here
+                    values[name] = TypeAdapter(annotation).validate_python(values[name])
             except ConfigError as exc:
                 raise ConfigError(f"{cls.__name__}: {key}: {exc}") from exc
+            except ValidationError as exc:
+                raise ConfigError(f"{cls.__name__}: {key}: {exc.errors()[0]['msg']} (got {source[key]!r})") from exc
     values.update(overrides)
     try:
         return cls(**values)
     except ValidationError as exc:
         raise ConfigError(f"invalid {cls.__name__}: " + "; ".join(_describe(e) for e in exc.errors())) from exc
+
+
+def _optional_tuple(annotation: Any) -> bool:
+    """`tuple[int, ...] | None` and the like: a container that may be absent."""
+    return any(get_origin(a) in (tuple, list) for a in getattr(annotation, "__args__", ()))
 
 
 def _describe(err: Any) -> str:
@@ -121,11 +165,3 @@ def _describe(err: Any) -> str:
         return f"{env_name(str(loc[0]))}: {err['msg']} (got {err.get('input')!r})"
     return str(err["msg"])
 
-
-def describe_fields(cls: type[ServiceConfig]) -> list[tuple[str, str, str]]:
-    """(env var, default, description) per field, for docs and --help output."""
-    rows = []
-    for name, field in cls.model_fields.items():
-        default = "<random>" if field.default_factory is new_instance_id else repr(field.get_default(call_default_factory=True))
-        rows.append((env_name(name), default, field.description or ""))
-    return rows

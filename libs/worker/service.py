@@ -1,24 +1,12 @@
 """The engine-worker service base: what the combined worker, prefill and decode services share.
 
-`EngineWorkerService` (one engine, no KV transfer: the combined worker) and `DisaggWorkerService` (plus a KV
-transfer engine whose address goes into the registry entry: prefill and decode). A role subclass sets
-`role` (and `core_class`), builds its handler object in `setup_role()` with the injected IO below, and
-serves its subject; everything else is here:
-
-- setup: the engine is built on a thread (keeps health answering while a checkpoint loads) and started;
-  the abort broadcast is subscribed before the role serves anything; the load snapshot is taken;
-- aborts: `windserve.<ns>.abort` cancels the request's task in `self.tasks` (or remembers the id: see
-  libs/worker/tasks.py);
-- GCache (L3, `WINDSERVE_GCACHE`): the client is built and started before the engine starts, a `GCacheLink`
-  (libs/worker/gcache.py) prefetches L3 hits into the host tier and writes finished sequences back; closed
-  after the engine stops;
-- load: every `load_interval_s`, `EngineCore.load()` on the engine thread -> registry entry (`load`),
-  health details and the Prometheus gauges (libs/worker/metrics.py);
-- `publish(subject, chunk)`: the role's stream output, numbered and kept a while by `self.streams`
-  (libs/worker/stream_ledger.py) so a gateway fetches again what NATS lost (`stream_replay`, served before the
-  role serves anything), counting final chunks as outcomes;
-- teardown: drain `self.tasks` (`drain_timeout_s`, then cancel the rest), let the engine run the aborts /
-  releases the cancelled tasks queued, then stop the engine.
+`EngineWorkerService` (one engine: the combined worker) and `DisaggWorkerService` (plus a KV transfer engine
+advertised in the registry: prefill and decode). A role subclass sets `role` (and `core_class`), builds its
+handler in `setup_role()` and serves its subject; this base builds the engine on a thread (health answers
+while a checkpoint loads), subscribes to aborts and serves `stream_replay` before the role serves anything,
+runs the GCache link when enabled, publishes load every `load_interval_s`, numbers and keeps published
+chunks (`self.streams`), and on teardown drains `self.tasks` (`drain_timeout_s`, then cancels the rest)
+before stopping the engine. Details: docs/worker.md, "Service lifecycle".
 """
 
 from __future__ import annotations
@@ -164,13 +152,14 @@ class EngineWorkerService(Service):
     async def start_gcache(self, engine: AsyncEngine) -> None:
         """The GCache link over the injected store or the real client (engine built, not started yet)."""
         cfg, core = self.config, engine.core
-        namespace = l3_namespace(cfg.model, core.model_config, core.cache.cfg, cfg.dtype, core.draft_layers)
+        namespace = l3_namespace(cfg.model, core.model_config, core.cache.cfg, cfg.engine.dtype, core.draft_layers)
         store = self.gcache_store
         if store is None:
             # the real SDK (storage nodes over the registry); imported only when GCache is on
             from libs.gcache.client import GCacheClient
 
-            client = GCacheClient(cfg.nats_url, cfg.namespace, cfg.gcache_config())  # the deployment's registry; keys carry the model namespace
+            # the deployment's registry; keys carry the model namespace
+            client = GCacheClient(cfg.nats_url, cfg.namespace, cfg.gcache_config())
             await client.start()
             self._gcache_client = store = client
         self.gcache = GCacheLink(engine, store, namespace, lookup_timeout_s=cfg.gcache_lookup_timeout_s,
@@ -372,7 +361,7 @@ class EngineWorkerService(Service):
         return base.model_copy(update={
             "address": self.address,
             "capacity": self.config.capacity or self.max_request_tokens(),
-            "buckets": list(self.config.served_buckets),
+            "buckets": list(self.config.engine.scheduler.served_buckets or ()),
             "max_tokens": self.max_request_tokens(),
             "max_prompt_tokens": self.max_prompt_tokens(),
             "load": self.load,

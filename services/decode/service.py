@@ -44,7 +44,7 @@ class DecodeService(DisaggWorkerService):
         # once the KV is committed), so a prompt longer than the SWA pool (or, on one arena, than its units
         # hold of both groups' pages) can never land here.
         if self.engine is None:  # (before the engine is built: the static pools' bound)
-            return self.config.page_size * self.config.num_swa_pages
+            return self.config.engine.page_size * self.config.engine.num_swa_pages
         core = self.engine.core
         assert isinstance(core, DisaggEngineCore)
         return core.max_remote_prompt_tokens

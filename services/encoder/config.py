@@ -5,19 +5,21 @@ from __future__ import annotations
 from pydantic import Field
 
 from libs.model.vision import TINY_VISION_SEED
-from libs.service import ServiceConfig
+from libs.service import SenderServiceConfig
 
 
-class EncoderConfig(ServiceConfig):
+class EncoderConfig(SenderServiceConfig):
     """One encoder: dynamic batching of the vision tower, an embedding cache with a byte budget and leases, and
     the input limits it enforces itself (the gateway checks them too; an encoder never trusts its callers).
     `model` empty = the built-in tiny model's vision config (random tower weights, fixed seed)."""
 
-    device: str = Field(default="cpu", description="torch device of preprocessing and the tower ('cuda' when "
+    encoder_device: str = Field(default="cpu", description="torch device of preprocessing and the tower ('cuda' when "
                         "present)")
-    dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$", description="tower weights and "
+    encoder_dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$",
+                               description="tower weights and "
                        "activations")
-    seed: int = Field(default=TINY_VISION_SEED, description="seed of the random tower weights (no checkpoint: the "
+    tower_seed: int = Field(default=TINY_VISION_SEED,
+                            description="seed of the random tower weights (no checkpoint: the "
                       "tiny model; the same tower as libs.model.vision.VisionTower(vc))")
     max_batch_items: int = Field(default=16, ge=1, description="images / videos per tower call at most (1 = no "
                                  "batching)")
@@ -33,8 +35,3 @@ class EncoderConfig(ServiceConfig):
     max_image_pixels: int = Field(default=40_000_000, ge=1, description="largest decoded image (w*h) accepted")
     max_video_frames: int = Field(default=64, ge=1, description="most sampled frames of one video")
     max_video_seconds: float = Field(default=600.0, gt=0, description="longest video accepted")
-    send_timeout_s: float = Field(default=30.0, gt=0, description="bound of sending one fetch's embeddings")
-    transfer_host: str = Field(default="127.0.0.1", description="bind address of the transfer engine")
-    advertise_host: str = Field(default="", description="host workers dial for embeddings (empty: transfer_host, "
-                                "or this host's IP when binding 0.0.0.0)")
-    transfer_port: int = Field(default=0, ge=0, le=65535, description="port of the transfer engine; 0 = any free")

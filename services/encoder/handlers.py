@@ -1,14 +1,11 @@
 """The encoder's request handlers: encode (bytes -> cached embedding) and fetch (cached rows -> a worker).
 
-- **encode**: base64-decode within the byte limit, check the content hash, then the cache (a hit renews the
-  entry's lease), else the single flight of that hash: the first request of a hash decodes and preprocesses
-  on the prep threads and queues the patches for the batcher; concurrent requests of the same hash await that
-  one computation. The rows go into the cache under a lease. Bad input (not base64, over a limit, not an
-  image, a hash that does not match) is an `EncodeReply.error` and caches nothing; a cache whose budget is
-  all leased answers UNAVAILABLE (the client tries the next encoder).
-- **fetch**: the cached rows of each hash (a hit renews the lease) -> the reply's sizes; the found rows are
-  then sent, converted to the requested dtype, to the worker's address as the transfer it expects, bounded by
-  `send_timeout_s` (mirrors the GCache node's get).
+`EncoderNode` encodes an item once per content hash: a cache hit renews the entry's lease, concurrent
+requests of one hash share a single computation (prep threads, then the batcher), and the rows are cached
+under a lease. Bad input (not base64, over a limit, not decodable, a wrong hash) is an `EncodeReply.error`
+and caches nothing; a cache whose budget is all leased answers UNAVAILABLE, so the client tries the next
+encoder. A fetch sends the cached rows, in the requested dtype, as the transfer the worker expects, bounded
+by `send_timeout_s`. Details: docs/multimodal.md, "Encoder service".
 """
 
 from __future__ import annotations
@@ -155,7 +152,7 @@ class EncoderNode:
     async def _compute(self, mm_hash: int, kind: MMKind, data: bytes) -> Entry:
         loop = asyncio.get_running_loop()
         patches, grid = await loop.run_in_executor(self._prep, prepare, kind, data, self.vc, self.config,
-                                                   self.config.device)
+                                                   self.config.encoder_device)
         rows = await self.batcher.submit(patches, grid)
         entry = self.cache.put(mm_hash, rows, grid)
         self.export_metrics(leased=False)

@@ -61,7 +61,8 @@ class EncoderService(Service):
         self.vc = vision_config(config.model)  # a text-only model fails here, before any IO
         single_threaded_opencv()  # decode parallelism is this service's pools' (libs/mm/video.py)
         self.transfer: KVTransferEngine = create_engine()
-        self.tower = build_tower(self.vc, config.seed, config.model, config.device, getattr(torch, config.dtype))
+        self.tower = build_tower(self.vc, config.tower_seed, config.model, config.encoder_device,
+                                 getattr(torch, config.encoder_dtype))
         self.cache = EmbeddingCache(config.cache_bytes, config.lease_s)
         self.batcher: DynamicBatcher | None = None
         self.node: EncoderNode | None = None

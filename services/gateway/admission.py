@@ -12,9 +12,14 @@ class Overloaded(Exception):
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    """How many requests run downstream and wait at the gateway."""
+
     max_in_flight: int = 64
+    """HTTP requests running downstream at once."""
     max_queued: int = 256
+    """Requests waiting for a slot; beyond that: 429."""
     queue_timeout_s: float = 30.0
+    """Longest wait for a slot before 429."""
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s <= 0:

@@ -1,37 +1,12 @@
 """The gateway's downstream: route → generate → token stream over NATS, with aborts, liveness and failover.
 
-Contract with any worker that streams (combined worker, or prefill + decode in disaggregated mode):
-1. the gateway checks the request fits some live serving path (registry limits; else 413 before anything
-   computes), subscribes to `windserve.stream.<attempt id>` first, so no chunk can be missed;
-2. it asks a router for (prefill, decode): the registered routers by name (`windserve.<ns>.router.<id>.route`,
-   in turn, those that lately did not answer last), each for at most `route_try_timeout_s`, then the queue
-   group (`windserve.<ns>.route`: a router the listing does not show yet), all within `route_timeout_s`.
-   A router that does not answer in time (hung, or behind a hung NATS node) costs one try, not the
-   request. If no router is running (no responders anywhere) it picks the least-loaded live combined worker
-   from the registry itself, with the router's own choice function (`libs.routing.pick_worker`); a
-   disaggregated fleet needs the router (the error says so). If routers are registered but none answered
-   within `route_timeout_s`, it places the request from the registry (`repick`: pairs too, without
-   affinity) rather than fail it;
-3. it sends `GenerateRequest` to `windserve.worker.<prefill>.generate` (with `decode_instance` set
-   when decode runs elsewhere) and waits, bounded, for a `GenerateAck` (a reply with only request
-   and instance id is an acceptance);
-4. `TokenChunk`s arrive on the stream subject; the last has `finish_reason`. When no chunk comes for
-   `liveness_interval_s`, the workers the request depends on are probed (`windserve.health.<id>`);
-   after `liveness_misses` failed probes in a row, or `idle_timeout_s` without chunks, the attempt
-   fails instead of hanging. Before the first chunk both prefill and decode instance are probed;
-   afterwards only the instance that sends the chunks. While NATS itself is unreachable probes do not
-   count: past `reconnect_bound_s` the request fails naming the control plane, not a worker;
-5. failover: until its first chunk reached the caller, an attempt whose prefill / combined worker is gone
-   (no responders, no ack, failed probes) or refuses as busy, or whose decode worker is gone, is aborted
-   and the request retried under a new attempt id (`<request id>-r<n>`), the router asked with the failed
-   instances in `exclude_instances` / `exclude_decodes`, up to `max_attempts` attempts started within
-   `failover_timeout_s`. After the first chunk a failure ends the stream with an error (the client has
-   part of the answer);
-6. leaving the stream early (client gone, stop string found by the gateway) broadcasts `AbortRequest` on
-   `windserve.abort`, which frees the attempt's KV everywhere.
-
-Status codes (docs/gateway.md): 503 with Retry-After for no capacity, a peer gone, no router / registry /
-NATS; 413 and 400 for what a worker refuses as too large or invalid; 500 only for a worker's own failure.
+`NatsBackend` refuses a request no live worker can hold (413 before anything computes), subscribes to the
+attempt's stream before submitting it, and routes via the routers, or from the registry when none runs or
+answers in time. Promises: no request hangs on a dead or silent worker; until its first chunk reached the
+client, a request whose worker is gone or busy is retried elsewhere (`max_attempts`, `failover_timeout_s`),
+afterwards it ends with an error; leaving a stream early aborts it downstream; an unreachable NATS is
+reported as the control plane's failure, never a worker's. Lifecycle and status codes: docs/gateway.md,
+"Request lifecycle" and "Errors".
 """
 
 from __future__ import annotations
@@ -47,10 +22,10 @@ from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
 
+from libs.buckets import BucketConfig, LengthBuckets
 from libs.bus import Bus, BusError, BusTimeout, NoResponders, RemoteError
 from libs.kvcache import DEFAULT_HASH_SEED
 from libs.kvcache.hashing import block_hashes
-from libs.routing import DEFAULT_BUCKET_EDGES, LengthBuckets
 from protos import subjects
 from protos.messages import (
     AbortRequest,
@@ -106,7 +81,8 @@ class PeerFailed(BackendError):
 
 
 class Backend(Protocol):
-    def generate(self, request_id: str, token_ids: list[int], sampling: WireSamplingParams) -> AsyncIterator[TokenChunk]:
+    def generate(self, request_id: str, token_ids: list[int],
+                 sampling: WireSamplingParams) -> AsyncIterator[TokenChunk]:
         """Yield the request's chunks up to the one with finish_reason; raise BackendError on failure.
         Closing the iterator early aborts the request downstream. A request with images is called with the keyword
         `mm_items` (a sequence of WireMMItem) as well (NatsBackend takes it)."""
@@ -121,33 +97,53 @@ _ACK_STATUS = {
 
 @dataclass(frozen=True)
 class BackendConfig:
-    page_size: int = 16
-    route_timeout_s: float = 2.0  # every router try of one route together (then: placed from the registry)
-    route_try_timeout_s: float = 0.75  # one router's answer; past it the next router is asked
-    router_suspect_s: float = 5.0  # a router that did not answer is asked last this long (about a registry TTL)
+    """How the gateway places a request and follows it: routing, acceptance, liveness, failover."""
+
+    route_timeout_s: float = 2.0
+    """Most wait for a router's answer, every router asked together; past it (routers registered but silent)
+    the request is placed from the registry."""
+    route_try_timeout_s: float = 0.75
+    """Most wait for one router's answer before the next registered router is asked (within route_timeout_s)."""
+    router_suspect_s: float = 5.0
+    """A router that did not answer is asked last among the routers for this long."""
     ack_timeout_s: float = 30.0
-    registry_timeout_s: float = 2.0
+    """Most wait for a worker to accept a request."""
     liveness_interval_s: float = 1.0
+    """Without tokens for this long, the gateway probes the worker's health."""
     liveness_misses: int = 2
-    liveness_silent_s: float = 6.0  # probes timing out (not 'no responders') this long: gone (a hung NATS node)
+    """Failed probes in a row after which a worker is gone."""
+    liveness_silent_s: float = 6.0
+    """A worker whose probes time out (its subscriptions still stand, e.g. its NATS node hangs) is gone only
+    after this long silent."""
     idle_timeout_s: float = 300.0
-    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
-    namespace: str = subjects.DEFAULT_NAMESPACE
-    retry_after_s: int = 1  # Retry-After of every 503
-    max_attempts: int = 3  # attempts of one request (1 = no failover)
-    failover_timeout_s: float = 30.0  # no new attempt starts later than this after the first one
-    reconnect_bound_s: float = 10.0  # NATS unreachable this long: the request fails (control plane down)
-    unreachable_grace_s: float = 1.5  # a listed peer with no responders, asked again this long when nothing else can;
-    # a streaming one's probes must find no responders this long before it is gone
-    fleet_cache_s: float = 0.5  # age of the registry listing reused for size checks and fallbacks
+    """Longest gap between two chunks of a live worker before the request fails."""
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    """The length buckets of the no-router fallback, the router's and the engines'."""
+    retry_after_s: int = 1
+    """Retry-After (seconds) sent with 429 and with every 503."""
+    max_attempts: int = 3
+    """Attempts of one request: before its first token, a request whose worker is gone or refuses as busy is
+    retried on another instance (1 = no failover)."""
+    failover_timeout_s: float = 30.0
+    """No retry starts later than this after the request's first attempt."""
+    reconnect_bound_s: float = 10.0
+    """NATS unreachable this long fails a waiting request (control plane down)."""
+    unreachable_grace_s: float = 1.5
+    """A listed router or worker with no responders (gone, or its client moving to another NATS node) is asked
+    again this long when nothing else can take the request; a streaming worker is gone only once its probes
+    found no responders this long."""
+    fleet_cache_s: float = 0.5
+    """Age of the registry listing reused for size checks and fallbacks."""
 
     def __post_init__(self) -> None:
         if min(self.route_timeout_s, self.route_try_timeout_s, self.router_suspect_s, self.ack_timeout_s,
                self.liveness_interval_s, self.idle_timeout_s, self.failover_timeout_s, self.reconnect_bound_s,
                self.unreachable_grace_s) <= 0:
             raise ValueError("BackendConfig timeouts must be > 0")
-        if self.liveness_misses < 1 or self.page_size < 1 or self.max_attempts < 1:
-            raise ValueError("BackendConfig: liveness_misses, page_size and max_attempts must be >= 1")
+        if self.liveness_misses < 1 or self.max_attempts < 1 or self.retry_after_s < 1:
+            raise ValueError("BackendConfig: liveness_misses, max_attempts and retry_after_s must be >= 1")
+        if self.liveness_interval_s >= self.idle_timeout_s:
+            raise ValueError("liveness_interval_s must be below idle_timeout_s")
 
 
 ListServices = Callable[[], Awaitable[list[RegistryEntry]]]
@@ -170,6 +166,7 @@ class _StreamOrder:
     expected: dict[str, int] = field(default_factory=dict)
 
 
+DEFAULT_PAGE_SIZE = 16  # the block-hash page of a route until a worker advertises its kv_page_size label
 _MIN_TRY_S = 0.05  # a router try shorter than this is not started (the route's bound is spent)
 _REASK_PAUSE_S = 0.1  # between two asks of a listed peer that had no responders (within unreachable_grace_s)
 _RECONNECT_POLL_S = 0.05  # how often a request waiting for NATS to come back looks at the connection
@@ -194,13 +191,16 @@ class NatsBackend:
     """Backend over the bus. Cleanup (unsubscribe, abort) runs in tasks of its own, because the HTTP
     layer may cancel the consumer repeatedly and a cancelled `finally` cannot await."""
 
-    def __init__(self, bus: Bus, list_services: ListServices, config: BackendConfig) -> None:
+    def __init__(self, bus: Bus, list_services: ListServices, config: BackendConfig, *,
+                 namespace: str = subjects.DEFAULT_NAMESPACE, registry_timeout_s: float = 2.0) -> None:
         self._bus = bus
+        self.namespace = namespace
+        self.registry_timeout_s = registry_timeout_s
         # the gateway passes its shared listing; a bare function gets a cache of its own
         self._listing = (list_services if isinstance(list_services, CachedListing)
                          else CachedListing(list_services, config.fleet_cache_s))
         self.config = config
-        self._buckets = LengthBuckets(config.bucket_edges)  # the fallback's, same as the router's
+        self._buckets = LengthBuckets(config.buckets.bucket_edges)  # the fallback's, same as the router's
         self._cleanup: set[asyncio.Task[None]] = set()
         self._router_turn = itertools.count()  # spreads routes over the registered routers
         self._silent_routers: dict[str, float] = {}  # router -> monotonic time it last failed to answer
@@ -237,7 +237,7 @@ class NatsBackend:
         `wait=False` (advisory reads: the size check, the chain layout): the last listing at once, refreshed
         in the background (`CachedListing`), so no request waits for the registry there."""
         try:  # (the listing bounds its own reads by registry_timeout_s; this is a safety net)
-            async with asyncio.timeout(self.config.registry_timeout_s + 1.0):
+            async with asyncio.timeout(self.registry_timeout_s + 1.0):
                 entries = await self._listing(fresh=fresh, wait=wait)
         except Exception as exc:
             raise self._control_plane("listing the registry", exc) or self.unavailable(
@@ -323,7 +323,7 @@ class NatsBackend:
         something listens but nothing answered in time, RemoteError when the routers that answered all said they
         cannot place the request (one refusing is passed over: its registry view may lag the others')."""
         cfg = self.config
-        ns = cfg.namespace
+        ns = self.namespace
         deadline = time.monotonic() + cfg.route_timeout_s
         silent: list[str] = []
         refused: RemoteError | None = None
@@ -402,12 +402,12 @@ class NatsBackend:
 
     async def _chain(self, token_ids: list[int]) -> list[int]:
         """The prompt's block-hash chain, made as the workers' caches make theirs (their advertised page size
-        and seed; the configured page size and the default seed until one advertises them)."""
+        and seed; the default page size and seed until one advertises them)."""
         try:
             layout = (await self.fleet(wait=False)).hash_layout()
         except BackendError:
             layout = None
-        page_size, seed = layout or (self.config.page_size, DEFAULT_HASH_SEED)
+        page_size, seed = layout or (DEFAULT_PAGE_SIZE, DEFAULT_HASH_SEED)
         return block_hashes(token_ids, page_size, seed)
 
     async def _route_direct(self, request_id: str, num_tokens: int, avoid: Avoid) -> RouteReply:
@@ -415,7 +415,7 @@ class NatsBackend:
         try:
             worker = fallback_pick(fleet, num_tokens, self._buckets, request_id, avoid)
         except LookupError as exc:
-            raise self.unavailable(f"no router is running (nothing answers {subjects.route(self.config.namespace)}) "
+            raise self.unavailable(f"no router is running (nothing answers {subjects.route(self.namespace)}) "
                                    f"and no combined worker can take the request: {exc}",
                                    code="router_unavailable") from exc
         return RouteReply(prefill_instance=worker, decode_instance=worker)
@@ -486,7 +486,7 @@ class NatsBackend:
                        mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
         """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy."""
         route = await self._route_reachable(attempt_id, token_ids, avoid, [i.mm_hash for i in mm_items])
-        stream = subjects.stream(self.config.namespace, attempt_id)
+        stream = subjects.stream(self.namespace, attempt_id)
         try:
             sub = await self._bus.subscribe(stream, TokenChunk)
         except Exception as exc:
@@ -524,7 +524,7 @@ class NatsBackend:
         await asyncio.sleep(0.05)  # a peer's death can reach the worker a moment before NATS notices it
         for instance in sorted({route.prefill_instance, route.decode_instance}):
             try:
-                await self._request(subjects.health(self.config.namespace, instance), HealthRequest(), HealthReply,
+                await self._request(subjects.health(self.namespace, instance), HealthRequest(), HealthReply,
                                     self.config.liveness_interval_s, f"probing {instance}")
             except BusError as exc:
                 return PeerFailed(f"worker {instance} is gone ({exc}); the request failed with: {chunk.error}",
@@ -566,7 +566,7 @@ class NatsBackend:
         elsewhere) instead of at the ack bound. A probe that times out (busy, or behind a hung NATS node) leaves
         the decision to the ack bound."""
         cfg = self.config
-        ns = cfg.namespace
+        ns = self.namespace
         ask = asyncio.ensure_future(self._request(subjects.generate(ns, target), msg, GenerateAck, cfg.ack_timeout_s,
                                                   f"sending the request to {target}"))
         misses = 0
@@ -640,7 +640,7 @@ class NatsBackend:
 
     async def _ask_replay(self, instance: str, request_id: str, from_seq: int) -> StreamReplayReply:
         """One stream_replay request to `instance` (bus errors raised as they come)."""
-        return await self._bus.request(subjects.stream_replay(self.config.namespace, instance),
+        return await self._bus.request(subjects.stream_replay(self.namespace, instance),
                                        StreamReplayRequest(request_id=request_id, from_seq=from_seq),
                                        StreamReplayReply, self.config.liveness_interval_s)
 
@@ -679,7 +679,7 @@ class NatsBackend:
                     reply = await self._ask_replay(instance, request_id, expected)
                 except NoResponders:  # a worker without replay (a test's fake): its health subject
                     reply = None
-                    await self._bus.request(subjects.health(self.config.namespace, instance), HealthRequest(),
+                    await self._bus.request(subjects.health(self.namespace, instance), HealthRequest(),
                                             HealthReply, self.config.liveness_interval_s)
                 misses[instance] = 0
                 live.silent_since.pop(instance, None)
@@ -727,7 +727,7 @@ class NatsBackend:
             await sub.unsubscribe()
         if abort:
             try:
-                await self._bus.publish(subjects.abort(self.config.namespace),
+                await self._bus.publish(subjects.abort(self.namespace),
                                         AbortRequest(request_id=request_id, reason="client left or attempt failed"))
             except Exception as exc:
                 log.warning("could not publish abort", extra={"request_id": request_id, "error": repr(exc)})

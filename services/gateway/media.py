@@ -34,22 +34,10 @@ import httpx
 from libs.mm.api import Encoded, EncodeError, EncoderAPI, EncoderUnavailable
 from libs.mm.placeholders import hash_view
 from protos.messages import MMKind, WireMMItem
+from services.gateway.config import MediaConfig
 from services.gateway.protocol import ApiError
 
 _PART_FIELD = {"image_url": MMKind.IMAGE, "video_url": MMKind.VIDEO}
-
-
-@dataclass(frozen=True)
-class MediaConfig:
-    """Limits and sources of images / videos (every breach a 400)."""
-
-    max_items: int = 8  # images + videos of one request
-    max_item_bytes: int = 16 << 20  # one item's file bytes
-    max_total_bytes: int = 32 << 20  # all items of one request
-    url_hosts: frozenset[str] = frozenset()  # hosts http(s) URLs may name (and redirect to); empty = URLs off
-    url_timeout_s: float = 10.0  # one URL's whole fetch, redirects included
-    url_max_redirects: int = 3
-    local_root: str = ""  # local paths (file:// or absolute) only under this directory; empty = off
 
 
 @dataclass(frozen=True)
@@ -111,13 +99,13 @@ class MediaCollector:
         if role != "user":
             raise ApiError(400, f"{param}: only user messages may carry images or videos", param=param)
         url = _part_url(part, param)
-        if len(self.parts) >= self.config.max_items:
-            raise ApiError(400, f"more than {self.config.max_items} images / videos in one request (the limit)",
+        if len(self.parts) >= self.config.mm_max_items:
+            raise ApiError(400, f"more than {self.config.mm_max_items} images / videos in one request (the limit)",
                            param=param, code="too_many_items")
         item = self._source(kind, url, param)
         self.known_bytes += item.size
-        if self.known_bytes > self.config.max_total_bytes:
-            raise ApiError(400, f"images / videos of more than {self.config.max_total_bytes} bytes in one request "
+        if self.known_bytes > self.config.mm_max_total_bytes:
+            raise ApiError(400, f"images / videos of more than {self.config.mm_max_total_bytes} bytes in one request "
                                 "(the limit)", param=param, code="media_too_large")
         self.parts.append(item)
         return self.vision.placeholder(kind)
@@ -125,16 +113,16 @@ class MediaCollector:
     def _source(self, kind: MMKind, url: str, param: str) -> MediaPart:
         scheme = urlsplit(url).scheme.lower() if not url.startswith("/") else ""
         if scheme == "data":
-            data = decode_data_uri(url, self.config.max_item_bytes, param)
+            data = decode_data_uri(url, self.config.mm_max_item_bytes, param)
             return MediaPart(kind, param, url[:32], data=data, size=len(data))
         if scheme in ("http", "https"):
             check_host(url, self.config.url_hosts, param)
             return MediaPart(kind, param, url)
         if scheme in ("file", ""):
-            path = local_path(url, self.config.local_root, param)
+            path = local_path(url, self.config.mm_local_root, param)
             size = path.stat().st_size
-            if size > self.config.max_item_bytes:
-                raise _too_large(param, size, self.config.max_item_bytes)
+            if size > self.config.mm_max_item_bytes:
+                raise _too_large(param, size, self.config.mm_max_item_bytes)
             return MediaPart(kind, param, url, path=str(path), size=size)
         raise ApiError(400, f"{param}: URL scheme {scheme!r} is not supported (data:, http(s) to allowed hosts, or a "
                             "local path under the configured root)", param=param, code="invalid_url")
@@ -204,8 +192,9 @@ async def load_all(parts: Sequence[MediaPart], config: MediaConfig) -> list[byte
     async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
         datas = await asyncio.gather(*(_load(p, config, client) for p in parts))
     total = sum(len(d) for d in datas)
-    if total > config.max_total_bytes:
-        raise ApiError(400, f"images / videos of {total} bytes in one request; the limit is {config.max_total_bytes}",
+    if total > config.mm_max_total_bytes:
+        raise ApiError(400, f"images / videos of {total} bytes in one request; "
+                            f"the limit is {config.mm_max_total_bytes}",
                        code="media_too_large")
     return list(datas)
 
@@ -216,10 +205,10 @@ async def _load(part: MediaPart, config: MediaConfig, client: httpx.AsyncClient)
     if part.path:
         return await asyncio.to_thread(Path(part.path).read_bytes)
     try:
-        async with asyncio.timeout(config.url_timeout_s):
+        async with asyncio.timeout(config.mm_url_timeout_s):
             return await fetch_url(client, part.url, config, part.param)
     except TimeoutError:
-        raise ApiError(400, f"{part.param}: {part.url} did not answer within {config.url_timeout_s}s",
+        raise ApiError(400, f"{part.param}: {part.url} did not answer within {config.mm_url_timeout_s}s",
                        param=part.param, code="url_fetch_failed") from None
     except httpx.HTTPError as exc:
         raise ApiError(400, f"{part.param}: {part.url} could not be fetched: {exc!r}", param=part.param,
@@ -229,7 +218,7 @@ async def _load(part: MediaPart, config: MediaConfig, client: httpx.AsyncClient)
 async def fetch_url(client: httpx.AsyncClient, url: str, config: MediaConfig, param: str) -> bytes:
     """GET `url`, following at most `url_max_redirects` redirects (each to an allowed host), reading at most
     `max_item_bytes` (the caller bounds the time)."""
-    for _ in range(config.url_max_redirects + 1):
+    for _ in range(config.mm_url_max_redirects + 1):
         check_host(url, config.url_hosts, param)
         async with client.stream("GET", url) as resp:
             if resp.is_redirect:
@@ -238,8 +227,8 @@ async def fetch_url(client: httpx.AsyncClient, url: str, config: MediaConfig, pa
             if resp.status_code != 200:
                 raise ApiError(400, f"{param}: {url} answered HTTP {resp.status_code}", param=param,
                                code="url_fetch_failed")
-            return await _read_capped(resp, config.max_item_bytes, param)
-    raise ApiError(400, f"{param}: more than {config.url_max_redirects} redirects", param=param,
+            return await _read_capped(resp, config.mm_max_item_bytes, param)
+    raise ApiError(400, f"{param}: more than {config.mm_url_max_redirects} redirects", param=param,
                    code="url_fetch_failed")
 
 

@@ -18,7 +18,7 @@ from libs.bus import RegistryView, ViewConfig
 from libs.service import Service
 from protos.messages import RegistryEntry, Role
 from services.gateway import handlers
-from services.gateway.admission import Admission, AdmissionConfig
+from services.gateway.admission import Admission
 from services.gateway.backend import BackendConfig, NatsBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Limits
@@ -105,26 +105,19 @@ class GatewayService(Service):
         cfg = self.config
         assert self.bus is not None
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model or None)
-        self.backend = NatsBackend(self.bus, self._listing, BackendConfig(
-            page_size=cfg.page_size, route_timeout_s=cfg.route_timeout_s, route_try_timeout_s=cfg.route_try_timeout_s,
-            router_suspect_s=cfg.router_suspect_s, ack_timeout_s=cfg.ack_timeout_s,
-            registry_timeout_s=cfg.registry_timeout_s, liveness_interval_s=cfg.liveness_interval_s,
-            liveness_misses=cfg.liveness_misses, liveness_silent_s=cfg.liveness_silent_s,
-            idle_timeout_s=cfg.idle_timeout_s, namespace=cfg.namespace,
-            retry_after_s=cfg.retry_after_s, max_attempts=cfg.max_attempts, failover_timeout_s=cfg.failover_timeout_s,
-            reconnect_bound_s=cfg.reconnect_bound_s, unreachable_grace_s=cfg.unreachable_grace_s,
-        ))
+        self.backend = NatsBackend(self.bus, self._listing, cfg.backend, namespace=cfg.namespace,
+                                   registry_timeout_s=cfg.registry_timeout_s)
         mc = await asyncio.to_thread(model_config, cfg.model)
         vision = VisionTokens.of(mc, tokenizer.decode) if mc is not None else None
         if vision is not None and self.encoder is None:
             await self._start_encoder(mc.vision)
         return handlers.Api(
-            vision=vision, encoder=self.encoder or self._encoder, media=cfg.media_config(),
+            vision=vision, encoder=self.encoder or self._encoder, media=cfg.media,
             backend=self.backend, tokenizer=tokenizer, model_name=cfg.model_name,
             limits=Limits(cfg.context_length, cfg.default_max_tokens, cfg.max_n, cfg.max_batch, cfg.max_stop_strings,
                           cfg.max_stop_length, cfg.max_messages, cfg.max_fanout),
-            admission=Admission(AdmissionConfig(cfg.max_in_flight, cfg.max_queued, cfg.queue_timeout_s)),
-            api_keys=cfg.keys, retry_after_s=cfg.retry_after_s, max_body_bytes=cfg.max_body_bytes,
+            admission=Admission(cfg.admission),
+            api_keys=cfg.keys, retry_after_s=cfg.backend.retry_after_s, max_body_bytes=cfg.max_body_bytes,
             docs_auth=cfg.docs_auth,
         )
 

@@ -6,10 +6,10 @@ import socket
 
 from pydantic import Field, model_validator
 
-from libs.service import ServiceConfig
+from libs.service import SenderServiceConfig
 
 
-class CacheConfig(ServiceConfig):
+class CacheConfig(SenderServiceConfig):
     """A GCache storage node: a memory tier and a disk tier, each with a byte budget (docs/gcache.md)."""
 
     memory_bytes: int = Field(default=1 << 30, ge=0, description="byte budget of the memory tier")
@@ -24,11 +24,6 @@ class CacheConfig(ServiceConfig):
     put_timeout_s: float = Field(default=30.0, gt=0, description="an unfinished put older than this is reaped "
                                  "(its client died); also the bound of one put's transfer")
     reap_interval_s: float = Field(default=1.0, gt=0, description="how often unfinished puts are reaped")
-    send_timeout_s: float = Field(default=30.0, gt=0, description="bound of sending one get's values")
-    transfer_host: str = Field(default="127.0.0.1", description="bind address of the transfer engine")
-    advertise_host: str = Field(default="", description="host clients dial for values (empty: transfer_host, "
-                                "or this host's IP when binding 0.0.0.0)")
-    transfer_port: int = Field(default=0, ge=0, le=65535, description="port of the transfer engine; 0 = any free")
 
     @model_validator(mode="after")
     def _disk_needs_dir(self) -> CacheConfig:

@@ -18,7 +18,7 @@ class PrefillConfig(DisaggServiceConfig):
         "(before any compute), then gets 503 + Retry-After; 0 = refuse at once")
     decode_wait_queue: int = Field(
         default=64, ge=0, description="requests waiting for decode room at once on this prefill; beyond: 503 at once")
-    unreachable_grace_s: float = Field(
+    decode_unreachable_grace_s: float = Field(
         default=1.5, ge=0, description="a listed decode worker with no responders on kv_prepare (gone, or its client "
         "moving to another node of a NATS cluster) is asked again for this long when the router finds no other")
     kv_segment_pages: int | None = Field(

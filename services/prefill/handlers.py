@@ -1,24 +1,11 @@
 """Prefill role logic: reserve on a decode worker, prefill while the KV streams there, hand over the first token.
 
-IO is injected (`prepare` / `commit`: request/reply to a decode worker; `publish`: a TokenChunk to the
-gateway), so the same code runs under NATS in the service and in-process in tests.
-
-One request, top to bottom in `run()` (every wait bounded):
-  0. images (`mm_items`): fetch their embeddings (libs/worker/mm.py) before anything is reserved; a failed
-     fetch is a retryable error chunk (the client's 503) and nothing else happens;
-  1. kv_prepare to the routed decode worker, before any compute: it reserves pages for the prompt and
-     answers its prefix hit and its transfer address (a full one: ask the router for another);
-  2. open the transfer; its header is the whole streamed plan: segments of full-layer pages, then a last
-     segment with the rest and the SWA window (libs/engine/disagg/plan.py);
-  3. prefill-only engine run: after each step the engine thread copies out the segments that are now
-     computed, and they are sent while the next chunk computes; the last one when the prompt is done;
-  4. the first token already ends the request (EOS / stop / max_tokens=1): publish it, done;
-  5. finish the transfer (every byte landed on decode), then kv_commit the first token: decode
-     publishes it and decodes on (it owns the stream from here);
-  6. always (`_clean_up`): stop the transfer and cancel decode's reservation unless committed, release
-     the held KV into the prefix cache (valid whatever happened downstream).
-A failure publishes an error chunk first, then cancels the decode reservation (decode then publishes
-nothing); a prefill that dies instead is noticed by decode through its transfer (docs/serving.md).
+`PrefillWorker.run()` fetches image embeddings, reserves pages on the routed decode worker before any
+compute, sends each segment of the streamed plan once computed, then publishes the first token itself when
+it ends the request, or waits until every byte landed and hands it to decode, which owns the stream from
+there. IO is injected (`prepare`, `commit`, `publish`), so the code runs under NATS and in tests. Every
+wait is bounded; a failure publishes an error chunk, then cancels the decode reservation; the held KV is
+always released into the prefix cache. Protocol: docs/serving.md, "Request lifecycle".
 """
 
 from __future__ import annotations
@@ -156,7 +143,7 @@ class PrefillWorker:
         self.fetcher = fetcher  # multimodal models: image embeddings, fetched before the decode reservation
         cfg = engine.core.config
         if segment_pages is None:
-            segment_pages = max(1, cfg.max_num_batched_tokens // cfg.page_size)
+            segment_pages = max(1, cfg.scheduler.max_num_batched_tokens // cfg.page_size)
         self.segment_pages = segment_pages
         self.stats = HandoffStats()
         self.tasks = tasks if tasks is not None else RequestTasks()  # the service's registry (aborts, drain)

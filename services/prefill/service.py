@@ -36,7 +36,7 @@ class PrefillService(DisaggWorkerService):
             prepare_timeout_s=cfg.prepare_timeout_s, transfer_timeout_s=cfg.transfer_timeout_s,
             reroute=self._reroute, decode_attempts=cfg.decode_attempts, segment_pages=cfg.kv_segment_pages,
             tasks=self.tasks, decode_wait_s=cfg.decode_wait_s, decode_wait_queue=cfg.decode_wait_queue,
-            fetcher=self.fetcher, unreachable_grace_s=cfg.unreachable_grace_s)
+            fetcher=self.fetcher, unreachable_grace_s=cfg.decode_unreachable_grace_s)
         await self.serve_generate(self.worker.submit)
 
     def role_refusal(self, req: GenerateRequest) -> tuple[AckStatus, str] | None:

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from libs.routing import DEFAULT_BUCKET_EDGES, AffinityWeights, LengthBuckets
+from libs.buckets import BucketConfig
+from libs.routing import AffinityWeights
 from libs.service import ServiceConfig
 
 _W = AffinityWeights()  # the one source of the cost's default weights
 
 
 class RouterConfig(ServiceConfig):
-    bucket_edges: list[int] = Field(
-        default_factory=lambda: list(DEFAULT_BUCKET_EDGES), description="length bucket edges (tokens), JSON list"
-    )
-    registry_timeout_s: float = Field(default=2.0, gt=0, description="max time one registry listing may take")
+    buckets: BucketConfig = Field(default_factory=BucketConfig, description="the length buckets (libs/buckets.py)")
     registry_resync_s: float = Field(default=60.0, ge=0, description="full registry listing this often besides "
                                                                       "the watch; 0 = only after watch errors")
     policy: Literal["affinity", "least_loaded"] = Field(
         default="affinity", description="affinity: predicted KV hit + load (docs/routing.md); least_loaded: queue "
                                         "and KV share only")
-    kv_events: bool = Field(default=True, description="index the workers' KV events (false: approximate mode, "
+    kv_index: bool = Field(default=True, description="index the workers' KV events (false: approximate mode, "
                                                       "an index of this router's own decisions with a TTL)")
     host_penalty: float = Field(default=_W.host_penalty, ge=0, description="cost of a host-tier hit token (share "
                                                                            "of computing it)")
@@ -49,11 +47,6 @@ class RouterConfig(ServiceConfig):
     approx_max_entries: int = Field(default=1 << 20, ge=1, description="approximate mode: most (worker, block) "
                                                                        "entries kept")
     maintain_interval_s: float = Field(default=1.0, gt=0, description="index sweep and metrics refresh period")
-
-    @model_validator(mode="after")
-    def _edges_valid(self) -> RouterConfig:
-        LengthBuckets(tuple(self.bucket_edges))  # positive, strictly increasing
-        return self
 
     def weights(self) -> AffinityWeights:
         return AffinityWeights(host_penalty=self.host_penalty, queue_weight=self.queue_weight,

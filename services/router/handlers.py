@@ -16,8 +16,8 @@ ENGINE_ROLES = (Role.PREFILL, Role.DECODE, Role.WORKER)
 
 def health_details(config: RouterConfig) -> dict[str, str]:
     """Extra health fields."""
-    return {"bucket_edges": ",".join(map(str, config.bucket_edges)), "policy": config.policy,
-            "kv_events": "on" if config.kv_events else "approximate"}
+    return {"bucket_edges": ",".join(map(str, config.buckets.bucket_edges)), "policy": config.policy,
+            "kv_events": "on" if config.kv_index else "approximate"}
 
 
 def fleet_of(entries: Sequence[RegistryEntry]) -> Fleet:

@@ -1,18 +1,11 @@
 """Keeping the router's prefix index in step with the workers (the snapshot request is the only IO, injected).
 
-- **Members.** A prefill, decode or combined worker that joins the registry view with `KV_LAYOUT_LABELS` is
-  indexed; the first one fixes the index's layout (page size, window, rebuild span, hash seed), a worker
-  whose layout differs is refused (logged, counted) and routed without affinity, like one with no labels.
-  When no member is left, the next join may bring a new layout (a redeployed model).
-- **Events** (`on_batch`): only members' events count (a worker's events before its join are dropped: the
-  join asks for a snapshot anyway). A new epoch (the worker restarted under the same id) drops its view.
-- **Snapshots.** A join (at start: every registered worker), a gap, a late start (first event id > 0) or a
-  new epoch marks the view stale (events buffered) and schedules a `KVSnapshotRequest`, off the request
-  path (`fetch_due`, from the service's loop): bounded by the request timeout, retried with doubling backoff;
-  `load_snapshot` then replays the buffered events after the snapshot's id.
-- **Leaves**: a worker leaving the view leaves the index at once (`remove_worker`); `maintain` sweeps.
-- **Approximate mode** (`events=False`): no events, no snapshots; the index is an `ApproxIndex` of this
-  router's own decisions (`record`), members and layout as above.
+`IndexSync` indexes every worker that joins the registry view with `KV_LAYOUT_LABELS`; the first member
+fixes the layout and a worker with another is routed without affinity. Only members' events count; a gap,
+a late start, a join or a new epoch marks the worker's view stale and schedules a `KVSnapshotRequest` off
+the request path (bounded, retried with backoff), after which the buffered events are replayed. A worker
+leaving the view leaves the index at once. With `events=False` the index is an `ApproxIndex` of this
+router's own decisions. Details: docs/routing.md, "The router service".
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ class IndexSync:
 
     def __init__(self, config: RouterConfig, fetch: FetchSnapshot) -> None:
         self.config = config
-        self.events = config.kv_events
+        self.events = config.kv_index
         self._fetch = fetch
         self.layout: IndexLayout | None = None
         self.index: ClusterPrefixIndex | None = None

@@ -51,8 +51,8 @@ class RouterService(Service):
         super().__init__(config)
         self.sync = IndexSync(config, self._fetch_snapshot)
         self.policy: AffinityRouter | Router = (
-            AffinityRouter(self.sync.predictor, config.bucket_edges, config.weights(), config.recent_window_s)
-            if config.policy == "affinity" else Router(config.bucket_edges, config.recent_window_s))
+            AffinityRouter(self.sync.predictor, config.buckets.bucket_edges, config.weights(), config.recent_window_s)
+            if config.policy == "affinity" else Router(config.buckets.bucket_edges, config.recent_window_s))
         self.predictions = handlers.Predictions(config.predictions_max, config.predictions_ttl_s)
         self.view: RegistryView | None = None
         self.remote_picks = 0
@@ -69,7 +69,7 @@ class RouterService(Service):
     async def setup(self) -> None:
         assert self.bus is not None and self.registry is not None
         ns = self.config.namespace
-        if self.config.kv_events:  # before the view: a worker's events after its join are never missed
+        if self.config.kv_index:  # before the view: a worker's events after its join are never missed
             await self._consume(subjects.kv_events_all(ns), KVEventBatch, self.sync.on_batch, "kv-events")
         await self._consume(subjects.route_picks(ns), RoutePick, self._on_pick, "route-picks")
         await self._consume(subjects.kv_hits(ns), KVHitReport, self._on_hit, "kv-hits")
@@ -78,7 +78,7 @@ class RouterService(Service):
                                  outages=self.registry_outages)  # (registered after setup: read when judged)
         self.view.add_listener(self.sync.on_registry)
         await self.view.start()  # every registered worker joins: each is asked for a snapshot
-        if self.config.kv_events:
+        if self.config.kv_index:
             self.spawn(self._snapshot_loop(), name="kv-snapshots")
         self.spawn(self._maintain_loop(), name="kv-index-maintenance")
         await self.bus.serve(subjects.route(ns), RouteRequest, self.route, queue=subjects.ROUTER_QUEUE)

@@ -105,9 +105,9 @@ class DisaggEngineCore(EngineCore):
         sch, cache = self.scheduler, self.cache
         if req.req_id in sch.seqs or req.req_id in self.pending:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
-        if len(sch.running) + len(self.pending) >= self.config.max_num_seqs:
+        if len(sch.running) + len(self.pending) >= self.config.scheduler.max_num_seqs:
             raise DecodeFull(f"request {req.req_id!r}: decode engine is full "
-                             f"({self.config.max_num_seqs} sequences running or arriving)")
+                             f"({self.config.scheduler.max_num_seqs} sequences running or arriving)")
         prompt = req.prompt_token_ids
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
         # full_tokens are shared tree pages that must not be written
@@ -116,8 +116,8 @@ class DisaggEngineCore(EngineCore):
             # parallel runner's every rank loads its own host copies, not rank 0 alone)
             self.runner.forward(BatchPlan(load_copies=tuple(hit.load_copies)))
         growth = req.params.max_tokens
-        if self.config.admission_decode_tokens is not None:
-            growth = min(growth, self.config.admission_decode_tokens)
+        if self.config.scheduler.admission_decode_tokens is not None:
+            growth = min(growth, self.config.scheduler.admission_decode_tokens)
         result = cache.admit(req.req_id, prompt, hit, growth)
         if not result.ok:
             raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker: {result.reason}")
