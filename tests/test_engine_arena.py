@@ -89,7 +89,7 @@ async def test_disaggregated_hand_off_between_arena_engines_equals_colocated(tin
 
 
 def test_request_bounds_read_the_arena(tiny):
-    """The bounds the services refuse beyond (413) are the arena's on the arena. 16 full + 8 SWA pages of 4
+    """The bounds the services refuse beyond (400) are the arena's on the arena. 16 full + 8 SWA pages of 4
     tokens as one arena: 16 + 8 x 4 = 48 units (a full page 1 unit, an SWA page 4); a sequence holds its
     window's 5 SWA pages (20 units) and up to 28 full pages: 112 tokens (static: the 16 full pages, 64). A
     request of exactly 112 tokens runs to its end with the outputs of a fresh recompute; one more is refused.

@@ -506,11 +506,11 @@ async def test_request_sent_while_nats_restarts_is_served_once_it_is_back():
         await bus.close()
 
 
-async def test_too_large_for_every_worker_is_413_before_anything_is_sent(bus):
+async def test_too_large_for_every_worker_is_400_before_anything_is_sent(bus):
     worker = await FakeWorker(bus, "w-small").start()
     with pytest.raises(BackendError) as err:
         await run(backend(bus, [entry("w-small", max_tokens=5)]))
-    assert err.value.status == 413 and "limit of 5" in err.value.message and not worker.requests
+    assert err.value.status == 400 and "limit of 5" in err.value.message and not worker.requests
 
 
 # --- pure decisions ---------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ router, prefill, decode, combined workers), through plain HTTP (tests/fixtures/f
 Each case asserts what the clients see: a stream the killed instance was already streaming ends with an
 explicit SSE error event (never a hang); every other stream finishes (one before its first token is retried
 on a survivor); the requests sent after the kill succeed on the survivors; no 500 anywhere; the survivors'
-KV pools are back at baseline. Plus: a prompt that no decode worker can ever hold is refused with 413 before
-any prefill compute, and a dead router is named as such.
+KV pools are back at baseline. Plus: a prompt that no decode worker can ever hold is refused with 400
+(context_length_exceeded) before any prefill compute, and a dead router is named as such.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def survivors(dep: Deployment, *roles: str) -> list[str]:
     return [i for i in dep.procs if i.split("-")[0] in roles]
 
 
-async def test_prompt_no_decode_can_hold_is_413_before_any_prefill(disagg):
+async def test_prompt_no_decode_can_hold_is_400_before_any_prefill(disagg):
     """Each decode reserves the whole arriving prompt at once, a full and an SWA page per prompt page: on its one
     arena (the bytes of 2048 full + 512 SWA pages of 4 tokens: 4096 units, a full page 1 unit, an SWA page 4)
     819 pages and the first token's full page fit, so a prompt over 819 x 4 = 3276 tokens can never land (on the
@@ -78,7 +78,7 @@ async def test_prompt_no_decode_can_hold_is_413_before_any_prefill(disagg):
     async with httpx.AsyncClient(timeout=60) as client:
         before = {i: int((await disagg.details(i))["accepted"]) for i in survivors(disagg, "prefill")}
         out = await complete(client, disagg.url, prompt(1, 3277), 4)
-        assert out.status == 413 and out.code == "context_length_exceeded", out
+        assert out.status == 400 and out.code == "context_length_exceeded", out
         assert "limit of 3276 prompt tokens" in out.message
         after = {i: int((await disagg.details(i))["accepted"]) for i in before}
         assert after == before  # no prefill worker saw it

@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import httpx
+import openai
 import pytest
 
 from libs.model.tokenizer import ByteTokenizer
@@ -267,16 +268,16 @@ async def test_completion_stream_carries_token_ids_per_chunk():
 
 
 @pytest.mark.parametrize(("payload", "status", "needle"), [
-    ({"prompt": "x", "temperature": 5}, 422, "temperature"),
-    ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
-    ({}, 422, "prompt"),
+    ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({}, 400, "prompt"),
     ({"prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
     ({"prompt": "x", "n": 9}, 400, "limit of 4"),
     ({"prompt": "x", "stop": [""]}, 400, "stop strings"),
     ({"prompt": []}, 400, "prompt is empty"),
     ({"prompt": [1, -2]}, 400, "negative token id"),
-    ({"prompt": "x" * 70}, 413, "context"),
-    ({"prompt": "x" * 40, "max_tokens": 30}, 413, "max_tokens (30)"),
+    ({"prompt": "x" * 70}, 400, "context"),
+    ({"prompt": "x" * 40, "max_tokens": 30}, 400, "max_tokens (30)"),
 ])
 async def test_bad_requests_get_openai_errors(payload, status, needle):
     async with client_for(make_api(FakeBackend())) as c:
@@ -336,11 +337,11 @@ async def test_backpressure_429_with_retry_after():
 
 
 async def test_backend_errors_map_to_statuses_and_stream_errors_become_events():
-    refused = FakeBackend(error=BackendError(413, "prompt too long for worker w1", code="context_length_exceeded"))
+    refused = FakeBackend(error=BackendError(400, "prompt too long for worker w1", code="context_length_exceeded"))
     gone = FakeBackend(error=BackendError(503, "worker w1 is gone"), fail_after=2)
     async with client_for(make_api(refused)) as c:
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert r.status_code == 413 and "too long" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "too long" in r.json()["error"]["message"]
     async with client_for(make_api(gone)) as c:
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
@@ -361,3 +362,63 @@ async def test_leaving_a_stream_early_closes_every_downstream_request():
     await events.aclose()  # what a client disconnect does to the response body
     await asyncio.sleep(0.05)
     assert sorted(backend.closed_early) == ["cmpl-t-0", "cmpl-t-1", "cmpl-t-2"] and released == [1]
+
+
+# --- OpenAI's status codes, as its own SDK sees them ------------------------------------------------------------
+
+
+def sdk_for(api: Api, key: str = "k") -> openai.AsyncOpenAI:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ready_services, "gw-test", api)),
+                             base_url="http://gw")
+    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, max_retries=0, http_client=http)
+
+
+SDK_ERRORS = [  # (backend error, keys, call kwargs, the exception class OpenAI's API would raise, in its message)
+    (None, False, dict(prompt="x", temperature=9), openai.BadRequestError, "temperature"),
+    (None, False, dict(prompt=None), openai.BadRequestError, "prompt"),
+    (None, False, dict(prompt="x" * 70), openai.BadRequestError, "context"),
+    (None, False, dict(prompt="x", extra_body={"messages": [{"role": "user", "content": "hi"}]}),
+     openai.BadRequestError, "/v1/chat/completions"),
+    (None, False, dict(prompt="x", model="gpt-nope"), openai.NotFoundError, "gpt-nope"),
+    (None, True, dict(prompt="x"), openai.AuthenticationError, "API key"),
+    (BackendError(400, "too long for every worker", code="context_length_exceeded"), False, dict(prompt="x"),
+     openai.BadRequestError, "every worker"),
+    (BackendError(503, "worker w1 is gone", code="worker_gone", retry_after_s=1), False, dict(prompt="x"),
+     openai.InternalServerError, "gone"),
+    (BackendError(500, "worker failed", code="worker_error"), False, dict(prompt="x"), openai.InternalServerError,
+     "failed"),
+]
+
+
+@pytest.mark.parametrize("error, keyed, kwargs, exc, words", SDK_ERRORS,
+                         ids=lambda v: v.__name__ if isinstance(v, type) else None)
+async def test_each_error_raises_the_exception_class_openai_would(error, keyed, kwargs, exc, words):
+    backend = FakeBackend(error=error)
+    client = sdk_for(make_api(backend, keys=frozenset({"right"}) if keyed else frozenset()), key="wrong")
+    with pytest.raises(exc, match=words) as caught:
+        await client.completions.create(**{"model": MODEL, "max_tokens": 2, **kwargs})
+    if error is None:
+        assert backend.requests == []  # refused before anything was sent
+    assert caught.value.status_code < 500 or error is not None
+
+
+async def test_a_full_queue_raises_rate_limit_error():
+    gate = asyncio.Event()
+    client = sdk_for(make_api(FakeBackend(gate=gate), in_flight=1, queued=0))
+    first = asyncio.create_task(client.completions.create(model=MODEL, prompt="x", max_tokens=2))
+    await asyncio.sleep(0.2)
+    with pytest.raises(openai.RateLimitError):
+        await client.completions.create(model=MODEL, prompt="y", max_tokens=2)
+    gate.set()
+    assert (await first).choices[0].text == text_of("x", None, 2)
+
+
+async def test_fields_sdks_send_are_accepted_and_change_nothing():
+    client = sdk_for(make_api(FakeBackend()))
+    plain = await client.completions.create(model=MODEL, prompt="x", max_tokens=3, seed=1)
+    sdk = await client.completions.create(model=MODEL, prompt="x", max_tokens=3, seed=1, user="u", extra_body={
+        "store": False, "metadata": {"team": "a"}, "service_tier": "auto"})
+    assert sdk.choices[0].text == plain.choices[0].text
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                                store=False, metadata={"k": "v"}, user="u")
+    assert chat.choices[0].message.content

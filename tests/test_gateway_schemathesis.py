@@ -4,7 +4,7 @@ over the ASGI app with the fake backend. No 5xx, every status documented, every 
 
 positive_data_acceptance is left out because some schema-valid requests are refused by design with a
 documented 4xx: an unknown model name (404), n or batch above the server's limit, a non-neutral
-penalty (400), a prompt longer than the context (413).
+penalty (400), a prompt longer than the context (400).
 
 schemathesis is a pinned dev dependency (pyproject.toml); WINDSERVE_SCHEMATHESIS_EXAMPLES sets the
 examples per operation (default 10)."""

@@ -261,16 +261,16 @@ async def test_text_offset_counts_the_returned_text(as_ids):
 
 
 @pytest.mark.parametrize(("payload", "status", "needle"), [
-    ({"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
-    ({"prompt": [[False]]}, 422, "prompt"),
-    ({"prompt": [1, True]}, 422, "prompt"),
-    ({"prompt": "x", "stream": "yes"}, 422, "stream"),
-    ({"prompt": "x", "echo": 0}, 422, "echo"),
-    ({"prompt": "x", "temperature": "0.5"}, 422, "temperature"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": [[False]]}, 400, "prompt"),
+    ({"prompt": [1, True]}, 400, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "echo": 0}, 400, "echo"),
+    ({"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"prompt": "x", "min_p": 1.5}, 422, "min_p"),
-    ({"prompt": "x", "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "x", "logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
     ({"prompt": "x", "reasoning_effort": "low"}, 400, "reasoning_effort"),
     ({"prompt": "x", "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 400,
@@ -428,17 +428,17 @@ async def test_405_carries_allow():
 async def test_openapi_documents_every_status_with_the_body_sent():
     async with client_for(make_api(FakeBackend())) as c:
         doc = (await c.get("/openapi.json")).json()
-        sent_422 = (await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})).json()
+        sent_400 = (await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = doc["paths"][path]["post"]
         statuses = {int(s) for s in op["responses"]} - {200}
-        assert statuses >= {400, 401, 404, 405, 413, 422, 429, 503}
+        assert statuses >= {400, 401, 404, 405, 413, 429, 503}
         for status in statuses:
             schema = op["responses"][str(status)]["content"]["application/json"]["schema"]
             assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
         body = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
         assert doc["components"]["schemas"][body]["additionalProperties"] is False
-    assert set(sent_422) == {"error"} and set(doc["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
+    assert set(sent_400) == {"error"} and set(doc["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "application/json" not in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
@@ -474,7 +474,7 @@ async def test_models_reports_the_context_and_prompts_are_checked_against_it():
         card = (await c.get("/v1/models")).json()["data"][0]
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 64})
     assert card["max_model_len"] == 64
-    assert_error(r, 413, "context is 64")
+    assert_error(r, 400, "context is 64")
 
 
 # --- raw token bytes from a tokenizer.json --------------------------------------------------------

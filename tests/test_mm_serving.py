@@ -23,11 +23,19 @@ import torch
 from libs.engine import EngineConfig, EngineCore, Request, SamplingParams
 from libs.engine.mm import MMEmbeddings
 from libs.engine.runner import direct_greedy
-from libs.mm.api import Encoded, EncoderUnavailable
+from libs.mm.api import Encoded, EncoderMissing, EncoderUnavailable
 from libs.mm.local import LocalEncoder
 from libs.mm.placeholders import hash_view, is_mm_token, mm_token
 from libs.model.vision import VisionTower
-from protos.messages import GenerateRequest, MMKind, WireFinishReason, WireMMItem, WireSamplingParams
+from protos.messages import (
+    GenerateRequest,
+    MMKind,
+    RegistryEntry,
+    Role,
+    WireFinishReason,
+    WireMMItem,
+    WireSamplingParams,
+)
 from tests import test_engine
 from tests.test_engine import PAGE, assert_baseline
 
@@ -420,6 +428,44 @@ def test_gateway_without_vision_refuses_images_and_unavailable_encoder_is_503(en
     resp = asyncio.run(post(client, chat_body(image_part(data_uri(png_bytes(1))))))
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "encoder_unavailable"
     assert resp.headers["retry-after"] == "2" and backend.requests == []
+
+
+class NoEncoder:
+    async def encode(self, request_id, kind, data):
+        raise EncoderMissing("this deployment runs no encoder")
+
+
+def test_a_deployment_without_an_encoder_is_a_400_that_says_what_to_start(encoder):
+    """Permanent, so not a 503 with Retry-After that a client would retry forever."""
+    client, backend = gateway_client(NoEncoder())
+    resp = asyncio.run(post(client, chat_body(image_part(data_uri(png_bytes(1))))))
+    assert resp.status_code == 400 and "retry-after" not in resp.headers
+    err = resp.json()["error"]
+    assert err["code"] == "encoder_missing" and "encoder" in err["message"] and "start one" in err["message"]
+    assert backend.requests == []
+
+
+class _EmptyView:
+    def live(self, now, role):
+        return self.entries
+
+    async def resync_if_older(self, age_s):
+        return None
+
+
+@pytest.mark.parametrize("seen_before", [False, True])
+def test_encoder_client_tells_a_missing_tier_from_a_gone_one(seen_before):
+    from libs.mm.client import EncoderClient, EncoderClientConfig
+
+    view = _EmptyView()
+    view.entries = [RegistryEntry(role=Role.ENCODER, instance_id="enc-1", address="127.0.0.1:1")] if seen_before else []
+    client = EncoderClient(None, "ns", view, config=EncoderClientConfig(missing_after_s=0.0))
+    if seen_before:
+        assert asyncio.run(client.candidates(1)) == ["enc-1"]
+        view.entries = []  # the one encoder went away: it may come back
+    with pytest.raises(EncoderUnavailable) as caught:
+        asyncio.run(client.encode("r", MMKind.IMAGE, png_bytes(1)))
+    assert isinstance(caught.value, EncoderMissing) is not seen_before
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -21,6 +21,11 @@ class EncoderUnavailable(RuntimeError):
     """No encoder answered within its bound, or the embedding was gone (the client gets a 503, or a retry)."""
 
 
+class EncoderMissing(EncoderUnavailable):
+    """The deployment runs no encoder: none has registered since the client started, past its start-up grace.
+    Permanent until one is started, so the client gets a 400 that says so, not a 503 to retry."""
+
+
 @dataclass(frozen=True)
 class Encoded:
     mm_hash: int

@@ -41,7 +41,7 @@ import torch
 from libs.bus import Bus, BusError, Registry, RegistryView
 from libs.gcache.ring import HashRing
 from libs.mm import wire
-from libs.mm.api import Encoded, EncodeError, EncoderUnavailable
+from libs.mm.api import Encoded, EncodeError, EncoderMissing, EncoderUnavailable
 from libs.mm.placeholders import content_hash, num_tokens
 from libs.model.config import ModelConfig
 from libs.model.vision_config import VisionConfig
@@ -81,6 +81,9 @@ class EncoderClientConfig:
     """One fetch, every encoder of it together."""
     retries: int = 1
     """Further encoders of the ring tried when one is unavailable."""
+    missing_after_s: float = 30.0
+    """No encoder registered this long after the client started, nor ever since: the deployment has none
+    (`EncoderMissing`); before that, or once one was seen, none live is transient (`EncoderUnavailable`)."""
     virtual_nodes: int = 64
     advertise_host: str = ""
     """Host encoders dial to send embeddings (empty: the engine's bound host, or this host's IP on 0.0.0.0)."""
@@ -98,6 +101,8 @@ class EncoderClient:
         self.vc = self.config.vision
         self._ring = HashRing(virtual_nodes=self.config.virtual_nodes)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._started = time.monotonic()
+        self._seen_encoder = False
 
     async def start(self) -> None:
         return None
@@ -119,6 +124,7 @@ class EncoderClient:
         if not live:
             await self.view.resync_if_older(_RESYNC_AGE_S)
             live = self.encoders()
+        self._seen_encoder = self._seen_encoder or bool(live)
         if set(live) != self._ring.nodes:
             self._ring = HashRing(live, virtual_nodes=self.config.virtual_nodes)
         return self._ring.successors(f"{mm_hash:016x}", self.config.retries + 1)
@@ -131,6 +137,8 @@ class EncoderClient:
         mm_hash, text = await off_loop(len(data), _hash_and_b64, data, kind, self.vc)
         order = await self.candidates(mm_hash)
         if not order:
+            if not self._seen_encoder and time.monotonic() - self._started >= self.config.missing_after_s:
+                raise EncoderMissing("this deployment runs no encoder")
             raise EncoderUnavailable("no encoder is registered")
         req = EncodeRequest(request_id=request_id, mm_hash=mm_hash, kind=kind, data_b64=text)
         failures = []

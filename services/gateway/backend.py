@@ -1,6 +1,6 @@
 """The gateway's downstream: route → generate → token stream over NATS, with aborts, liveness and failover.
 
-`NatsBackend` refuses a request no live worker can hold (413 before anything computes), subscribes to the
+`NatsBackend` refuses a request no live worker can hold (400 before anything computes), subscribes to the
 attempt's stream before submitting it, and routes via the routers, or from the registry when none runs or
 answers in time. Promises: no request hangs on a dead or silent worker; until its first chunk reached the
 client, a request whose worker is gone or busy is retried elsewhere (`max_attempts`, `failover_timeout_s`),
@@ -90,7 +90,7 @@ class Backend(Protocol):
 
 
 _ACK_STATUS = {
-    AckStatus.TOO_LARGE: (413, "context_length_exceeded"),
+    AckStatus.TOO_LARGE: (400, "context_length_exceeded"),
     AckStatus.INVALID: (400, "invalid_request"),
 }
 
@@ -245,7 +245,7 @@ class NatsBackend:
         return Registered.of(entries, time.time())
 
     async def _check_fits(self, num_tokens: int, max_tokens: int) -> None:
-        """413 before anything computes when no live path can ever hold the request (skipped when the registry
+        """400 before anything computes when no live path can ever hold the request (skipped when the registry
         cannot be read: routing then reports the real cause)."""
         try:
             fleet = await self.fleet(wait=False)
@@ -253,7 +253,7 @@ class NatsBackend:
             return
         reason = too_large(fleet, num_tokens, max_tokens)
         if reason is not None:
-            raise BackendError(413, reason, code="context_length_exceeded")
+            raise BackendError(400, reason, code="context_length_exceeded")
 
     # --- routing ----------------------------------------------------------------------------------
 

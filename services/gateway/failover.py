@@ -2,7 +2,7 @@
 
 - `Avoid`: the instances one request already failed on (gone, or refused it as busy); a retry asks the router
   with them excluded, and `repick` chooses without them when the answer still names one;
-- `too_large`: the 413 message when no live serving path can ever hold a request (checked before routing, so
+- `too_large`: the message (a 400) when no live serving path can ever hold a request (checked before routing, so
   nothing computes a prompt that no decode worker can take);
 - `fallback_pick`: the no-router path (a combined worker from the registry), with the real cause when there
   is none (a disaggregated fleet needs the router; every worker already failed; nothing registered).

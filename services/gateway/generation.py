@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -69,7 +70,7 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits (all answered with 400, except the context: 413)."""
+    """Per-request limits (each answered with 400, as OpenAI does; the context with code context_length_exceeded)."""
 
     max_model_len: int = 32768
     default_max_tokens: int = 256  # max_tokens null or omitted: up to the context, capped here (0 = no cap)
@@ -145,13 +146,13 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], to
 
 def _max_tokens(requested: int | None, prompt_len: int, limits: Limits, index: int) -> int:
     if prompt_len >= limits.max_model_len:
-        raise ApiError(413, f"prompt {index} has {prompt_len} tokens; this model's context is "
+        raise ApiError(400, f"prompt {index} has {prompt_len} tokens; this model's context is "
                             f"{limits.max_model_len} tokens", param="prompt", code="context_length_exceeded")
     if requested is None:  # OpenAI: "up to the context"; the server's default cap keeps answers bounded
         left = limits.max_model_len - prompt_len
         return min(limits.default_max_tokens, left) if limits.default_max_tokens else left
     if prompt_len + requested > limits.max_model_len:
-        raise ApiError(413, f"prompt {index} ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
+        raise ApiError(400, f"prompt {index} ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
                             f"model's context of {limits.max_model_len} tokens", param="max_tokens",
                        code="context_length_exceeded")
     return requested
@@ -491,6 +492,27 @@ def usage_of(plan: Plan, states: dict[int, ChoiceState]) -> dict[str, Any]:
 _END = object()
 
 
+class Streams:
+    """The gateway's requests in flight (their fan-outs), so a shutdown can end each with an error the client
+    reads, instead of a dropped connection."""
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Fanout] = weakref.WeakSet()
+
+    def add(self, fanout: Fanout) -> None:
+        self._live.add(fanout)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def cut(self, message: str) -> int:
+        """End every request in flight with a 503 `server_shutdown` carrying `message`; how many were cut."""
+        live = list(self._live)
+        for fanout in live:
+            fanout.cut(BackendError(503, message, code="server_shutdown"))
+        return len(live)
+
+
 class Fanout:
     """Runs every sub-request's stream as a task and merges their chunks in arrival order.
 
@@ -498,8 +520,10 @@ class Fanout:
     `close()` does this for all that are still running (no await: safe in a cancelled finally).
     """
 
-    def __init__(self, backend: Backend, plan: Plan) -> None:
+    def __init__(self, backend: Backend, plan: Plan, live: Streams | None = None) -> None:
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        if live is not None:
+            live.add(self)
         # A large fan-out (up to max_n x max_batch choices) runs max_fanout at a time, in choice order:
         # all at once it would fill every decode worker (503 server_busy on an idle server) or flood the
         # router past its timeout. Semaphore waiters wake FIFO, so lower choice indexes start first.
@@ -537,6 +561,10 @@ class Fanout:
 
     def cancel(self, index: int) -> None:
         self._tasks[index].cancel()
+
+    def cut(self, error: BackendError) -> None:
+        """End the merged stream now with `error` (the sub-requests are closed by the consumer's `close()`)."""
+        self._queue.put_nowait((-1, error))
 
     def close(self) -> None:
         for task in self._tasks.values():
@@ -621,12 +649,12 @@ class Renderer:
 # --- running a plan -----------------------------------------------------------------------------
 
 
-async def collect(plan: Plan, backend: Backend, renderer: Renderer, decode_text: Callable[[list[int]], str]
-                  ) -> dict[str, Any]:
+async def collect(plan: Plan, backend: Backend, renderer: Renderer, decode_text: Callable[[list[int]], str],
+                  live: Streams | None = None) -> dict[str, Any]:
     """Run every sub-request to the end and build the whole (non-streaming) response body."""
     started = time.monotonic()
     states = new_states(plan, decode_text)
-    fanout = Fanout(backend, plan)
+    fanout = Fanout(backend, plan, live)
     try:
         async for index, chunk in fanout.events():
             st = states[index]
@@ -644,13 +672,14 @@ async def collect(plan: Plan, backend: Backend, renderer: Renderer, decode_text:
 
 
 async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
-                        decode_text: Callable[[list[int]], str], on_close: Callable[[], None]) -> AsyncIterator[bytes]:
-    """Server-sent events of a streaming response; errors after the headers went out become an error
-    event followed by [DONE]. Leaving early (client gone) closes every sub-request (abort)."""
+                        decode_text: Callable[[list[int]], str], on_close: Callable[[], None],
+                        live: Streams | None = None) -> AsyncIterator[bytes]:
+    """Server-sent events of a streaming response; errors after the headers went out (a shutdown's included)
+    become an error event followed by [DONE]. Leaving early (client gone) closes every sub-request (abort)."""
     started = time.monotonic()
     states = new_states(plan, decode_text)
     seen: set[int] = set()
-    fanout = Fanout(backend, plan)
+    fanout = Fanout(backend, plan, live)
     finished = False
     try:
         async for index, chunk in fanout.events():

@@ -36,6 +36,7 @@ from services.gateway.generation import (
     Limits,
     Plan,
     Renderer,
+    Streams,
     TextCodec,
     chat_messages,
     collect,
@@ -74,6 +75,7 @@ class Api:
     vision: VisionTokens | None = None  # the model's vision tokens; None = it takes no images (400)
     encoder: EncoderAPI | None = None  # the encoder tier (EncoderClient; a test's EncoderAPI)
     media: MediaConfig = field(default_factory=MediaConfig)
+    streams: Streams = field(default_factory=Streams)  # requests in flight, ended with an error at shutdown
 
 
 def group_by_role(entries: list[RegistryEntry]) -> dict[str, list[str]]:
@@ -94,12 +96,12 @@ def bearer_ok(header: str, keys: frozenset[str]) -> bool:
 
 
 _ERROR_WHEN = {
-    400: "malformed JSON, an unsupported field, an integer out of range, or a request that cannot be served as asked",
+    400: "malformed JSON, an unsupported field, a schema mismatch, an integer out of range, a prompt (+ max_tokens) "
+         "longer than the context, or a request that cannot be served as asked (the error's code says which)",
     401: "missing or wrong API key (`WWW-Authenticate: Bearer`)",
     404: "unknown model or route",
     405: "method not allowed (`Allow` lists the allowed ones)",
-    413: "body above the size limit, or prompt (+ max_tokens) longer than the context",
-    422: "schema validation failed (wrong type, missing field, out-of-range number)",
+    413: "body above the size limit",
     429: "admission queue full (`Retry-After`)",
     431: "request headers larger than max_header_bytes",
     500: "a worker failed",
@@ -250,11 +252,11 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
         decode_text = lambda ids: api.tokenizer.decode(ids, skip_special_tokens=plan.skip_special_tokens)
         renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids), api.tokenizer.token_bytes)
         if plan.stream:
-            events = stream_events(plan, api.backend, renderer, decode_text, slot.release)
+            events = stream_events(plan, api.backend, renderer, decode_text, slot.release, api.streams)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(slot.release),
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": plan.id})
         try:
-            body = await until_disconnect(collect(plan, api.backend, renderer, decode_text), request)
+            body = await until_disconnect(collect(plan, api.backend, renderer, decode_text, api.streams), request)
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -267,12 +269,12 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(api)]}
 
-    @app.get("/v1/models/{model}", dependencies=guarded, responses=_errors(401, 404, 422))
+    @app.get("/v1/models/{model}", dependencies=guarded, responses=_errors(401, 404))
     async def model(model: str) -> dict[str, Any]:
         check_model(model)
         return _model_card(api)
 
-    generate_errors = _errors(400, 401, 404, 413, 422, 429, 500, 503)
+    generate_errors = _errors(400, 401, 404, 413, 429, 500, 503)
 
     @app.post("/v1/completions", dependencies=guarded, responses=generate_errors,
               openapi_extra=_request_body(CompletionRequest))
@@ -359,9 +361,17 @@ def _add_docs(app: FastAPI, api: Api | None) -> None:
 
 
 def get_openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with its automatic 422 (validation) answered as 400, as this server answers it."""
     from fastapi.openapi.utils import get_openapi
 
-    return get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            responses = op.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", {"description": _ERROR_WHEN[400], "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+    return schema
 
 
 class HeaderLimit:

@@ -31,7 +31,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from libs.mm.api import Encoded, EncodeError, EncoderAPI, EncoderUnavailable
+from libs.mm.api import Encoded, EncodeError, EncoderAPI, EncoderMissing, EncoderUnavailable
 from libs.mm.placeholders import hash_view
 from protos.messages import MMKind, WireMMItem
 from services.gateway.config import MediaConfig
@@ -256,6 +256,11 @@ async def encode_all(encoder: EncoderAPI | None, request_id: str, parts: Sequenc
     for part, result in zip(parts, results, strict=True):
         if isinstance(result, EncodeError):
             raise ApiError(400, f"{part.param}: {result}", param=part.param, code="invalid_image")
+    for part, result in zip(parts, results, strict=True):
+        if isinstance(result, EncoderMissing):
+            raise ApiError(400, f"{part.param}: images and videos need an encoder and this deployment runs none: "
+                           "start one (make run ARGS=\"--services ...,encoder\", or the compose service encoder)",
+                           param=part.param, code="encoder_missing")
     for result in results:
         if isinstance(result, EncoderUnavailable):
             raise ApiError(503, f"the encoder tier is unavailable: {result}", type_="server_error",

@@ -2,10 +2,10 @@
 
 Bodies are validated strictly (pydantic strict mode on the raw JSON): no bool-as-int, no
 string-as-bool, no bool-as-token. Errors map to statuses as follows (see `validation_status`):
-- 400: the body is not valid JSON (also a lone surrogate such as "\\ud800": not valid UTF-8), an
-  integer outside the 64-bit range the workers can carry, or a field this server does not implement
-  (every unknown field is refused: nothing is silently ignored);
-- 422: a schema mismatch (wrong type, missing field, out-of-range number).
+- 400, as OpenAI answers: the body is not valid JSON (also a lone surrogate such as "\\ud800": not valid
+  UTF-8), an integer outside the 64-bit range the workers can carry, a field this server does not implement
+  (every unknown field is refused: nothing is silently ignored, and a field of the other endpoint gets a hint),
+  or a schema mismatch (wrong type, missing field, out-of-range number).
 Requests that are well-formed but cannot be served as asked raise `ApiError` (400 and others) from
 the planning code.
 """
@@ -22,7 +22,12 @@ MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
-OUT_OF_RANGE = "int_out_of_range"  # pydantic error type answered with 400 (not 422)
+OUT_OF_RANGE = "int_out_of_range"  # pydantic error type of an integer beyond 64 bits
+# A body that fits the other endpoint: the field that gives it away, and where to send it.
+OTHER_ENDPOINT = {
+    "messages": "; `messages` belongs to /v1/chat/completions (this is /v1/completions)",
+    "prompt": "; `prompt` belongs to /v1/completions (this is /v1/chat/completions)",
+}
 
 
 class ApiError(Exception):
@@ -66,7 +71,8 @@ def _seed_in_range(v: int) -> int:
 
 
 # Every integer goes to the workers as msgpack (64 bits at most): the int64 bounds of these types are
-# answered with 400 (see validation_status), any tighter bound with 422. Seeds take the uint64 range.
+# answered with code integer_out_of_range (see validation_status), any tighter bound with invalid_value. Seeds take
+# the uint64 range.
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
@@ -117,6 +123,10 @@ class _Common(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         default=None, description="token id (as a string) -> bias added to its logit")
     user: str | None = None
+    # Accepted and ignored, as they change nothing here (SDKs send them): no stored completions, no service tiers.
+    store: bool | None = Field(default=None, description="accepted; nothing is stored")
+    metadata: dict[str, str] | None = Field(default=None, description="accepted; kept nowhere")
+    service_tier: str | None = Field(default=None, description="accepted; one tier")
 
     @model_validator(mode="after")
     def _token_ids_non_negative(self) -> _Common:
@@ -355,14 +365,15 @@ def _beyond_64_bits(error: Any) -> bool:
 
 def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | None]:
     """(status, message, param, code) of a body that failed validation, every problem listed as
-    `field: reason`. 400 for invalid JSON, an unsupported field or an integer out of range; 422 otherwise."""
+    `field: reason`; always 400, as OpenAI answers (the code tells the cases apart)."""
     invalid_json = [e for e in errors if e.get("type") == "json_invalid"]
     if invalid_json:
         return 400, f"request body is not valid JSON: {invalid_json[0].get('msg')}", None, None
     unsupported = [e for e in errors if e.get("type") == "extra_forbidden"]
     if unsupported:
         names = sorted({".".join(_loc(e)) for e in unsupported})
-        return (400, f"unsupported parameter(s), not implemented by this server: {', '.join(names)}",
+        hint = next((h for field, h in OTHER_ENDPOINT.items() if field in names), "")
+        return (400, f"unsupported parameter(s), not implemented by this server: {', '.join(names)}{hint}",
                 names[0], "unsupported_parameter")
     first_param = next((loc[0] for loc in map(_loc, errors) if loc), None)
     message = "; ".join(f"{'.'.join(_loc(e)) or 'body'}: {e.get('msg')}" for e in errors)
@@ -370,4 +381,4 @@ def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | No
     if too_big:
         where = ".".join(_loc(too_big[0])) or "body"
         return 400, f"{where}: integer out of range (beyond 64 bits); {message}", first_param, "integer_out_of_range"
-    return 422, message, first_param, "invalid_value"
+    return 400, message, first_param, "invalid_value"
