@@ -62,6 +62,20 @@ class RunError(Exception):
     """Startup failed; the message says which process and where its log is."""
 
 
+STOP_MARGIN_S = 5.0  # the supervisor waits this much past the services' drain bound before it kills
+
+
+def drain_bound_s() -> float:
+    """The services' drain bound (WINDSERVE_DRAIN_TIMEOUT_S in this environment, else its default)."""
+    from libs.service.config import ServiceConfig
+
+    default = ServiceConfig.model_fields["drain_timeout_s"].default
+    try:
+        return float(os.environ.get("WINDSERVE_DRAIN_TIMEOUT_S", default))
+    except ValueError:
+        return default  # the services refuse it, naming it
+
+
 # A role whose package is named after its feature: `--services cache=2` runs `services.gcache`.
 SERVICE_MODULES = {"cache": "gcache"}
 
@@ -76,7 +90,7 @@ class RunConfig:
     nats_cluster: int = 1  # nats-server nodes; 3 (or 5) = a cluster with R3 registry and payload store
     run_dir: Path = ROOT / ".run"
     ready_timeout_s: float = 60.0
-    grace_s: float = 10.0
+    grace_s: float = 0.0  # SIGTERM -> SIGKILL; 0 = the services' drain bound + STOP_MARGIN_S
     liveness_timeout_s: float = 15.0  # no health answer this long: killed and restarted; 0 = off
     liveness_grace_s: float = 60.0  # after a (re)start, until its first answer, probes do not count for this long
 
@@ -91,8 +105,14 @@ class RunConfig:
                 raise ValueError(f"service {name!r}: replicas must be >= 1")
         if dict(self.services).get("gateway", 1) != 1:
             raise ValueError("only one gateway per host (it binds --http-port)")
-        if self.ready_timeout_s <= 0 or self.grace_s <= 0:
-            raise ValueError("timeouts must be > 0")
+        if self.ready_timeout_s <= 0 or self.grace_s < 0:
+            raise ValueError("--ready-timeout must be > 0 and --grace >= 0")
+        if not self.grace_s:
+            object.__setattr__(self, "grace_s", drain_bound_s() + STOP_MARGIN_S)
+
+    @property
+    def drain_s(self) -> float:
+        return drain_bound_s()
         if self.liveness_timeout_s < 0 or self.liveness_grace_s < 0:
             raise ValueError("--liveness-timeout and --liveness-grace must be >= 0")
         if self.nats_cluster not in (1, 3, 5):
@@ -624,6 +644,8 @@ class Supervisor:
     def stop_all(self) -> None:
         if self.prober is not None:
             self.prober.stop()
+        if any(c.popen.poll() is None for c in self.children):
+            print(f"windserve: services draining their requests (up to {self.cfg.drain_s:.0f} s)", flush=True)
         _terminate(self.children, self.cfg.grace_s)
         _terminate(self.nats_nodes, self.cfg.grace_s)
 
@@ -651,7 +673,8 @@ def _terminate(children: list[Child], grace_s: float) -> None:
         try:
             child.popen.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"windserve: {child.name} ignored SIGTERM for {grace_s} s, killing", file=sys.stderr)
+            print(f"windserve: {child.name} still running {grace_s:.0f} s after SIGTERM (past its drain bound), "
+                  "killing", file=sys.stderr)
     for child in children:
         _signal_group(child, signal.SIGKILL)  # also catches grandchildren left in the group
         child.popen.wait(5)
@@ -727,7 +750,11 @@ class StopFlag:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    p = argparse.ArgumentParser(prog="python -m scripts.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.run", description=__doc__.split("\n\n")[0],
+        epilog="Every service reads WINDSERVE_* settings from this environment: `python -m services.<role> --help` "
+               "lists a role's (e.g. services.gateway, services.decode), `python -m libs.service.settings` all of "
+               "them, with docs/settings.md.")
     p.add_argument("--model", default="", help="model directory (HF layout), passed as WINDSERVE_MODEL")
     p.add_argument("--services", default=None, help="comma list, name=N for replicas (default: "
                    f"{DEFAULT_SERVICES}, plus {MULTIMODAL_SERVICES} when the model has a vision config)")
@@ -739,7 +766,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    "registry bucket and payload store are replicated 3 times")
     p.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="logs and NATS store")
     p.add_argument("--ready-timeout", type=float, default=60.0)
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=float, default=0.0, help="seconds between SIGTERM and SIGKILL (default: the "
+                   f"services' drain bound, WINDSERVE_DRAIN_TIMEOUT_S, + {STOP_MARGIN_S:.0f})")
     p.add_argument("--liveness-timeout", type=float, default=15.0, help="a service that answers no health probe "
                    "this long (a hung process) is killed and restarted; 0 = no liveness probes")
     p.add_argument("--liveness-grace", type=float, default=60.0, help="seconds after a service's (re)start during "
@@ -761,6 +789,10 @@ def parse_args(argv: list[str] | None) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from libs.service.settings import unknown_variables
+
+    for warning in unknown_variables(os.environ):
+        print(f"windserve: warning: {warning}", file=sys.stderr, flush=True)
     try:
         cfg = parse_args(argv)
     except ValueError as exc:
@@ -770,8 +802,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     sup = Supervisor(cfg)
+    started = False
     try:
         sup.preflight()
+        started = True
         sup.start_nats()
         stores = ", ".join(str(sup.nats_store(i)) for i in range(cfg.nats_cluster))
         nodes = (f"a {cfg.nats_cluster}-node cluster, registry and payloads at R{cfg.replicas}"
@@ -792,9 +826,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"windserve: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        print("windserve: stopping", flush=True)
+        if started:  # (a preflight refusal started nothing: nothing to stop, nothing to say)
+            print("windserve: stopping", flush=True)
         sup.stop_all()
-        print("windserve: stopped", flush=True)
+        if started:
+            print("windserve: stopped", flush=True)
 
 
 def run_until_stopped(sup: Supervisor, stop: StopFlag, where: str) -> None:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -192,10 +193,92 @@ def test_http_port_in_use_fails_fast_naming_it_and_starts_nothing(tmp_path):
         port = holder.getsockname()[1]
         proc = start_run(tmp_path, "--http-port", str(port), "--services", "gateway,worker")
         rc = proc.wait(30)
-    err = proc.stderr.read()
+    err, out = proc.stderr.read(), proc.stdout.read()
     assert rc == 1
     assert f"HTTP port 127.0.0.1:{port} is not available" in err and "--http-port" in err
     assert not (tmp_path / "run").exists()  # neither nats-server nor any service was started
+    assert "stopping" not in out and "stopped" not in out  # nothing ran: nothing to stop
+
+
+def _stream_until_closed(http_port: int, events: list, started: threading.Event) -> None:
+    """A long streaming completion; every SSE data payload lands in `events` until the connection closes."""
+    body = json.dumps({"model": "windserve-tiny", "prompt": "hello", "max_tokens": 3800, "ignore_eos": True,
+                       "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+    except OSError as exc:  # a connection dropped without an error event
+        events.append(f"connection error: {exc!r}")
+
+
+def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_within_the_drain_bound(tmp_path):
+    """The services drain for WINDSERVE_DRAIN_TIMEOUT_S; the supervisor waits past that before it kills, so a
+    stop never kills a draining service, and the stream cut by the stop ends with an error event naming it."""
+    drain = 3.0
+    env = {**os.environ, "WINDSERVE_DRAIN_TIMEOUT_S": str(drain)}
+    http_port = free_port()
+    proc = start_run(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker", "--grace", "0",
+                     env=env)
+    descendants: list[psutil.Process] = []
+    try:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        events: list[str] = []
+        started = threading.Event()
+        reader = threading.Thread(target=_stream_until_closed, args=(http_port, events, started), daemon=True)
+        reader.start()
+        assert started.wait(30), events
+        proc.send_signal(signal.SIGINT)
+        stopped_at = time.monotonic()
+        assert proc.wait(30) == 0
+        took = time.monotonic() - stopped_at
+        reader.join(10)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _, alive = psutil.wait_procs(descendants, timeout=5)
+        for p in alive:
+            p.kill()
+    assert alive == []
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
+    assert "killing" not in err and "ignored SIGTERM" not in err, err
+    assert took < drain + 5.0  # the supervisor's grace: nothing needed to be killed
+
+
+def test_a_clean_stop_leaves_no_registry_entries_and_a_killed_run_does(tmp_path):
+    """`cleared N registry entries` is printed for entries a killed run left, not after a clean stop."""
+    http_port = free_port()
+    nats_port = free_port()
+    args = ("--http-port", str(http_port), "--nats-port", str(nats_port), "--services", "gateway,worker")
+    with supervised(tmp_path, *args) as proc:
+        wait_for_line(proc, "windserve: ready", timeout=60)
+    proc = start_run(tmp_path, *args)
+    try:
+        lines = wait_for_line(proc, "windserve: ready", timeout=60)
+        assert not any("cleared" in line for line in lines), lines
+        run = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()  # a crashed run: the supervisor and every service die without a word (no deregistration)
+        for child in run:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        psutil.wait_procs(run, timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    with supervised(tmp_path, *args) as proc:
+        lines = wait_for_line(proc, "windserve: ready", timeout=60)
+        assert any(re.search(r"cleared [1-9]\d* registry entries", line) for line in lines), lines
 
 
 def test_bad_model_path_fails_fast_naming_it(tmp_path):

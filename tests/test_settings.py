@@ -4,12 +4,16 @@ is a part, and listed in the generated docs/settings.md."""
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
 from libs.nesting import parts
 from libs.service.config import ConfigError, ServiceConfig, load_config
-from libs.service.settings import DOC, ROLES, all_settings, markdown, role_config
+from libs.service.settings import DOC, ROLES, all_settings, markdown, role_config, settings_of, unknown_variables
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +76,51 @@ def test_a_bad_part_setting_is_a_config_error(env, names):
 
 def test_every_role_config_is_a_service_config():
     assert all(issubclass(role_config(r), ServiceConfig) for r in ROLES)
+
+
+HELP_PROBE = """
+import runpy, sys
+sys.argv = ["x", "--help"]
+try:
+    runpy.run_module(sys.argv_module, run_name="__main__")
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+print("TORCH" if "torch" in sys.modules else "NO_TORCH")
+"""
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_help_lists_the_role_settings_without_starting_anything(role):
+    """`python -m services.<role> --help` prints the role's settings and exits 0 without importing the service
+    (torch, the model) or connecting: the NATS URL points at a closed port and nothing waits for it."""
+    module = f"services.{'gcache' if role == 'cache' else role}"
+    env = {**os.environ, "WINDSERVE_NATS_URL": "nats://127.0.0.1:1"}
+    probe = HELP_PROBE.replace("sys.argv_module", repr(module))
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: python -m {module}" in proc.stdout and "WINDSERVE_NATS_URL" in proc.stdout
+    assert {s.name for s in settings_of(role_config(role))} <= set(re.findall(r"WINDSERVE_\w+", proc.stdout))
+    assert proc.stdout.rstrip().endswith("NO_TORCH")
+
+
+def test_a_service_refuses_arguments_other_than_help():
+    proc = subprocess.run([sys.executable, "-m", "services.router", "--port", "1"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--help" in proc.stderr
+
+
+def test_a_misspelled_setting_is_named_with_the_closest_one():
+    warnings = unknown_variables({"WINDSERVE_MAX_NUM_SEQ": "3", "WINDSERVE_PAGE_SIZE": "16", "HOME": "/",
+                                  "WINDSERVE_BASE_IMAGE": "x", "WINDSERVE_ZZZ": "1"})
+    assert len(warnings) == 2
+    assert "WINDSERVE_MAX_NUM_SEQ " in warnings[0] and "did you mean WINDSERVE_MAX_NUM_SEQS?" in warnings[0]
+    assert "WINDSERVE_ZZZ" in warnings[1] and "did you mean" not in warnings[1]
+
+
+def test_make_run_warns_of_a_misspelled_setting():
+    env = {**os.environ, "WINDSERVE_NUM_FULL_PAGE": "64"}
+    proc = subprocess.run([sys.executable, "-m", "scripts.run", "--services", "nosuch"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "WINDSERVE_NUM_FULL_PAGE is not a windserve setting" in proc.stderr
+    assert "did you mean WINDSERVE_NUM_FULL_PAGES?" in proc.stderr

@@ -159,11 +159,15 @@ class Registry:
             log.debug("could not remove a stale registry entry", extra={"key": key, "error": repr(exc)})
 
     async def purge(self) -> int:
-        """Remove every entry, live or not; returns how many entries (and markers) were stored. Only for an owner that
-        knows no instance of this bucket runs (`make run` before it starts any service)."""
-        info = await self._bus.js.stream_info(f"KV_{self.bucket}")
+        """Remove every entry, live or not, and the delete markers of entries already removed; returns how many
+        entries were still there (left by instances that never deregistered: killed, or a lost host). Only for an
+        owner that knows no instance of this bucket runs (`make run` before it starts any service)."""
+        try:
+            left = len(await self._kv.keys())  # entries only: a clean stop leaves delete markers, no keys
+        except nats.js.errors.NoKeysError:
+            left = 0
         await self._bus.js.purge_stream(f"KV_{self.bucket}")
-        return int(info.state.messages or 0)
+        return left
 
     async def watch(self, role: Role | str | None = None, refreshes: bool = False, sweep_s: float = WATCH_SWEEP_S
                     ) -> AsyncIterator[RegistryEvent]:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from libs.engine.parallel.layout import ParallelLayout
 from libs.engine.placement import parse_cpus
 from libs.engine.scheduler import SchedulerConfig
 from libs.nesting import composed, leaves
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name (torch is imported where they are used)
 
 
 @composed
@@ -126,7 +128,7 @@ class EngineConfig:
     def resolved_load_mode(self) -> str:
         if self.l2_load_mode != "auto":
             return self.l2_load_mode
-        return "thread" if torch.device(self.device).type == "cuda" else "sync"
+        return "thread" if self.device.partition(":")[0] == "cuda" else "sync"
 
     @property
     def has_host_tier(self) -> bool:
@@ -138,7 +140,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +37,8 @@ def compute_threads(threads: int, cpus: tuple[int, ...]) -> int:
 def apply_threads(threads: int, cpus: tuple[int, ...]) -> int:
     """Set torch's intra-op threads for this process (see compute_threads); returns the count."""
     n = compute_threads(threads, cpus)
+    import torch  # (lazy: the config that validates CPU lists stays torch-free)
+
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

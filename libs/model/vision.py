@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from libs.model.layers import RMSNorm
-from libs.model.vision_config import VisionConfig
+from libs.model.vision_config import TINY_VISION_SEED, VisionConfig
 
-TINY_VISION_SEED = 16
 _SCORE_BUDGET = 1 << 25  # float32 scores per chunk in the masked path (128 MiB)
 
 

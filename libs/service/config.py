@@ -48,7 +48,9 @@ class ServiceConfig(BaseModel):
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="registry refresh period, seconds")
     connect_timeout_s: float = Field(default=5.0, gt=0, description="NATS connect timeout, seconds")
     registry_timeout_s: float = Field(default=2.0, gt=0, description="max time one registry listing may take")
-    drain_timeout_s: float = Field(default=10.0, gt=0, description="max wait for in-flight work on shutdown")
+    drain_timeout_s: float = Field(
+        default=10.0, gt=0, description="max wait for in-flight work on shutdown (the gateway ends requests still "
+        "running at 80% of it with an error event; make run waits 5 s more before killing)")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus HTTP port; 0 = off")
     metrics_host: str = Field(default="127.0.0.1", description="bind address of the metrics endpoint")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="log level")

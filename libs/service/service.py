@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -241,18 +243,38 @@ S = TypeVar("S", bound=Service)
 C = TypeVar("C", bound=ServiceConfig)
 
 
-def main(service_cls: type[S], config_cls: type[C]) -> int:
-    """Entry point for `python -m services.<name>`: exit 2 on bad config, 1 on start failure."""
+def main(service: type[S] | str, config_cls: type[C], argv: list[str] | None = None) -> int:
+    """Entry point for `python -m services.<name>`: exit 2 on bad config or arguments, 1 on start failure.
+
+    `service` may be "module:Class", imported only to run: `--help` lists the settings of `config_cls` at once,
+    without importing the service (torch, the model) or connecting to anything."""
+    from libs.service.settings import settings_help, unknown_variables  # (lazy: `-m libs.service.settings` runs it)
+
+    args = sys.argv[1:] if argv is None else argv
+    prog = f"python -m {service.partition(':')[0].rpartition('.')[0]}" if isinstance(service, str) else "service"
+    if args and args[0] in ("-h", "--help"):
+        print(settings_help(config_cls, prog))
+        return 0
+    if args:
+        print(f"{prog}: takes no arguments (settings come from WINDSERVE_* variables; see --help)", file=sys.stderr)
+        return 2
     try:
         config = load_config(config_cls)
     except ConfigError as exc:
-        print(f"windserve {service_cls.role.value}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    if isinstance(service, str):
+        module, _, name = service.partition(":")
+        service_cls: type[S] = getattr(importlib.import_module(module), name)
+    else:
+        service_cls = service
     setup_logging(config.log_level, service=service_cls.role.value, instance=config.instance_id)
-    service = service_cls(config)
+    for warning in unknown_variables(os.environ):
+        log.warning(warning)
+    instance = service_cls(config)
     try:
-        asyncio.run(service.run(watchdog=True))
+        asyncio.run(instance.run(watchdog=True))
     except (BusError, OSError) as exc:
         log.error("service failed to start", extra={"error": str(exc)})
         return 1
-    return service.exit_code
+    return instance.exit_code

@@ -15,11 +15,14 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import difflib
+import functools
 import importlib
 import inspect
 import os
 import re
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -135,6 +138,14 @@ PROCESS_WIDE = [
 ]
 
 
+# Read by the tools around the services (compose files, image builds, benchmarks, tests), not by a service.
+TOOL_VARIABLES = frozenset({
+    "WINDSERVE_BASE_IMAGE", "WINDSERVE_IMAGE", "WINDSERVE_TORCH_WHEEL", "WINDSERVE_TORCH_INDEX_URL",
+    "WINDSERVE_MODEL_DIR", "WINDSERVE_HTTP_BIND", "WINDSERVE_CACHE_MEMORY_BYTES", "WINDSERVE_CACHE_DISK_BYTES",
+    "WINDSERVE_PEER_DIR", "WINDSERVE_SCHEMATHESIS_EXAMPLES",
+})
+
+
 def all_settings(roles: list[str] | None = None) -> list[Setting]:
     """Every setting of the given roles (default: all), once each, with the roles that read it and the default
     each has when no WINDSERVE_* variable is set."""
@@ -151,6 +162,37 @@ def all_settings(roles: list[str] | None = None) -> list[Setting]:
 def first_sentence(text: str) -> str:
     """The description's first sentence: one line of the table (the class holds the rest)."""
     return re.split(r"(?<=[.!?])\s+(?=[A-Z(])", text, maxsplit=1)[0]
+
+
+def settings_help(cls: type, prog: str) -> str:
+    """`--help` of a service: its settings, one line each, defaults as with no WINDSERVE_* variable set."""
+    with _bare_environment():
+        rows = settings_of(cls) + PROCESS_WIDE
+    width = max(len(r.name) for r in rows)
+    doc = (cls.__doc__ or "").strip().splitlines()
+    lines = [f"usage: {prog}", "", *doc[:1], "",
+             "Settings come from environment variables (JSON for lists and objects); docs/settings.md has them all.",
+             ""]
+    lines += [f"  {r.name:{width}}  {r.default or chr(39) * 2:>14}  {first_sentence(r.description)}" for r in rows]
+    return "\n".join(lines)
+
+
+@functools.cache
+def known_variables() -> frozenset[str]:
+    return frozenset(s.name for s in all_settings()) | TOOL_VARIABLES
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A warning per WINDSERVE_* variable no part of windserve reads, naming the closest known one: a misspelled
+    setting would otherwise be ignored in silence."""
+    known = known_variables()
+    warnings = []
+    for name in sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known):
+        bare = {k.removeprefix(ENV_PREFIX): k for k in known}  # the shared prefix would make any two look close
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), list(bare), n=1, cutoff=0.75)
+        hint = f"; did you mean {bare[close[0]]}?" if close else ""
+        warnings.append(f"{name} is not a windserve setting and is ignored{hint} (docs/settings.md)")
+    return warnings
 
 
 def _cell(text: str) -> str:

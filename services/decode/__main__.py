@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.decode.config import DecodeConfig
-from services.decode.service import DecodeService
 
 if __name__ == "__main__":
-    raise SystemExit(main(DecodeService, DecodeConfig))
+    raise SystemExit(main("services.decode.service:DecodeService", DecodeConfig))

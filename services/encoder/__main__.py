@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.encoder.config import EncoderConfig
-from services.encoder.service import EncoderService
 
 if __name__ == "__main__":
-    raise SystemExit(main(EncoderService, EncoderConfig))
+    raise SystemExit(main("services.encoder.service:EncoderService", EncoderConfig))

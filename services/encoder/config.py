@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from libs.model.vision import TINY_VISION_SEED
+from libs.model.vision_config import TINY_VISION_SEED
 from libs.service import SenderServiceConfig
 
 

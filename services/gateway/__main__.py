@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.gateway.config import GatewayConfig
-from services.gateway.service import GatewayService
 
 if __name__ == "__main__":
-    raise SystemExit(main(GatewayService, GatewayConfig))
+    raise SystemExit(main("services.gateway.service:GatewayService", GatewayConfig))

@@ -19,7 +19,7 @@ from libs.service import Service
 from protos.messages import RegistryEntry, Role
 from services.gateway import handlers
 from services.gateway.admission import Admission
-from services.gateway.backend import BackendConfig, NatsBackend
+from services.gateway.backend import NatsBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Limits
 from services.gateway.media import VisionTokens
@@ -46,6 +46,7 @@ def model_config(model: str) -> Any:
 
 
 log = logging.getLogger("windserve.gateway")
+SHUTDOWN_CUT_SHARE = 0.8  # of the drain bound: requests still running then are ended with an error event
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -92,8 +93,9 @@ class GatewayService(Service):
         self.encoder: EncoderAPI | None = None  # a test injects an EncoderAPI here before setup
         self._encoder: EncoderClient | None = None  # else, for a multimodal model: the encoder tier's client
         self._encoder_view: RegistryView | None = None
+        self.api: handlers.Api | None = None
         # one registry listing, reused for 0.5 s, shared by readiness probes and the backend
-        self._listing = CachedListing(self._list_services, BackendConfig.fleet_cache_s)
+        self._listing = CachedListing(self._list_services, config.backend.fleet_cache_s)
 
     async def _list_services(self) -> list[RegistryEntry]:
         assert self.registry is not None
@@ -135,8 +137,8 @@ class GatewayService(Service):
         await self._encoder.start()
 
     async def setup(self) -> None:
-        app = handlers.build_app(self._listing, self.config.instance_id, await self._build_api(),
-                                 self.config.max_header_bytes)
+        self.api = await self._build_api()
+        app = handlers.build_app(self._listing, self.config.instance_id, self.api, self.config.max_header_bytes)
         uv_config = http_config(app, self.config.http_host, self.config.http_port, self.config.max_header_bytes)
         self._http = _EmbeddedServer(uv_config)
         self._http_task = task = self.spawn(self._http.serve(), name="http", critical=True)
@@ -159,7 +161,15 @@ class GatewayService(Service):
     async def teardown(self) -> None:
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True  # uvicorn finishes open responses, then returns
-            await asyncio.wait({self._http_task}, timeout=self.config.drain_timeout_s)
+            # Requests still running near the end of the drain bound are ended with an error the client reads
+            # (an SSE error event, or a 503 body), not a dropped connection; the rest of the bound flushes them.
+            bound = self.config.drain_timeout_s
+            done, _ = await asyncio.wait({self._http_task}, timeout=bound * SHUTDOWN_CUT_SHARE)
+            if not done and self.api is not None:
+                cut = self.api.streams.cut("the server is shutting down: this request was stopped before it "
+                                           "finished; retry it once the server is back")
+                log.warning("drain bound near: ended requests in flight with an error", extra={"requests": cut})
+            await asyncio.wait({self._http_task}, timeout=bound * (1 - SHUTDOWN_CUT_SHARE))
         if self.backend is not None:
             await self.backend.close()  # aborts of cancelled streams go out before the bus closes
         if self._encoder is not None:

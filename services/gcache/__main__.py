@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.gcache.config import CacheConfig
-from services.gcache.service import CacheService
 
 if __name__ == "__main__":
-    raise SystemExit(main(CacheService, CacheConfig))
+    raise SystemExit(main("services.gcache.service:CacheService", CacheConfig))

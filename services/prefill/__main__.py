@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.prefill.config import PrefillConfig
-from services.prefill.service import PrefillService
 
 if __name__ == "__main__":
-    raise SystemExit(main(PrefillService, PrefillConfig))
+    raise SystemExit(main("services.prefill.service:PrefillService", PrefillConfig))

@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.router.config import RouterConfig
-from services.router.service import RouterService
 
 if __name__ == "__main__":
-    raise SystemExit(main(RouterService, RouterConfig))
+    raise SystemExit(main("services.router.service:RouterService", RouterConfig))

@@ -2,7 +2,6 @@
 
 from libs.service import main
 from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
 
 if __name__ == "__main__":
-    raise SystemExit(main(WorkerService, WorkerConfig))
+    raise SystemExit(main("services.worker.service:WorkerService", WorkerConfig))
