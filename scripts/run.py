@@ -62,6 +62,7 @@ class RunError(Exception):
     """Startup failed; the message says which process and where its log is."""
 
 
+TINY_WEIGHTS = ROOT / "models" / "windserve-tiny" / "weights.safetensors"  # scripts/train_tiny.py writes it
 STOP_MARGIN_S = 5.0  # the supervisor waits this much past the services' drain bound before it kills
 
 
@@ -84,6 +85,7 @@ SERVICE_MODULES = {"cache": "gcache"}
 class RunConfig:
     services: tuple[tuple[str, int], ...]  # (name, replicas)
     model: str = ""
+    random_weights: bool = False  # without --model: the untrained tiny model instead of models/windserve-tiny
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     nats_port: int = 0
@@ -109,6 +111,11 @@ class RunConfig:
             raise ValueError("--ready-timeout must be > 0 and --grace >= 0")
         if not self.grace_s:
             object.__setattr__(self, "grace_s", drain_bound_s() + STOP_MARGIN_S)
+
+    @property
+    def tiny_weights(self) -> Path | None:
+        """The trained weights the built-in tiny model runs with, when no --model is given."""
+        return None if self.model or self.random_weights or not TINY_WEIGHTS.is_file() else TINY_WEIGHTS
 
     @property
     def drain_s(self) -> float:
@@ -479,6 +486,8 @@ class Supervisor:
         }
         if self.cfg.model:
             env["WINDSERVE_MODEL"] = self.cfg.model
+        elif self.cfg.tiny_weights and name in ("worker", "prefill", "decode"):
+            env.setdefault("WINDSERVE_TINY_WEIGHTS", str(self.cfg.tiny_weights))
         if name == "cache":
             disk = self.cache_dir(label or instance_id)
             disk.mkdir(parents=True, exist_ok=True)
@@ -756,6 +765,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                "lists a role's (e.g. services.gateway, services.decode), `python -m libs.service.settings` all of "
                "them, with docs/settings.md.")
     p.add_argument("--model", default="", help="model directory (HF layout), passed as WINDSERVE_MODEL")
+    p.add_argument("--random-weights", action="store_true", help="without --model: the built-in tiny model with "
+                   f"random weights instead of the one trained on this repository's docs ({TINY_WEIGHTS.parent})")
     p.add_argument("--services", default=None, help="comma list, name=N for replicas (default: "
                    f"{DEFAULT_SERVICES}, plus {MULTIMODAL_SERVICES} when the model has a vision config)")
     p.add_argument("--http-host", default="127.0.0.1")
@@ -776,6 +787,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     return RunConfig(
         services=parse_services(a.services if a.services is not None else default_services(a.model)),
         model=a.model,
+        random_weights=a.random_weights,
         http_host=a.http_host,
         http_port=a.http_port,
         nats_port=a.nats_port,
@@ -818,6 +830,11 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{n}×{r}" if r > 1 else n for n, r in cfg.services)
         where = sup.http_url if "gateway" in cfg.roles else sup.nats_url
         print(f"windserve: ready in {took:.1f} s at {where} ({names}); logs in {cfg.run_dir / 'logs'}", flush=True)
+        if not cfg.model:
+            model = (f"the built-in tiny model trained on this repository's docs ({TINY_WEIGHTS.parent.name}; "
+                     "--random-weights for the untrained one)" if cfg.tiny_weights else
+                     "the built-in tiny model with random weights (its output is not text)")
+            print(f"windserve: model: {model}; --model PATH serves a real checkpoint", flush=True)
         print("windserve: Ctrl-C to stop; a service that exits or hangs is restarted", flush=True)
         sup.start_liveness()
         run_until_stopped(sup, stop, where)

@@ -205,3 +205,54 @@ def trained_target(model, cfg, root: Path, cache: Path, steps: int = STEPS,
     info["held"] = evaluate(model, windows(held_text, 32, SEQ + 1, torch.Generator().manual_seed(11)))
     info["held"]["bits_per_byte"] = info["held"]["loss"] / math.log(2)
     return info, train_text, held_text
+
+
+# ---------------------------------------------------------------- the built-in model of `make run`
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models" / "windserve-tiny"
+
+
+def unigram_bits_per_byte(train_text: torch.Tensor, held_text: torch.Tensor) -> float:
+    """Cross-entropy of the held-out bytes under the training text's byte frequencies (add-one smoothed): the
+    baseline a language model has to beat."""
+    counts = torch.bincount(train_text, minlength=256).double() + 1.0
+    logp = (counts / counts.sum()).log2()
+    return float(-logp[held_text].mean())
+
+
+def write_default(root: Path, out: Path = DEFAULT_DIR, steps: int = STEPS) -> dict:
+    """Train (or load from `.cache/mtp/`, the MTP bench's cache of the same recipe) the tiny model on the
+    repository's docs and write its trained parameters to `out/weights.safetensors`, its facts to
+    `out/training.json`. Deterministic: fixed seeds, one recipe, the corpus of a pinned commit."""
+    from safetensors.torch import save_file
+
+    from libs.model import load_model
+
+    torch.manual_seed(0)
+    model, cfg = load_model(None)
+    info, train_text, held_text = trained_target(model, cfg, root, root / ".cache" / "mtp", steps=steps)
+    names = {id(p) for p in trainable(model)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if id(p) in names},
+              out / "weights.safetensors")
+    facts = {"corpus_commit": info["corpus_commit"], "train_bytes": info["train_bytes"],
+             "held_files": info["held_files"], "held_bytes": info["held_bytes"], "steps": steps,
+             "parameters_trained": sum(p.numel() for p in trainable(model)),
+             "held_bits_per_byte": round(info["held"]["bits_per_byte"], 4),
+             "held_top1": round(info["held"]["top1"], 4),
+             "unigram_bits_per_byte": round(unigram_bits_per_byte(train_text, held_text), 4)}
+    (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
+    return facts
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m scripts.train_tiny", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help="where the weights and facts go")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    print(json.dumps(write_default(Path(__file__).resolve().parent.parent, args.out, args.steps), indent=1))
+
+
+if __name__ == "__main__":
+    main()

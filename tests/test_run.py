@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scripts.run import RunConfig, Supervisor, parse_services
+from scripts.run import TINY_WEIGHTS, RunConfig, Supervisor, parse_services
 from tests.fixtures.nats import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -420,3 +420,40 @@ def test_encoders_come_up_and_are_listed(tmp_path):
             body = json.loads(resp.read())
         assert {role: len(ids) for role, ids in body["services"].items()} == {"gateway": 1, "worker": 1, "encoder": 2}
         assert len(_descendants_named(proc, "services.encoder")) == 2
+
+
+def _letters_and_spaces(text: str) -> float:
+    return sum(ch.isalpha() or ch == " " for ch in text) / max(len(text), 1)
+
+
+@pytest.mark.skipif(not TINY_WEIGHTS.is_file(), reason="models/windserve-tiny is written by scripts.train_tiny")
+def test_the_readme_first_requests_return_words(tmp_path):
+    """The README's first curl and chat, verbatim, against `make run` with its default model (the tiny model
+    trained on the repository's docs): text that reads as words, and a tool call that parses."""
+    import openai
+
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,worker") as proc:
+        lines = wait_for_line(proc, "windserve: model:", timeout=60)
+        assert any("trained on this repository's docs" in line for line in lines), lines
+        base = f"http://127.0.0.1:{http_port}"
+        completion = json.loads(subprocess.run(
+            ["curl", "-s", f"{base}/v1/completions", "-H", "content-type: application/json", "-d",
+             '{"model": "windserve-tiny", "prompt": "Hello", "max_tokens": 16}'],
+            capture_output=True, text=True, timeout=60, check=True).stdout)
+        text = completion["choices"][0]["text"]
+        assert len(text) >= 8 and _letters_and_spaces(text) >= 0.7, text
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        streamed = "".join(ev.choices[0].delta.content or "" for ev in client.chat.completions.create(
+            model="windserve-tiny", messages=[{"role": "user", "content": "Hi"}], stream=True, max_tokens=32)
+            if ev.choices)
+        assert len(streamed) >= 8 and _letters_and_spaces(streamed) >= 0.7, streamed
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+            "required": ["city"]}}}
+        called = client.chat.completions.create(
+            model="windserve-tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
+            tool_choice="required", max_tokens=256)
+        call = called.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")

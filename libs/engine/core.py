@@ -663,7 +663,7 @@ class EngineCore(metaclass=_Built):
 
 
 def load_core(model_path: str | None, config: EngineConfig | None = None,
-              core_class: type[EngineCore] = EngineCore) -> EngineCore:
+              core_class: type[EngineCore] = EngineCore, tiny_weights: str | None = None) -> EngineCore:
     """`core_class` over libs.model.load_model(model_path) (None = built-in tiny model) and its tokenizer; a
     parallel engine over a checkpoint loads no full model: each rank reads its own shard of `model_path`."""
     from libs.model import load_model, load_tokenizer
@@ -673,5 +673,6 @@ def load_core(model_path: str | None, config: EngineConfig | None = None,
     if model_path is not None and config.layout.is_parallel:
         return core_class(config, None, checkpoint_config(model_path), load_tokenizer(model_path),
                           model_path=model_path)
-    model, model_config = load_model(model_path, dtype=config.torch_dtype, device=config.device)
+    model, model_config = load_model(model_path, dtype=config.torch_dtype, device=config.device,
+                                     tiny_weights=tiny_weights)
     return core_class(config, model, model_config, load_tokenizer(model_path))

@@ -298,6 +298,20 @@ def iter_names_with_progress(names: list[str], progress: bool) -> Iterator[str]:
     yield from tqdm(names, desc="loading weights", unit="tensor", disable=not progress)
 
 
+def _load_tiny_weights(model: MiMoV2Model, path: str) -> None:
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"tiny model weights {path}: {exc}") from exc
+    own = dict(model.named_parameters())
+    wrong = sorted(n for n, t in state.items() if n not in own or own[n].shape != t.shape)
+    if wrong:
+        raise CheckpointError(f"tiny model weights {path}: not the built-in tiny model's parameters: {wrong[:5]}")
+    model.load_state_dict(state, strict=False)
+
+
 def _open(path: str | Path) -> tuple[ModelConfig, _Shards]:
     root = Path(path)
     cfg = ModelConfig.from_pretrained(root)
@@ -328,12 +342,16 @@ def load_weights(model: MiMoV2Model, path: str | Path, selection: Selection, pro
 
 
 def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               progress: bool = True) -> tuple[MiMoV2Model, ModelConfig]:
-    """Load a MiMo-V2 checkpoint directory, or the built-in tiny model (fixed seed) when ``path`` is None."""
+               progress: bool = True, tiny_weights: str | None = None) -> tuple[MiMoV2Model, ModelConfig]:
+    """Load a MiMo-V2 checkpoint directory, or the built-in tiny model when ``path`` is None: random weights
+    (fixed seed), over which ``tiny_weights`` (a safetensors file of some of its parameters, e.g. the trained
+    models/windserve-tiny) is loaded."""
     if path is None:
         cfg = ModelConfig.tiny()
-        model = set_dtype(init_random_(MiMoV2Model(cfg), TINY_SEED), dtype).to(device)
-        return model.eval(), cfg
+        model = init_random_(MiMoV2Model(cfg), TINY_SEED)
+        if tiny_weights:
+            _load_tiny_weights(model, tiny_weights)
+        return set_dtype(model, dtype).to(device).eval(), cfg
     cfg, shards = _open(path)
     model = _empty_model(cfg, dtype, device)
     _fill(model, shards, Selection(cfg), progress)

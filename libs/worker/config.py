@@ -27,6 +27,9 @@ class EngineServiceConfig(ServiceConfig):
 
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(compile=_compile_default()),
                                  description="the engine's own settings (libs/engine/config.py), read flat")
+    tiny_weights: str = Field(
+        default="", description="without a model directory: a safetensors file of the built-in tiny model's trained "
+        "weights (make run passes models/windserve-tiny/weights.safetensors); empty = random weights, fixed seed")
     output_timeout_s: float = Field(
         default=300.0, gt=0, description="longest wait for a request's next engine output before it fails")
     engine_stall_s: float = Field(

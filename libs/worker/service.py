@@ -131,7 +131,8 @@ class EngineWorkerService(Service):
         assert self.bus is not None
         cfg = self.config
         engine = await asyncio.to_thread(build_async_engine, cfg.model or None, cfg.engine_config(),
-                                         core_class=self.core_class, output_timeout_s=cfg.output_timeout_s)
+                                         core_class=self.core_class, output_timeout_s=cfg.output_timeout_s,
+                                         tiny_weights=cfg.tiny_weights or None)
         if cfg.gcache:
             await self.start_gcache(engine)
         if engine.core.model_config.vision is not None:
