@@ -407,6 +407,15 @@ async def test_auth_comes_before_the_body_and_says_how():
         assert_error(r, 400, "not valid JSON")
 
 
+async def test_a_browser_reaches_the_docs_with_the_key_in_the_query():
+    async with client_for(make_api(FakeBackend(), keys=frozenset({"sk-good"}))) as c:
+        page = await c.get("/docs", params={"api_key": "sk-good"})
+        assert page.status_code == 200 and "/openapi.json?api_key=sk-good" in page.text  # the page's own fetch
+        assert (await c.get("/openapi.json", params={"api_key": "sk-good"})).status_code == 200
+        assert (await c.get("/docs", params={"api_key": "wrong"})).status_code == 401
+        assert (await c.post("/v1/completions", params={"api_key": "sk-good"}, json={})).status_code == 401
+
+
 async def test_docs_can_stay_open_with_keys():
     api = make_api(FakeBackend(), keys=frozenset({"k"}))
     api.docs_auth = False

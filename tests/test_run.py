@@ -457,3 +457,30 @@ def test_the_readme_first_requests_return_words(tmp_path):
         call = called.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
+
+
+def test_one_metrics_view_holds_every_instance_series(tmp_path):
+    """The gateway's /metrics/cluster, read with prometheus-client's parser: gateway, router, engine and GCache
+    series, each labelled with the role and instance of every running instance."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    http_port = free_port()
+    with supervised(tmp_path, "--http-port", str(http_port), "--services", "gateway,router,worker=2,cache") as proc:
+        wait_for_line(proc, "windserve: ready", timeout=90)
+        _complete(http_port)  # one request through, so request series have samples
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+            services = json.loads(resp.read())["services"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics/cluster", timeout=30) as resp:
+            families = list(text_string_to_metric_families(resp.read().decode()))
+    seen: dict[tuple[str, str], set[str]] = {}
+    for family in families:
+        for sample in family.samples:
+            seen.setdefault((sample.labels["role"], sample.labels["instance"]), set()).add(family.name)
+    for role, prefix in (("gateway", "windserve_gateway_"), ("router", "windserve_router_"),
+                         ("worker", "windserve_worker_"), ("cache", "windserve_cache_")):
+        for instance in services[role]:
+            names = seen.get((role, instance), set())
+            assert any(n.startswith(prefix) for n in names), (role, instance, sorted(names)[:10])
+    up = {(s.labels["role"], s.labels["instance"]): s.value for f in families if f.name == "windserve_cluster_scrape_up"
+          for s in f.samples}
+    assert set(up) == {(r, i) for r, ids in services.items() for i in ids if r != "nats"} and set(up.values()) == {1.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from prometheus_client import Gauge, Info, start_http_server
@@ -9,6 +10,16 @@ from prometheus_client import Gauge, Info, start_http_server
 SERVICE_INFO = Info("windserve_service", "Role and instance of this process")
 SERVICE_STATE = Gauge("windserve_service_state", "1 for the current lifecycle state", ["state"])
 BACKGROUND_FAILURES = Gauge("windserve_background_task_failures", "Background tasks that raised")
+
+
+def _reachable(host: str) -> str:
+    """The address peers dial for a server bound to `host`: this host's own address for a wildcard bind."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class MetricsServer:
@@ -22,7 +33,7 @@ class MetricsServer:
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
         self.port = int(self._server.server_port)
-        self.url = f"http://{host}:{self.port}/metrics"
+        self.url = f"http://{_reachable(host)}:{self.port}/metrics"  # advertised in the registry entry
 
     def stop(self) -> None:
         self._server.shutdown()

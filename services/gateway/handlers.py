@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlencode
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -341,7 +342,14 @@ class CountRequests:
 def _add_docs(app: FastAPI, api: Api | None) -> None:
     """/openapi.json and /docs, behind the API key when keys are set (unless `docs_auth` is off)."""
     keys = api.api_keys if api is not None and api.docs_auth else frozenset()
-    guarded = [Depends(_auth_dependency(keys))]
+
+    async def docs_auth(request: Request) -> None:
+        """A browser cannot send the Bearer header: the docs also take the key as `?api_key=`."""
+        query_key = request.query_params.get("api_key", "")
+        if keys and not (query_key and bearer_ok(f"Bearer {query_key}", keys)):
+            await _auth_dependency(keys)(request)
+
+    guarded = [Depends(docs_auth)]
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -356,8 +364,10 @@ def _add_docs(app: FastAPI, api: Api | None) -> None:
         return JSONResponse(app.openapi())
 
     @app.get("/docs", include_in_schema=False, dependencies=guarded)
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+    async def docs(request: Request) -> HTMLResponse:
+        key = request.query_params.get("api_key", "")
+        url = f"/openapi.json?{urlencode({'api_key': key})}" if key else "/openapi.json"
+        return get_swagger_ui_html(openapi_url=url, title=f"{app.title} - docs")
 
 
 def get_openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -503,6 +513,22 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
             metrics.IN_FLIGHT.set(api.admission.in_flight)
             metrics.QUEUED.set(api.admission.queued)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/cluster", response_class=PlainTextResponse, responses=metrics_doc)
+    async def cluster_prometheus() -> Response:
+        """Every live instance's series (and this gateway's), labelled with `role` and `instance`."""
+        from services.gateway.cluster_metrics import cluster_text
+
+        try:
+            entries = await list_services()
+        except Exception as exc:  # registry unreachable: say so instead of a bare 500
+            return _unavailable(exc, retry_after)
+        if api is not None:
+            metrics.IN_FLIGHT.set(api.admission.in_flight)
+            metrics.QUEUED.set(api.admission.queued)
+        now = time.time()
+        text = await cluster_text([e for e in entries if e.fresh(now)], "gateway", instance_id)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     if api is not None:
         api.created = api.created or int(time.time())

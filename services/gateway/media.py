@@ -163,18 +163,21 @@ def decode_data_uri(url: str, max_bytes: int, param: str) -> bytes:
 
 def check_host(url: str, hosts: frozenset[str], param: str) -> None:
     if not hosts:
-        raise ApiError(400, f"{param}: fetching http(s) URLs is off on this server (send a data: URI)",
+        raise ApiError(400, f"{param}: fetching http(s) URLs is off on this server (send a data: URI; "
+                       "the operator allows hosts with WINDSERVE_MM_URL_HOSTS)",
                        param=param, code="url_not_allowed")
     host = (urlsplit(url).hostname or "").lower()
     if host not in hosts:
-        raise ApiError(400, f"{param}: host {host!r} is not on this server's allow-list", param=param,
+        raise ApiError(400, f"{param}: host {host!r} is not on this server's allow-list (WINDSERVE_MM_URL_HOSTS)",
+                       param=param,
                        code="url_not_allowed")
 
 
 def local_path(url: str, root: str, param: str) -> Path:
     """The resolved file a `file://` URL or absolute path names, which must lie under `root`."""
     if not root:
-        raise ApiError(400, f"{param}: local paths are off on this server", param=param, code="url_not_allowed")
+        raise ApiError(400, f"{param}: local paths are off on this server (WINDSERVE_MM_LOCAL_ROOT is empty)",
+                       param=param, code="url_not_allowed")
     raw = urlsplit(url).path if url.startswith("file:") else url
     path = Path(os.path.realpath(raw))
     base = Path(os.path.realpath(root))
