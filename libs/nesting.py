@@ -2,7 +2,7 @@
 each setting declared once, in the part of the layer that owns it.
 
 Every field name is unique across a config and all its parts (tests/test_settings.py checks it), so a flat name
-says where it belongs: `@composed` (dataclasses) and `gather_parts` (pydantic models, libs/service/config.py) let
+says where it belongs: `@composed` (dataclasses) and `gather` (which `ServiceConfig` runs before validating) let
 callers pass a part's fields flat, `EngineConfig(max_num_seqs=8)` being `EngineConfig(scheduler=
 SchedulerConfig(max_num_seqs=8))`, and one `WINDSERVE_<FIELD>` variable names one setting wherever it lives.
 """
