@@ -449,3 +449,31 @@ def test_auto_with_response_format_through_gateway_and_worker(system):
             jsonschema.validate(json.loads(choice.message.content), schema)
             kinds.add("json")
     assert kinds == {"calls", "json"}
+
+
+def test_numbers_the_schema_leaves_unbounded_stay_short_enough_to_parse(llm):
+    """#37: an integer or number field without bounds could run to max_tokens inside one number (a weak model
+    wrote 150 digits). A random walk over the allowed bytes now always ends in JSON that parses, with integers
+    inside int64 and floats that round-trip; a schema's own bounds still hold."""
+    core = llm.core
+    cache = GrammarCache(TOK, core.model_config.vocab_size, core.scheduler.eos_token_ids)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                               "small": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n", "x", "small"]}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(1, cache.vocab_size)
+    for seed in range(30):
+        m, rng, out = xgr.GrammarMatcher(cache.compile(spec)), random.Random(seed), []
+        while len(out) < 400 and not m.is_terminated():
+            m.fill_next_token_bitmask(mask, 0)
+            words = mask[0].tolist()
+            t = rng.choice([t for t in range(cache.vocab_size) if (words[t // 32] >> (t % 32)) & 1])
+            assert m.accept_token(t)
+            if t < 256:  # (a stop token ends the walk)
+                out.append(t)
+        text = bytes(out).decode()
+        value = json.loads(text)
+        assert abs(value["n"]) < 2**63 and 0 <= value["small"] <= 9, text
+        assert len(text) < 120, text

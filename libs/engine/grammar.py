@@ -118,7 +118,28 @@ def _schema_text_ebnf(text: str) -> str:
         grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the converter's reason
         raise GrammarError(f"invalid JSON schema: {_first_line(exc)}") from exc
-    return _fix_string_chars(str(grammar))
+    return bound_numbers(_fix_string_chars(str(grammar)))
+
+
+# A number the schema does not bound is bounded here, so it fits what JSON parsers hold and a weak model cannot run
+# to max_tokens inside one: integers to 18 digits (always inside int64), other numbers to 16 integer and 16
+# fraction digits and a 3-digit exponent. A schema's own minimum / maximum make their own rules, untouched.
+_NUMBER_RULES = {
+    'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))':
+        'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]{0, 17}))',
+    'basic_number_2 ::= (("0") | ([1-9] [0-9]*))': 'basic_number_2 ::= (("0") | ([1-9] [0-9]{0, 15}))',
+    'basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))':
+        'basic_number_3 ::= ("" | ("." basic_number_digits{1, 16}))',
+    'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))':
+        'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, 3}))',
+}
+
+
+def bound_numbers(ebnf: str) -> str:
+    """`ebnf` with xgrammar's unbounded JSON number rules replaced by bounded ones (`_NUMBER_RULES`)."""
+    for unbounded, bounded in _NUMBER_RULES.items():
+        ebnf = ebnf.replace(unbounded, bounded)
+    return ebnf
 
 
 def _fix_string_chars(ebnf: str) -> str:
@@ -137,7 +158,7 @@ def _structural_tag_ebnf(text: str) -> str:
         grammar = xgr.Grammar.from_structural_tag(text)
     except Exception as exc:  # InvalidStructuralTagError, InvalidJSONError, RuntimeError with the reason
         raise GrammarError(f"invalid structural tag: {_first_line(exc)}") from exc
-    return _fix_string_chars(str(grammar).replace(_FREE_WHITESPACE, '""'))
+    return bound_numbers(_fix_string_chars(str(grammar).replace(_FREE_WHITESPACE, '""')))
 
 
 def _first_line(exc: Exception) -> str:
