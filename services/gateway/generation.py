@@ -42,6 +42,7 @@ from services.gateway.protocol import (
     Tool,
     error_body,
 )
+from services.gateway.reasoning import ReasoningSplit, reasoning_mode
 from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
@@ -111,6 +112,7 @@ class Plan:
     tool_format: str = HERMES
     mm_items: tuple[WireMMItem, ...] = ()  # chat with images: where their rows go in prompts[0] (the hash view)
     shown_prompts: list[list[int]] | None = None  # return_token_ids: the prompts as the model's ids (None: prompts)
+    reasoning: str | None = None  # chat of a reasoning model: reasoning.reasoning_mode (None = no split)
 
 
 class TextCodec(Protocol):
@@ -271,7 +273,8 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     params = {t.function.name: t.function.parameters for t in body.tools or ()} if body.calls_tools else None
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout, params, fmt, tuple(mm_items), shown)
+                body.skip_special_tokens, limits.max_fanout, params, fmt, tuple(mm_items), shown,
+                reasoning_mode(getattr(tok, "template", None), prompt))
 
 
 # --- constrained decoding (pure) ----------------------------------------------------------------
@@ -382,13 +385,15 @@ class Delta:
     finish_reason: str | None  # set on the delta that completes the choice
     offsets: list[int] = field(default_factory=list)  # completions text_offset of each token (when tracked)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat with tools: delta.tool_calls entries
+    reasoning: str = ""  # chat of a reasoning model: delta.reasoning_content
 
     def after(self, held: Delta | None) -> Delta:
         """This delta carrying the tokens of an earlier one that was held back (it had no text)."""
         if held is None:
             return self
         return Delta(held.text + self.text, held.token_ids + self.token_ids, held.logprobs + self.logprobs,
-                     self.finish_reason, held.offsets + self.offsets, held.tool_calls + self.tool_calls)
+                     self.finish_reason, held.offsets + self.offsets, held.tool_calls + self.tool_calls,
+                     held.reasoning + self.reasoning)
 
 
 @dataclass
@@ -405,12 +410,13 @@ class ChoiceState:
     held: Delta | None = None  # streaming: tokens whose text is still empty wait here for the next delta
     tools: ToolCallStream | None = None  # chat with tools: splits tool calls from the content
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the message's calls, once finished
+    thinking: ReasoningSplit | None = None  # a reasoning model's chat: splits the reasoning from the answer
 
     @property
     def content(self) -> str | None:
-        """The message content: the text, less its tool calls (None when only calls remain)."""
+        """The message content: the text, less its reasoning and its tool calls (None when only calls remain)."""
         if self.tools is None:
-            return self.assembler.text
+            return self.thinking.content if self.thinking is not None else self.assembler.text
         if self.tool_calls:
             return self.tools.content.strip() or None
         return self.tools.content
@@ -436,13 +442,20 @@ class ChoiceState:
         elif self.assembler.stopped:  # the gateway saw the stop string first; the caller aborts the rest
             self.finish_reason = "stop"
         calls: list[dict[str, Any]] = []
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text)
+            if self.finish_reason is not None:
+                more_reasoning, more = self.thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more
         if self.tools is not None:
             text, calls = self.tools.feed(text)
             if self.finish_reason is not None:
                 tail, more = self._finish_tools()
                 text, calls = text + tail, calls + more
         offsets = self._offsets(start)
-        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets, calls)
+        return Delta(text, list(chunk.token_ids), list(chunk.logprobs), self.finish_reason, offsets, calls,
+                     reasoning)
 
     def _finish_tools(self) -> tuple[str, list[dict[str, Any]]]:
         assert self.tools is not None
@@ -463,7 +476,8 @@ class ChoiceState:
 
 def new_states(plan: Plan, decode_text: Callable[[list[int]], str]) -> dict[int, ChoiceState]:
     track = plan.kind == Kind.COMPLETION and plan.logprobs is not None
-    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track, tools=_tool_stream(plan, s))
+    return {s.index: ChoiceState(s, TextAssembler(decode_text, plan.stops), track, tools=_tool_stream(plan, s),
+                                 thinking=ReasoningSplit(plan.reasoning) if plan.reasoning else None)
             for s in plan.subs}
 
 
@@ -624,6 +638,8 @@ class Renderer:
         lps = self.logprobs(st.logprobs, st.offsets)
         if self.plan.kind == Kind.CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": st.content}
+            if st.thinking is not None:
+                message["reasoning_content"] = st.thinking.reasoning or None
             if st.tool_calls:
                 message["tool_calls"] = st.tool_calls
             choice = {"index": st.sub.index, "message": message, "logprobs": lps, "finish_reason": st.finish_reason}
@@ -636,6 +652,8 @@ class Renderer:
         lps = self.logprobs(d.logprobs, d.offsets) if d.logprobs else None
         if self.plan.kind == Kind.CHAT:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
             if d.text or first:
                 delta["content"] = d.text
             if d.tool_calls:
@@ -691,7 +709,7 @@ async def stream_events(plan: Plan, backend: Backend, renderer: Renderer,
             # a delta with tokens is not empty when the client asked for their ids or logprobs (held back, they
             # would reach it late: its second token's time would be the third's)
             carries = bool(delta.token_ids) and (plan.return_token_ids or plan.logprobs is not None)
-            if not (delta.text or delta.tool_calls or carries or delta.finish_reason
+            if not (delta.text or delta.reasoning or delta.tool_calls or carries or delta.finish_reason
                     or (first and plan.kind == Kind.CHAT)):
                 st.held = delta.after(st.held)  # no text: its tokens go out with the next delta (no empty chunk)
                 continue
