@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.mm.api import EncoderAPI
 from protos.messages import RegistryEntry
+from services.gateway import messages_api as messages
 from services.gateway import metrics
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.backend import Backend
@@ -123,15 +124,23 @@ def _json_error(status: int, message: str, type_: str, param: str | None = None,
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def _error(request: Request, status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An error in the format of the API the request called: Anthropic's on /v1/messages, else OpenAI's."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(messages.error_body(status, message), status_code=status, headers=headers)
+    return _json_error(status, message, type_, param, code, headers)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> Response:
-        return _json_error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
         status, message, param, code = validation_status(list(exc.errors()))
-        return _json_error(status, message, "invalid_request_error", param, code)
+        return _error(request, status, message, "invalid_request_error", param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -139,8 +148,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _json_error(exc.status_code, str(exc.detail), type_, headers=exc.headers)  # 405 keeps Allow
 
     @app.exception_handler(Exception)
-    async def crashed(_: Request, exc: Exception) -> Response:
-        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    async def crashed(request: Request, exc: Exception) -> Response:
+        return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
 class ClientGone(Exception):
@@ -215,8 +224,10 @@ def _with_body_schemas(schema: dict[str, Any], models: tuple[type[BaseModel], ..
 
 def _auth_dependency(keys: frozenset[str]) -> Callable[[Request], Awaitable[None]]:
     async def auth(request: Request) -> None:
-        if keys and not bearer_ok(request.headers.get("authorization", ""), keys):
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+        anthropic_key = request.headers.get("x-api-key", "")  # how Anthropic's clients send it
+        if keys and not (bearer_ok(request.headers.get("authorization", ""), keys)
+                         or (anthropic_key and bearer_ok(f"Bearer {anthropic_key}", keys))):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key')",
                            type_="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
     return auth
@@ -230,9 +241,11 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {api.model_name!r}",
                            type_="not_found_error", param="model", code="model_not_found")
 
-    async def serve(planned: Plan | Callable[[], Coroutine[Any, Any, Plan]], request: Request) -> Response:
+    async def serve(planned: Plan | Callable[[], Coroutine[Any, Any, Plan]], request: Request,
+                    messages_api: bool = False) -> Response:
         """Run a plan under an admission slot; a plan that needs IO first (images: load, encode) is made inside
-        the slot, so the encoders see no more requests than the workers."""
+        the slot, so the encoders see no more requests than the workers. `messages_api`: the answer as a
+        Message (Anthropic's Messages API) instead of a chat completion."""
         try:
             slot = await api.admission.enter()
         except Overloaded as exc:
@@ -254,6 +267,8 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
         renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids), api.tokenizer.token_bytes)
         if plan.stream:
             events = stream_events(plan, api.backend, renderer, decode_text, slot.release, api.streams)
+            if messages_api:
+                events = messages.to_events(events, plan.model)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(slot.release),
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": plan.id})
         try:
@@ -262,6 +277,8 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             return Response(status_code=499)
         finally:
             slot.release()
+        if messages_api:
+            body = messages.to_message(body)
         return JSONResponse(body, headers={"X-Request-Id": plan.id})
 
     guarded = [Depends(auth)]  # auth runs before the body is read: a keyless malformed body gets 401
@@ -289,24 +306,38 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
               openapi_extra=_request_body(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_body(request, api.max_body_bytes))
+        return await run_chat(body, request)
+
+    messages_errors = {status: {**doc, "model": messages.MessagesErrorResponse}
+                       for status, doc in generate_errors.items()}
+
+    @app.post("/v1/messages", dependencies=guarded, responses=messages_errors,
+              openapi_extra=_request_body(messages.MessagesRequest))
+    async def messages_endpoint(request: Request) -> Response:
+        """Anthropic's Messages API, served by the chat pipeline (services/gateway/messages_api.py)."""
+        body = messages.to_chat(parse_body(messages.MessagesRequest, await read_body(request, api.max_body_bytes)))
+        return await run_chat(body, request, messages_api=True)
+
+    async def run_chat(body: ChatCompletionRequest, request: Request, messages_api: bool = False) -> Response:
         check_model(body.model)
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
         if api.vision is None:  # a text-only model (an image part is a 400 in plan_chat)
-            return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name), request)
+            return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name), request,
+                               messages_api)
         collector = MediaCollector(api.vision, api.media)
-        messages = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
+        texts = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
         if not collector.parts:
             return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
-                                         messages=messages), request)
+                                         messages=texts), request, messages_api)
         vision, parts = collector.vision, collector.parts
 
         async def plan_with_media() -> Plan:
             datas = await load_all(parts, api.media)
             encoded = await encode_all(api.encoder, request_id, parts, datas, api.retry_after_s)
             return plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
-                             ChatMedia(messages, vision, parts, encoded))
+                             ChatMedia(texts, vision, parts, encoded))
 
-        return await serve(plan_with_media, request)
+        return await serve(plan_with_media, request, messages_api)
 
 
 def _model_card(api: Api) -> dict[str, Any]:
@@ -354,7 +385,7 @@ def _add_docs(app: FastAPI, api: Api | None) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = _with_body_schemas(
-                get_openapi_schema(app), (CompletionRequest, ChatCompletionRequest))
+                get_openapi_schema(app), (CompletionRequest, ChatCompletionRequest, messages.MessagesRequest))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
