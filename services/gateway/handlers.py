@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlencode
@@ -31,6 +31,7 @@ from libs.mm.api import EncoderAPI
 from protos.messages import RegistryEntry
 from services.gateway import messages_api as messages
 from services.gateway import metrics
+from services.gateway import responses_api as responses
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.backend import Backend
 from services.gateway.generation import (
@@ -152,6 +153,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
+@dataclass(frozen=True)
+class Shape:
+    """Another API's rendering of a chat answer: the whole body, and the SSE stream."""
+
+    body: Callable[[dict[str, Any]], dict[str, Any]]
+    events: Callable[[AsyncIterator[bytes], str], AsyncIterator[bytes]]
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before the (non-streaming) response was ready."""
 
@@ -242,10 +251,10 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
                            type_="not_found_error", param="model", code="model_not_found")
 
     async def serve(planned: Plan | Callable[[], Coroutine[Any, Any, Plan]], request: Request,
-                    messages_api: bool = False) -> Response:
+                    shape: Shape | None = None) -> Response:
         """Run a plan under an admission slot; a plan that needs IO first (images: load, encode) is made inside
-        the slot, so the encoders see no more requests than the workers. `messages_api`: the answer as a
-        Message (Anthropic's Messages API) instead of a chat completion."""
+        the slot, so the encoders see no more requests than the workers. `shape`: another API's rendering of the
+        chat answer (Anthropic's Messages, OpenAI's Responses) instead of a chat completion."""
         try:
             slot = await api.admission.enter()
         except Overloaded as exc:
@@ -267,8 +276,8 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
         renderer = Renderer(plan, lambda ids: api.tokenizer.decode(ids), api.tokenizer.token_bytes)
         if plan.stream:
             events = stream_events(plan, api.backend, renderer, decode_text, slot.release, api.streams)
-            if messages_api:
-                events = messages.to_events(events, plan.model)
+            if shape is not None:
+                events = shape.events(events, plan.model)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(slot.release),
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": plan.id})
         try:
@@ -277,8 +286,8 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             return Response(status_code=499)
         finally:
             slot.release()
-        if messages_api:
-            body = messages.to_message(body)
+        if shape is not None:
+            body = shape.body(body)
         return JSONResponse(body, headers={"X-Request-Id": plan.id})
 
     guarded = [Depends(auth)]  # auth runs before the body is read: a keyless malformed body gets 401
@@ -316,19 +325,26 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
     async def messages_endpoint(request: Request) -> Response:
         """Anthropic's Messages API, served by the chat pipeline (services/gateway/messages_api.py)."""
         body = messages.to_chat(parse_body(messages.MessagesRequest, await read_body(request, api.max_body_bytes)))
-        return await run_chat(body, request, messages_api=True)
+        return await run_chat(body, request, Shape(messages.to_message, messages.to_events))
 
-    async def run_chat(body: ChatCompletionRequest, request: Request, messages_api: bool = False) -> Response:
+    @app.post("/v1/responses", dependencies=guarded, responses=generate_errors,
+              openapi_extra=_request_body(responses.ResponsesRequest))
+    async def responses_endpoint(request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat pipeline (services/gateway/responses_api.py)."""
+        body = responses.to_chat(parse_body(responses.ResponsesRequest, await read_body(request, api.max_body_bytes)))
+        return await run_chat(body, request, Shape(responses.to_response, responses.to_events))
+
+    async def run_chat(body: ChatCompletionRequest, request: Request, shape: Shape | None = None) -> Response:
         check_model(body.model)
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
         if api.vision is None:  # a text-only model (an image part is a 400 in plan_chat)
             return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name), request,
-                               messages_api)
+                               shape)
         collector = MediaCollector(api.vision, api.media)
         texts = chat_messages(body, api.limits, collector)  # every 400 of the parts: before anything is queued
         if not collector.parts:
             return await serve(plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
-                                         messages=texts), request, messages_api)
+                                         messages=texts), request, shape)
         vision, parts = collector.vision, collector.parts
 
         async def plan_with_media() -> Plan:
@@ -337,7 +353,7 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
             return plan_chat(body, api.tokenizer, api.limits, request_id, api.model_name,
                              ChatMedia(texts, vision, parts, encoded))
 
-        return await serve(plan_with_media, request, messages_api)
+        return await serve(plan_with_media, request, shape)
 
 
 def _model_card(api: Api) -> dict[str, Any]:
@@ -385,7 +401,8 @@ def _add_docs(app: FastAPI, api: Api | None) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = _with_body_schemas(
-                get_openapi_schema(app), (CompletionRequest, ChatCompletionRequest, messages.MessagesRequest))
+                get_openapi_schema(app), (CompletionRequest, ChatCompletionRequest, messages.MessagesRequest,
+                                                  responses.ResponsesRequest))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
