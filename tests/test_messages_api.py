@@ -132,3 +132,35 @@ async def test_the_key_may_come_as_x_api_key():
     ok = await client_for(api, key="right").messages.create(model=MODEL, max_tokens=2,
                                                             messages=[{"role": "user", "content": "hi"}])
     assert json.loads(ok.model_dump_json())["content"][0]["type"] == "text"
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}])
+async def test_tool_choice_reaches_the_grammar(choice):
+    backend = FakeBackend()
+    await client_for(make_api(backend)).messages.create(
+        model=MODEL, max_tokens=5, tools=[WEATHER], tool_choice=choice,
+        messages=[{"role": "user", "content": "Weather?"}])
+    [(_, _, sampling)] = backend.requests
+    forced = choice["type"] != "auto"  # a forced call: only calls; auto: free text until a call opens
+    assert sampling.grammar is not None and (sampling.grammar.kind == "tool_calls") == forced, sampling.grammar
+
+
+async def test_count_tokens_counts_what_the_message_would_bring():
+    backend = FakeBackend()
+    client = client_for(make_api(backend))
+    call = {"model": MODEL, "system": "Be brief.", "tools": [WEATHER],
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    counted = await client.messages.count_tokens(**call)
+    message = await client.messages.create(max_tokens=3, **call)
+    assert counted.input_tokens == message.usage.input_tokens > 0
+    assert len(backend.requests) == 1  # counting sent nothing downstream
+
+
+async def test_a_tool_result_without_its_tool_use_is_a_400():
+    with pytest.raises(anthropic.BadRequestError, match="no tool_use") as caught:
+        await client_for(make_api(FakeBackend())).messages.create(model=MODEL, max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 C"}]}])
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):  # required, as in the API
+        await client_for(make_api(FakeBackend())).post("/v1/messages", cast_to=object, body={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})

@@ -3,12 +3,15 @@ function calls and their outputs, structured output, and what a server that stor
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
 import pytest
 
 from libs.model.tokenizer import ByteTokenizer
+from services.gateway.protocol import ApiError
+from services.gateway.responses_api import ResponseStore
 from tests.test_gateway import MODEL, TOK, FakeBackend, fake_tokens, sdk_for
 from tests.test_messages_api import WEATHER, CallingBackend, make_api
 from tests.test_reasoning import THINK_TEMPLATE, ThinkingBackend
@@ -74,8 +77,55 @@ async def test_function_call_and_its_output_round_trip():
     assert json.loads(args) == {"city": "Paris"}
 
 
+async def test_previous_response_id_continues_the_kept_conversation():
+    backend = FakeBackend()
+    client = sdk_for(make_api(backend))
+    first = await client.responses.create(model=MODEL, input="first question", max_output_tokens=4)
+    second = await client.responses.create(model=MODEL, input="second question", max_output_tokens=4,
+                                           previous_response_id=first.id)
+    prompt = TOK.decode(backend.requests[-1][1])
+    assert prompt.index("first question") < prompt.index(first.output_text) < prompt.index("second question")
+    third = await client.responses.create(model=MODEL, input="third", previous_response_id=second.id,
+                                          max_output_tokens=2)
+    assert "first question" in TOK.decode(backend.requests[-1][1]) and third.status == "incomplete"
+
+
+async def test_an_unknown_expired_or_unstored_response_is_a_404():
+    api = make_api(FakeBackend())
+    api.responses = ResponseStore(entries=8, ttl_s=0.2)
+    client = sdk_for(api)
+    with pytest.raises(openai.NotFoundError, match="no such response"):
+        await client.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown")
+    unkept = await client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+    kept = await client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(model=MODEL, input="y", previous_response_id=unkept.id)
+    await asyncio.sleep(0.3)
+    with pytest.raises(openai.NotFoundError, match="expired"):
+        await client.responses.create(model=MODEL, input="y", previous_response_id=kept.id)
+
+
+def test_the_store_is_bounded_oldest_first():
+    store = ResponseStore(entries=2, ttl_s=10)
+    for i in range(3):
+        store.put(f"r{i}", [{"role": "user", "content": str(i)}], now=0.0)
+    assert store.get("r2", now=1.0)[0]["content"] == "2"
+    with pytest.raises(ApiError):
+        store.get("r0", now=1.0)
+    with pytest.raises(ApiError):
+        store.get("r1", now=11.0)
+
+
+async def test_text_format_json_schema_reaches_the_grammar():
+    backend = FakeBackend()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    await sdk_for(make_api(backend)).responses.create(model=MODEL, input="x", max_output_tokens=4, text={
+        "format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    grammar = backend.requests[-1][2].grammar
+    assert grammar.kind == "json_schema" and json.loads(grammar.json_schema) == schema
+
+
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(previous_response_id="resp_1"), "stores no responses"),
     (dict(tools=[{"type": "web_search"}]), "function tools only"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
 ])

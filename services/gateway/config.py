@@ -69,6 +69,11 @@ class GatewayConfig(ServiceConfig):
         default=8 << 20, ge=1024, description="largest request body (413, checked before it is parsed)")
     max_header_bytes: int = Field(
         default=16384, ge=1024, description="largest request line + headers (400 with an OpenAI error body)")
+    responses_store_entries: int = Field(
+        default=1024, ge=0, description="/v1/responses: responses kept for previous_response_id at most (oldest "
+        "dropped first); 0 = none kept")
+    responses_store_ttl_s: float = Field(
+        default=3600.0, gt=0, description="/v1/responses: how long a response is kept for previous_response_id")
     docs_auth: bool = Field(default=True, description="with API keys: /docs and /openapi.json need a key too")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="backpressure (admission.py)")
     backend: BackendConfig = Field(default_factory=BackendConfig, description="placing and following requests "

@@ -13,7 +13,7 @@ import hmac
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
@@ -79,6 +79,7 @@ class Api:
     encoder: EncoderAPI | None = None  # the encoder tier (EncoderClient; a test's EncoderAPI)
     media: MediaConfig = field(default_factory=MediaConfig)
     streams: Streams = field(default_factory=Streams)  # requests in flight, ended with an error at shutdown
+    responses: responses.ResponseStore = field(default_factory=responses.ResponseStore)  # previous_response_id
 
 
 def group_by_role(entries: list[RegistryEntry]) -> dict[str, list[str]]:
@@ -331,8 +332,30 @@ def _add_v1_routes(app: FastAPI, api: Api) -> None:
               openapi_extra=_request_body(responses.ResponsesRequest))
     async def responses_endpoint(request: Request) -> Response:
         """OpenAI's Responses API, served by the chat pipeline (services/gateway/responses_api.py)."""
-        body = responses.to_chat(parse_body(responses.ResponsesRequest, await read_body(request, api.max_body_bytes)))
-        return await run_chat(body, request, Shape(responses.to_response, responses.to_events))
+        asked = parse_body(responses.ResponsesRequest, await read_body(request, api.max_body_bytes))
+        body = responses.to_chat(asked, api.responses)
+        remember = responses.remembering(api.responses, body, asked.store is not False)
+
+        def whole(chat: dict[str, Any]) -> dict[str, Any]:
+            response = responses.to_response(chat)
+            remember(response)
+            return response
+
+        return await run_chat(body, request, Shape(whole, lambda events, model: responses.to_events(
+            events, model, remember)))
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded, responses=messages_errors,
+              openapi_extra=_request_body(messages.CountTokensRequest))
+    async def count_tokens(request: Request) -> dict[str, int]:
+        """The prompt tokens a Messages request would bring (its template and tools included)."""
+        body = messages.to_chat(parse_body(messages.CountTokensRequest,
+                                           await read_body(request, api.max_body_bytes)))
+        check_model(body.model)
+        if api.vision is not None and any(isinstance(m.content, list) and any(
+                p.get("type") == "image_url" for p in m.content) for m in body.messages):
+            raise ApiError(400, "count_tokens does not count image blocks yet", param="messages")
+        plan = plan_chat(body, api.tokenizer, replace(api.limits, max_model_len=1 << 62), "count", api.model_name)
+        return {"input_tokens": len(plan.prompts[0])}
 
     async def run_chat(body: ChatCompletionRequest, request: Request, shape: Shape | None = None) -> Response:
         check_model(body.model)

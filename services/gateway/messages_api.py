@@ -56,6 +56,12 @@ class MessagesErrorResponse(BaseModel):
     error: MessagesErrorDetail
 
 
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+
+    max_tokens: int = Field(default=1, ge=1)
+
+
 def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
@@ -152,8 +158,15 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(body.system, "system")})
+    calls: set[str] = set()  # the tool_use ids of the assistant turn before: what a tool_result may answer
     for i, message in enumerate(body.messages):
-        messages += _message(message, i)
+        turn = _message(message, i)
+        for m in turn:
+            if m["role"] == "tool" and m["tool_call_id"] not in calls:
+                raise ApiError(400, f"messages.{i}: a tool_result for {m['tool_call_id']!r}, which no tool_use of "
+                                    "the assistant turn before it has", param=f"messages.{i}")
+        calls = {c["id"] for m in turn for c in m.get("tool_calls") or ()}
+        messages += turn
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
                             "stream": body.stream}
     if body.stream:

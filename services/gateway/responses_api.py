@@ -5,14 +5,17 @@ messages with `input_text` / `input_image` parts, `function_call` and `function_
 tools, `tool_choice`, `text.format` as the response format) and runs through the chat pipeline unchanged. Its
 answer is rendered back as a Response (`reasoning`, `message` and `function_call` output items, status, usage),
 whole or as the Responses SSE events (`response.created` … `response.completed`). Nothing is stored: `store` is
-accepted and changes nothing, `previous_response_id` is a 400 (send the whole conversation as `input`).
+`previous_response_id` continues a conversation the gateway kept (`ResponseStore`: in memory, bounded in count and
+age; `store: false` keeps nothing); an unknown or expired id is a 404. The continuation re-sends the whole
+conversation, whose prefix the workers' caches hold.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -43,6 +46,29 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     service_tier: str | None = None
     truncation: str | None = None
+
+
+class ResponseStore:
+    """Conversations of recent responses, for `previous_response_id`: at most `entries`, each for `ttl_s`."""
+
+    def __init__(self, entries: int = 1024, ttl_s: float = 3600.0) -> None:
+        self.entries, self.ttl_s = entries, ttl_s
+        self._kept: OrderedDict[str, tuple[float, list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]], now: float | None = None) -> None:
+        self._kept[response_id] = ((time.monotonic() if now is None else now) + self.ttl_s, conversation)
+        self._kept.move_to_end(response_id)
+        while len(self._kept) > self.entries:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str, now: float | None = None) -> list[dict[str, Any]]:
+        kept = self._kept.get(response_id)
+        if kept is None or kept[0] < (time.monotonic() if now is None else now):
+            self._kept.pop(response_id, None)
+            raise ApiError(404, f"previous_response_id {response_id!r}: no such response here (unknown, expired "
+                                "after the store's ttl, or stored with store: false)", type_="not_found_error",
+                           param="previous_response_id", code="previous_response_not_found")
+        return list(kept[1])
 
 
 # --- request: Responses -> chat -----------------------------------------------------------------------------------
@@ -115,12 +141,16 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                    param="text.format")
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that serves `body` (streaming asks for the usage chunk too)."""
+def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> ChatCompletionRequest:
+    """The chat completion request that serves `body` (streaming asks for the usage chunk too); a
+    `previous_response_id` continues the conversation `store` kept."""
+    messages: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        raise ApiError(400, "previous_response_id: this server stores no responses; send the whole conversation "
-                            "as input", param="previous_response_id")
-    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        if store is None:
+            raise ApiError(400, "previous_response_id: this server keeps no responses", param="previous_response_id")
+        messages = [m for m in store.get(body.previous_response_id) if m["role"] != "system"]
+    if body.instructions:
+        messages.insert(0, {"role": "system", "content": body.instructions})
     messages += ([{"role": "user", "content": body.input}] if isinstance(body.input, str) else _items(body.input))
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     if body.stream:
@@ -185,6 +215,25 @@ def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
+def answer_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Response's output as the chat message it continues from."""
+    text = "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"])
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+
+
+def remembering(store: ResponseStore, request: ChatCompletionRequest, keep: bool) -> Callable[[dict[str, Any]], None]:
+    """What to do with a finished Response: keep its conversation for `previous_response_id` (unless `keep` is
+    off)."""
+    asked = [m.model_dump(exclude_none=True) for m in request.messages]
+
+    def remember(response: dict[str, Any]) -> None:
+        if keep and response["status"] in ("completed", "incomplete"):
+            store.put(response["id"], [*asked, answer_message(response["output"])])
+    return remember
+
+
 def to_response(chat: dict[str, Any]) -> dict[str, Any]:
     """A whole chat completion as a Response."""
     choice = chat["choices"][0]
@@ -211,8 +260,9 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-async def to_events(chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
-    """The chat completion's SSE stream as the Responses SSE events."""
+async def to_events(chunks: AsyncIterator[bytes], model: str,
+                    done: Callable[[dict[str, Any]], None] | None = None) -> AsyncIterator[bytes]:
+    """The chat completion's SSE stream as the Responses SSE events; `done` gets the finished Response."""
     event, rid = _Events(), ""
     output: list[dict[str, Any]] = []
     text = reasoning = ""
@@ -303,4 +353,7 @@ async def to_events(chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[b
     for out in close():
         yield out
     status = "incomplete" if finish == "length" else "completed"
-    yield event(f"response.{status}", {"response": _envelope(rid, model, status, output, _usage(usage), finish)})
+    response = _envelope(rid, model, status, output, _usage(usage), finish)
+    if done is not None:
+        done(response)
+    yield event(f"response.{status}", {"response": response})

@@ -25,6 +25,7 @@ from services.gateway.generation import Limits
 from services.gateway.media import VisionTokens
 from services.gateway.protocol import error_body
 from services.gateway.readiness import CachedListing
+from services.gateway.responses_api import ResponseStore
 
 if TYPE_CHECKING:
     from libs.mm.api import EncoderAPI
@@ -120,6 +121,7 @@ class GatewayService(Service):
                           cfg.max_stop_length, cfg.max_messages, cfg.max_fanout),
             admission=Admission(cfg.admission),
             api_keys=cfg.keys, retry_after_s=cfg.backend.retry_after_s, max_body_bytes=cfg.max_body_bytes,
+            responses=ResponseStore(cfg.responses_store_entries, cfg.responses_store_ttl_s),
             docs_auth=cfg.docs_auth,
         )
 
