@@ -164,3 +164,13 @@ async def test_a_tool_result_without_its_tool_use_is_a_400():
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):  # required, as in the API
         await client_for(make_api(FakeBackend())).post("/v1/messages", cast_to=object, body={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_thinking_disabled_turns_the_template_s_thinking_off():
+    from services.gateway.messages_api import MessagesRequest, to_chat
+
+    ask = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    assert to_chat(MessagesRequest(**ask, thinking={"type": "disabled"})).chat_template_kwargs == {
+        "enable_thinking": False}
+    assert to_chat(MessagesRequest(**ask, thinking={"type": "enabled", "budget_tokens": 64})).chat_template_kwargs \
+        is None

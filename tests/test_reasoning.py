@@ -92,3 +92,23 @@ async def test_a_model_without_the_tags_in_its_template_gets_no_split():
     message = (await sdk_for(api).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}])).choices[0].message
     assert message.content == ThinkingBackend.OUTPUT and "reasoning_content" not in json.loads(message.to_json())
+
+
+# Qwen3-style: thinking can be turned off per request; the template then writes an empty reasoning itself
+SWITCH_TEMPLATE = THINK_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}",
+    "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("off", [False, True])
+async def test_thinking_can_be_turned_off_per_request_where_the_template_can(off):
+    from tests.test_gateway import FakeBackend
+
+    backend = FakeBackend()
+    api = make_api(backend)
+    api.tokenizer = ByteTokenizer(SWITCH_TEMPLATE)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}} if off else {}
+    await sdk_for(api).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2, extra_body=extra)
+    assert ("<think>\n\n</think>" in api.tokenizer.decode(backend.requests[-1][1])) == off

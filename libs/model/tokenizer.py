@@ -63,7 +63,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str: ...
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str: ...
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -88,16 +88,17 @@ class _TemplateMixin:
     special_tokens: dict[str, int]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
         """The prompt of a conversation; `tools` (OpenAI function tools) go to the template as `tools`, as HF
-        templates expect (Qwen / MiMo templates render them into the system message)."""
+        templates expect (Qwen / MiMo templates render them into the system message); `template_kwargs` (e.g.
+        `enable_thinking`) are the template's own variables."""
         if self.template is None:
             return chatml(messages, add_generation_prompt, tools)
         import jinja2  # only needed for model-provided templates
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _tojson  # HF's tojson: plain JSON (jinja's escapes <, >, & and ' as HTML)
-        return env.from_string(self.template).render(messages=messages, tools=tools or None,
+        return env.from_string(self.template).render(**template_kwargs, messages=messages, tools=tools or None,
                                                      add_generation_prompt=add_generation_prompt)
 
 

@@ -122,7 +122,7 @@ class TextCodec(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str: ...
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str: ...
 
 
 # --- planning (pure) --------------------------------------------------------------------------
@@ -254,9 +254,9 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
     stops = _common_checks(body, 1, limits)
     # tool_choice none: the tools are not shown to the model (it could only answer in text anyway)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.calls_tools else None
-    prompt = (tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
-              if tools or any(m.tool_calls or m.role == "tool" for m in body.messages)
-              else tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt))
+    extra = {**(body.chat_template_kwargs or {}), **({"tools": tools} if tools or any(
+        m.tool_calls or m.role == "tool" for m in body.messages) else {})}
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     ids = tok.encode(prompt)
     if not ids:
         raise ApiError(400, "the chat template produced an empty prompt", param="messages")

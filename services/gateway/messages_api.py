@@ -175,6 +175,8 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
                         ("top_k", body.top_k)):
         if value is not None:
             chat[name] = value
+    if body.thinking and body.thinking.get("type") == "disabled":
+        chat["chat_template_kwargs"] = {"enable_thinking": False}  # the templates that can think take this
     if body.metadata and isinstance(body.metadata.get("user_id"), str):
         chat["user"] = body.metadata["user_id"]
     if body.tools:

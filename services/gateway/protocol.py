@@ -321,6 +321,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: LogprobCount | None = None
     max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM extension: the chat template's own variables, e.g. enable_thinking")
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
