@@ -47,7 +47,6 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 @dataclass(frozen=True)
 class Setting:
     name: str  # the env var
-    field: str
     default: str
     type: str
     owner: str  # the class that declares it
@@ -116,7 +115,7 @@ def settings_of(cls: type, config: Any | None = None) -> list[Setting]:
             rows += settings_of(parts(cls)[name], getattr(config, name))
             continue
         owner = declaring_class(cls, name)
-        rows.append(Setting(env_name(name), name, _default(config, cls, name), _type(annotation), owner.__name__,
+        rows.append(Setting(env_name(name), _default(config, cls, name), _type(annotation), owner.__name__,
                             _description(cls, name)))
     return rows
 
@@ -133,7 +132,7 @@ def _bare_environment():
 
 # Read where no config class is at hand (the transfer engine is built deep inside libraries), by every role.
 PROCESS_WIDE = [
-    Setting("WINDSERVE_TRANSFER", "transfer", "", "str", "libs.transfer.select_backend",
+    Setting("WINDSERVE_TRANSFER", "", "str", "libs.transfer.select_backend",
             "ucx or tcp: the transfer engine of every process; empty = UCX when ucxx is installed, else TCP."),
 ]
 
