@@ -50,3 +50,13 @@ async def test_compiled_services_equal_offline_eager(compiled, offline):
         assert "'enabled': True" in details["compile"], details["compile"]
         samples = topo.metrics(instance)
         assert samples[("windserve_worker_compiled_calls", ())] > 0
+
+
+def test_every_service_log_line_is_json_through_a_stop(compiled):
+    """#40: the compiled step loads triton, whose bindings print plain-text leak reports at interpreter exit;
+    a service ends without that teardown, so its log stays JSON to the last line."""
+    topo, _ = compiled
+    topo.stop()
+    for log in sorted(topo.logs.glob("*.log")):
+        text = [line for line in log.read_text().splitlines() if line.strip()]
+        assert text and [line for line in text if not line.startswith("{")] == [], log.name

@@ -277,4 +277,9 @@ def main(service: type[S] | str, config_cls: type[C], argv: list[str] | None = N
     except (BusError, OSError) as exc:
         log.error("service failed to start", extra={"error": str(exc)})
         return 1
-    return instance.exit_code
+    # Stopped and flushed: end here. The interpreter's teardown would let C extensions print plain text into the
+    # JSON log (triton's bindings, loaded by the compiled step, report "leaked" objects), and nothing is left to do.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(instance.exit_code)
