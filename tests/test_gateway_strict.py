@@ -519,3 +519,11 @@ def test_tokens_the_tokenizer_config_calls_special_are_skipped(tmp_path):
     ids = tok.encode("<|im_start|>the fox<|im_end|>")
     assert tok.decode(ids, skip_special_tokens=True) == "the fox"
     assert tok.decode(ids) == "<|im_start|>the fox<|im_end|>"
+
+
+async def test_the_docs_page_loads_its_assets_from_this_server():
+    async with client_for(make_api(FakeBackend(), keys=frozenset({"sk-good"}))) as c:
+        page = (await c.get("/docs", params={"api_key": "sk-good"})).text
+        assert "cdn" not in page.lower() and "/docs/assets/swagger-ui-bundle.js" in page
+        js = await c.get("/docs/assets/swagger-ui-bundle.js")  # a browser's <script>: no key
+        assert js.status_code == 200 and "SwaggerUIBundle" in js.text[:200000]

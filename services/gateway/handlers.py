@@ -409,6 +409,9 @@ class CountRequests:
             metrics.REQUESTS.labels(getattr(scope.get("route"), "path", "other"), str(status)).inc()
 
 
+DOCS_ASSETS = "/docs/assets"
+
+
 def _add_docs(app: FastAPI, api: Api | None) -> None:
     """/openapi.json and /docs, behind the API key when keys are set (unless `docs_auth` is off)."""
     keys = api.api_keys if api is not None and api.docs_auth else frozenset()
@@ -438,7 +441,16 @@ def _add_docs(app: FastAPI, api: Api | None) -> None:
     async def docs(request: Request) -> HTMLResponse:
         key = request.query_params.get("api_key", "")
         url = f"/openapi.json?{urlencode({'api_key': key})}" if key else "/openapi.json"
-        return get_swagger_ui_html(openapi_url=url, title=f"{app.title} - docs")
+        return get_swagger_ui_html(openapi_url=url, title=f"{app.title} - docs",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+    from starlette.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    # Swagger UI's own files, served here: the page works offline, and a browser loads them without a key
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 
 
 def get_openapi_schema(app: FastAPI) -> dict[str, Any]:
