@@ -14,7 +14,7 @@ from services.gateway.generation import Limits
 from services.gateway.handlers import build_app
 from tests.test_gateway import MODEL, TOK, FakeBackend, fake_tokens, ready_services
 from tests.test_gateway import make_api as small_api
-from tests.test_reasoning import THINK_TEMPLATE, ThinkingBackend
+from tests.test_reasoning import THINK_TEMPLATE, ScriptedBackend, ThinkingBackend
 
 pytestmark = pytest.mark.unit
 
@@ -72,21 +72,10 @@ async def test_thinking_comes_back_as_a_thinking_block():
         ("thinking", "The user says hi."), ("text", "Hello there!")]
 
 
-class CallingBackend:
+class CallingBackend(ScriptedBackend):
     """A worker whose model calls get_weather (Hermes format), then stops."""
 
     OUTPUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-    async def generate(self, request_id, token_ids, sampling, **_):
-        self.prompt = bytes(t for t in token_ids if t < 256).decode()
-        from protos.messages import TokenChunk, Usage, WireFinishReason
-
-        data = self.OUTPUT.encode()
-        for i, b in enumerate(data):
-            last = i == len(data) - 1
-            yield TokenChunk(request_id=request_id, token_ids=[b],
-                             finish_reason=WireFinishReason.STOP if last else None,
-                             usage=Usage(prompt_tokens=len(token_ids), completion_tokens=len(data)) if last else None)
 
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",

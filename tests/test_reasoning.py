@@ -57,12 +57,13 @@ def test_only_a_template_that_knows_the_tags_turns_it_on():
     assert reasoning_mode(THINK_TEMPLATE, "...assistant\n<think>\n") == "open"
 
 
-class ThinkingBackend:
-    """A worker whose model thinks before it answers, one byte per chunk."""
+class ScriptedBackend:
+    """A worker whose model writes `OUTPUT`, one byte per chunk, then stops; it keeps the last prompt's text."""
 
-    OUTPUT = "<think>The user says hi.</think>\n\nHello there!"
+    OUTPUT = ""
 
     async def generate(self, request_id, token_ids, sampling, **_):
+        self.prompt = bytes(t for t in token_ids if t < 256).decode()
         data = self.OUTPUT.encode()
         for i, b in enumerate(data):
             last = i == len(data) - 1
@@ -70,6 +71,12 @@ class ThinkingBackend:
                              finish_reason=WireFinishReason.STOP if last else None,
                              usage=Usage(prompt_tokens=len(token_ids), completion_tokens=len(data)) if last else None)
             await asyncio.sleep(0)
+
+
+class ThinkingBackend(ScriptedBackend):
+    """A worker whose model thinks before it answers."""
+
+    OUTPUT = "<think>The user says hi.</think>\n\nHello there!"
 
 
 async def test_chat_returns_reasoning_content_whole_and_streamed():

@@ -14,9 +14,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.protocol import ApiError, ChatCompletionRequest, validation_status
+from services.gateway.protocol import ApiError, ChatCompletionRequest, chat_request
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -187,12 +187,7 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         if choice is not None:
             chat["tool_choice"] = choice
         chat["parallel_tool_calls"] = parallel
-    try:
-        return ChatCompletionRequest.model_validate(chat, strict=False)
-    except ValidationError as exc:  # e.g. a tool without a name: named as the chat field it became
-        status, message, param, code = validation_status(list(exc.errors()))
-        raise ApiError(status, f"{message} (in the chat request this Messages request becomes)", param=param,
-                       code=code) from None
+    return chat_request(chat, "Messages")
 
 
 # --- response: chat -> Message ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Protocol
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
@@ -384,3 +384,14 @@ def validation_status(errors: list[Any]) -> tuple[int, str, str | None, str | No
         where = ".".join(_loc(too_big[0])) or "body"
         return 400, f"{where}: integer out of range (beyond 64 bits); {message}", first_param, "integer_out_of_range"
     return 400, message, first_param, "invalid_value"
+
+
+def chat_request(chat: dict[str, Any], api: str) -> ChatCompletionRequest:
+    """The chat request another API's request (`api`: Messages, Responses) was translated into; a field that does
+    not validate is a 400 naming the chat field it became."""
+    try:
+        return ChatCompletionRequest.model_validate(chat, strict=False)
+    except ValidationError as exc:
+        status, message, param, code = validation_status(list(exc.errors()))
+        raise ApiError(status, f"{message} (in the chat request this {api} request becomes)", param=param,
+                       code=code) from None

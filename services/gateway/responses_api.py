@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.protocol import ApiError, ChatCompletionRequest, validation_status
+from services.gateway.protocol import ApiError, ChatCompletionRequest, chat_request
 
 
 class ResponsesRequest(BaseModel):
@@ -169,12 +169,7 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> ChatC
                                                            if t.get(k) is not None}} for t in body.tools]
         if body.tool_choice is not None:
             chat["tool_choice"] = _tool_choice(body.tool_choice)
-    try:
-        return ChatCompletionRequest.model_validate(chat, strict=False)
-    except ValidationError as exc:
-        status, message, param, code = validation_status(list(exc.errors()))
-        raise ApiError(status, f"{message} (in the chat request this Responses request becomes)", param=param,
-                       code=code) from None
+    return chat_request(chat, "Responses")
 
 
 # --- response: chat -> Response -----------------------------------------------------------------------------------
