@@ -590,11 +590,14 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
         **_errors(),
     }
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=metrics_doc)
-    async def prometheus() -> Response:
+    def refresh_queue_gauges() -> None:
         if api is not None:
             metrics.IN_FLIGHT.set(api.admission.in_flight)
             metrics.QUEUED.set(api.admission.queued)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=metrics_doc)
+    async def prometheus() -> Response:
+        refresh_queue_gauges()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/metrics/cluster", response_class=PlainTextResponse, responses=metrics_doc)
@@ -606,9 +609,7 @@ def build_app(list_services: ListServices, instance_id: str, api: Api | None = N
             entries = await list_services()
         except Exception as exc:  # registry unreachable: say so instead of a bare 500
             return _unavailable(exc, retry_after)
-        if api is not None:
-            metrics.IN_FLIGHT.set(api.admission.in_flight)
-            metrics.QUEUED.set(api.admission.queued)
+        refresh_queue_gauges()
         now = time.time()
         text = await cluster_text([e for e in entries if e.fresh(now)], "gateway", instance_id)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
