@@ -150,6 +150,9 @@ class WireGrammar(WireModel):
                                                      "call object {name, arguments} (tool_calls), an xgrammar "
                                                      "structural tag (structural_tag)")
     parallel: bool = Field(default=False, description="tool_calls: one or more calls (else exactly one)")
+    reasoning: Literal["", "open", "detect"] = Field(
+        default="", description="a reasoning model's chat: the constraint starts after `</think>` (open: the "
+                                "prompt opened the reasoning; detect: the output may open it)")
 
 
 class WireSamplingParams(WireModel):

@@ -5,7 +5,8 @@ test writes with opencv.
 Aggregated (gateway, router, worker, encoder): a PNG, a JPEG and an mp4 chat return 200; the same image twice ->
 the second request's cached tokens cover the image tokens and the encoder's cache-hit counter rises; two
 different images with the same text -> different greedy outputs. Disaggregated (prefill + decode): the same chats
-give the aggregated deployment's greedy outputs (the colocated reference). Bad media -> 400 and the workers'
+give the aggregated deployment's greedy outputs (the colocated reference). The PNG as an Anthropic Messages
+image block gives the chat's answer (#37). Bad media -> 400 and the workers'
 pools back to baseline.
 """
 
@@ -17,6 +18,7 @@ import os
 import tempfile
 import time
 
+import anthropic
 import cv2
 import numpy as np
 import openai
@@ -139,6 +141,16 @@ async def test_aggregated_images_video_cache_and_identity(nats_server, tmp_path,
             assert prompt3 == prompt1 and other != out1
             with pytest.raises(openai.BadRequestError):
                 await chat(client, image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode()))
+            # #37: the same PNG as an Anthropic image block gives the chat's greedy answer, from the prefix cache
+            ok, png = cv2.imencode(".png", image(1))
+            block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": base64.b64encode(png.tobytes()).decode()}}
+            async with anthropic.AsyncAnthropic(base_url=group.url, api_key="none", max_retries=0, timeout=120) as ant:
+                answer = await ant.messages.create(
+                    model="windserve-tiny", max_tokens=12, extra_body={"temperature": 0},  # (no SDK argument)
+                    messages=[{"role": "user", "content": [block, {"type": "text", "text": TEXT}]}])
+            assert answer.content[0].text == aggregated_outputs["png"]
+            assert answer.usage.cache_read_input_tokens >= image_end
         finally:
             await client.close()
         await settled(group, "w0")

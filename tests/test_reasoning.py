@@ -119,3 +119,23 @@ async def test_thinking_can_be_turned_off_per_request_where_the_template_can(off
     await sdk_for(api).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=2, extra_body=extra)
     assert ("<think>\n\n</think>" in api.tokenizer.decode(backend.requests[-1][1])) == off
+
+
+OPEN_TEMPLATE = THINK_TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n<think>\\n' }}")
+
+
+@pytest.mark.parametrize("template, extra, want", [
+    (OPEN_TEMPLATE, {}, "open"), (THINK_TEMPLATE, {}, "detect"), (SWITCH_TEMPLATE, {}, "detect"),
+    (SWITCH_TEMPLATE, {"chat_template_kwargs": {"enable_thinking": False}}, ""), (None, {}, "")])
+async def test_a_constrained_answer_follows_the_reasoning(template, extra, want):
+    """JSON output (and tool calls) of a reasoning model are constrained after `</think>`, not in the reasoning;
+    when the template closed the reasoning itself (thinking off) or knows no tags, from the first token."""
+    from tests.test_gateway import FakeBackend
+
+    backend = FakeBackend()
+    api = make_api(backend)
+    api.tokenizer = ByteTokenizer(template)
+    await sdk_for(api).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2, response_format={"type": "json_object"},
+                                               extra_body=extra)
+    assert backend.requests[-1][2].grammar.reasoning == want

@@ -298,3 +298,42 @@ def test_json_schema_numbers_never_run_past_what_parses(llm):
         assert o.finish_reason == "stop", text_of(o.token_ids)
         jsonschema.validate(value, schema)
         assert abs(value["n"]) < 2**63
+
+
+# --- a reasoning model: the constraint applies to the answer, after `</think>` -------------------------
+
+
+def allowed_bytes(spec: GrammarSpec, output: str) -> set[int]:
+    """The tokens the engine's grammar book allows after `output` (prompt first, as the engine passes rows)."""
+    from libs.engine.grammar import ConstrainedRow, GrammarBook
+
+    book = GrammarBook(GrammarCache(TOK, TOK.vocab_size, TOK.eos_token_ids))
+    prompt = chat_prompt("hi")
+    mask, rows = book.bitmask([ConstrainedRow(0, "r", spec, prompt + TOK.encode(output), len(prompt))], 1, "cpu")
+    assert rows == [0]
+    return {t for t in range(TOK.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+
+
+def test_the_grammar_of_a_reasoning_chat_starts_after_the_reasoning():
+    opened = GrammarSpec("json_schema", json.dumps(SCHEMA), reasoning="open")
+    free = allowed_bytes(opened, "I think {not json <b")
+    assert {ord("x"), ord("<"), ord("}")} <= free and not free & set(TOK.eos_token_ids)  # reasoning: any text
+    assert allowed_bytes(opened, "I think {not json</think>\n") == {ord("{"), ord(" "), ord("\n")}
+    assert allowed_bytes(opened, "done</think>\n{") == {ord('"')}  # then the schema, as without reasoning
+    detect = GrammarSpec("json_schema", json.dumps(SCHEMA), reasoning="detect")
+    assert allowed_bytes(detect, "") == {ord("<"), ord("{")}  # a reasoning, or the answer straight away
+    assert allowed_bytes(GrammarSpec("json_schema", json.dumps(SCHEMA)), "") == {ord("{")}
+    assert spec_key(opened) != spec_key(detect) != spec_key(SPEC)
+
+
+def test_a_reasoning_engine_row_thinks_freely_under_its_grammar(llm):
+    """The same biased random model: with the reasoning open its text is free (the grammar leaves it alone);
+    without it, the grammar shapes the output from the first token."""
+    x = {ord("x"): 100.0}
+    opened = GrammarSpec("json_schema", json.dumps(SCHEMA), reasoning="open")
+    think, plain = llm.generate([chat_prompt("who?")] * 2, [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3, logit_bias=tuple(x.items()), grammar=g)
+        for g in (opened, SPEC)])
+    assert text_of(think.token_ids) == "x" * 20 and think.finish_reason == "length"
+    assert text_of(plain.token_ids).startswith('{"name": "')
+    assert len(llm.core.grammars) == 0

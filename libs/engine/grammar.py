@@ -51,6 +51,7 @@ _GOOD_TEXT_CHARS = r"[^\uD800-\uDFFF]"
 _FREE_WHITESPACE = r"[ \n\r\t]*"  # the optional blanks of xgrammar's XML-style tool arguments
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reasoning model's tags (services/gateway/reasoning.py)
 
 
 class GrammarError(ValueError):
@@ -66,7 +67,7 @@ def canonical_json(obj: Any) -> str:
 def spec_key(spec: GrammarSpec) -> int:
     """Cache key of a spec: xxhash64 of its kind, parallel flag and canonical schema (never hash())."""
     schema = canonical_json(json.loads(spec.schema)) if spec.schema else ""
-    return xxhash.xxh64_intdigest(f"{spec.kind}\0{int(spec.parallel)}\0{schema}".encode())
+    return xxhash.xxh64_intdigest(f"{spec.kind}\0{int(spec.parallel)}\0{spec.reasoning}\0{schema}".encode())
 
 
 def unsupported_keywords(schema: Any, path: str = "") -> list[str]:
@@ -169,6 +170,19 @@ def _first_line(exc: Exception) -> str:
 
 def grammar_ebnf(spec: GrammarSpec) -> tuple[str, str]:
     """(EBNF text, root rule name) of a spec; raises GrammarError when the spec cannot be served."""
+    ebnf, root = _body_ebnf(spec)
+    if not spec.reasoning:
+        return ebnf, root
+    # a reasoning model's chat: any text up to `</think>` (TagDispatch stops at it), a few blank characters,
+    # then the constrained answer; "detect": the output may skip the reasoning and start with the answer
+    think = (f"{json.dumps(THINK_OPEN)} " if spec.reasoning == "detect" else "") + \
+        f"ws_reasoning_text {json.dumps(THINK_CLOSE)} [ \\n]{{0,4}}"
+    rules = (f'ws_reasoning_text ::= TagDispatch(loop_after_dispatch=false, excludes=({json.dumps(THINK_CLOSE)}))\n'
+             f"ws_reasoning_root ::= {think} {root}" + (f" | {root}" if spec.reasoning == "detect" else ""))
+    return f"{ebnf}\n{rules}\n", "ws_reasoning_root"
+
+
+def _body_ebnf(spec: GrammarSpec) -> tuple[str, str]:
     if spec.kind == "json_object":
         return schema_ebnf({"type": "object"}), "root"
     if spec.kind == "structural_tag":
@@ -207,8 +221,9 @@ def validate_spec(spec: GrammarSpec) -> None:
 def encoded_vocab(tokenizer, vocab_size: int) -> list[bytes]:
     """The raw bytes of every token id below the model's vocab_size, for xgrammar's RAW vocab type. Special
     tokens (and ids the tokenizer does not have: a model's padded vocab) are empty, which xgrammar never
-    allows inside a grammar: `<|im_start|>` must not appear in a JSON string."""
-    specials = set(getattr(tokenizer, "special_tokens", {}).values())
+    allows inside a grammar: `<|im_start|>` must not appear in a JSON string. The reasoning tags keep their text
+    where a tokenizer calls them special: a grammar that follows the reasoning needs them."""
+    specials = {i for t, i in getattr(tokenizer, "special_tokens", {}).items() if t not in (THINK_OPEN, THINK_CLOSE)}
     size = min(vocab_size, getattr(tokenizer, "vocab_size", vocab_size))
     return [b"" if i in specials else tokenizer.token_bytes(i) for i in range(size)] + [b""] * (vocab_size - size)
 

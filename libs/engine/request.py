@@ -32,17 +32,22 @@ class GrammarSpec:
     "tool_calls" (`schema`: the JSON schema of one call object {"name", "arguments"}; the output is
     `<tool_call>\n{call}\n</tool_call>`, one call, or one or more separated by newlines when `parallel`) or
     "structural_tag" (`schema`: an xgrammar structural tag as JSON text: tool calls of other formats, and
-    tool_choice auto, where free text may turn into a call that must then be complete and valid)."""
+    tool_choice auto, where free text may turn into a call that must then be complete and valid).
+    reasoning: a reasoning model's chat, where the constraint applies after `<think>…</think>`: "open" (the
+    prompt opened it: any text up to `</think>` comes first), "detect" (the output may open one first), "" (none)."""
 
     kind: str
     schema: str = ""
     parallel: bool = False
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"GrammarSpec.kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         if self.kind != "json_object" and not self.schema:
             raise ValueError(f"GrammarSpec of kind {self.kind!r} needs a schema")
+        if self.reasoning not in ("", "open", "detect"):
+            raise ValueError(f"GrammarSpec.reasoning must be '', 'open' or 'detect', got {self.reasoning!r}")
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "tool_calls", "structural_tag")

@@ -24,7 +24,7 @@ def engine_params(p: wire.WireSamplingParams) -> SamplingParams:
     does not compile included: GrammarError is a ValueError)."""
     grammar = None
     if p.grammar is not None:
-        grammar = GrammarSpec(p.grammar.kind, p.grammar.json_schema, p.grammar.parallel)
+        grammar = GrammarSpec(p.grammar.kind, p.grammar.json_schema, p.grammar.parallel, p.grammar.reasoning)
         validate_spec(grammar)
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                           seed=p.seed, stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop),

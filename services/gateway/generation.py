@@ -42,7 +42,7 @@ from services.gateway.protocol import (
     Tool,
     error_body,
 )
-from services.gateway.reasoning import ReasoningSplit, reasoning_mode
+from services.gateway.reasoning import ReasoningSplit, grammar_reasoning, reasoning_mode
 from services.gateway.render import (
     SSE_DONE,
     TextAssembler,
@@ -267,14 +267,17 @@ def plan_chat(body: ChatCompletionRequest, tok: TextCodec, limits: Limits, reque
         shown = [model_view(ids, mm_items, media.vision)]  # (return_token_ids shows pads, not pseudo tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     fmt = tool_format_for(getattr(tok, "template", None))  # the checkpoint's chat template decides
-    processing = _processing(body, tok, chat_grammar(body, fmt))
+    reasoning = reasoning_mode(getattr(tok, "template", None), prompt)
+    grammar = chat_grammar(body, fmt)
+    if grammar is not None:  # the constraint applies to the answer, after the reasoning
+        grammar = grammar.model_copy(update={"reasoning": grammar_reasoning(reasoning, prompt)})
+    processing = _processing(body, tok, grammar)
     subs = _subs(body, request_id, [ids], body.max_completion_tokens or body.max_tokens, limits, stops, logprobs,
                  processing)
     params = {t.function.name: t.function.parameters for t in body.tools or ()} if body.calls_tools else None
     return Plan(Kind.CHAT, request_id, int(time.time()), model, [ids], subs, stops, logprobs,
                 body.return_token_ids, body.return_tokens_as_token_ids, body.include_usage, body.stream,
-                body.skip_special_tokens, limits.max_fanout, params, fmt, tuple(mm_items), shown,
-                reasoning_mode(getattr(tok, "template", None), prompt))
+                body.skip_special_tokens, limits.max_fanout, params, fmt, tuple(mm_items), shown, reasoning)
 
 
 # --- constrained decoding (pure) ----------------------------------------------------------------
@@ -310,7 +313,7 @@ def call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 def _checked(grammar: WireGrammar, param: str) -> WireGrammar:
     try:
-        validate_spec(GrammarSpec(grammar.kind, grammar.json_schema, grammar.parallel))
+        validate_spec(GrammarSpec(grammar.kind, grammar.json_schema, grammar.parallel, grammar.reasoning))
     except GrammarError as exc:
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_json_schema") from exc
     return grammar

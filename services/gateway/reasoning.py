@@ -7,7 +7,8 @@ the start of a tag is held back until the next one decides, so no tag text ever 
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from libs.engine.grammar import THINK_CLOSE as CLOSE
+from libs.engine.grammar import THINK_OPEN as OPEN
 
 
 def reasoning_mode(template: str | None, prompt: str) -> str | None:
@@ -16,6 +17,15 @@ def reasoning_mode(template: str | None, prompt: str) -> str | None:
     if not template or CLOSE not in template:
         return None
     return "open" if prompt.rstrip().endswith(OPEN) else "detect"
+
+
+def grammar_reasoning(mode: str | None, prompt: str) -> str:
+    """How a constrained answer (JSON, tool calls) follows the reasoning, as `WireGrammar.reasoning`: after the
+    reasoning the prompt opened ("open"), after one the output may open ("detect"), or from the first token
+    ("": no reasoning, or the prompt already closed it: the template's switch turned thinking off)."""
+    if mode is None or prompt.rstrip().endswith(CLOSE):
+        return ""
+    return mode
 
 
 def _held_suffix(text: str, tag: str) -> int:
