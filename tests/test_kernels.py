@@ -118,6 +118,19 @@ def test_one_pass_prefill_equals_dense():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("tile,waste", [(3, 1.0), (4, 1.25), (5, 2.0)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_query_tiles_equal_dense(monkeypatch, tile, waste, window):
+    """Prefill chunks cut into query tiles (each reading only its visible keys), grouped at any padding bound,
+    with out-of-window pages unmapped: still the dense reference."""
+    import kernels.attn_plan as attn_plan
+
+    monkeypatch.setattr(attn_plan, "PREFILL_TILE", tile)
+    monkeypatch.setattr(attn_plan, "PREFILL_PAD_WASTE", waste)
+    _run_chunked([26, 17, 9], [11, 7], window, True, drop_out_of_window=window is not None)
+
+
+@pytest.mark.unit
 def test_unmapped_page_inside_window_is_an_error():
     table = torch.tensor([[0, -1, 2]])
     with pytest.raises(ValueError, match="logical page 1 is unmapped"):
