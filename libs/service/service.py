@@ -51,6 +51,7 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
         self._started_at = time.time()
+        self._frozen_objects = 0  # objects freeze_heap moved to the permanent generation (health details)
         self._stopped = False
         self.exit_code = 0  # the process's, once `run()` returns (`fail`)
 
@@ -124,7 +125,7 @@ class Service:
             state=self.state,
             uptime_s=round(time.time() - self._started_at, 3),
             in_flight=max(0, (self.bus.in_flight if self.bus else 0) - 1),  # minus this health request
-            details={**self.health_details(), "gc_frozen_objects": str(gc.get_freeze_count())},
+            details={**self.health_details(), "gc_frozen_objects": str(self._frozen_objects)},
         )
 
     def request_stop(self) -> None:
@@ -173,7 +174,7 @@ class Service:
         try:
             await self.start()
             if watchdog and self.config.gc_freeze:
-                freeze_heap()
+                self._frozen_objects = freeze_heap()
             if watchdog and self.config.loop_watchdog_s > 0:
                 self._watchdog = LoopWatchdog(self.config.loop_watchdog_s,
                                               f"{self.role.value}-{self.config.instance_id}")
@@ -231,7 +232,8 @@ def freeze_heap() -> int:
     """Collect once, then move every object alive to the collector's permanent generation (`gc.freeze`): the
     long-lived state a started process holds (modules, model, pools) is no longer walked by full collections,
     which otherwise stall the event loop for tens of ms each. Objects made later are collected as before; frozen
-    ones are still freed by reference counting. Returns how many objects were frozen."""
+    ones are still freed by reference counting. Returns how many objects were frozen (counted once here:
+    `gc.get_freeze_count` walks them all, ~10 ms per 200k objects, so a health answer must not call it)."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
