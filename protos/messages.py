@@ -207,6 +207,9 @@ class GenerateRequest(WireModel):
     stream_subject: str
     decode_instance: str = Field(default="", description="disaggregated mode: where KV goes next")
     mm_items: list[WireMMItem] = Field(default_factory=list, description="images / videos, in prompt order")
+    resume_token_ids: list[int] = Field(
+        default_factory=list, description="a stream migrated off a failed worker: the output tokens it already "
+                                          "sent; the engine continues after them and never sends them again")
 
 
 class AckStatus(StrEnum):

@@ -54,6 +54,7 @@ class FakeWorker:
     def __init__(self, bus: Bus, instance: str, mode: str = "ok") -> None:
         self.bus, self.instance, self.mode = bus, instance, mode
         self.requests: list[str] = []
+        self.resumed: list[list[int]] = []  # each request's resume_token_ids
         self.aborts: list[str] = []
         self._subs: list = []
         self._released = asyncio.Event()
@@ -80,6 +81,7 @@ class FakeWorker:
 
     async def _generate(self, req: GenerateRequest) -> GenerateAck:
         self.requests.append(req.request_id)
+        self.resumed.append(req.resume_token_ids)
         if self.mode == "hold":
             await self._released.wait()  # never acknowledged (the test releases it at its end, for the teardown)
         if self.mode == "slow_ack":
@@ -163,12 +165,23 @@ async def test_worker_dying_before_the_first_chunk_is_retried_and_its_attempt_ab
     assert "req-r1" not in ok.aborts
 
 
-async def test_worker_dying_after_the_first_chunk_fails_with_503_not_retried(bus):
+async def test_worker_dying_after_the_first_chunk_migrates_the_stream(bus):
+    """#36: the stream goes on on a live worker, which gets the tokens already sent to continue after them."""
+    dying = await FakeWorker(bus, "w-dying", "first_then_die").start()
+    ok = await FakeWorker(bus, "w-ok").start()
+    fleet = [entry("w-dying"), entry("w-ok", running=3)]
+    got = [c async for c in backend(bus, fleet).generate("req", [5], SAMPLING)]
+    assert [c.token_ids for c in got] == [[1], [1], [2, 3, 4]]  # (the fake ignores what it resumes from)
+    assert dying.requests == ["req"] and ok.requests == ["req-r1"] and ok.resumed == [[1]]
+
+
+async def test_worker_dying_after_the_first_chunk_fails_with_503_without_migrations(bus):
     dying = await FakeWorker(bus, "w-dying", "first_then_die").start()
     ok = await FakeWorker(bus, "w-ok").start()
     got: list[TokenChunk] = []
     with pytest.raises(PeerFailed) as err:
-        async for chunk in backend(bus, [entry("w-dying"), entry("w-ok", running=3)]).generate("req", [5], SAMPLING):
+        async for chunk in backend(bus, [entry("w-dying"), entry("w-ok", running=3)], max_migrations=0).generate(
+                "req", [5], SAMPLING):
             got.append(chunk)
     assert [c.token_ids for c in got] == [[1]] and dying.requests == ["req"] and not ok.requests
     assert err.value.status == 503 and "w-dying is gone" in err.value.message and err.value.retry_after_s == 1

@@ -1,7 +1,8 @@
 """The fault suite: SIGKILL of each role under concurrent streams, on real processes (nats-server, gateway,
 router, prefill, decode, combined workers), through plain HTTP (tests/fixtures/faults.py).
 
-Each case asserts what the clients see: a stream the killed instance was already streaming ends with an
+Each case asserts what the clients see: a stream the killed combined worker was streaming moves to a survivor
+and goes on, token for token as without the fault (#36); one a killed decode worker was streaming ends with an
 explicit SSE error event (never a hang); every other stream finishes (one before its first token is retried
 on a survivor); the requests sent after the kill succeed on the survivors; no 500 anywhere; the survivors'
 KV pools are back at baseline. Plus: a prompt that no decode worker can ever hold is refused with 400
@@ -15,7 +16,16 @@ import asyncio
 import httpx
 import pytest
 
-from tests.fixtures.faults import Deployment, FaultResult, complete, deployment, kill_under_load, prompt
+from tests.fixtures.faults import (
+    Deployment,
+    FaultResult,
+    complete,
+    deployment,
+    kill_under_load,
+    migrations,
+    prompt,
+    stream,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -112,10 +122,17 @@ async def test_router_killed_is_named_in_the_error(disagg):
 
 
 async def test_sigkill_combined_worker_under_load(aggregated):
+    """#36: the streams of the killed worker move to the survivor and go on: every stream gets every token, each
+    equal to the same greedy request with no fault (one at a time, afterwards)."""
     result = await kill_under_load(aggregated, "worker", "worker", streams=6, prompt_len=40, max_tokens=400,
                                    before_first_token=False)
-    check(result, may_fail=result.victim_streams)
-    assert result.failed >= 1, result.headline()
+    check(result, may_fail=0)
+    assert result.failed == 0 and result.victim_streams >= 1, result.headline()
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert await migrations(client, aggregated.url) >= 1
+        for k, got in enumerate(result.outcomes[:6]):
+            again = await stream(client, aggregated.url, prompt(k, 40 + k), 400, {}, k)
+            assert again.ok and got.ids == again.ids, (k, got.ids[:8], again.ids[:8])
     assert_baseline(await aggregated.settled(survivors(aggregated, "worker")))
     # the router gone too: combined workers are still served (the gateway's registry fallback)
     aggregated.kill("router-0")

@@ -42,7 +42,7 @@ from libs.engine.request import (
     SamplingParams,
 )
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.sampling import History, TokenMask, apply_mask, filter_logits, token_logprobs
+from libs.engine.sampling import DRAW_DRAFT, DRAW_VERIFY, History, TokenMask, apply_mask, filter_logits, token_logprobs
 from libs.engine.scheduler import SampledToken, Scheduler, SeqStatus
 from libs.engine.step_cost import StepCostModel
 from libs.kvcache import ArenaPlan, KVCache, KVCacheConfig, plan_arena, rebuild_span
@@ -495,7 +495,7 @@ class EngineCore(metaclass=_Built):
                     acc, tok = greedy_accept(rows[:c + 1].argmax(dim=-1).tolist(), drafts[:c])
                 else:
                     q = torch.stack(self._draft_q.pop(s.req_id)[:c])  # (c >= 1)
-                    gen = self.runner.generator(s.req_id, params)
+                    gen = self.runner.generator(s.req_id, params, len(seq.token_ids), DRAW_VERIFY)
                     acc, tok = rejection_accept(self._probs(rows[:c + 1], params), q, drafts[:c], gen)
                 if params.grammar is not None:
                     self.grammars.settle(s.req_id, len(acc), tok)
@@ -590,7 +590,8 @@ class EngineCore(metaclass=_Built):
             if params.greedy:
                 continue
             q = self._probs(logits[i:i + 1], params)[0]
-            best[i] = int(torch.multinomial(q, 1, generator=self.runner.generator(req_id, params)))
+            gen = self.runner.generator(req_id, params, len(seq.token_ids) + len(drafts[i]), DRAW_DRAFT)
+            best[i] = int(torch.multinomial(q, 1, generator=gen))
             self._draft_q.setdefault(req_id, []).append(q)
         for c in constrained:
             self.grammars.feed_draft(c.req_id, best[c.row])
@@ -608,7 +609,7 @@ class EngineCore(metaclass=_Built):
         constrained = [ConstrainedRow(j, s.req_id, p.grammar, s.token_ids, s.num_prompt)
                        for j, (s, p) in enumerate(zip(seqs, params, strict=True)) if p.grammar is not None]
         mask = TokenMask(*self.grammars.bitmask(constrained, len(rows), logits.device)) if constrained else None
-        result = self.runner.sample(logits, rows, params, histories, mask)
+        result = self.runner.sample(logits, rows, params, [len(s.token_ids) for s in seqs], histories, mask)
         for c in constrained:
             self.grammars.accept(c.req_id, result.token_ids[c.row])
         return {r: SampledToken(t, lp) for r, t, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}

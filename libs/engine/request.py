@@ -146,6 +146,9 @@ class Request:
     and must not raise (the engine logs and aborts the request if it does).
     mm: the embedding rows of the prompt's images (libs/engine/mm.py) when `prompt_token_ids` carries pseudo
     tokens (the hash view, libs/mm/placeholders.py); kept for the request's life (a preempted request recomputes).
+    resumed: output tokens the request generated before it came here (a stream migrated off a failed worker,
+    docs/faults.md). They are computed with the prompt, as a preempted request's are, count as output (max_tokens,
+    stop conditions, penalties, the grammar) and are never emitted again.
     """
 
     req_id: str
@@ -155,9 +158,14 @@ class Request:
     prefill_only: bool = False
     on_progress: Callable[[PrefillProgress], None] | None = field(default=None, repr=False, compare=False)
     mm: MMEmbeddings | None = field(default=None, repr=False, compare=False)
+    resumed: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.resumed = [int(t) for t in self.resumed]
+        if len(self.resumed) >= self.params.max_tokens:
+            raise ValueError(f"request {self.req_id!r}: {len(self.resumed)} resumed tokens leave nothing of "
+                             f"max_tokens={self.params.max_tokens} to generate")
         if not self.req_id:
             raise ValueError("Request.req_id must be a non-empty string")
         if not self.prompt_token_ids:

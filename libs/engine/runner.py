@@ -19,7 +19,7 @@ from libs.engine.gcache_tier import StagedValues, write_host_blocks
 from libs.engine.host_tier import CopyWorker, LayerwiseLoad, LoadMode, copy_pages, layer_slots, plan_copies
 from libs.engine.plan import BatchPlan
 from libs.engine.request import SamplingParams
-from libs.engine.sampling import History, SampleResult, TokenMask, make_generator, sample
+from libs.engine.sampling import DRAW_TOKEN, History, SampleResult, TokenMask, draw_seed, make_generator, sample
 from libs.kvcache import ArenaPlan
 from libs.model.paged import BatchMeta, KVPools
 
@@ -255,23 +255,24 @@ class ModelRunner:
 
         return KVAccess(self.kv)
 
-    def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams],
+    def sample(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams], positions: list[int],
                histories: list[History | None] | None = None, mask: TokenMask | None = None) -> SampleResult:
+        """One token per row; `positions`: the index each row's token will have (prompt + output)."""
         # greedy rows never draw: they share the default generator instead of a per-request lookup
-        gens = [self._default_gen if p.greedy else self._generator(r, p)
-                for r, p in zip(req_ids, params, strict=True)]
+        gens = [self._default_gen if p.greedy else self.generator(r, p, pos)
+                for r, p, pos in zip(req_ids, params, positions, strict=True)]
         return sample(logits, params, gens, histories, mask)
 
-    def generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
-        """The generator a sampled request draws from (its own when seeded)."""
-        return self._generator(req_id, params)
-
-    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+    def generator(self, req_id: str, params: SamplingParams, position: int, salt: int = DRAW_TOKEN
+                  ) -> torch.Generator:
+        """The generator a sampled request draws from for its token at `position`: the shared one when unseeded;
+        when seeded its own, seeded for this draw (`draw_seed`)."""
         if params.seed is None:
             return self._default_gen
         gen = self._generators.get(req_id)
         if gen is None:
-            gen = self._generators[req_id] = make_generator(params.seed)
+            gen = self._generators[req_id] = torch.Generator(device="cpu")
+        gen.manual_seed(draw_seed(params.seed, position, salt))
         return gen
 
     def forget(self, req_id: str) -> None:

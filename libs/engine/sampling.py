@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from libs.engine.request import SamplingParams, TokenLogprob
 
@@ -47,6 +48,20 @@ def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
+
+
+# what a seeded request's draw is for (draw_seed's salt): the token itself, an MTP draft, an MTP verification
+DRAW_TOKEN, DRAW_DRAFT, DRAW_VERIFY = 0, 1, 2
+
+
+def draw_seed(seed: int, position: int, salt: int = DRAW_TOKEN) -> int:
+    """The seed of a seeded request's draw for the token at `position` (its index in prompt + output): the draw
+    depends on (seed, position, logits) only, so a request that resumes elsewhere (a migrated stream, a
+    disaggregated decode) or after a preemption draws what it would have drawn in one run (xxhash, fixed)."""
+    return xxhash.xxh64_intdigest(f"{int(seed)}:{position}:{salt}".encode(), seed=DRAW_HASH_SEED)
+
+
+DRAW_HASH_SEED = 0x5EED
 
 
 def _padded(seqs: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:

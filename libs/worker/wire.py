@@ -44,8 +44,12 @@ def request_refusal(req: wire.GenerateRequest, vocab_size: int, max_request_toke
     if mm is not None:
         return wire.AckStatus.INVALID, mm
     bad = [t for t in req.token_ids if not 0 <= t < vocab_size and not (req.mm_items and t >= MM_TOKEN_FLAG)]
+    bad += [t for t in req.resume_token_ids if not 0 <= t < vocab_size]
     if bad:
         return wire.AckStatus.INVALID, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})"
+    if len(req.resume_token_ids) >= req.sampling.max_tokens:
+        return wire.AckStatus.INVALID, (f"{len(req.resume_token_ids)} resumed tokens leave nothing of max_tokens="
+                                        f"{req.sampling.max_tokens} to generate")
     total = len(req.token_ids) + req.sampling.max_tokens
     if total > max_request_tokens:
         return wire.AckStatus.TOO_LARGE, (f"prompt ({len(req.token_ids)} tokens) + max_tokens "

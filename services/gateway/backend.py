@@ -125,7 +125,11 @@ class BackendConfig:
     """Attempts of one request: before its first token, a request whose worker is gone or refuses as busy is
     retried on another instance (1 = no failover)."""
     failover_timeout_s: float = 30.0
-    """No retry starts later than this after the request's first attempt."""
+    """No retry starts later than this after the request's first attempt (or its latest migration)."""
+    max_migrations: int = 3
+    """Times one stream may move to another instance after its worker failed mid-stream: the new worker gets the
+    prompt and the tokens already sent and continues after them (docs/faults.md). 0 = the stream ends with the
+    worker_gone error."""
     reconnect_bound_s: float = 10.0
     """NATS unreachable this long fails a waiting request (control plane down)."""
     unreachable_grace_s: float = 1.5
@@ -142,6 +146,8 @@ class BackendConfig:
             raise ValueError("BackendConfig timeouts must be > 0")
         if self.liveness_misses < 1 or self.max_attempts < 1 or self.retry_after_s < 1:
             raise ValueError("BackendConfig: liveness_misses, max_attempts and retry_after_s must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError("BackendConfig: max_migrations must be >= 0")
         if self.liveness_interval_s >= self.idle_timeout_s:
             raise ValueError("liveness_interval_s must be below idle_timeout_s")
 
@@ -444,19 +450,34 @@ class NatsBackend:
         grace_end: float | None = None  # re-asking those until then, when nothing else can take the request
         failed = 0  # attempts that failed on an instance (a re-ask of an unreachable one within the grace: free)
         reask = False
+        sent_ids: list[int] = []  # tokens the client got: a stream that migrates continues after them
+        migrations = 0
+        gone: PeerFailed | None = None  # the failure the stream is migrating away from
         for attempt in itertools.count():
             attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             sent = False
             try:
-                async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid, mm_items):
+                async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid, mm_items, sent_ids):
                     sent = True
+                    sent_ids.extend(chunk.token_ids)
                     yield chunk
                 return
             except PeerFailed as exc:
                 now = time.monotonic()
-                free = reask and exc.unreachable and grace_end is not None and now < grace_end
                 tried.add(exc.instance, exc.decode)
-                if sent or now >= deadline or (failed + 1 >= cfg.max_attempts and not free):
+                if sent_ids and migrations < cfg.max_migrations and len(sent_ids) < sampling.max_tokens:
+                    # the stream started: it moves to a live worker, which continues after the tokens sent
+                    migrations += 1
+                    gone = exc
+                    avoid.add(exc.instance, exc.decode)
+                    deadline, failed, grace_end, reask = now + cfg.failover_timeout_s, 0, None, False
+                    metrics.MIGRATIONS.inc()
+                    log.warning("stream migrating to another instance", extra={
+                        "request_id": request_id, "migration": migrations, "failed": exc.instance,
+                        "tokens_sent": len(sent_ids), "error": exc.message})
+                    continue
+                free = reask and exc.unreachable and grace_end is not None and now < grace_end
+                if sent or sent_ids or now >= deadline or (failed + 1 >= cfg.max_attempts and not free):
                     if not sent and attempt:
                         exc.message = f"{exc.message} (after {attempt + 1} attempts on {tried})"
                     exc.retry_after_s = cfg.retry_after_s
@@ -470,10 +491,14 @@ class NatsBackend:
                 log.info("retrying on another instance", extra={"request_id": request_id, "attempt": attempt + 1,
                                                                 "failed": exc.instance, "error": exc.message})
                 reask = False
-            except BackendError:
+            except BackendError as exc:
+                if gone is not None and not sent:  # no instance could take the migrating stream: its failure
+                    gone.message = f"{gone.message}; the stream could not move to another instance: {exc.message}"
+                    gone.retry_after_s = cfg.retry_after_s
+                    raise gone from exc
                 # nothing but the instances this request failed on can take it: when each only had no
                 # responders (its client may be moving to another NATS node), ask them again within the grace
-                if (sent or reask or not avoid or avoid != unreachable or grace_end is None
+                if (sent or sent_ids or reask or not avoid or avoid != unreachable or grace_end is None
                         or time.monotonic() >= min(grace_end, deadline)):
                     raise
                 await asyncio.sleep(_REASK_PAUSE_S)
@@ -483,9 +508,11 @@ class NatsBackend:
                                                                          "instances": str(unreachable)})
 
     async def _attempt(self, attempt_id: str, token_ids: list[int], sampling: WireSamplingParams, avoid: Avoid,
-                       mm_items: Sequence[WireMMItem] = ()) -> AsyncIterator[TokenChunk]:
-        """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy."""
-        route = await self._route_reachable(attempt_id, token_ids, avoid, [i.mm_hash for i in mm_items])
+                       mm_items: Sequence[WireMMItem] = (), resume: Sequence[int] = ()) -> AsyncIterator[TokenChunk]:
+        """One attempt: route, submit, stream. Raises PeerFailed when a peer of the attempt is gone or busy.
+        `resume`: the tokens a migrating stream already sent (routed with the prompt: its KV may be cached)."""
+        route = await self._route_reachable(attempt_id, [*token_ids, *resume], avoid, [i.mm_hash for i in mm_items])
+        resume = list(resume)  # (the caller extends its list while this attempt streams)
         stream = subjects.stream(self.namespace, attempt_id)
         try:
             sub = await self._bus.subscribe(stream, TokenChunk)
@@ -493,7 +520,7 @@ class NatsBackend:
             raise self._control_plane("subscribing to the stream", exc) or self.unavailable(repr(exc)) from exc
         finished = sent = False
         try:
-            await self._submit(route, attempt_id, token_ids, sampling, stream, mm_items)
+            await self._submit(route, attempt_id, token_ids, sampling, stream, mm_items, resume)
             watch = {route.prefill_instance, route.decode_instance}
             async for chunk in self._chunks(sub, attempt_id, watch, route):
                 if chunk.finish_reason is not None:
@@ -533,11 +560,12 @@ class NatsBackend:
         return BackendError(500, f"worker failed: {chunk.error}", code="worker_error")
 
     async def _submit(self, route: RouteReply, request_id: str, token_ids: list[int], sampling: WireSamplingParams,
-                      stream: str, mm_items: Sequence[WireMMItem] = ()) -> None:
+                      stream: str, mm_items: Sequence[WireMMItem] = (), resume: Sequence[int] = ()) -> None:
         """Send the request to the prefill (or combined) worker and check its acknowledgement."""
         decode = route.decode_instance if route.decode_instance != route.prefill_instance else ""
         msg = GenerateRequest(request_id=request_id, token_ids=token_ids, sampling=sampling,
-                              stream_subject=stream, decode_instance=decode, mm_items=list(mm_items))
+                              stream_subject=stream, decode_instance=decode, mm_items=list(mm_items),
+                              resume_token_ids=list(resume))
         target = route.prefill_instance
         try:
             ack = await self._ack(target, msg)

@@ -9,6 +9,8 @@ QUEUED = Gauge("windserve_gateway_queued", "Requests waiting for an admission sl
 REJECTED = Counter("windserve_gateway_rejected_total", "Requests refused with 429 (queue full)")
 FAILOVERS = Counter("windserve_gateway_failovers_total",
                     "Attempts retried on another instance (a worker gone or busy before the first token)")
+MIGRATIONS = Counter("windserve_gateway_migrations_total",
+                     "Streams continued on another instance after their worker failed mid-stream (docs/faults.md)")
 STREAM_GAPS = Counter("windserve_gateway_stream_gaps_total",
                       "Token chunks found missing (a gap in a worker's numbering, or a silent interval after which "
                       "the worker had sent more): lost in transit by NATS, fetched again from the worker")

@@ -62,6 +62,8 @@ def refusal(req: GenerateRequest) -> tuple[AckStatus, str] | None:
     rest (tokens, size, draining, duplicate ids)."""
     if req.token_ids and not req.decode_instance:
         return AckStatus.INVALID, "a prefill worker needs decode_instance (route through the router)"
+    if req.resume_token_ids:
+        return AckStatus.INVALID, "a disaggregated prefill worker cannot resume a migrated stream"
     return None
 
 

@@ -51,7 +51,9 @@ class Generations:
             await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id}: {exc}", retryable=True,
                                    error_code="encoder_unavailable")
             return
-        request = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), mm=mm)
+        request = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), mm=mm,
+                          resumed=list(req.resume_token_ids))
+        produced = len(req.resume_token_ids)  # (usage counts the whole answer)
         try:
             async for out in self._engine.generate(request):
                 produced += len(out.new_token_ids)
