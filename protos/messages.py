@@ -421,7 +421,10 @@ class KVPrepareRequest(WireModel):
 
     schema_version: int = 2
     request_id: str
-    token_ids: list[int] = Field(min_length=1, description="the prompt (its KV is what gets shipped)")
+    token_ids: list[int] = Field(min_length=1, description="the prompt, then a migrated stream's tokens already "
+                                                           "sent (their KV is what gets shipped)")
+    resumed: int = Field(default=0, ge=0, description="how many of token_ids are a migrated stream's tokens "
+                                                      "already sent (output, not prompt)")
     sampling: WireSamplingParams
     stream_subject: str
     page_size: int = Field(ge=1, description="KV page size of the prefill engine (must match decode)")

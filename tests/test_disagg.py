@@ -99,8 +99,11 @@ class Pipeline:
     async def generate(self, request_id: str, tokens: list[int], max_tokens: int) -> list[TokenChunk]:
         req = GenerateRequest(request_id=request_id, token_ids=tokens, stream_subject=subjects.stream("t", request_id),
                               sampling=WireSamplingParams(max_tokens=max_tokens, temperature=0.0), decode_instance="d0")
+        return await self.run(req)
+
+    async def run(self, req: GenerateRequest) -> list[TokenChunk]:
         await self.prefill.submit(req)
-        return await self.stream.result(request_id)
+        return await self.stream.result(req.request_id)
 
     async def assert_no_kv_in_use(self) -> None:
         for engine in (self.prefill_engine, self.decode_engine):
@@ -155,6 +158,27 @@ async def test_greedy_tokens_equal_colocated_engine_including_long_prompts(tiny)
         assert chunks[-1].finish_reason is WireFinishReason.LENGTH
         assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
     assert tokens_of(results[2]) == direct_greedy(model, cfg, prompts[2], 10, page_size=PAGE)
+
+
+@pytest.mark.parametrize("seed", [None, 9])
+async def test_a_resumed_stream_equals_the_colocated_uninterrupted_one(tiny, seed):
+    """#36: a stream migrated off a failed worker, sent with the tokens it already produced (resume_token_ids):
+    prefill computes them with the prompt, decode takes them as output; the rest equals the colocated engine's
+    run (greedy, and seeded sampling: each draw depends on (seed, position)), usage counts the whole answer."""
+    model, cfg, _ = tiny
+    p, n, cut = prompt(11, 37), 24, 9
+    temp = 0.0 if seed is None else 1.0
+    want = list(LLM.from_core(EngineCore(EngineConfig(**OPTS), model, cfg, None)).generate(
+        [p], SamplingParams(max_tokens=n, ignore_eos=True, temperature=temp, seed=seed))[0].token_ids)
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        sampling = WireSamplingParams(max_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
+        whole = tokens_of(await pipe.run(GenerateRequest(request_id="w", token_ids=p, stream_subject=subjects.stream(
+            "t", "w"), sampling=sampling, decode_instance="d0")))
+        chunks = await pipe.run(GenerateRequest(request_id="m", token_ids=p, stream_subject=subjects.stream("t", "m"),
+                                                sampling=sampling, decode_instance="d0", resume_token_ids=want[:cut]))
+        await pipe.assert_no_kv_in_use()
+    assert whole == want and tokens_of(chunks) == want[cut:]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(p), n)
 
 
 async def test_bytes_moved_are_full_pages_plus_swa_window_only(tiny):
@@ -265,10 +289,10 @@ async def test_abort_right_after_prefill_frees_the_held_kv(tiny, monkeypatch):
         reached, go = asyncio.Event(), threading.Event()
         check = dg.first_token_finishes
 
-        def gated(core, params, token):  # runs on the engine thread
+        def gated(core, params, token, resumed=()):  # runs on the engine thread
             loop.call_soon_threadsafe(reached.set)
             go.wait(10)
-            return check(core, params, token)
+            return check(core, params, token, resumed)
 
         monkeypatch.setattr(dg, "first_token_finishes", gated)
         req = GenerateRequest(request_id="gone", token_ids=prompt(41, 40), stream_subject=subjects.stream("t", "gone"),

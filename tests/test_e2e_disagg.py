@@ -239,13 +239,14 @@ async def _until(cond, timeout_s: float, why, tasks=()) -> None:
 
 
 @pytest.mark.timeout(300)  # ~30 s on a quiet 2-core box; past 150 s when two busy loops share the cores
-async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_server, tmp_path, offline):
+async def test_sigkill_decode_mid_stream_moves_its_streams_to_the_survivor(nats_server, tmp_path, offline):
     topo = topology(nats_server.url, tmp_path)
     try:
         # Either decoder can hold all four streams (admission reserves max_tokens): placement may be uneven
-        # without anyone being refused.
+        # without anyone being refused. A moving stream arrives as a prompt of up to ~1,500 tokens, reserved at
+        # once in both pools: hence the SWA pages too.
         topo.start_topology({"gateway": 1, "router": 1, "prefill": 1, "decode": 2},
-                            {"decode": {"WINDSERVE_NUM_FULL_PAGES": "2048"}})
+                            {"decode": {"WINDSERVE_NUM_FULL_PAGES": "2048", "WINDSERVE_NUM_SWA_PAGES": "1024"}})
         client = topo.client()
         prompts = [prompt(200 + i, 20 + 7 * i) for i in range(4)]
         max_tokens = 1500  # long enough that no stream can finish before the kill (decode is ~3-10 ms/token)
@@ -275,19 +276,15 @@ async def test_sigkill_decode_mid_stream_errors_its_clients_others_finish(nats_s
         assert split, f"streams not on both decoders: {placement}"
         victim, survivor = split[0], next(d for d in placement if d != split[0])
         topo.procs[victim].send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
         results = await asyncio.gather(*tasks)
-        errored = [(r, t) for r, _, t in results if r != "ok"]
-        assert len(errored) == placement[victim], (
-            f"the killed decoder held {placement[victim]} streams: {[r for r, _, _ in results]}")
-        for reason, at in errored:
-            assert at - killed_at < KILL_BOUND_S, f"error after {at - killed_at:.1f}s: {reason}"
-        # the offline reference only for the streams that finished (it is the slow part on a loaded box)
-        done = [i for i, (r, _, _) in enumerate(results) if r == "ok"]
-        expected = [list(o.token_ids) for o in offline.generate([prompts[i] for i in done], SamplingParams(
+        # #36: the killed decoder's streams moved (prefill recomputed prompt + tokens sent, the survivor goes on):
+        # every stream ends well, each equal to the offline engine's uninterrupted run
+        assert all(r == "ok" for r, _, _ in results), [r for r, _, _ in results]
+        done = list(range(len(prompts)))
+        expected = [list(o.token_ids) for o in offline.generate(prompts, SamplingParams(
             max_tokens=max_tokens, ignore_eos=True))]
         for i, want in zip(done, expected, strict=True):
-            assert results[i][1] == want
+            assert results[i][1] == want, i
         # the survivor freed the KV of the finished requests, and routing drops the dead decoder (registry TTL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -187,7 +187,9 @@ class DecodeWorker:
             loop.call_soon_threadsafe(_settle, admitted, slot)
 
         rid = msg.request_id
-        req = dg.RemoteRequest(rid, list(msg.token_ids), engine_params(msg.sampling), on_admitted=on_admitted)
+        cut = len(msg.token_ids) - msg.resumed  # the prompt, then a migrated stream's tokens already sent
+        req = dg.RemoteRequest(rid, list(msg.token_ids[:cut]), engine_params(msg.sampling), on_admitted=on_admitted,
+                               resumed=list(msg.token_ids[cut:]))
         outputs: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(req, outputs), name=f"decode-pump-{rid}")
         # images: their rows are fetched while the KV streams in (a preempted request recomputes its prompt here)
@@ -309,7 +311,7 @@ class DecodeWorker:
     async def _stream(self, msg: KVPrepareRequest, commit: KVCommitRequest, outputs: asyncio.Queue,
                       pump: asyncio.Task) -> bool:
         """Publish engine outputs until the finished one; True when the request finished normally."""
-        completion = 1
+        completion = 1 + msg.resumed  # (usage counts the whole answer)
         while True:
             getter = asyncio.ensure_future(outputs.get())
             done, _ = await asyncio.wait({getter, pump}, return_when=asyncio.FIRST_COMPLETED)
@@ -323,7 +325,7 @@ class DecodeWorker:
             completion += len(out.new_token_ids)
             usage = None
             if out.finished:
-                usage = Usage(prompt_tokens=len(msg.token_ids), completion_tokens=completion,
+                usage = Usage(prompt_tokens=len(msg.token_ids) - msg.resumed, completion_tokens=completion,
                               cached_tokens=commit.prefill_cached_tokens)
             await self.publish(msg.stream_subject, self._chunk(
                 msg.request_id, token_ids=list(out.new_token_ids),

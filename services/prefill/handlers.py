@@ -62,9 +62,12 @@ def refusal(req: GenerateRequest) -> tuple[AckStatus, str] | None:
     rest (tokens, size, draining, duplicate ids)."""
     if req.token_ids and not req.decode_instance:
         return AckStatus.INVALID, "a prefill worker needs decode_instance (route through the router)"
-    if req.resume_token_ids:
-        return AckStatus.INVALID, "a disaggregated prefill worker cannot resume a migrated stream"
     return None
+
+
+def kv_tokens(req: GenerateRequest) -> list[int]:
+    """The tokens whose KV prefill computes and ships: the prompt, then a migrated stream's tokens already sent."""
+    return [*req.token_ids, *req.resume_token_ids]
 
 
 @dataclass
@@ -274,7 +277,7 @@ class PrefillWorker:
         """The router's pick for the request now (the routed one when the router cannot say)."""
         if self.reroute is not None:
             with contextlib.suppress(Exception):
-                return await self.reroute(req.request_id, list(req.token_ids), [])
+                return await self.reroute(req.request_id, kv_tokens(req), [])
         return req.decode_instance
 
     async def _prepare_decode(self, req: GenerateRequest, decode: str) -> tuple[str, KVPrepareReply]:
@@ -283,7 +286,8 @@ class PrefillWorker:
         Returns the worker that took it and its reply."""
         core = self.engine.core
         prep = KVPrepareRequest(
-            request_id=req.request_id, token_ids=list(req.token_ids), sampling=req.sampling,
+            request_id=req.request_id, token_ids=kv_tokens(req), resumed=len(req.resume_token_ids),
+            sampling=req.sampling,
             stream_subject=req.stream_subject, page_size=core.config.page_size, kv_dtype=core.config.dtype,
             segment_pages=self.segment_pages, prefill_instance=self.instance_id, mm_items=list(req.mm_items))
         full: list[str] = []
@@ -309,7 +313,7 @@ class PrefillWorker:
                 if len(tried) >= self.decode_attempts:
                     raise _no_decode(full, gone, str(exc)) from exc
                 try:
-                    decode = await self.reroute(req.request_id, list(req.token_ids), tried)
+                    decode = await self.reroute(req.request_id, kv_tokens(req), tried)
                 except Exception as route_exc:
                     # a listed decode worker with no responders may be alive, its NATS client moving to another
                     # node of the cluster: when no other one is found, it is asked again for unreachable_grace_s
@@ -329,7 +333,7 @@ class PrefillWorker:
     async def _open_stream(self, req: GenerateRequest, reply: KVPrepareReply) -> KVSender:
         core = self.engine.core
         kv, layer_is_swa = core.runner.kv_access(), core.kv_layer_is_swa  # (every KV head, whatever our tp)
-        plan = dg.plan_stream(len(req.token_ids), core.config.page_size, core.cache.cfg.window, reply.hit_tokens,
+        plan = dg.plan_stream(len(kv_tokens(req)), core.config.page_size, core.cache.cfg.window, reply.hit_tokens,
                               self.segment_pages)
         try:
             async with asyncio.timeout(self.transfer_timeout_s):
@@ -348,7 +352,7 @@ class PrefillWorker:
         long for this engine's pools): its final chunk is published here."""
         assert h.sender is not None
         ereq = Request(req.request_id, list(req.token_ids), engine_params(req.sampling), prefill_only=True,
-                       on_progress=h.sender.collector, mm=mm)
+                       on_progress=h.sender.collector, mm=mm, resumed=list(req.resume_token_ids))
         run = asyncio.ensure_future(self._last_output(ereq))
         try:
             await asyncio.wait({run, h.sender.task}, return_when=asyncio.FIRST_COMPLETED)
@@ -364,7 +368,8 @@ class PrefillWorker:
         if out.finish_reason is not dg.FinishReason.PREFILLED:
             await self.publish(req.stream_subject, self._chunk(
                 req.request_id, token_ids=list(out.new_token_ids), finish_reason=wire_finish(out.finish_reason),
-                usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(out.new_token_ids))))
+                usage=Usage(prompt_tokens=len(req.token_ids),
+                            completion_tokens=len(req.resume_token_ids) + len(out.new_token_ids))))
             return None
         h.held = True  # the engine keeps the prompt's KV until released (every segment is copied out by now)
         lp = wire_logprob(out.logprobs[0]) if out.logprobs else None
@@ -388,7 +393,7 @@ class PrefillWorker:
         params, request_id = engine_params(req.sampling), req.request_id
 
         def settle(core) -> tuple[dg.FinishReason | None, FirstDrafts | None]:  # engine thread
-            reason = dg.first_token_finishes(core, params, token)
+            reason = dg.first_token_finishes(core, params, token, req.resume_token_ids)
             drafts = core.first_drafts(request_id) if reason is None else None
             core.release(request_id, cache=True)
             return reason, drafts
@@ -452,7 +457,7 @@ class PrefillWorker:
         self.stats.requests += 1
         self.stats.bytes_sent += stats.nbytes
         self.stats.full_equivalent_bytes += dg.full_transfer_bytes(
-            sender.collector.kv.shapes, core.kv_layer_is_swa, len(req.token_ids))
+            sender.collector.kv.shapes, core.kv_layer_is_swa, len(kv_tokens(req)))
         self.stats.transfer_seconds += sender.send_seconds
 
     # ------------------------------------------------------------------ 6. cleanup
@@ -482,7 +487,8 @@ class PrefillWorker:
         await self.publish(req.stream_subject, self._chunk(
             req.request_id, token_ids=[token], logprobs=[] if logprob is None else [logprob],
             finish_reason=wire_finish(reason),
-            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=1, cached_tokens=cached)))
+            usage=Usage(prompt_tokens=len(req.token_ids), completion_tokens=len(req.resume_token_ids) + 1,
+                        cached_tokens=cached)))
 
     async def _safe_publish(self, req: GenerateRequest, chunk: TokenChunk) -> None:
         try:

@@ -13,7 +13,7 @@ away; `abort()` of a pending request frees every page reserved for it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
@@ -25,10 +25,12 @@ from libs.engine.stopping import check_stop
 
 
 # ---------------------------------------------------------------------------------------------- prefill side
-def first_token_finishes(core: EngineCore, params: SamplingParams, first_token: int) -> FinishReason | None:
-    """Does the token prefill sampled already end the request (EOS, stop token/string, max_tokens=1)?"""
+def first_token_finishes(core: EngineCore, params: SamplingParams, first_token: int,
+                         resumed: Sequence[int] = ()) -> FinishReason | None:
+    """Does the token prefill sampled already end the request (EOS, stop token/string, max_tokens)? `resumed`: the
+    output tokens before it (a migrated stream's)."""
     sch = core.scheduler
-    return check_stop([first_token], 0, params, sch.eos_token_ids, sch.decode)
+    return check_stop([*resumed, first_token], 0, params, sch.eos_token_ids, sch.decode)
 
 
 # ---------------------------------------------------------------------------------------------- decode side
@@ -108,14 +110,14 @@ class DisaggEngineCore(EngineCore):
         if len(sch.running) + len(self.pending) >= self.config.scheduler.max_num_seqs:
             raise DecodeFull(f"request {req.req_id!r}: decode engine is full "
                              f"({self.config.scheduler.max_num_seqs} sequences running or arriving)")
-        prompt = req.prompt_token_ids
+        prompt = [*req.prompt_token_ids, *req.resumed]  # the KV that arrives (a migrated stream's tokens too)
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
         # full_tokens are shared tree pages that must not be written
         hit = cache.match(prompt, rebuild=False)
         if hit.load_copies:  # host-tier hits: copy before the pages are read, as a copies-only step (so that a
             # parallel runner's every rank loads its own host copies, not rank 0 alone)
             self.runner.forward(BatchPlan(load_copies=tuple(hit.load_copies)))
-        growth = req.params.max_tokens
+        growth = req.params.max_tokens - len(req.resumed)
         if self.config.scheduler.admission_decode_tokens is not None:
             growth = min(growth, self.config.scheduler.admission_decode_tokens)
         result = cache.admit(req.req_id, prompt, hit, growth)
@@ -149,7 +151,7 @@ class DisaggEngineCore(EngineCore):
         if land is not None:
             land()
         p = self.pending.pop(req_id)
-        prompt = p.req.prompt_token_ids
+        prompt = [*p.req.prompt_token_ids, *p.req.resumed]  # computed by prefill (num_prompt: the prompt alone)
         self.cache.commit(req_id, len(prompt) - p.hit_tokens, (first_token,))
         sch = self.scheduler
         seq = Seq(p.req, [*prompt, first_token], bucket=sch.buckets.classify(len(prompt) - p.hit_tokens),
