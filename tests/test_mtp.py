@@ -862,3 +862,19 @@ def test_forced_tool_calls_and_schemas_stay_valid_with_mtp():
     ts.test_json_object_outputs_parse_as_objects(llm)
     spec = llm.core.spec_stats()
     assert spec is not None and spec.accepted_tokens > 0, spec
+
+
+def test_a_resumed_request_with_mtp_equals_mtp_off_uninterrupted(tiny):
+    """#36: a stream migrated with the tokens it had sent (`Request.resumed`) onto an engine that drafts: the rest
+    equals MTP off, uninterrupted (the oracle's drafts are mostly right, so runs of drafts are accepted)."""
+    off = make_core(tiny, max_num_batched_tokens=24)
+    on = make_core(tiny, max_num_batched_tokens=24, speculative_tokens=K)
+    prompts = {f"m{i}": tokens(700 + i, n) for i, n in enumerate((9, 33, 58))}
+    want = run(off, prompts, 30)
+    oracle(on, {f"{rid}r": want[rid] for rid in prompts}, 0.9)  # (indexed by output position: resumed first)
+    for rid, p in prompts.items():
+        on.add_request(Request(f"{rid}r", p, greedy(30), resumed=want[rid][:7]))
+    got = drain(on)
+    assert {rid: want[rid][:7] + got[f"{rid}r"] for rid in prompts} == want
+    assert on.scheduler.stats.accepted_tokens > 0
+    assert_baseline(on)
