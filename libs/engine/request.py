@@ -171,6 +171,11 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id!r}: prompt_token_ids is empty")
 
+    @property
+    def start_token_ids(self) -> list[int]:
+        """The tokens whose KV the request starts from: the prompt, then the resumed output (a new list)."""
+        return [*self.prompt_token_ids, *self.resumed]
+
 
 @dataclass(frozen=True)
 class PrefillProgress:

@@ -52,6 +52,7 @@ def make_generator(seed: int) -> torch.Generator:
 
 # what a seeded request's draw is for (draw_seed's salt): the token itself, an MTP draft, an MTP verification
 DRAW_TOKEN, DRAW_DRAFT, DRAW_VERIFY = 0, 1, 2
+DRAW_HASH_SEED = 0x5EED  # draw_seed's xxhash seed (fixed: seeded outputs are reproducible across processes)
 
 
 def draw_seed(seed: int, position: int, salt: int = DRAW_TOKEN) -> int:
@@ -59,9 +60,6 @@ def draw_seed(seed: int, position: int, salt: int = DRAW_TOKEN) -> int:
     depends on (seed, position, logits) only, so a request that resumes elsewhere (a migrated stream, a
     disaggregated decode) or after a preemption draws what it would have drawn in one run (xxhash, fixed)."""
     return xxhash.xxh64_intdigest(f"{int(seed)}:{position}:{salt}".encode(), seed=DRAW_HASH_SEED)
-
-
-DRAW_HASH_SEED = 0x5EED
 
 
 def _padded(seqs: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:

@@ -278,7 +278,7 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
         if req.params.stop and self.decode is None:
             raise ValueError(f"request {req.req_id!r} has stop strings but the engine has no tokenizer")
-        seq = Seq(req, [*req.prompt_token_ids, *req.resumed], bucket=0)  # (resumed: computed as a preempted one's)
+        seq = Seq(req, req.start_token_ids, bucket=0)  # (resumed: computed as a preempted one's outputs)
         seq.bucket = self._classify(seq)
         served = self.config.served_buckets
         if served is not None and seq.bucket not in served:

@@ -110,7 +110,7 @@ class DisaggEngineCore(EngineCore):
         if len(sch.running) + len(self.pending) >= self.config.scheduler.max_num_seqs:
             raise DecodeFull(f"request {req.req_id!r}: decode engine is full "
                              f"({self.config.scheduler.max_num_seqs} sequences running or arriving)")
-        prompt = [*req.prompt_token_ids, *req.resumed]  # the KV that arrives (a migrated stream's tokens too)
+        prompt = req.start_token_ids  # the KV that arrives (a migrated stream's tokens too)
         # no rebuild hit: prefill sends the KV from hit.tokens on, and a rebuild hit's pages below its
         # full_tokens are shared tree pages that must not be written
         hit = cache.match(prompt, rebuild=False)
@@ -151,7 +151,7 @@ class DisaggEngineCore(EngineCore):
         if land is not None:
             land()
         p = self.pending.pop(req_id)
-        prompt = [*p.req.prompt_token_ids, *p.req.resumed]  # computed by prefill (num_prompt: the prompt alone)
+        prompt = p.req.start_token_ids  # computed by prefill (num_prompt: the prompt alone)
         self.cache.commit(req_id, len(prompt) - p.hit_tokens, (first_token,))
         sch = self.scheduler
         seq = Seq(p.req, [*prompt, first_token], bucket=sch.buckets.classify(len(prompt) - p.hit_tokens),
