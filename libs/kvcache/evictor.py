@@ -34,7 +34,7 @@ def full_key(n: Node) -> int:
 
 
 class Evictor:
-    __slots__ = ("_nodes", "_cold", "_full", "_swa")
+    __slots__ = ("_nodes", "_cold", "_full", "_swa", "_limit")
 
     def __init__(self, nodes: Mapping[int, Node], cold: Callable[[int], bool]) -> None:
         """`nodes`: the prefix index's node map (read to rebuild a heap); `cold`: whether checkpoint kinds are
@@ -43,6 +43,8 @@ class Evictor:
         self._cold = cold
         self._full: list[_HeapEntry] = []
         self._swa: list[_HeapEntry] = []
+        # per heap, its size bound at the last push (nodes removed since shrink the node map, not the heap)
+        self._limit = {"full": 256, "swa": 256}
 
     def swa_key(self, n: Node) -> int:
         """SWA LRU order: cold checkpoints first, then the rest, each by recency."""
@@ -61,7 +63,8 @@ class Evictor:
 
     def _push(self, heap: list[_HeapEntry], entry: _HeapEntry) -> None:
         heapq.heappush(heap, entry)
-        if len(heap) > 4 * len(self._nodes) + 256:
+        limit = self._limit["full" if heap is self._full else "swa"] = 4 * len(self._nodes) + 256
+        if len(heap) > limit:
             self._rebuild(heap)
 
     def pop_full(self) -> Node | None:
@@ -126,10 +129,12 @@ class Evictor:
         heapq.heapify(heap)
 
     def check_invariants(self) -> None:
-        """Both heaps are heaps (a corrupted order would evict the wrong nodes) and stay bounded."""
+        """Both heaps are heaps (a corrupted order would evict the wrong nodes) and stay bounded (by 4 entries per
+        node of the tree as it was at the heap's last push, plus 256; pops only shrink a heap)."""
         for name, heap in (("full", self._full), ("swa", self._swa)):
             bad = [i for i in range(1, len(heap)) if heap[i][:3] < heap[(i - 1) // 2][:3]]
             if bad:
                 raise AssertionError(f"{name} eviction heap out of order at entries {bad[:5]}")
-            if len(heap) > 4 * len(self._nodes) + 256:
-                raise AssertionError(f"{name} eviction heap holds {len(heap)} entries for {len(self._nodes)} nodes")
+            if len(heap) > self._limit[name]:
+                raise AssertionError(f"{name} eviction heap holds {len(heap)} entries, over its bound "
+                                     f"{self._limit[name]}")

@@ -133,10 +133,11 @@ class HostTier(LowerTier):
             return []
         cands = sorted((n for n in nodes if n.full is not None and n.host_full is None),
                        key=lambda n: (n.access, n.start))
-        copies: list[PageCopy] = []
+        made: list[tuple[Node, list[PageCopy]]] = []
+        budget = max_pages
         fresh: set[int] = set()
         for n in cands:
-            if n.npages + n.n_swa > max_pages - len(copies) or not n.alive or n.full is None:
+            if n.npages + n.n_swa > budget or not n.alive or n.full is None:
                 continue
             if not self._make_room(n.npages, n.n_swa, nodes, fresh, dropped):
                 break
@@ -144,14 +145,20 @@ class HostTier(LowerTier):
                 continue  # dropping a host-only child left `n` an unlocked tombstone leaf: it was pruned
             n.host_full = ids(self._full.alloc(n.npages))
             n.host_swa = no_pages(n.npages)
-            copies += [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
+            mine = [PageCopy(Group.FULL, d, h, "d2h") for d, h in zip(n.full, n.host_full, strict=True)]
             for i, s in enumerate(n.swa):  # type: ignore[arg-type]
                 if s >= 0:
                     n.host_swa[i] = self._swa.alloc_one()
-                    copies.append(PageCopy(Group.SWA, s, n.host_swa[i], "d2h"))
+                    mine.append(PageCopy(Group.SWA, s, n.host_swa[i], "d2h"))
+            budget -= len(mine)
+            made.append((n, mine))
             fresh.add(n.nid)
             self._events.emit(EventKind.STORED, Tier.HOST, n)
-        return self._with_units(copies, "dst")
+        # A node backed up here can still leave the tree before the loop ends: a later node's room came from
+        # dropping its host-only child, and it was a tombstone (no SWA KV) left an unlocked leaf. Its device
+        # and host pages are free then (their units unrecorded, the host pages perhaps handed out again here):
+        # its copies must not run.
+        return self._with_units([c for n, mine in made if n.alive for c in mine], "dst")
 
     def make_room(self, nf: int, ns: int, nodes: Collection[Node], keep: set[int],
                   dropped: Callable[[Node], None]) -> bool:
