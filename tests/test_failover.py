@@ -25,6 +25,7 @@ from protos.messages import (
     RouteRequest,
     ServiceState,
     TokenChunk,
+    Usage,
     WireFinishReason,
     WireSamplingParams,
     WorkerLoad,
@@ -116,7 +117,10 @@ class FakeWorker:
             await self.die()
             await asyncio.sleep(0.8)
             await self.start()
-        await self.bus.publish(req.stream_subject, chunk(token_ids=[2, 3, 4], finish_reason=WireFinishReason.LENGTH))
+        start = len(req.token_ids) + len(req.resume_token_ids)  # (as if it found all of that in its cache)
+        await self.bus.publish(req.stream_subject, chunk(token_ids=[2, 3, 4], finish_reason=WireFinishReason.LENGTH,
+                                                         usage=Usage(prompt_tokens=len(req.token_ids),
+                                                                     completion_tokens=4, cached_tokens=start)))
 
 
 def backend(bus: Bus, entries: list[RegistryEntry], **kw) -> NatsBackend:
@@ -170,9 +174,13 @@ async def test_worker_dying_after_the_first_chunk_migrates_the_stream(bus):
     dying = await FakeWorker(bus, "w-dying", "first_then_die").start()
     ok = await FakeWorker(bus, "w-ok").start()
     fleet = [entry("w-dying"), entry("w-ok", running=3)]
-    got = [c async for c in backend(bus, fleet).generate("req", [5], SAMPLING)]
+    before = metrics.MIGRATED_PREFIX._value.get(), metrics.MIGRATED_PREFIX_LOADED._value.get()
+    got = [c async for c in backend(bus, fleet).generate("req", [5, 6], SAMPLING)]
     assert [c.token_ids for c in got] == [[1], [1], [2, 3, 4]]  # (the fake ignores what it resumes from)
     assert dying.requests == ["req"] and ok.requests == ["req-r1"] and ok.resumed == [[1]]
+    # the survivor loaded the prompt and the token sent (3): counted, and the client's cached tokens stay <= 2
+    after = metrics.MIGRATED_PREFIX._value.get(), metrics.MIGRATED_PREFIX_LOADED._value.get()
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 3) and got[-1].usage.cached_tokens == 2
 
 
 async def test_worker_dying_after_the_first_chunk_fails_with_503_without_migrations(bus):

@@ -7,6 +7,7 @@ stalling decoding, and two combined workers over a real nats-server share one st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Sequence
@@ -270,7 +271,7 @@ class Served:
         self.core.close()
 
 
-_LINK_ARGS = ("lookup_timeout_s", "write_queue", "write_queue_bytes")
+_LINK_ARGS = ("lookup_timeout_s", "write_queue", "write_queue_bytes", "writeback_every")
 
 
 async def until(cond, timeout: float = 30.0) -> None:
@@ -310,6 +311,36 @@ async def test_prefix_from_l3_equals_a_cache_disabled_run(tiny, arena):
     assert (load.hit_tokens, load.l3_hit_tokens, load.host_hit_tokens) == (80, 80, 0)
     await until(lambda: b.link.counts()["writebacks"] == 1)
     assert b.link.counts()["written_values"] == 6  # only the new blocks 20..24 and their checkpoint
+    await b.close()
+
+
+@pytest.mark.integration
+async def test_a_running_sequence_written_back_every_n_tokens_resumes_from_l3(tiny):
+    """#36: with `writeback_every` a generating sequence writes its new pages and a checkpoint to L3 each time it
+    crosses a multiple of 32 tokens. Engine A stops mid-answer (its stream left, as when its worker dies: no
+    finish write-back); engine B, its caches empty, continues the request from the prompt and the tokens already
+    sent: it loads the written prefix from L3 instead of recomputing it and gives the rest of a cache-disabled
+    run's answer."""
+    store = MemoryBlockStore()
+    prompt = tokens(30, 40)
+    a = Served(tiny, store, writeback_every=32)
+    sent: list[int] = []
+    async with contextlib.aclosing(a.engine.generate(Request("m1", prompt, greedy(80)))) as outputs:
+        async for o in outputs:
+            sent += o.new_token_ids
+            if len(sent) >= 50:
+                break  # 40 + 50 tokens: the sequence crossed 64 (output 24), not 96 yet
+    await until(lambda: a.link.counts()["writebacks"] >= 1)  # at 64 (and at 96 if the engine ran that far ahead)
+    await a.close()
+    b = Served(tiny, store)
+    rest: list[int] = []
+    cached = -1
+    async for o in b.engine.generate(Request("m1-r1", prompt, greedy(80), resumed=sent[:50])):
+        rest += o.new_token_ids
+        cached = o.num_cached_tokens
+    # the prefix it starts from (90 tokens) reaches the checkpoint at page 16, not the one at 24 (if written)
+    assert cached == 64 and b.link.counts()["imported_tokens"] == 64
+    assert sent[:50] + rest == await reference(tiny, prompt, 80)
     await b.close()
 
 

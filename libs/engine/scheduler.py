@@ -263,6 +263,11 @@ class Scheduler:
         # called with a sequence that finishes into the prefix cache, right before cache.finish (its pages still
         # its own): the GCache write-back copies its KV out here (libs/engine/gcache_tier.py)
         self.on_finish: Callable[[Seq], None] | None = None
+        # called with a generating sequence each time its computed tokens cross a multiple of `progress_every`
+        # (after the commit): the GCache write-back of running sequences, so a stream that migrates finds its
+        # prefix in L3 (libs/worker/gcache.py)
+        self.on_progress: Callable[[Seq], None] | None = None
+        self.progress_every = 0
         self._admit_counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._probe_loads: list = []  # load copies of classification probes, for the next plan
@@ -689,6 +694,8 @@ class Scheduler:
             tok = sampled[item.req_id] if item.sample else None
             self.cache.commit(seq.req_id, item.num_new, () if tok is None else (tok.token_id,))
             seq.num_computed += item.num_new
+            if self.on_progress is not None:
+                self._progressed(seq, item.num_new)
             if tok is not None:
                 outputs.append(self._append_token(seq, tok))
         return outputs
@@ -715,6 +722,8 @@ class Scheduler:
         self.cache.commit(seq.req_id, n_kv, new)
         seq.num_computed += n_kv
         self.cache.trim(seq.req_id)
+        if self.on_progress is not None:
+            self._progressed(seq, n_kv)
         if reason is not None:
             self._finish_into_cache(seq, reason)
         logprobs = None
@@ -724,6 +733,12 @@ class Scheduler:
                                  f"{len(accepted)} accepted drafts")
             logprobs = (*tok.accepted_logprobs, tok.logprob)[:len(new)]
         return self._output(seq, new, logprobs)
+
+    def _progressed(self, seq: Seq, n: int) -> None:
+        """Call `on_progress` when a generating sequence's computed tokens crossed a multiple of `progress_every`."""
+        every, done = self.progress_every, seq.num_computed
+        if every > 0 and done > seq.num_prompt and done // every > (done - n) // every:
+            self.on_progress(seq)  # type: ignore[misc]
 
     def _append_token(self, seq: Seq, tok: SampledToken) -> RequestOutput:
         seq.token_ids.append(tok.token_id)

@@ -47,7 +47,7 @@ class EngineServiceConfig(ServiceConfig):
         default=0.005, ge=0, description="most time between KV event batches while the engine is busy")
     kv_events_max_blocks: int = Field(default=1024, ge=1, description="block hashes per KV event batch at most")
     gcache: bool = Field(default=False, description="use GCache (L3): prefetch L3 hits into the host tier, write "
-                         "finished sequences back")
+                         "sequences back")
     gcache_lookup_timeout_s: float = Field(
         default=0.5, gt=0, description="bound of one request's L3 lookup and fetch (slower: a miss)")
     gcache_write_queue: int = Field(default=64, ge=1, description="finished sequences' write-back batches queued at "
@@ -60,6 +60,9 @@ class EngineServiceConfig(ServiceConfig):
         default=512, ge=0, description="tokens; GCache (L3) also stores an SWA checkpoint every this many tokens (the "
         "prefix cache keeps those windows, best effort), so a later prompt sharing only a mid-prompt prefix hits; "
         "0 = only where a written sequence ends. A multiple of page_size")
+    gcache_writeback_every: int = Field(
+        default=256, ge=0, description="tokens; a generating sequence's new KV is also written back every this many "
+        "(a migrated stream loads its prefix from L3); 0 = at its end only")
     gcache_op_timeout_s: float = Field(default=2.0, gt=0, description="bound of one GCache SDK exists / get / put")
     gcache_replication: int = Field(default=1, ge=1, le=2, description="storage nodes per key (2: both successors)")
     gcache_chunk_mib: int = Field(default=4, ge=1, le=1024, description="largest slice of a GCache value on the "

@@ -1,10 +1,11 @@
 """An engine worker's link to GCache (L3): the lookup that prefetches an L3 hit into the host tier before a
-request enters the engine, and the write-back of finished sequences (docs/kvcache.md, "Engine integration (L3)").
+request enters the engine, and the write-back of sequences (docs/kvcache.md, "Engine integration (L3)").
 
     request ──> prefetch (service loop, bounded) ──> engine thread: import into L2, then add_request
                   local pages (engine peek) ‖ exists(F, S keys)    match / valid-hit rule / layer-wise load-back
                   -> longest valid L3 hit -> get(values)
-    finish (engine thread) ──> L3Export copies the new values out ──> bounded queue (full: dropped, counted)
+    finish, and every `writeback_every` tokens of a running sequence (engine thread)
+                  ──> L3Export copies the new values out ──> bounded queue (full: dropped, counted)
                   ──> writer thread: host bytes ──> BlockStore.put_nowait
 
 Every role (combined worker, prefill, decode) gets it from the engine-worker base (libs/worker/service.py).
@@ -68,12 +69,14 @@ class GCacheLink:
     `write_queue_bytes` bytes wait at most between the engine and the store; beyond, a batch is dropped."""
 
     def __init__(self, engine: AsyncEngine, store: BlockStore, namespace: str, *, lookup_timeout_s: float = 0.5,
-                 write_queue: int = 64, write_queue_bytes: int = 256 << 20, known_blocks: int = 1 << 16) -> None:
+                 write_queue: int = 64, write_queue_bytes: int = 256 << 20, known_blocks: int = 1 << 16,
+                 writeback_every: int = 0) -> None:
         self.engine = engine
         self.store = store
         self.namespace = namespace
         self.lookup_timeout_s = lookup_timeout_s
         self.write_queue_bytes = write_queue_bytes
+        self.writeback_every = writeback_every
         self.stats = GCacheLinkStats()
         core = engine.core
         self.layout: ValueLayout = core.l3_layout()
@@ -89,7 +92,10 @@ class GCacheLink:
         if self.engine.core.cache.host is None:
             raise ValueError("GCache needs a host tier on the engine (num_host_full_pages / num_host_swa_pages)")
         self.engine.set_prefetch(self.prefetch)
-        self.engine.core.scheduler.on_finish = self._export
+        scheduler = self.engine.core.scheduler
+        scheduler.on_finish = self._export
+        if self.writeback_every > 0:  # running sequences too, every so many tokens (their new pages only)
+            scheduler.on_progress, scheduler.progress_every = self._export, self.writeback_every
         self._writer = threading.Thread(target=self._write_loop, name="gcache-writeback", daemon=True)
         self._writer.start()
 
@@ -118,7 +124,7 @@ class GCacheLink:
     async def prefetch(self, req: Request) -> Prefetched:
         """The AsyncEngine prefetch hook: the longest valid L3 hit beyond the local cache, fetched within
         `lookup_timeout_s`, as the engine-thread import to run before the request is added (None: a miss)."""
-        tokens = list(req.prompt_token_ids)
+        tokens = req.start_token_ids  # (a migrated stream's: the prompt and the tokens it already sent)
         max_pages = (len(tokens) - 1) // self.layout.page_size  # a hit stays below the prompt's last token
         if max_pages <= 0:
             return None

@@ -164,7 +164,8 @@ class EngineWorkerService(Service):
             await client.start()
             self._gcache_client = store = client
         self.gcache = GCacheLink(engine, store, namespace, lookup_timeout_s=cfg.gcache_lookup_timeout_s,
-                                 write_queue=cfg.gcache_write_queue, write_queue_bytes=cfg.gcache_write_queue_mib << 20)
+                                 write_queue=cfg.gcache_write_queue, write_queue_bytes=cfg.gcache_write_queue_mib << 20,
+                                 writeback_every=cfg.gcache_writeback_every)
         self.gcache.attach()
 
     async def start_encoder_client(self, engine: AsyncEngine) -> None:

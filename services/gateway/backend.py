@@ -453,6 +453,7 @@ class NatsBackend:
         sent_ids: list[int] = []  # tokens the client got: a stream that migrates continues after them
         migrations = 0
         gone: PeerFailed | None = None  # the failure the stream is migrating away from
+        resumed = 0  # tokens sent when the stream last migrated
         for attempt in itertools.count():
             attempt_id = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             sent = False
@@ -460,6 +461,8 @@ class NatsBackend:
                 async for chunk in self._attempt(attempt_id, token_ids, sampling, avoid, mm_items, sent_ids):
                     sent = True
                     sent_ids.extend(chunk.token_ids)
+                    if migrations and chunk.usage is not None:
+                        chunk = _migrated_usage(chunk, len(token_ids), resumed)
                     yield chunk
                 return
             except PeerFailed as exc:
@@ -468,7 +471,7 @@ class NatsBackend:
                 if sent_ids and migrations < cfg.max_migrations and len(sent_ids) < sampling.max_tokens:
                     # the stream started: it moves to a live worker, which continues after the tokens sent
                     migrations += 1
-                    gone = exc
+                    gone, resumed = exc, len(sent_ids)
                     avoid.add(exc.instance, exc.decode)
                     deadline, failed, grace_end, reask = now + cfg.failover_timeout_s, 0, None, False
                     metrics.MIGRATIONS.inc()
@@ -769,3 +772,14 @@ class NatsBackend:
 def _is_decode(route: RouteReply, instance: str) -> bool:
     """Is `instance` the attempt's separate decode worker (not its prefill or combined worker)?"""
     return instance == route.decode_instance and instance != route.prefill_instance
+
+
+def _migrated_usage(chunk: TokenChunk, prompt_tokens: int, resumed: int) -> TokenChunk:
+    """The final chunk of a migrated stream: count how much of the prefix it continued from (prompt + `resumed`
+    tokens sent) the new worker loaded from a cache; the client's `cached_tokens` stays within the prompt."""
+    usage = chunk.usage
+    assert usage is not None
+    loaded = min(usage.cached_tokens, prompt_tokens + resumed)
+    metrics.MIGRATED_PREFIX.inc(prompt_tokens + resumed)
+    metrics.MIGRATED_PREFIX_LOADED.inc(loaded)
+    return chunk.model_copy(update={"usage": usage.model_copy(update={"cached_tokens": min(loaded, prompt_tokens)})})

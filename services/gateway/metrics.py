@@ -11,6 +11,12 @@ FAILOVERS = Counter("windserve_gateway_failovers_total",
                     "Attempts retried on another instance (a worker gone or busy before the first token)")
 MIGRATIONS = Counter("windserve_gateway_migrations_total",
                      "Streams continued on another instance after their worker failed mid-stream (docs/faults.md)")
+MIGRATED_PREFIX = Counter("windserve_gateway_migrated_prefix_tokens_total",
+                          "Tokens a migrated stream continued from (its prompt and the tokens already sent), counted "
+                          "when it finishes")
+MIGRATED_PREFIX_LOADED = Counter("windserve_gateway_migrated_prefix_loaded_tokens_total",
+                                 "Of those, tokens the new worker loaded from a cache tier (L1, L2 or GCache) rather "
+                                 "than recomputed")
 STREAM_GAPS = Counter("windserve_gateway_stream_gaps_total",
                       "Token chunks found missing (a gap in a worker's numbering, or a silent interval after which "
                       "the worker had sent more): lost in transit by NATS, fetched again from the worker")
