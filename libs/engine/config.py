@@ -95,6 +95,12 @@ class EngineConfig:
     core but one, at least one: the rest is left to the service's event loop and the other processes)."""
     compute_cpus: str = ""
     """CPUs the engine's step thread is pinned to, as a Linux CPU list ("1", "2-7"); "" = not pinned."""
+    engine_mode: str = "real"
+    """"real", or "mock": the timing-model engine (libs/engine/mock.py): no weights and no forward, each step
+    sleeps for the time `mock_profile` predicts and emits deterministic tokens; the scheduler, KV cache and KV
+    bytes are real (for tests and benchmarks of many engines on one machine)."""
+    mock_profile: str = ""
+    """The mock engine's step-cost profile: a name in libs/engine/profiles or a .json path ("" = tiny-cpu)."""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_full_pages", "num_swa_pages"):
@@ -121,6 +127,10 @@ class EngineConfig:
         if self.compile_warmup_s <= 0 or self.compute_threads < 0:
             raise ValueError("EngineConfig: compile_warmup_s must be > 0 and compute_threads >= 0")
         parse_cpus(self.compute_cpus)  # a bad list fails here, named
+        if self.engine_mode not in ("real", "mock"):
+            raise ValueError(f"EngineConfig.engine_mode must be real or mock, got {self.engine_mode!r}")
+        if self.engine_mode == "mock" and (self.speculative_tokens or self.layout.is_parallel):
+            raise ValueError("EngineConfig: the mock engine runs without MTP (speculative_tokens 0) and tp = ep = 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

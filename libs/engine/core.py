@@ -165,8 +165,14 @@ def cache_config(config: EngineConfig, model_config, arena: ArenaPlan | None,
 
 
 def _runner(config: EngineConfig, model, model_config, sizes: PoolSizes, draft_layers: int,
-            model_path: str | None) -> ModelRunner:
+            model_path: str | None, eos: tuple[int, ...] = ()) -> ModelRunner:
     layout = config.layout
+    if config.engine_mode == "mock":
+        from libs.engine.mock import MockProfile, MockRunner
+
+        return MockRunner(model_config, sizes, MockProfile.load(config.mock_profile), avoid=eos,
+                          dtype=config.torch_dtype, device=config.device, seed=config.seed,
+                          load_mode=config.resolved_load_mode)
     if not layout.is_parallel:
         if model is None:
             raise ValueError("EngineCore needs a model (only a parallel engine loads from model_path alone)")
@@ -211,7 +217,7 @@ class EngineCore(metaclass=_Built):
         sizes = PoolSizes(config.page_size, config.num_full_pages, config.num_swa_pages,
                           host.full, host.swa, arena, host.arena)
         self.draft_layers = check_draft_layers(config.speculative_tokens, model_config)
-        self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path)
+        self.runner = _runner(config, model, model_config, sizes, self.draft_layers, model_path, eos)
         if self.cache.arena is not None:  # the KV buffer is indexed by unit: it reads the ledger's unit tables
             assert self.runner.kv.arena is not None
             self.runner.kv.arena.bind({g: self.cache.arena.unit_table(g) for g in ("full", "swa")})
@@ -235,6 +241,9 @@ class EngineCore(metaclass=_Built):
     def _compile(self) -> None:
         """Put the model on the compiled step and warm it up (docs/engine.md, "Compiled step")."""
         model = getattr(self.runner, "model", None)
+        if self.config.engine_mode == "mock":
+            self.compile_stats = {"enabled": False, "reason": "mock engine: no forward to compile"}
+            return
         if self.config.layout.is_parallel or not isinstance(model, MiMoV2Model):
             self.compile_stats = {"enabled": False, "reason": "tp / ep > 1: the ranks run eager"}
             return
@@ -671,6 +680,11 @@ def load_core(model_path: str | None, config: EngineConfig | None = None,
     from libs.model.loader import checkpoint_config
 
     config = config or EngineConfig()
+    if config.engine_mode == "mock":  # no weights: the model's config only
+        from libs.model.config import ModelConfig
+
+        model_config = checkpoint_config(model_path) if model_path is not None else ModelConfig.tiny()
+        return core_class(config, None, model_config, load_tokenizer(model_path))
     if model_path is not None and config.layout.is_parallel:
         return core_class(config, None, checkpoint_config(model_path), load_tokenizer(model_path),
                           model_path=model_path)

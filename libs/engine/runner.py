@@ -91,7 +91,7 @@ class StepInterrupted(Exception):
 class ModelRunner:
     """Runs the model over a BatchPlan. The KV pools live here; the cache only hands out page ids."""
 
-    def __init__(self, model: torch.nn.Module, model_config, sizes: PoolSizes, *,
+    def __init__(self, model: torch.nn.Module | None, model_config, sizes: PoolSizes, *,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                  load_mode: LoadMode | str = LoadMode.THREAD, draft_layers: int = 0) -> None:
         self.load_mode = LoadMode(load_mode)
@@ -133,7 +133,7 @@ class ModelRunner:
         ref = weakref.ref(self)
         self._copy_workers: list[CopyWorker] = []  # at most one, started on the first threaded load
         hooks = []
-        for i, layer in enumerate(decoder_layers(model)):
+        for i, layer in enumerate(decoder_layers(model) if model is not None else ()):  # (None: libs/engine/mock.py)
             hooks.append(layer.register_forward_pre_hook(
                 _own_forward_hook(ref, partial(ModelRunner._before_layer, layer=i))))
             # a second interrupt poll inside each layer, before its MLP/MoE: halves how long an arrival waits
@@ -224,6 +224,7 @@ class ModelRunner:
         try:
             if inputs is None:
                 return torch.empty(0)
+            assert self.model is not None  # (a model-less runner, libs/engine/mock.py, has its own forward)
             # the compiled decode graph runs no layer hooks: not while a load or an interrupt must act between layers
             graph = {"graph": False} if self._load is not None or interrupt is not None else {}
             if not self.draft_layers:

@@ -178,7 +178,7 @@ class DisaggEngineCore(EngineCore):
             if (rows.ndim != 2 or rows.shape[1] != cfg.hidden_size or not 0 < rows.shape[0] <= self._ring.keep
                     or first.hidden_from + rows.shape[0] != n or first.hidden_from < 0):
                 return False
-            dtype = next(self.runner.model.parameters()).dtype
+            dtype = self.config.torch_dtype  # (the model's: a draft's hidden rows are activations)
             self._ring.put(seq.req_id, first.hidden_from, rows.to(self.runner.device, dtype))
         seq.drafts = list(first.drafts)
         return True
