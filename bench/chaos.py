@@ -1,21 +1,22 @@
 """`python -m bench.chaos`: a chaos soak (#36). A steady mixed load against real processes while a fault injector
 kills or stops one instance at a time; every greedy answer is checked against a fault-free rerun.
 
-Deployment (plain processes on one nats-server, the tiny model): gateway, router=2, prefill=2, decode=2, cache=2
-(GCache nodes, the workers write back and look up), encoder=2. Load: `--clients` clients, each looping over a mix
-of greedy requests: short chats, long streams (150-300 tokens), JSON-schema chats, image chats. Faults, one at a
-time every `--interval` seconds for `--duration` seconds: SIGKILL (then the instance is started again under its
-name), then in a second round SIGSTOP for 3 s (then SIGCONT), of a random instance of each role in turn (decode,
-prefill, router, encoder, cache); the injector waits until every instance is back before the next one.
+Deployment (plain processes on a 3-node nats-server cluster, R3 registry, the tiny model): gateway, router=2,
+prefill=2, decode=2, cache=2 (GCache nodes, the workers write back and look up), encoder=2. Load: `--clients`
+clients, each looping over a mix of greedy requests: short chats, long streams (150-300 tokens), JSON-schema
+chats, image chats. Faults, one at a time every `--interval` seconds for `--duration` seconds: SIGKILL (then the
+instance is started again under its name), then in a second round SIGSTOP for 3 s (then SIGCONT), of a random
+instance of each role in turn (decode, a NATS node, prefill, cache, router, encoder); the injector waits until
+every instance is back before the next one.
 
 Headline keys: `requests_total`, `requests_failed` (goal 0), `streams_broken` (a stream that ended with an error
 after its first token; goal 0), `greedy_mismatches` (answers unequal to the same request's fault-free rerun; goal
 0), `migrations` (streams the gateway moved), `p99_stall_s` (p99 over streams of each stream's longest gap between
 two chunks; goal <= 5 s), `kv_pages_leaked` (KV pages still in use on the workers after the load; goal 0),
 `instances_crashed` (processes that exited on their own, restarted as a supervisor would; goal 0),
-`migrated_prefix_loaded_share` (of the tokens moved streams continued from, the share the new workers loaded from a
-cache tier, GCache included, rather than recomputed; decode workers write running sequences back every 64 tokens). Not
-covered yet: a 3-node NATS cluster and its node faults (bench.faults has them), hosts in network namespaces.
+`migrated_prefix_loaded_share` (of the tokens moved streams continued from, the share the new workers loaded from
+a cache tier, GCache included, rather than recomputed; decode workers write running sequences back every 64
+tokens). Hosts in network namespaces (a link cut) are tests/test_multihost.py, not part of the soak.
 `--quick`: 12 s of load, two faults. Results: bench/README.md.
 """
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from scripts.run import Supervisor
 from tests.fixtures.faults import (
     GCACHE_NODE_ENV,
     GCACHE_WORKER_ENV,
@@ -42,17 +44,21 @@ from tests.fixtures.faults import (
     Deployment,
     deployment,
     image_uri,
+    kill_nats_node,
     migrated_prefix,
     migrations,
+    nats_cluster,
     prompt,
 )
-from tests.fixtures.nats import start_nats_server
+from tests.fixtures.nats import wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 QUICK_RESULTS = ROOT / ".run" / "bench-quick"
 TOPOLOGY = {"cache": 2, "encoder": 2, "gateway": 1, "router": 2, "prefill": 2, "decode": 2}
-FAULT_ROLES = ("decode", "prefill", "router", "encoder", "cache")
+# in this order (a restarted engine role takes ~60 s to be back on a loaded 2-core box: the default run reaches the
+# first four)
+FAULT_ROLES = ("decode", "nats", "prefill", "cache", "router", "encoder")
 # decode workers write a running sequence back every 64 tokens (default 256): the tiny model's streams are short
 WORKER_ENV = {**GCACHE_WORKER_ENV, "WINDSERVE_GCACHE_WRITEBACK_EVERY": "64"}
 ROLE_ENV = {"cache": GCACHE_NODE_ENV, "prefill": WORKER_ENV, "decode": WORKER_ENV}
@@ -162,6 +168,7 @@ async def until_ready(dep: Deployment, instance: str = "", timeout_s: float = RE
 @dataclass
 class Injector:
     dep: Deployment
+    sup: Supervisor  # the 3-node NATS cluster
     until: float
     interval_s: float
     rng: random.Random
@@ -172,8 +179,11 @@ class Injector:
     def restart_crashed(self) -> None:
         for name, proc in list(self.dep.procs.items()):
             if proc.poll() is not None:
-                tail = self.dep.log(name)[-1500:]
-                self.crashes.append({"instance": name, "exit_code": proc.returncode, "log_tail": tail})
+                kept = self.dep.logs / f"{name}.crash{len(self.crashes)}.log"  # (the restart writes a new log)
+                (self.dep.logs / f"{name}.log").rename(kept)
+                tail = kept.read_text(errors="replace")[-1500:]
+                self.crashes.append({"instance": name, "exit_code": proc.returncode, "log": str(kept),
+                                     "log_tail": tail})
                 print(f"[chaos] {name} exited with {proc.returncode} on its own; restarting it", flush=True)
                 self.dep.procs.pop(name)
                 role = name.rsplit("-", 1)[0]
@@ -197,33 +207,60 @@ class Injector:
         for role, how in itertools.cycle(plan):
             if time.monotonic() >= self.until:
                 return
-            victim = self.rng.choice(sorted(i for i in self.dep.procs if i.rsplit("-", 1)[0] == role))
             at = time.monotonic()
-            if how == "kill":
-                self.dep.kill(victim)
-                self.dep.start(victim, role, ROLE_ENV.get(role))
-            else:
-                self.dep.procs[victim].send_signal(signal.SIGSTOP)
-                await asyncio.sleep(STOP_S)
-                self.dep.procs[victim].send_signal(signal.SIGCONT)
-            why = await until_ready(self.dep, victim)
+            victim = await (self._nats_fault(how) if role == "nats" else self._fault(role, how))
+            why = await until_ready(self.dep, "" if role == "nats" else victim)
             self.faults.append({"victim": victim, "fault": how, "ready_after_s": round(time.monotonic() - at, 3),
                                 **({"not_back": why} if why else {})})
             print(f"[chaos] {how} {victim}: {'NOT back: ' + why if why else 'all back'} after "
                   f"{self.faults[-1]['ready_after_s']} s", flush=True)
             await asyncio.sleep(self.interval_s)
 
+    async def _fault(self, role: str, how: str) -> str:
+        """Kill (then start again under its name) or stop for STOP_S a random instance of `role`."""
+        victim = self.rng.choice(sorted(i for i in self.dep.procs if i.rsplit("-", 1)[0] == role))
+        if how == "kill":
+            self.dep.kill(victim)
+            self.dep.start(victim, role, ROLE_ENV.get(role))
+        else:
+            self.dep.procs[victim].send_signal(signal.SIGSTOP)
+            await asyncio.sleep(STOP_S)
+            self.dep.procs[victim].send_signal(signal.SIGCONT)
+        return victim
+
+    async def _nats_fault(self, how: str) -> str:
+        """Kill (then start again on its port and store) or stop for STOP_S a random node of the cluster."""
+        node = self.rng.randrange(len(self.sup.nats_nodes))
+        if how == "kill":
+            kill_nats_node(self.sup, node)
+            self.sup.nats_nodes[node] = self.sup.spawn_nats(node)
+            await asyncio.to_thread(wait_for_port, self.sup.nats_ports[node], 30.0, self.sup.nats_nodes[node].popen)
+        else:
+            proc = self.sup.nats_nodes[node].popen
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(STOP_S)
+            proc.send_signal(signal.SIGCONT)
+        return f"nats-{node}"
+
 
 async def soak(duration_s: float, interval_s: float, clients: int, seed: int, logs: Path) -> dict:
-    nats = start_nats_server(tempfile.mkdtemp(prefix="bench-chaos-nats-"))
-    dep = deployment(nats.url, logs)
+    async with nats_cluster(logs / "nats") as sup:
+        return await _soak(sup, duration_s, interval_s, clients, seed, logs)
+
+
+async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: int, seed: int, logs: Path) -> dict:
+    # the services' default control-plane timing (the test fixtures' is 2-2.5x faster: too harsh for 14 processes
+    # on 2 cores under faults, where registry entries expired while the cluster elected a leader)
+    timing = {"WINDSERVE_REGISTRY_TTL_S": "5", "WINDSERVE_HEARTBEAT_INTERVAL_S": "1.0",
+              "WINDSERVE_LIVENESS_INTERVAL_S": "1.0", "WINDSERVE_LOAD_INTERVAL_S": "0.5"}
+    dep = deployment(sup.nats_url, logs, {"WINDSERVE_NATS_REPLICAS": "3", **timing})
     try:
-        dep.start_all(TOPOLOGY, ROLE_ENV, timeout=180)
+        dep.start_all(TOPOLOGY, ROLE_ENV, timeout=300)  # (cold compile caches: 4 engines compile on 2 cores)
         async with httpx.AsyncClient(timeout=30) as client:
             moved_before = await migrations(client, dep.url)
             prefix_before = await migrated_prefix(client, dep.url)
         until = time.monotonic() + duration_s
-        injector = Injector(dep, until, interval_s, random.Random(seed))
+        injector = Injector(dep, sup, until, interval_s, random.Random(seed))
         answers, _ = await asyncio.gather(load(dep.url, clients, until, seed), injector.run())
         injector.restart_crashed()
         await until_ready(dep)  # (the rerun needs the whole deployment: a fault that did not heal is in `faults`)
@@ -241,7 +278,6 @@ async def soak(duration_s: float, interval_s: float, clients: int, seed: int, lo
         leaked = sum(int(d.get("kv_full_used", 0)) + int(d.get("kv_swa_used", 0)) for d in details.values())
     finally:
         dep.stop()
-        nats.stop()
     gaps = sorted(a.max_gap_s for a in answers if a.ok or a.broken)
     failed = [a for a in answers if not a.ok]
     return {
@@ -282,7 +318,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=None, help="seconds of load (default 120, --quick 12)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of load (default 240, --quick 12)")
     ap.add_argument("--interval", type=float, default=None, help="seconds between faults (default 10, --quick 4)")
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -290,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="the JSON (PNG beside it); default "
                                                            "bench/results/chaos.json")
     args = ap.parse_args(argv)
-    duration = args.duration or (12.0 if args.quick else 120.0)
+    duration = args.duration or (12.0 if args.quick else 240.0)
     interval = args.interval or (4.0 if args.quick else 10.0)
     out = args.out or (QUICK_RESULTS if args.quick else RESULTS) / "chaos.json"
     logs = Path(tempfile.mkdtemp(prefix="bench-chaos-logs-"))
