@@ -1,5 +1,6 @@
 """`python -m bench.chaos`: a chaos soak (#36). A steady mixed load against real processes while a fault injector
-kills or stops one instance at a time; every greedy answer is checked against a fault-free rerun.
+kills or stops one instance at a time; every greedy answer is checked against a fault-free rerun (each distinct request
+once, as many at a time as there are clients).
 
 Deployment (plain processes on a 3-node nats-server cluster, R3 registry, the tiny model): gateway, router=2,
 prefill=2, decode=2, cache=2 (GCache nodes, the workers write back and look up), encoder=2. Load: `--clients`
@@ -267,10 +268,7 @@ async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: 
         async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
             moved = await migrations(client, dep.url) - moved_before
             prefix, loaded = (b - a for a, b in zip(prefix_before, await migrated_prefix(client, dep.url), strict=True))
-            mismatches = []
-            for a in answers:  # the fault-free rerun, one at a time
-                if a.ok and (b := await send(client, dep.url, a.kind, a.body)).ok and b.text != a.text:
-                    mismatches.append({"kind": a.kind, "got": a.text[:80], "rerun": b.text[:80]})
+            mismatches = await rerun(client, dep.url, answers, clients)
         injector.restart_crashed()  # (one that crashed during the rerun: its pools are new, the others are read)
         await until_ready(dep)
         workers = [i for i in dep.procs if i.rsplit("-", 1)[0] in ("prefill", "decode")]
@@ -293,6 +291,21 @@ async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: 
         "by_kind": {k: sum(a.kind == k for a in answers) for k in ("short", "long", "json", "image")},
         "median_stall_s": round(statistics.median(gaps), 3) if gaps else None,
     }
+
+
+async def rerun(client: httpx.AsyncClient, url: str, answers: list[Answer], concurrency: int) -> list[dict]:
+    """The fault-free rerun: each distinct request that succeeded once (greedy: equal requests have equal answers),
+    `concurrency` at a time as under the load; returns the answers unequal to it."""
+    distinct = {json.dumps(a.body, sort_keys=True): a for a in answers if a.ok}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(a: Answer) -> Answer:
+        async with gate:
+            return await send(client, url, a.kind, a.body)
+
+    reference = dict(zip(distinct, await asyncio.gather(*(one(a) for a in distinct.values())), strict=True))
+    return [{"kind": a.kind, "got": a.text[:80], "rerun": b.text[:80]} for a in answers
+            if a.ok and (b := reference[json.dumps(a.body, sort_keys=True)]).ok and b.text != a.text]
 
 
 def plot(result: dict, path: Path) -> None:
