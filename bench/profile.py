@@ -26,7 +26,7 @@ import torch
 
 from libs.engine import EngineConfig, Request, SamplingParams
 from libs.engine.core import load_core
-from libs.engine.mock import PROFILES, MockProfile
+from libs.engine.mock_profile import PROFILES, MockProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -10,7 +10,8 @@ import pytest
 
 from libs.engine import LLM, EngineConfig, Request, SamplingParams
 from libs.engine.core import load_core
-from libs.engine.mock import MockProfile, MockRunner, mock_token
+from libs.engine.mock import MockRunner, mock_token
+from libs.engine.mock_profile import MockProfile
 from libs.engine.request import GrammarSpec
 from libs.engine.runner import StepInterrupted
 

@@ -15,64 +15,21 @@ grammar still shapes the output.
 
 from __future__ import annotations
 
-import json
 import struct
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import xxhash
 
 from libs.engine import mm as mm_rows
+from libs.engine.mock_profile import MockProfile
 from libs.engine.plan import BatchPlan
 from libs.engine.runner import ModelRunner, PoolSizes, StepInterrupted
-from libs.engine.step_cost import CostFit
 
-PROFILES = Path(__file__).resolve().parent / "profiles"
-DEFAULT_PROFILE = "tiny-cpu"
 TOKEN_SEED = 0x6D6F636B  # "mock"
 _LOGIT = 30.0  # the chosen token's logit (every other token: 0): sampling at any temperature keeps it
 _POLL_S = 0.002  # how often a sleeping step polls its interrupt check
-
-
-@dataclass(frozen=True)
-class MockProfile:
-    """Step time in seconds: `fixed_s` + `per_token_s` x new tokens (the dense and MoE work) + `per_pair_s` x
-    attention pairs (sum over sequences of new tokens x keys) + `per_prefill_seq_s` x prefill chunks: the
-    features of the scheduler's own step-cost model (libs/engine/step_cost.py), fitted by `python -m
-    bench.profile` on the device it runs on."""
-
-    fixed_s: float
-    per_token_s: float
-    per_pair_s: float
-    per_prefill_seq_s: float = 0.0
-    source: str = ""  # where the figures come from (model, device, how they were fitted)
-
-    def __post_init__(self) -> None:
-        for name in ("fixed_s", "per_token_s", "per_pair_s", "per_prefill_seq_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"MockProfile.{name} must be >= 0, got {getattr(self, name)}")
-
-    def step_s(self, plan: BatchPlan) -> float:
-        return CostFit(self.fixed_s, self.per_token_s, self.per_pair_s, self.per_prefill_seq_s).predict(
-            plan.num_tokens, plan.attn_pairs, plan.num_prefill_seqs)
-
-    @classmethod
-    def load(cls, name_or_path: str = "") -> MockProfile:
-        """A profile by name (libs/engine/profiles/<name>.json) or path; "" = the default."""
-        name = name_or_path or DEFAULT_PROFILE
-        path = Path(name) if name.endswith(".json") else PROFILES / f"{name}.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            known = sorted(p.stem for p in PROFILES.glob("*.json"))
-            raise ValueError(f"no mock profile {name_or_path!r} ({path}); built in: {known}") from None
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
 def mock_token(last: int, position: int, vocab: int, avoid: frozenset[int] = frozenset()) -> int:

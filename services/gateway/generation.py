@@ -410,6 +410,7 @@ class ChoiceState:
     finish_reason: str | None = None
     cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     held: Delta | None = None  # streaming: tokens whose text is still empty wait here for the next delta
     tools: ToolCallStream | None = None  # chat with tools: splits tool calls from the content
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the message's calls, once finished
@@ -431,8 +432,13 @@ class ChoiceState:
     def apply(self, chunk: TokenChunk) -> Delta:
         if self.done:
             return Delta("", [], [], None)
-        if chunk.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if chunk.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                metrics.ITL.observe((now - self.last_token_at) / len(chunk.token_ids))
+            self.last_token_at = now
         start = len(self.token_ids)
         text = self.assembler.add(chunk.token_ids)
         self.token_ids.extend(chunk.token_ids)

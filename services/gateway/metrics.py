@@ -40,5 +40,8 @@ CACHED_TOKENS = Counter("windserve_gateway_cached_tokens_total", "Prompt tokens 
 OUTPUT_TOKENS = Counter("windserve_gateway_output_tokens_total", "Generated tokens sent to clients")
 TTFT = Histogram("windserve_gateway_ttft_seconds", "Time to first token (per choice)",
                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+ITL = Histogram("windserve_gateway_itl_seconds", "Inter-token latency: the time between two chunks of a choice, "
+                "divided by the later chunk's tokens (one observation per chunk)",
+                buckets=(0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5))
 LATENCY = Histogram("windserve_gateway_request_seconds", "Whole request latency",
                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
