@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS = ("model", "kvcache", "transfer", "engine", "serving", "router", "faults", "gateway", "gcache", "encoder",
-              "mtp", "parallel", "chaos", "profile")
+              "mtp", "parallel", "chaos", "profile", "planner")
 # Run only when named (`python -m bench peer`): it installs vLLM's CPU build in its own venv on first use and takes
 # ~10 minutes (bench/README.md)
 OPTIONAL = ("peer",)

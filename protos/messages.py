@@ -22,6 +22,7 @@ class Role(StrEnum):
     DECODE = "decode"
     WORKER = "worker"  # prefill + decode in one process
     CACHE = "cache"
+    PLANNER = "planner"  # sizes the engine roles (services/planner)
 
 
 class ErrorCode(StrEnum):

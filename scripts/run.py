@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -44,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from services.planner.connectors import read_desired  # (stdlib only, like this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVICES = "gateway,router,prefill,decode"
@@ -402,6 +405,13 @@ class Supervisor:
     nats_nodes: list[Child] = field(default_factory=list)
     restarted_since_ready: bool = False  # a child was restarted: print "ready again" once it serves
     prober: LivenessProber | None = None  # started after startup (liveness_timeout_s > 0)
+    retiring: list[Child] = field(default_factory=list)  # told to drain (SIGTERM) by the planner; not restarted
+    planned_at: float = 0.0  # mtime of the planner's desired file last applied
+
+    @property
+    def desired_file(self) -> Path:
+        """Where a planner in the topology writes the instances it wants per role (services/planner)."""
+        return self.cfg.run_dir / "planner" / "desired.json"
 
     @property
     def nats_url(self) -> str:
@@ -504,6 +514,11 @@ class Supervisor:
             if "UCX_TLS" not in os.environ:
                 env["UCX_TLS"] = "tcp,self"
                 env.setdefault("UCX_NET_DEVICES", "lo")
+        if name == "planner":  # it acts through this supervisor (an operator's connector setting wins)
+            self.desired_file.parent.mkdir(parents=True, exist_ok=True)
+            env.setdefault("WINDSERVE_PLANNER_CONNECTOR", "supervisor")
+            env["WINDSERVE_PLANNER_DESIRED_FILE"] = str(self.desired_file)
+            env.setdefault("WINDSERVE_PLANNER_GATEWAYS", self.http_url)
         if name == "gateway":
             env["WINDSERVE_HTTP_HOST"] = self.cfg.http_host
             env["WINDSERVE_HTTP_PORT"] = str(self.http_port)
@@ -520,6 +535,7 @@ class Supervisor:
 
     def start_services(self) -> None:
         self.http_port = self.cfg.http_port or free_port()
+        self.desired_file.unlink(missing_ok=True)  # (an earlier run's)
         for name, replicas in self.cfg.services:
             for i in range(replicas):
                 self.children.append(self._spawn_service(name, name if replicas == 1 else f"{name}-{i}"))
@@ -582,6 +598,40 @@ class Supervisor:
                            f"{delay:.0f} s (restart {child.restarts + 1}; log {child.log_path})")
             elif now >= child.restart_at:
                 out.append(self._restart(child, now))
+        return out
+
+    # --- the planner's decisions ------------------------------------------------------------------
+
+    def apply_plan(self) -> list[str]:
+        """When the planner wrote a new desired map: start instances of a role that has too few, tell the newest
+        of one that has too many to drain (SIGTERM: it takes no new work, finishes what it holds, exits). Also
+        reaps drained instances. Lines to print."""
+        out = [f"windserve: {c.name} ({c.instance_id}) drained and exited ({describe_exit(c.popen.returncode)})"
+               for c in self.retiring if c.popen.poll() is not None]
+        self.retiring = [c for c in self.retiring if c.popen.poll() is None]
+        try:
+            mtime = self.desired_file.stat().st_mtime
+        except OSError:
+            return out
+        if mtime == self.planned_at or (desired := read_desired(self.desired_file)) is None:
+            return out
+        self.planned_at = mtime
+        for service, n in sorted(desired.items()):
+            mine = [c for c in self.children if c.service == service]
+            if not mine or n < 1:  # only roles this topology runs; never to zero
+                continue
+            for _ in range(n - len(mine)):
+                taken = {c.name for c in [*self.children, *self.retiring]}
+                label = next(f"{service}-{k}" for k in itertools.count(1) if f"{service}-{k}" not in taken)
+                child = self._spawn_service(service, label)
+                self.children.append(child)
+                out.append(f"windserve: planner: started {label} ({child.instance_id})")
+            for child in sorted(mine, key=lambda c: c.started_at)[n:]:
+                self.children.remove(child)
+                self.retiring.append(child)
+                if child.popen.poll() is None:
+                    _signal_group(child, signal.SIGTERM)
+                out.append(f"windserve: planner: draining {child.name} ({child.instance_id})")
         return out
 
     def start_liveness(self) -> None:
@@ -655,7 +705,7 @@ class Supervisor:
             self.prober.stop()
         if any(c.popen.poll() is None for c in self.children):
             print(f"windserve: services draining their requests (up to {self.cfg.drain_s:.0f} s)", flush=True)
-        _terminate(self.children, self.cfg.grace_s)
+        _terminate([*self.children, *self.retiring], self.cfg.grace_s)
         _terminate(self.nats_nodes, self.cfg.grace_s)
 
 
@@ -855,7 +905,7 @@ def run_until_stopped(sup: Supervisor, stop: StopFlag, where: str) -> None:
     last_probe = 0.0
     while not stop.requested:
         now = time.monotonic()
-        for line in [*sup.check_liveness(now), *sup.supervise(now)]:
+        for line in [*sup.check_liveness(now), *sup.supervise(now), *sup.apply_plan()]:
             print(line, flush=True)
         if sup.restarted_since_ready and now - last_probe >= 0.5:
             last_probe = now

@@ -39,7 +39,11 @@ def test_bench_passes_quick_and_the_output_paths(tmp_path: Path) -> None:
     assert command("router", False, tmp_path)[-2:] == ["--out", str(tmp_path / "router.json")]
 
 
-@pytest.mark.parametrize("name", BENCHMARKS)
+# their quick run is an e2e test of its own, which checks the same and what the run shows
+ELSEWHERE = {"planner": "tests/test_e2e_planner.py"}
+
+
+@pytest.mark.parametrize("name", [n for n in BENCHMARKS if n not in ELSEWHERE])
 def test_quick_run_writes_every_headline_key(name: str, tmp_path: Path) -> None:
     out = tmp_path / f"{name}.json"
     committed = ROOT / "bench" / "results" / f"{name}.json"

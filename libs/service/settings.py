@@ -40,6 +40,7 @@ ROLES = {
     "prefill": "services.prefill.config:PrefillConfig",
     "decode": "services.decode.config:DecodeConfig",
     "cache": "services.gcache.config:CacheConfig",
+    "planner": "services.planner.config:PlannerConfig",
 }
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 

@@ -34,6 +34,9 @@ class RequestTasks:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()  # insertion order = age (oldest dropped first)
         self._remember = remember
+        self.cut = False
+        """Set when the drain bound cancels what is left: those requests end as the worker's failure (the gateway
+        moves a started stream to a live worker) rather than as an abort."""
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._tasks
@@ -100,6 +103,7 @@ class RequestTasks:
         if not pending:
             return 0
         log.warning("cancelling requests left after the drain bound", extra={"requests": len(pending)})
+        self.cut = True
         for task in pending:
             task.cancel()
         _, stuck = await asyncio.wait(pending, timeout=cancel_wait_s)

@@ -219,8 +219,9 @@ class DecodeWorker:
                 rid, token_ids=[commit.first_token_id],
                 logprobs=[] if commit.first_logprob is None else [commit.first_logprob]))
             finished = await self._stream(msg, commit, outputs, pump)  # 6.
-        except asyncio.CancelledError:
-            await self._final_error(msg, None)
+        except asyncio.CancelledError:  # an abort; past the drain bound, the worker's failure (the stream moves)
+            await self._final_error(msg, f"decode worker {self.instance_id} stopped (drain bound reached)"
+                                    if self.tasks.cut else None, cut=self.tasks.cut)
             raise
         except Exception as exc:
             if isinstance(exc, dg.DecodeFull):
@@ -334,10 +335,10 @@ class DecodeWorker:
             if out.finished:
                 return out.finish_reason is not dg.FinishReason.ABORT
 
-    async def _final_error(self, msg: KVPrepareRequest, error: str | None) -> None:
+    async def _final_error(self, msg: KVPrepareRequest, error: str | None, cut: bool = False) -> None:
         chunk = (self._chunk(msg.request_id, finish_reason=WireFinishReason.ABORT) if error is None else
                  self._chunk(msg.request_id, finish_reason=WireFinishReason.ERROR, error=error,
-                             instance_failed=not self.engine.is_running))  # its engine died or is stuck: gone
+                             instance_failed=cut or not self.engine.is_running))  # engine died or stuck: gone
         try:
             async with asyncio.timeout(5):
                 await self.publish(msg.stream_subject, chunk)

@@ -61,7 +61,11 @@ class Generations:
                                     chunk_from_output(out, self._instance_id, len(req.token_ids), produced))
         except asyncio.CancelledError:
             # Leaving engine.generate() aborted the request in the engine (KV freed).
-            await self._send_final(req, WireFinishReason.ABORT, produced=produced)
+            if self._tasks.cut:  # stopping past the drain bound: the gateway continues the stream elsewhere
+                await self._send_final(req, WireFinishReason.ERROR, f"worker {self._instance_id} stopped (drain "
+                                       "bound reached)", produced, instance_failed=True)
+            else:
+                await self._send_final(req, WireFinishReason.ABORT, produced=produced)
         except Exception as exc:
             log.exception("generation failed", extra={"request_id": req.request_id})
             # an engine that stopped (a lost parallel rank, a crash) takes this worker down: say so, so the gateway
