@@ -9,7 +9,7 @@ PROMPT tokens (its first SHARED tokens one of 10 prefixes) and OUTPUT tokens.
 Headline keys: `sla_attainment` (share of requests whose TTFT and whose own ITL p90 are both within the targets;
 goal >= 0.95), `instance_seconds_vs_static_peak` (worker-seconds used / the most workers the run held x its
 length; goal <= 0.7), `requests_failed` (goal 0: a scale-down drains), `scale_up_reaction_s` (from the start of
-the ramp up until the first added worker is listed by the gateway), `direction_changes` (per ramp phase, goal
+the ramp up until the gateway lists more workers than then), `direction_changes` (per ramp phase, goal
 <= 1). `--quick`: a short ramp (the same code paths). Results: bench/README.md.
 """
 
@@ -43,11 +43,11 @@ PROFILE = MockProfile(fixed_s=0.015, per_token_s=0.003, per_pair_s=0.0, per_pref
                       source="bench.planner: a slow engine for the planner's ramp")
 STEP_TOKENS = 24  # the workers' token budget per step: a prefill chunk stalls the decodes beside it < 100 ms
 SLA_TTFT_S, SLA_ITL_S = 1.5, 0.1
-PROMPT, SHARED, OUTPUT, BASE, MAX_WORKERS = 256, 192, 48, 1.5, 6
+PROMPT, SHARED, OUTPUT, BASE, MAX_WORKERS = 128, 64, 48, 1.5, 6
 # (name, seconds, rate at its start, rate at its end) in multiples of BASE
 PHASES = (("base", 30, 1, 1), ("up", 60, 1, 4), ("peak", 60, 4, 4), ("down", 60, 4, 1), ("tail", 60, 1, 1))
 QUICK_PHASES = (("base", 10, 1, 1), ("up", 20, 1, 4), ("peak", 20, 4, 4), ("down", 20, 4, 1), ("tail", 30, 1, 1))
-PLANNER_ENV = {"WINDSERVE_PLANNER_INTERVAL_S": "2", "WINDSERVE_PLANNER_LEAD_S": "12",
+PLANNER_ENV = {"WINDSERVE_PLANNER_INTERVAL_S": "3", "WINDSERVE_PLANNER_LEAD_S": "9",
                "WINDSERVE_PLANNER_DOWN_AFTER": "3", "WINDSERVE_PLANNER_COOLDOWN_S": "20"}
 
 
@@ -180,7 +180,7 @@ def summarize(results: list[Result], counts: list[tuple[float, int]], phases: tu
     used = sum(a[1] * (b[0] - a[0]) for a, b in zip(counts, counts[1:], strict=False))  # worker-seconds
     peak = max((n for _, n in counts), default=1)
     up_start = next(sum(p[1] for p in phases[:i]) for i, p in enumerate(phases) if p[0] == "up")
-    first = counts[0][1] if counts else 1
+    first = next((n for t, n in counts if t >= up_start), 1)  # the workers when the ramp began
     added = next((t for t, n in counts if t >= up_start and n > first), None)
     changes: dict[str, int] = {}
     trend = [(t, b - a) for (t, a), (_, b) in zip(counts, counts[1:], strict=False) if b != a]

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -221,3 +222,20 @@ def test_the_planner_child_gets_the_supervisor_connector(tmp_path):
     assert env["WINDSERVE_PLANNER_CONNECTOR"] == "supervisor"
     assert env["WINDSERVE_PLANNER_DESIRED_FILE"] == str(sup.desired_file)
     assert env["WINDSERVE_PLANNER_GATEWAYS"] == "http://127.0.0.1:8123"
+
+
+def test_observed_misses_raise_the_models_needs_until_the_targets_hold():
+    s = settings()
+    p = Planner(s, {"worker": 1})
+    busy = RoleLoad(instances=1, waiting=3)
+    base = Observation(5.0, finished=10, prompt_tokens=2000, cached_tokens=1000, output_tokens=400,
+                       roles={"worker": busy})
+    first = p.step(base, 0.0).needed["worker"]
+    late = replace(base, itl_p90_s=0.5)
+    p.step(late, 5.0)
+    p.step(late, 10.0)
+    assert p.correction == pytest.approx(1.15 ** 2)
+    assert p.step(base, 15.0).needed["worker"] > first * 1.2  # the same load now needs more
+    for k in range(200):
+        p.step(replace(base, ttft_p90_s=0.1, itl_p90_s=0.01), 20.0 + 5 * k)
+    assert p.correction == 1.0  # eased back while the targets held

@@ -15,8 +15,9 @@ the interval). The planner
                 queueing keeps the TTFT p90 within its target (an M/M/1 tail: t_p (1 + ln 10 rho / (1 - rho)));
        worker   (prefill + decode in one process) both on one clock: rho = rate (t_p + out x step(B) / B);
      then adds one instance to a role whose observed p90 misses its target while requests wait (the model was
-     wrong: the observation wins);
-  3. applies hysteresis: up at once to what is needed; down one instance at a time, only after `down_after`
+     wrong: the observation wins) and raises a correction factor on every later need by 15% (up to 2x; it
+     eases back 1% per interval in which every target holds);
+  3. applies hysteresis: up at once to what is needed (less UP_SLACK); down one instance at a time, only after `down_after`
      intervals in a row that needed fewer (judged on the higher of the load now and ahead, plus DOWN_MARGIN) and
      `cooldown_s` after the last change up, so a ramp does not flap.
 """
@@ -32,6 +33,8 @@ ROLES = ("worker", "prefill", "decode")
 """The roles the planner sizes (an encoder, a cache node, a router or a gateway is sized by hand)."""
 LN10 = math.log(10.0)
 DOWN_MARGIN = 0.1  # a step down must leave this much more than the load needs
+UP_SLACK = 0.15  # a need this far over a whole number of instances does not add one (noise at the boundary)
+CORRECTION_UP, CORRECTION_EASE, MAX_CORRECTION = 1.15, 0.99, 2.0  # the model's calibration by observed misses
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,10 @@ class Planner:
         self.prompt, self.output, self.cached = Ewma(0.5), Ewma(0.5), Ewma(0.5)
         start = start or {}
         self.roles = {r: RoleState(max(lo, min(hi, start.get(r, lo)))) for r, (lo, hi) in settings.limits.items()}
+        self.correction = 1.0
+        """The model's needs are multiplied by this: raised each time an observed p90 missed with requests
+        waiting (the model was optimistic here: the host's own overheads, a slower device), eased back while
+        every target holds."""
 
     def predict(self, obs: Observation) -> LoadForecast:
         self.rate.update(obs.arrival_rate)
@@ -209,23 +216,26 @@ class Planner:
 
     def step(self, obs: Observation, now: float) -> Decision:
         pred = self.predict(obs)
-        need = needed(self.s, pred, obs.roles)
+        need = {r: n * self.correction for r, n in needed(self.s, pred, obs.roles).items()}
         # a step down is judged on the load now or ahead, whichever is higher, with a margin: a forecast that
         # overshot at the top of a ramp does not take an instance that the next interval wants back
         keep = replace(pred, rate=max(pred.rate, self.rate.level or 0.0) * (1 + DOWN_MARGIN))
-        need_keep = needed(self.s, keep, obs.roles)
+        need_keep = {r: n * self.correction for r, n in needed(self.s, keep, obs.roles).items()}
+        missed = False
         desired: dict[str, int] = {}
         reasons: dict[str, str] = {}
         for role, st in self.roles.items():
             lo, hi = self.s.limits[role]
-            target, why = math.ceil(need[role] - 1e-9), "model"
+            target, why = math.ceil(need[role] - UP_SLACK), "model"
             if target < st.desired:
                 target = min(st.desired, math.ceil(need_keep[role] - 1e-9))
             load = obs.roles.get(role, RoleLoad())
             late = ((role in ("worker", "prefill") and _missed(obs.ttft_p90_s, self.s.sla.ttft_p90_s))
                     or (role in ("worker", "decode") and _missed(obs.itl_p90_s, self.s.sla.itl_p90_s)))
-            if late and load.waiting > 0 and target <= st.desired:
-                target, why = st.desired + 1, "p90 over target with requests waiting"
+            if late and load.waiting > 0:
+                missed = True
+                if target <= st.desired:
+                    target, why = st.desired + 1, "p90 over target with requests waiting"
             target = max(lo, min(hi, target))
             if target > st.desired:
                 st.changes.append((now, +1))
@@ -241,6 +251,11 @@ class Planner:
             else:
                 st.below, why = 0, "hold"
             desired[role], reasons[role] = st.desired, why
+        met = not (_missed(obs.ttft_p90_s, self.s.sla.ttft_p90_s) or _missed(obs.itl_p90_s, self.s.sla.itl_p90_s))
+        if missed:
+            self.correction = min(MAX_CORRECTION, self.correction * CORRECTION_UP)
+        elif met:
+            self.correction = max(1.0, self.correction * CORRECTION_EASE)
         return Decision(now, pred, need, desired, reasons)
 
 

@@ -11,3 +11,4 @@ OBSERVED_RATE = Gauge("windserve_planner_observed_rate", "Arrival rate over the 
 STEPS = Counter("windserve_planner_steps_total", "Changes of the desired instances", ["role", "direction"])
 CONNECTOR_ERRORS = Counter("windserve_planner_connector_errors_total", "Decisions the connector failed to apply")
 SCRAPE_ERRORS = Counter("windserve_planner_scrape_errors_total", "Gateway /metrics reads that failed")
+CORRECTION = Gauge("windserve_planner_correction", "Factor on the model's needs, raised by observed SLA misses")

@@ -94,6 +94,7 @@ class PlannerService(Service):
         decision = self.last = self.planner.step(obs, now)
         metrics.OBSERVED_RATE.set(obs.arrival_rate)
         metrics.PREDICTED_RATE.set(decision.prediction.rate)
+        metrics.CORRECTION.set(self.planner.correction)
         for role, n in decision.desired.items():
             metrics.DESIRED.labels(role).set(n)
             metrics.ACTUAL.labels(role).set(obs.roles[role].instances if role in obs.roles else 0)
