@@ -366,6 +366,13 @@ async def test_decode_early_abort_admits_nothing_and_refuses_kv_prepare(bus, nat
 DRAIN = dict(drain_timeout_s=0.5)
 
 
+def assert_cut_by_the_drain_bound(final: TokenChunk) -> None:
+    """A worker or decode worker's stream cut at the drain bound ends as the worker's failure, so the gateway moves
+    it to a live worker (a prefill worker's held request ends as an abort: it has sent no token)."""
+    assert final.finish_reason is WireFinishReason.ERROR and final.instance_failed, final
+    assert "drain bound reached" in (final.error or ""), final
+
+
 @pytest.mark.integration
 async def test_worker_stop_cancels_a_long_request_after_the_drain_bound(bus, nats_url):
     svc = await started(WorkerService(service_config(WorkerConfig, nats_url, **DRAIN)))
@@ -375,7 +382,7 @@ async def test_worker_stop_cancels_a_long_request_after_the_drain_bound(bus, nat
     assert ack.status is AckStatus.ACCEPTED
     await reader.next()  # it runs
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
+    assert_cut_by_the_drain_bound(await reader.final())
     assert len(svc.tasks) == 0
     await assert_engine_at_baseline(svc)
 
@@ -404,7 +411,7 @@ async def test_decode_stop_cancels_a_request_waiting_for_its_kv_after_the_drain_
     reply = await ask_prepare(bus, svc, prepare_request(ns, "waits", prompt(8, 30), 8))
     assert reply.address  # admitted: pages reserved for KV that never comes (nothing is published before kv_commit)
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
+    assert_cut_by_the_drain_bound(await reader.final())
     assert len(svc.worker.tasks) == 0
     await assert_engine_at_baseline(svc)
 
@@ -421,7 +428,7 @@ async def test_decode_answers_kv_prepare_with_its_advertised_address_when_bindin
     reply = await ask_prepare(bus, svc, prepare_request(ns, "where", prompt(9, 30), 8))
     assert "0.0.0.0" not in reply.address and reply.address == svc.address
     await asyncio.wait_for(svc.stop(), 15)
-    assert (await reader.final()).finish_reason is WireFinishReason.ABORT
+    assert_cut_by_the_drain_bound(await reader.final())
     await assert_engine_at_baseline(svc)
 
 

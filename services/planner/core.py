@@ -17,9 +17,9 @@ the interval). The planner
      then adds one instance to a role whose observed p90 misses its target while requests wait (the model was
      wrong: the observation wins) and raises a correction factor on every later need by 15% (up to 2x; it
      eases back 1% per interval in which every target holds);
-  3. applies hysteresis: up at once to what is needed (less UP_SLACK); down one instance at a time, only after `down_after`
-     intervals in a row that needed fewer (judged on the higher of the load now and ahead, plus DOWN_MARGIN) and
-     `cooldown_s` after the last change up, so a ramp does not flap.
+  3. applies hysteresis: up at once to what is needed (less UP_SLACK); down one instance at a time, only after
+     `down_after` intervals in a row that needed fewer (judged on the higher of the load now and ahead, plus
+     DOWN_MARGIN) and `cooldown_s` after the last change up, so a ramp does not flap.
 """
 
 from __future__ import annotations
