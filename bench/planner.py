@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -199,7 +199,7 @@ def summarize(results: list[Result], counts: list[tuple[float, int]], phases: tu
         "itl_met_share": round(sum(r.ok and r.itl_p90_s <= SLA_ITL_S for r in results) / max(1, len(results)), 4),
         "sla": {"ttft_p90_s": SLA_TTFT_S, "itl_p90_s": SLA_ITL_S}, "errors": [r.error for r in failed][:10],
         "phases": [list(p) for p in phases], "base_rate": BASE, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
-        "profile": {k: v for k, v in PROFILE.__dict__.items()}, "planner": PLANNER_ENV,
+        "profile": asdict(PROFILE), "planner": PLANNER_ENV,
     }
 
 

@@ -89,7 +89,7 @@ def plot(samples: list[tuple], profile: MockProfile, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 5))
-    pred = [_predict(profile, s) * 1e3 for s in samples]
+    pred = [profile.predict(*s[:3]) * 1e3 for s in samples]
     meas = [s[3] * 1e3 for s in samples]
     ax.scatter(meas, pred, s=8, c=["tab:red" if s[2] else "tab:blue" for s in samples])
     top = max(meas + pred)
@@ -100,10 +100,6 @@ def plot(samples: list[tuple], profile: MockProfile, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _predict(p: MockProfile, s: tuple) -> float:
-    return p.fixed_s + p.per_token_s * s[0] + p.per_pair_s * s[1] + p.per_prefill_seq_s * s[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = MockProfile(**terms, source=f"bench.profile: {model} on {args.device}, "
                                           f"{'compiled' if compile_ else 'eager'}, {len(samples)} steps, "
                                           f"{time.strftime('%Y-%m-%d')}")
-    errors = [abs(_predict(profile, s) - s[3]) / s[3] for s in samples]
+    errors = [abs(profile.predict(*s[:3]) - s[3]) / s[3] for s in samples]
     out = args.out or (QUICK_RESULTS if args.quick else RESULTS) / "profile.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"median_rel_error": round(statistics.median(errors), 4), "steps": len(samples),

@@ -36,8 +36,12 @@ class MockProfile:
                 raise ValueError(f"MockProfile.{name} must be >= 0, got {getattr(self, name)}")
 
     def step_s(self, plan: BatchPlan) -> float:
+        return self.predict(plan.num_tokens, plan.attn_pairs, plan.num_prefill_seqs)
+
+    def predict(self, tokens: float, pairs: float, prefill_seqs: float = 0) -> float:
+        """A step's seconds from its features (new tokens, attention pairs, prefill chunks)."""
         return CostFit(self.fixed_s, self.per_token_s, self.per_pair_s, self.per_prefill_seq_s).predict(
-            plan.num_tokens, plan.attn_pairs, plan.num_prefill_seqs)
+            tokens, pairs, prefill_seqs)
 
     @classmethod
     def load(cls, name_or_path: str = "") -> MockProfile:

@@ -26,7 +26,7 @@ class CostFit:
     per_pair: float
     per_seq: float = 0.0
 
-    def predict(self, tokens: int, pairs: int, seqs: int = 0) -> float:
+    def predict(self, tokens: float, pairs: float, seqs: float = 0) -> float:
         return self.fixed + self.per_token * tokens + self.per_pair * pairs + self.per_seq * seqs
 
     def chunk_cost(self, n: int, prefix: int) -> float:

@@ -129,12 +129,12 @@ class Ewma:
 
 def decode_step_s(p: MockProfile, batch: int, context: float) -> float:
     """One decode step of `batch` sequences of `context` keys each."""
-    return p.fixed_s + batch * (p.per_token_s + p.per_pair_s * context)
+    return p.predict(batch, batch * context)
 
 
 def prefill_s(p: MockProfile, uncached: float, cached: float) -> float:
     """One request's prefill: its uncached tokens, attending to the cached ones and to each other."""
-    return p.fixed_s + p.per_prefill_seq_s + uncached * (p.per_token_s + p.per_pair_s * (cached + uncached / 2))
+    return p.predict(uncached, uncached * (cached + uncached / 2), 1)
 
 
 def decode_batch(s: PlannerSettings, context: float, units_per_seq: float | None, units_total: float) -> int:
