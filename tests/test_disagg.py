@@ -216,6 +216,24 @@ async def test_follow_up_turn_hits_on_decode_and_ships_less(tiny):
     assert bytes2 < bytes1  # longer prompt, fewer bytes: only pages after the decode-side hit travel
 
 
+async def test_decode_keeps_no_checkpoint_over_swa_pages_prefill_never_shipped(tiny):
+    """Prefill ships a prompt's SWA KV for its last window only; a decode-side checkpoint reaching below it
+    (a page-aligned prompt's PROMPT_END, a migrated stream's earlier ends) would cache pages never written.
+    The decode pools start as noise, so such a page read by a later hit changes the tokens: a request sharing
+    the first 36 of a 40-token prompt must equal full recompute."""
+    model, cfg, _ = tiny
+    first = prompt(40, 40)  # page-aligned: its last window is pages 6..9; PROMPT_END (36) needs page 5 too
+    second = first[:36] + prompt(41, 1)
+    async with Pipeline(tiny, ucx_config()) as pipe:
+        kv = pipe.decode_engine.core.runner.kv
+        for t in (kv.arena.k, kv.arena.v) if kv.arena is not None else (kv.swa_k, kv.swa_v, kv.full_k, kv.full_v):
+            t.normal_(0, 30.0)
+        await pipe.generate("first", first, 4)
+        out = tokens_of(await pipe.generate("second", second, 6))
+        await pipe.assert_no_kv_in_use()
+    assert out == direct_greedy(model, cfg, second, 6, page_size=PAGE)
+
+
 async def test_branch_far_past_a_checkpoint_rebuilds_on_prefill_not_on_decode(tiny):
     """Both sides cache a long prompt; a request branching deep inside it (no checkpoint there) gets a window
     rebuild on prefill, while decode takes only a valid hit (the KV it receives lands in its own pages, never

@@ -226,6 +226,28 @@ def test_prompt_end_checkpoint_serves_an_exact_repeat_of_a_page_aligned_prompt()
     assert hits == {"checkpoints": 36, "none": 0}
 
 
+@pytest.mark.parametrize("retention", ["checkpoints", "all"])
+def test_no_checkpoint_is_kept_over_swa_kv_below_swa_from(retention: str) -> None:
+    """A disaggregated decode worker receives a prompt's SWA KV for its last window only (`swa_from`): the
+    40-token prompt's PROMPT_END checkpoint (36) would need page 7, never written, so a repeat must not hit
+    there; with every page written it does."""
+    prompt = list(range(40))
+    hits = {}
+    for swa_from in (0, 32):
+        c = KVCache(cfg(retention=retention))
+        assert c.admit("remote", prompt, c.match(prompt), 6, swa_from=swa_from).ok
+        assert c.reserve("remote", 40)
+        c.commit("remote", 40, [1])
+        c.finish("remote")
+        c.check_invariants()
+        hit = c.match(prompt)
+        hits[swa_from] = hit.tokens
+        c.release_hit(hit)
+    assert hits == {0: 36, 32: 0}
+    with pytest.raises(ValueError, match="page aligned"):
+        KVCache(cfg()).admit("x", prompt, KVCache(cfg()).match(prompt), 6, swa_from=30)
+
+
 def test_whole_sequence_reuse_hits_prompt_plus_output() -> None:
     o = Oracle(KVCache(audit_tokens=True, config=cfg()))
     serve(o, "t1", list(range(21)), max_new=8)

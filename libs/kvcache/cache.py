@@ -109,13 +109,15 @@ class KVCache:
         self.index.release_hit(hit)
 
     def admit(self, seq_id: str, tokens: Sequence[int], hit: PrefixHit, max_new_tokens: int,
-              block_hashes: Sequence[int] | None = None) -> AdmitResult:
+              block_hashes: Sequence[int] | None = None, swa_from: int = 0) -> AdmitResult:
         """Admit if both pools can hold the prompt plus `max_new_tokens` of decode (after evicting unlocked
         cache). Takes over the hit's locks on success; releases them on failure (match again later).
 
         `block_hashes`: the prompt's hash chain if the caller already has it (the gateway computes it with the
-        same function and seed); the cache then hashes only pages it has not been given."""
-        return self.sequences.admit(seq_id, tokens, hit, max_new_tokens, block_hashes)
+        same function and seed); the cache then hashes only pages it has not been given.
+        `swa_from` (page aligned): SWA KV of the prompt below this token is never written (a disaggregated
+        decode worker receives the last window only), so no checkpoint whose window reaches below it is kept."""
+        return self.sequences.admit(seq_id, tokens, hit, max_new_tokens, block_hashes, swa_from)
 
     # ------------------------------------------------------------------ the running sequence
 

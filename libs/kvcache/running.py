@@ -19,6 +19,7 @@ from libs.kvcache.retention import (
     POLICIES,
     SPECULATIVE,
     RetentionContext,
+    RetentionPlan,
     ReuseStats,
     kept_pages,
     plan_from,
@@ -53,7 +54,7 @@ class Running:
     # ------------------------------------------------------------------ admission
 
     def admit(self, seq_id: str, tokens: Sequence[int], hit: PrefixHit, max_new_tokens: int,
-              block_hashes: Sequence[int] | None) -> AdmitResult:
+              block_hashes: Sequence[int] | None, swa_from: int = 0) -> AdmitResult:
         """See `KVCache.admit`."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already running")
@@ -66,7 +67,9 @@ class Running:
                 hit.tokens > hit.full_tokens):
             raise ValueError(f"admit {seq_id!r}: hit of {hit.tokens} tokens (full KV {hit.full_tokens}) does not "
                              f"fit a {len(tokens)}-token prompt")
-        seq = self._new_seq(seq_id, list(tokens), hit, entry[0] if entry else None, max_new_tokens)
+        if swa_from % self.P:
+            raise ValueError(f"admit {seq_id!r}: swa_from={swa_from} is not page aligned")
+        seq = self._new_seq(seq_id, list(tokens), hit, entry[0] if entry else None, max_new_tokens, swa_from)
         short = self._ledger.shortfall(seq.full_cap, seq.swa_cap)
         if short is not None:
             if entry:
@@ -89,9 +92,10 @@ class Running:
         return AdmitResult(True, "", seq.full_cap, seq.swa_cap)
 
     def _new_seq(self, seq_id: str, tokens: list[int], hit: PrefixHit, node: Node | None,
-                 max_new: int) -> SeqAllocation:
+                 max_new: int, swa_from: int) -> SeqAllocation:
         """The sequence view of an admission. Full pages: the hit's tree pages [0, full_tokens), private after.
-        SWA pages: its own from `hit.tokens` on (a rebuild hit reads none of the tree's)."""
+        SWA pages: its own from `hit.tokens` on (a rebuild hit reads none of the tree's); checkpoints only where
+        their whole window is written (from `swa_from` on)."""
         hp = hit.full_tokens // self.P
         sf = hit.tokens // self.P
         ctx = RetentionContext(len(tokens), len(tokens) + max_new, hit.tokens, hit.raw_tokens, self.P,
@@ -99,6 +103,8 @@ class Running:
         plan = self._policy(ctx)
         if sf < hp:  # rebuild: a checkpoint inside the span would hold scratch SWA KV
             plan = plan_from(plan, hit.full_tokens)
+        if swa_from > hit.tokens:  # a checkpoint's window's first page must be written: X / page - wp >= swa_from
+            plan = plan_from(RetentionPlan(False, plan.checkpoints, plan.kinds), swa_from + self.wp * self.P)
         keep = kept_pages(plan, self.P, self.wp, sf)
         total = -(-(len(tokens) + max_new) // self.P)
         full_cap = total - hp

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.engine.core import EngineCore, EngineLoad
+from libs.engine.disagg.plan import plan_shipment
 from libs.engine.mtp import FirstDrafts
 from libs.engine.plan import BatchPlan
 from libs.engine.request import AdmittedHit, FinishReason, Request, SamplingParams
@@ -120,7 +121,9 @@ class DisaggEngineCore(EngineCore):
         growth = req.params.max_tokens - len(req.resumed)
         if self.config.scheduler.admission_decode_tokens is not None:
             growth = min(growth, self.config.scheduler.admission_decode_tokens)
-        result = cache.admit(req.req_id, prompt, hit, growth)
+        # the SWA KV that arrives: the last window only (checkpoints below it would cache pages never written)
+        swa_from = plan_shipment(len(prompt), cache.cfg.page_size, cache.cfg.window, hit.tokens).swa_pages[0]
+        result = cache.admit(req.req_id, prompt, hit, growth, swa_from=swa_from * cache.cfg.page_size)
         if not result.ok:
             raise DecodeFull(f"request {req.req_id!r}: no KV room on this decode worker: {result.reason}")
         if not cache.reserve(req.req_id, len(prompt) - hit.tokens):
