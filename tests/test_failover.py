@@ -6,6 +6,7 @@ The same paths on real processes: tests/test_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import tempfile
 
 import pytest
@@ -522,6 +523,36 @@ async def test_request_sent_while_nats_restarts_is_served_once_it_is_back():
         chunks = await asyncio.wait_for(task, 30)
         assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4]
         assert worker.requests == ["req-back"] and metrics.CONTROL_PLANE_WAITS._value.get() > waits
+    finally:
+        nats.stop()
+        await bus.close()
+
+
+async def test_a_hung_nats_node_at_subscribe_is_waited_out_within_the_reconnect_bound():
+    """The gateway's NATS node hangs (SIGSTOP, as bench.chaos stops one) as a request subscribes to its stream:
+    the subscription's flush times out (2 s); the request subscribes again and is served once the node is back
+    (within reconnect_bound_s), instead of failing with FlushTimeoutError."""
+    nats = start_nats_server(tempfile.mkdtemp(prefix="fo-nats-"))
+    bus = await Bus.connect(nats.url, name="fo", timeout=5.0)
+    try:
+        worker = await FakeWorker(bus, "w-ok").start()
+        b = backend(bus, [entry("w-ok")], reconnect_bound_s=20.0)
+        waits = metrics.CONTROL_PLANE_WAITS._value.get()
+        subscribe, resumed = bus.subscribe, []
+
+        async def hang_then_subscribe(*args, **kw):  # the node hangs at the first subscribe, for 3 s
+            if not resumed:
+                nats.proc.send_signal(signal.SIGSTOP)
+                resumed.append(asyncio.get_running_loop().call_later(3.0, nats.proc.send_signal, signal.SIGCONT))
+            return await subscribe(*args, **kw)
+
+        bus.subscribe = hang_then_subscribe
+        try:
+            chunks = await asyncio.wait_for(run(b, "req-hung"), 30)
+        finally:
+            nats.proc.send_signal(signal.SIGCONT)
+        assert [t for c in chunks for t in c.token_ids] == [1, 2, 3, 4] and worker.requests == ["req-hung"]
+        assert metrics.CONTROL_PLANE_WAITS._value.get() > waits
     finally:
         nats.stop()
         await bus.close()

@@ -397,7 +397,12 @@ class Bus:
     async def subscribe(self, subject: str, model: type[Req], queue: str | None = None) -> TypedSubscription[Req]:
         """Subscribe and iterate decoded messages; malformed ones are logged and skipped."""
         sub = await self._nc.subscribe(subject, queue=queue or "")
-        await self.flush()  # no message published after subscribe() returns can be missed
+        try:
+            await self.flush()  # no message published after subscribe() returns can be missed
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # (the caller never gets it: it would deliver into nothing)
+            raise
         return TypedSubscription(self, sub, model)
 
     async def flush(self, timeout: float = 2.0) -> None:

@@ -308,6 +308,23 @@ class NatsBackend:
                 metrics.CONTROL_PLANE_WAITS.inc()
                 log.info("NATS reachable again: routing the request again", extra={"request_id": request_id})
 
+    async def _subscribe(self, stream: str, request_id: str):
+        """The attempt's stream subscription. A failure (the NATS node of this gateway's client hangs, so the
+        subscription's flush times out, or the client is reconnecting) is tried again within `reconnect_bound_s`:
+        nothing was sent to a worker yet, and the client leaves a hung node within its ping bound."""
+        deadline: float | None = None
+        while True:
+            try:
+                return await self._bus.subscribe(stream, TokenChunk)
+            except Exception as exc:
+                deadline = deadline or time.monotonic() + self.config.reconnect_bound_s
+                if time.monotonic() >= deadline or not await self._reconnected(deadline):
+                    raise (self._control_plane("subscribing to the stream", exc)
+                           or self.unavailable(f"subscribing to the stream failed: {exc!r}")) from exc
+                metrics.CONTROL_PLANE_WAITS.inc()
+                log.info("subscribing to the stream again", extra={"request_id": request_id, "error": repr(exc)})
+                await asyncio.sleep(_RECONNECT_POLL_S)
+
     async def _reconnected(self, deadline: float) -> bool:
         """Whether the bus is connected by `deadline` (looked at every `_RECONNECT_POLL_S`)."""
         while not self._bus.is_connected:
@@ -517,10 +534,7 @@ class NatsBackend:
         route = await self._route_reachable(attempt_id, [*token_ids, *resume], avoid, [i.mm_hash for i in mm_items])
         resume = list(resume)  # (the caller extends its list while this attempt streams)
         stream = subjects.stream(self.namespace, attempt_id)
-        try:
-            sub = await self._bus.subscribe(stream, TokenChunk)
-        except Exception as exc:
-            raise self._control_plane("subscribing to the stream", exc) or self.unavailable(repr(exc)) from exc
+        sub = await self._subscribe(stream, attempt_id)
         finished = sent = False
         try:
             await self._submit(route, attempt_id, token_ids, sampling, stream, mm_items, resume)

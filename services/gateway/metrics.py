@@ -26,9 +26,9 @@ REASKS = Counter("windserve_gateway_unreachable_reasks_total",
                  "Attempts sent again to a listed instance that had no responders, because nothing else could take "
                  "the request (within unreachable_grace_s: its client may be moving to another NATS node)")
 CONTROL_PLANE_WAITS = Counter("windserve_gateway_control_plane_waits_total",
-                              "Requests routed again after waiting for NATS to be reachable (this gateway's client "
-                              "reconnecting, within reconnect_bound_s) instead of failing with "
-                              "control_plane_unavailable")
+                              "Requests routed or subscribed again after waiting for NATS to be reachable (this "
+                              "gateway's client reconnecting or its node hung, within reconnect_bound_s) instead of "
+                              "failing with control_plane_unavailable")
 ROUTE_RETRIES = Counter("windserve_gateway_route_retries_total",
                         "Route requests asked again of another router (one did not answer within route_try_timeout_s, "
                         "was gone, or refused it)")
