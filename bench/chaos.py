@@ -119,7 +119,7 @@ async def send(client: httpx.AsyncClient, url: str, kind: str, body: dict) -> An
                 last, first = now, first or now
                 event = json.loads(line[6:])
                 if "error" in event:
-                    out.error, out.broken = json.dumps(event["error"])[:300], True
+                    out.error, out.broken = json.dumps(event["error"])[:1000], True
                     return out
                 for choice in event.get("choices", ()):
                     out.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
@@ -255,20 +255,25 @@ async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: 
     timing = {"WINDSERVE_REGISTRY_TTL_S": "5", "WINDSERVE_HEARTBEAT_INTERVAL_S": "1.0",
               "WINDSERVE_LIVENESS_INTERVAL_S": "1.0", "WINDSERVE_LOAD_INTERVAL_S": "0.5"}
     dep = deployment(sup.nats_url, logs, {"WINDSERVE_NATS_REPLICAS": "3", **timing})
+    marks = [("start", time.monotonic())]  # the run's phases, for `phases_s`
     try:
-        dep.start_all(TOPOLOGY, ROLE_ENV, timeout=300)  # (cold compile caches: 4 engines compile on 2 cores)
+        dep.start_all(TOPOLOGY, ROLE_ENV, timeout=300)
+        marks.append(("startup", time.monotonic()))  # (cold compile caches: 4 engines compile on 2 cores)
         async with httpx.AsyncClient(timeout=30) as client:
             moved_before = await migrations(client, dep.url)
             prefix_before = await migrated_prefix(client, dep.url)
         until = time.monotonic() + duration_s
         injector = Injector(dep, sup, until, interval_s, random.Random(seed))
         answers, _ = await asyncio.gather(load(dep.url, clients, until, seed), injector.run())
+        marks.append(("load", time.monotonic()))
         injector.restart_crashed()
         await until_ready(dep)  # (the rerun needs the whole deployment: a fault that did not heal is in `faults`)
+        marks.append(("heal", time.monotonic()))
         async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
             moved = await migrations(client, dep.url) - moved_before
             prefix, loaded = (b - a for a, b in zip(prefix_before, await migrated_prefix(client, dep.url), strict=True))
             mismatches = await rerun(client, dep.url, answers, clients)
+        marks.append(("rerun", time.monotonic()))
         injector.restart_crashed()  # (one that crashed during the rerun: its pools are new, the others are read)
         await until_ready(dep)
         workers = [i for i in dep.procs if i.rsplit("-", 1)[0] in ("prefill", "decode")]
@@ -276,6 +281,7 @@ async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: 
         leaked = sum(int(d.get("kv_full_used", 0)) + int(d.get("kv_swa_used", 0)) for d in details.values())
     finally:
         dep.stop()
+    marks.append(("settle_and_stop", time.monotonic()))
     gaps = sorted(a.max_gap_s for a in answers if a.ok or a.broken)
     failed = [a for a in answers if not a.ok]
     return {
@@ -290,6 +296,7 @@ async def _soak(sup: Supervisor, duration_s: float, interval_s: float, clients: 
         "mismatches": mismatches[:10],
         "by_kind": {k: sum(a.kind == k for a in answers) for k in ("short", "long", "json", "image")},
         "median_stall_s": round(statistics.median(gaps), 3) if gaps else None,
+        "phases_s": {name: round(t - marks[i][1], 1) for i, (name, t) in enumerate(marks[1:])},
     }
 
 
